@@ -1,0 +1,1 @@
+"""kvbus kvbus stage."""

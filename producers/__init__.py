@@ -1,0 +1,1 @@
+"""kvbus producers stage."""

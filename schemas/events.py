@@ -1,0 +1,216 @@
+"""The normalized KV-cache event model shared by every kvbus stage.
+
+Engines (vLLM 0.9 -> 0.33, SGLang 0.5.x, LMCache inside vLLM) send many wire
+layouts; producers decode them all into these structs, which mirror the Avro
+schemas in ``schemas/avro`` field for field (``schemas.avro`` converts).
+
+Normalization rules (see ``shared/docs/kv-events-protocol.md``):
+- block hashes are 8 bytes big-endian (:func:`canonical_hash`); a full digest
+  the engine sent as bytes is kept in ``block_digests``;
+- ``medium`` is upper-cased, unknown values kept;
+- ``extra_keys`` is carried losslessly as msgpack bytes.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+HASH_MASK = (1 << 64) - 1
+
+#: Medium values vLLM and SGLang publish (after upper-casing). Others are kept as sent.
+KNOWN_MEDIUMS = ("GPU", "CPU", "STORAGE", "FS", "OBJ", "CPU_PINNED", "DISK", "EXTERNAL")
+
+
+def canonical_hash(value: int | bytes) -> bytes:
+    """Map any engine block hash to kvbus's canonical 8-byte big-endian form.
+
+    ``int``: unsigned vLLM values as is, signed SGLang values by their
+    two's-complement bit pattern. ``bytes``: a raw digest, its last 8 bytes
+    (what vLLM publishes as an int when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
+    """
+    if isinstance(value, int):
+        return (value & HASH_MASK).to_bytes(8, "big")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        if len(raw) >= 8:
+            return raw[-8:]
+        return raw.rjust(8, b"\0")
+    raise TypeError(f"block hash must be int or bytes, got {type(value).__name__}")
+
+
+def hash_to_int(h: bytes) -> int:
+    """The canonical hash as the unsigned 64-bit integer vLLM publishes by default."""
+    return int.from_bytes(h, "big")
+
+
+def normalize_medium(medium: str | None) -> str | None:
+    """Upper-case a medium name; None stays None, unknown names are kept."""
+    return medium.upper() if isinstance(medium, str) else medium
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """A run of consecutive full blocks is now cached. Fields: see ``kvbus.BlockStored.avsc``."""
+
+    block_hashes: list[bytes]
+    """Canonical 8-byte hashes of consecutive full blocks, oldest first."""
+    parent_block_hash: bytes | None = None
+    """Hash of the block before ``block_hashes[0]``; None at the start of a prefix."""
+    token_ids: list[int] = []
+    """``len(block_hashes) * block_size`` tokens; [] in placeholder events or with token_id_pairs."""
+    block_size: int = 0
+    """Tokens per block of the emitting KV group; 0 in placeholder events."""
+    lora_id: int | None = None
+    """LoRA adapter id; None without LoRA."""
+    medium: str | None = None
+    """GPU, CPU, STORAGE, FS, OBJ, CPU_PINNED, DISK, EXTERNAL or any other upper-cased value; None if unsaid."""
+    lora_name: str | None = None
+    """LoRA adapter name; None without LoRA. Not part of the event identity."""
+    extra_keys: bytes | None = None
+    """msgpack encoding of the engine's per-block extra keys; None when absent."""
+    group_idx: int | None = None
+    """KV-cache group index (hybrid models); None when not sent."""
+    kv_cache_spec_kind: str | None = None
+    """Attention kind of the group (full_attention, sliding_window, mamba, ...); None when not sent."""
+    kv_cache_spec_sliding_window: int | None = None
+    """Window size of sliding-window groups; None otherwise."""
+    locality: str | None = None
+    """LOCAL or REMOTE relative to the publisher; None = unspecified."""
+    ownership: str | None = None
+    """Secondary offloading tier that holds the blocks (e.g. "kvcr"); None = the framework's own cache."""
+    session_id: str | None = None
+    """Request/session that triggered the report; attribution only."""
+    lookahead_token_ids: list[list[int]] | None = None
+    """Per block, lookahead tokens that were part of its hash; None when unused."""
+    cache_salt: str | None = None
+    """SGLang cache salt; None when absent."""
+    token_id_pairs: list[list[int]] | None = None
+    """SGLang EAGLE bigram token pairs; None otherwise."""
+    block_digests: list[bytes] | None = None
+    """Full digests when the engine sent bytes hashes; None when it sent ints."""
+    parent_block_digest: bytes | None = None
+    """Full digest of the parent when the engine sent bytes; None otherwise."""
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """Blocks were evicted from the given medium. Fields: see ``kvbus.BlockRemoved.avsc``."""
+
+    block_hashes: list[bytes]
+    """Canonical 8-byte hashes of the evicted blocks."""
+    medium: str | None = None
+    """Medium the blocks left (upper-cased); None when unsaid."""
+    group_idx: int | None = None
+    """KV-cache group; None when not sent."""
+    locality: str | None = None
+    """LOCAL or REMOTE; None = unspecified."""
+    ownership: str | None = None
+    """Secondary tier the blocks left; None = the framework's own cache."""
+    block_digests: list[bytes] | None = None
+    """Full digests when the engine sent bytes; None otherwise."""
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True):
+    """The engine's whole prefix cache was reset."""
+
+
+class Reset(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """kvbus reset marker: drop everything known about this (replica, dp_rank)."""
+
+    reason: str
+    """engine-restart, gap-unrecoverable or bridge-start."""
+    missing_from: int | None = None
+    """First lost sequence number for a gap; None otherwise."""
+    missing_to: int | None = None
+    """Last lost sequence number (inclusive) for a gap; None otherwise."""
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared, Reset]
+"""Any event kvbus carries."""
+
+EVENT_TYPES: tuple[type, ...] = (BlockStored, BlockRemoved, AllBlocksCleared, Reset)
+
+
+class EventBatch(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One engine batch as a bridge received it (topic ``kvbus.raw``)."""
+
+    replica: str
+    """Engine replica id, unique in the fleet."""
+    seq: int
+    """Publisher sequence number (per dp_rank, from 0); -1 for kvbus-synthesised batches."""
+    ts: float
+    """Engine wall-clock time of the batch, epoch seconds."""
+    events: list[Event]
+    """Events in emission order."""
+    dp_rank: int = 0
+    """Data-parallel rank (0 when DP is off)."""
+    worker_rank: int = 0
+    """Tensor-parallel worker that reported it, 0..workers-1."""
+    workers: int = 1
+    """Workers that each report the same events; 1 = no aggregation needed."""
+    engine: str = "vllm"
+    """Wire format decoded: vllm, sglang, kvbus."""
+    epoch: int = 0
+    """Publisher run id (ms timestamp when kvbus first saw this sequence stream)."""
+    topic: str = ""
+    """ZMQ topic frame."""
+
+
+class BlockEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One consolidated event (topics ``kvbus.blocks`` and ``kvbus.blocks.<ownership>``).
+
+    ``(epoch, seq, index)`` is its position: it only grows per (replica, dp_rank).
+    """
+
+    replica: str
+    """Engine replica id."""
+    epoch: int
+    """Publisher run id."""
+    seq: int
+    """Sequence number of the batch that carried the event."""
+    index: int
+    """Index of the event in its batch."""
+    ts: float
+    """Engine wall-clock time, epoch seconds."""
+    event: Event
+    """The event."""
+    dp_rank: int = 0
+    """Data-parallel rank."""
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """(epoch, seq, index): compare to tell a redelivered event from a new one."""
+        return (self.epoch, self.seq, self.index)
+
+
+class Incomplete(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """An event not every worker reported within the window (topic ``kvbus.incomplete``)."""
+
+    replica: str
+    epoch: int
+    seq: int
+    index: int
+    workers: int
+    reported: list[int]
+    missing: list[int]
+    event: Event
+    dp_rank: int = 0
+
+
+class DeadLetter(msgspec.Struct, kw_only=True):
+    """Input a stage could not process (topic ``kvbus.dlq``)."""
+
+    stage: str
+    """bridge, streams or sink."""
+    source: str
+    """ZMQ endpoint, or topic[partition]@offset."""
+    reason: str
+    """Exception type and message."""
+    payload: list[bytes]
+    """Raw frames / record value."""
+    ts: float
+    """When it was rejected, epoch seconds."""
+
+
+def holder_key(replica: str, dp_rank: int) -> str:
+    """Kafka key and display name of a (replica, dp_rank): ``"<replica>#<dp_rank>"``."""
+    return f"{replica}#{dp_rank}"

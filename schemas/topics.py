@@ -1,0 +1,56 @@
+"""Default topic names and the naming rule of per-tier topics.
+
+| topic | content | key |
+|---|---|---|
+| ``kvbus.raw`` | EventBatch as bridges produce them | ``<replica>#<dp_rank>`` |
+| ``kvbus.blocks`` | consolidated BlockEvent, framework-owned (ownership null) | same |
+| ``kvbus.blocks.<ownership>`` | consolidated BlockEvent of one secondary tier | same |
+| ``kvbus.incomplete`` | Incomplete: events not all workers reported in time | same |
+| ``kvbus.dlq`` | DeadLetter: input a stage rejected | source |
+
+Each name can be overridden by ``KVBUS_TOPIC_RAW``, ``KVBUS_TOPIC_BLOCKS``,
+``KVBUS_TOPIC_INCOMPLETE``, ``KVBUS_TOPIC_DLQ``.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+_ILLEGAL = re.compile(r"[^a-zA-Z0-9._-]")
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topic names one deployment uses."""
+
+    raw: str = "kvbus.raw"
+    """Engine batches as produced by bridges."""
+    blocks: str = "kvbus.blocks"
+    """Consolidated framework-owned events; tier topics are ``<blocks>.<ownership>``."""
+    incomplete: str = "kvbus.incomplete"
+    """Events that not every worker reported within the window."""
+    dlq: str = "kvbus.dlq"
+    """Dead letters of every stage."""
+
+    @classmethod
+    def from_env(cls) -> "Topics":
+        """Defaults overridden by KVBUS_TOPIC_* variables."""
+        env = os.environ
+        return cls(
+            raw=env.get("KVBUS_TOPIC_RAW", cls.raw),
+            blocks=env.get("KVBUS_TOPIC_BLOCKS", cls.blocks),
+            incomplete=env.get("KVBUS_TOPIC_INCOMPLETE", cls.incomplete),
+            dlq=env.get("KVBUS_TOPIC_DLQ", cls.dlq),
+        )
+
+    def for_ownership(self, ownership: str | None) -> str:
+        """Topic of consolidated events of a tier: ``blocks`` for None, else ``blocks.<ownership>``
+        with characters Kafka does not allow replaced by ``_``."""
+        if ownership is None:
+            return self.blocks
+        return f"{self.blocks}.{_ILLEGAL.sub('_', ownership)}"
+
+    def blocks_pattern(self) -> str:
+        """Regex subscription (librdkafka ``^`` form) matching the framework and all tier topics."""
+        return "^" + re.escape(self.blocks) + r"(\..+)?$"

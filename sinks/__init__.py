@@ -1,0 +1,1 @@
+"""kvbus sinks stage."""

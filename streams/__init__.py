@@ -1,0 +1,1 @@
+"""kvbus streams stage."""
