@@ -75,6 +75,9 @@ def event_from_avro(value: Any) -> Event:
     """An event from a fastavro union value: ``(name, dict)`` (return_record_name) or a bare dict."""
     if isinstance(value, tuple):
         name, fields = value
+        # return_record_name also wraps named non-record union branches
+        # (parent_block_hash: ["null", "kvbus.BlockHash"]) as (name, value): unwrap them
+        fields = {k: v[1] if isinstance(v, tuple) else v for k, v in fields.items()}
         return _EVENT_BY_NAME[name](**fields)
     if isinstance(value, dict):  # read without return_record_name: tell by fields
         if "reason" in value:

@@ -1,0 +1,84 @@
+"""The ``kvbus`` command: one subcommand per stage, plus the demo.
+
+Subcommand names are a contract other tools rely on:
+``demo fleet bridge worker sink lookup`` (and ``schemas check|register``).
+Every subcommand honours the ``KVBUS_*`` settings (see ``schemas.settings``).
+Stage modules are imported only by the subcommand that needs them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Callable, Sequence
+
+from schemas.settings import Settings
+
+#: subcommand -> (module, add-arguments function, run function, help)
+SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "demo": ("kvbus.demo", "add_demo_args", "run_demo",
+             "bring the stack up, stream a demo fleet end to end, show the view and a lookup"),
+    "fleet": ("kvbus.fleet", "add_fleet_args", "run_fleet",
+              "synthetic engine replicas publishing KV events over ZMQ like vLLM/SGLang"),
+    "bridge": ("producers.cli", "add_bridge_args", "run_bridge",
+               "ZMQ subscriber of one engine -> Avro -> Kafka (gap recovery via replay)"),
+    "worker": ("streams.cli", "add_worker_args", "run_worker",
+               "Faust worker: aggregate worker reports, split tiers into topics"),
+    "sink": ("sinks.cli", "add_sink_args", "run_sink",
+             "consolidated events -> block-residency view in Redis (exactly-once effect)"),
+    "lookup": ("sinks.cli", "add_lookup_args", "run_lookup",
+               "longest cached prefix per replica for a chain of block hashes or tokens"),
+    "schemas": ("schemas.cli", "add_schemas_args", "run_schemas",
+                "check or register kvbus's Avro schemas against the registry"),
+}
+
+
+def build_parser(load_options: bool = False) -> argparse.ArgumentParser:
+    """The argument parser; with ``load_options`` every subcommand's options too
+    (imports each stage's CLI module), else only the subcommand list."""
+    parser = argparse.ArgumentParser(prog="kvbus", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, add_args, _run, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if load_options:
+            _load(module, add_args)(p)
+    return parser
+
+
+def _load(module: str, attr: str) -> Callable:
+    return getattr(importlib.import_module(module), attr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvbus`` console script; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser_for(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    module, _add, run, _help = SUBCOMMANDS[args.command]
+    try:
+        return int(_load(module, run)(args, Settings.from_env()) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """A parser that imports only the chosen subcommand's module (fast ``kvbus lookup``)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in SUBCOMMANDS:
+        return build_parser()
+    parser = argparse.ArgumentParser(prog="kvbus")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    module, add_args, _run, help_text = SUBCOMMANDS[command]
+    _load(module, add_args)(sub.add_parser(command, help=help_text, description=help_text))
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

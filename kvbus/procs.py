@@ -1,0 +1,88 @@
+"""Child processes of the demo: start ``kvbus`` subcommands, log to files, stop them all."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("kvbus.demo")
+
+
+@dataclass
+class Child:
+    """One started subcommand."""
+
+    name: str
+    """Display name (fleet, bridge-0, worker, sink)."""
+    proc: subprocess.Popen
+    """The process (leader of its own session, so its children stop with it)."""
+    log_path: Path
+    """Where its stdout/stderr go."""
+
+
+@dataclass
+class Children:
+    """Every process the demo started, stopped in reverse order of start."""
+
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    started: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, *args: str) -> Child:
+        """Run ``python -m kvbus <args>`` in the background, output to ``<log_dir>/demo-<name>.log``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = self.log_dir / f"demo-{name}.log"
+        out = open(path, "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbus", *args],
+            stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+        )
+        out.close()
+        child = Child(name, proc, path)
+        self.started.append(child)
+        log.info("started %s (pid %d, log %s)", name, proc.pid, path)
+        return child
+
+    def dead(self) -> list[Child]:
+        """Children that exited on their own."""
+        return [c for c in self.started if c.proc.poll() is not None]
+
+    def stop(self, child: Child, timeout: float = 15.0) -> None:
+        """SIGTERM one child's process group, SIGKILL after ``timeout`` seconds."""
+        if child.proc.poll() is None:
+            try:
+                os.killpg(child.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                child.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs: killing", child.name, timeout)
+                os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait()
+        try:  # anything the child left in its group
+            os.killpg(child.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop_all(self) -> None:
+        """Stop every child, newest first."""
+        for child in reversed(self.started):
+            self.stop(child)
+        self.started.clear()
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.5) -> bool:
+    """Poll ``predicate()`` until true or ``timeout`` seconds pass; returns the last result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

@@ -1,0 +1,442 @@
+"""Decode engine KV-event payloads (ZMQ frame 2) into :mod:`schemas.events` structs.
+
+Every wire format of ``shared/docs/kv-events-protocol.md`` is accepted:
+
+- envelope ``[ts, events]`` (vLLM 0.9.0), ``[ts, events, dp_rank]`` (vLLM >= 0.9.2,
+  SGLang); further elements (the reserved ``publisher_id`` of open vLLM PRs) are ignored;
+- events as **maps** (vLLM >= 0.24, SGLang >= 0.5.20), decoded by name, unknown keys ignored;
+- events as **tagged arrays** (vLLM 0.9.0 - 0.23, SGLang <= 0.5.19), decoded by position
+  (see :mod:`producers.wire_structs` for why one layout per engine covers every length).
+
+Normalization (schemas.events): hashes become canonical 8-byte values (signed ints by
+their two's complement, bytes digests by their last 8 bytes with the digest kept in
+``block_digests``); ``medium`` is upper-cased, unknown values kept; ``extra_keys`` is kept
+as the exact msgpack bytes the engine sent; SGLang bigram ``token_ids`` pairs go to
+``token_id_pairs`` (``token_ids`` then []).
+
+**vLLM vs SGLang arrays with engine="auto".** Up to index 6 (``medium``) both layouts
+agree. After it vLLM has ``lora_name, extra_keys, group_idx, ...`` and SGLang
+``cache_salt, session_id, lora_name``. A BlockStored array is read as SGLang only on
+evidence, in this order: a string at index 8 or 9 (vLLM's ``extra_keys`` is a list,
+``group_idx`` an int) -> SGLang; a list at 8 or an int at 9, or more than 10 elements
+-> vLLM; a string at index 7 (vLLM ``lora_name`` / SGLang ``cache_salt``) -> SGLang if
+``lora_id`` is None (vLLM sends ``lora_id`` with every ``lora_name``; SGLang never
+sets ``lora_id``), or a hash is negative (vLLM >= 0.10.2, the first version with
+``medium``, sends unsigned ints or bytes), or the medium is SGLang-only (CPU_PINNED,
+DISK, EXTERNAL); otherwise vLLM. When index 7.. are all None both readings give the
+same event. (Per the protocol doc SGLang's arrays stopped at ``medium``; the longer
+layout is accepted defensively.) ``engine="sglang"`` / ``"vllm"`` force a layout.
+
+**Bad input** raises :class:`DecodeError` whose message says what is wrong; the bridge
+dead-letters the whole batch. Unknown event types raise too (unless ``skip_unknown``).
+Only what kvbus cannot represent or what no engine can send is rejected: values out of
+the Avro ranges, negative ``block_size``/``dp_rank``, mixed int/bytes hashes in one
+event, and the size limits ``MAX_*`` (re-exported from :mod:`producers.wire_structs`).
+``len(token_ids) == block_size * len(block_hashes)`` is deliberately **not** enforced:
+LMCache's last chunk and vLLM's partial-block and placeholder events break it.
+
+**Speed.** A batch is first decoded in one msgspec call with a typed decoder for the
+common layouts (maps; vLLM or SGLang arrays). Anything unusual (bigram pairs, mixed
+layouts, an ambiguous array, an error) falls back to a per-event path, which is the
+reference and produces the precise error messages; both give identical results.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Optional
+
+import msgspec
+from msgspec import Meta, Raw
+
+from producers.wire_structs import (
+    ARRAY_FIELDS,
+    CLEARED,
+    ENVELOPE_DECODERS,
+    EVENT_TAGS,
+    LAYOUTS,
+    MAX_DIGEST_BYTES,
+    MAX_EVENTS_PER_BATCH,
+    MAX_HASHES_PER_EVENT,
+    MAX_TOKENS_PER_EVENT,
+    REMOVED,
+    STORED,
+    STORED_PAIRS,
+    NonNegInt32,
+)
+from schemas.events import HASH_MASK, AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+__all__ = [
+    "ENGINE_FORMATS",
+    "ENGINES",
+    "END_SEQ",
+    "DecodeError",
+    "DecodedBatch",
+    "decode_batch",
+    "parse_frames",
+    "parse_replay_reply",
+    "MAX_EVENTS_PER_BATCH",
+    "MAX_HASHES_PER_EVENT",
+    "MAX_TOKENS_PER_EVENT",
+    "MAX_DIGEST_BYTES",
+]
+
+ENGINE_FORMATS: tuple[str, ...] = (
+    "vllm-0.9.0",  # [ts, events]; Stored [tag, hashes, parent, tokens, block_size, lora_id]; Removed [tag, hashes]
+    "vllm-0.9.2",  # + envelope dp_rank
+    "vllm-0.10.2",  # + medium (Stored, Removed); bytes hashes possible
+    "vllm-0.14",  # + lora_name
+    "vllm-0.17",  # + extra_keys
+    "vllm-0.20",  # + group_idx (Stored, Removed)
+    "vllm-0.22",  # + kv_cache_spec_kind, kv_cache_spec_sliding_window
+    "vllm-0.24",  # events become maps
+    "vllm-0.26",  # + locality; replay replies carry the topic frame
+    "vllm-0.29",  # + ownership
+    "vllm-0.30",  # + session_id
+    "vllm-0.33",  # + lookahead_token_ids
+    "sglang-0.5.10",  # tagged arrays, Stored [.., lora_id, medium], signed hashes
+    "sglang-0.5.20",  # maps, + cache_salt, session_id
+    "sglang-0.5.22",  # + lora_name
+    "sglang-0.5.23",  # replay replies carry the topic frame
+    "lmcache-0.5.6",  # LMCache connector events in a vLLM 0.33 stream (medium "cpu", chunk-sized blocks)
+)
+"""Wire-format ids: each is the first release of a layout change (protocol doc §4 field history, §7, §8).
+A release between two ids speaks the older one (vLLM 0.27 = "vllm-0.26"). ``kvbus.engine_wire.FORMATS``
+is the same tuple."""
+
+ENGINES = ("auto", "vllm", "sglang")
+"""Values of ``decode_batch(engine=...)``."""
+
+END_SEQ = b"\xff" * 8
+"""Sequence frame of the replay end marker: (-1).to_bytes(8, "big", signed=True)."""
+
+SGLANG_ONLY_MEDIUMS = frozenset({"CPU_PINNED", "DISK", "EXTERNAL"})
+"""Mediums only SGLang publishes (upper-cased)."""
+
+
+class DecodeError(ValueError):
+    """A payload or frame set no engine could have sent; the message says what is wrong."""
+
+
+@dataclass(slots=True)
+class DecodedBatch:
+    """One decoded engine batch."""
+
+    ts: float
+    """Engine wall-clock time of the batch, epoch seconds."""
+    events: list[Event]
+    """Normalized events in emission order."""
+    dp_rank: int | None
+    """Data-parallel rank from the envelope; None when absent (vLLM 0.9.0) or nil."""
+    unknown_events: int = 0
+    """Events of unknown type skipped; always 0 unless ``skip_unknown=True`` (else they raise)."""
+
+
+# -- normalization helpers ---------------------------------------------------
+
+_M = HASH_MASK
+
+
+def _hashes(hs: list) -> tuple[list[bytes], list[bytes] | None]:
+    """Canonical hashes and, for bytes hashes, the digests."""
+    try:
+        return [(h & _M).to_bytes(8, "big") for h in hs], None
+    except TypeError:  # bytes & int
+        pass
+    for h in hs:
+        if type(h) is not bytes:
+            raise DecodeError("block_hashes mixes int and bytes hashes")
+    return [h[-8:] if len(h) >= 8 else h.rjust(8, b"\0") for h in hs], hs
+
+
+def _parent(p: Any) -> tuple[bytes | None, bytes | None]:
+    if p is None:
+        return None, None
+    if type(p) is int:
+        return (p & _M).to_bytes(8, "big"), None
+    return (p[-8:] if len(p) >= 8 else p.rjust(8, b"\0")), p
+
+
+def _extra(ek: Raw) -> bytes | None:
+    if not ek:
+        return None
+    b = bytes(ek)
+    return None if b == b"\xc0" else b
+
+
+def _stored(w: Any, lora_name: Any, extra: Any, group_idx: Any, kind: Any, window: Any,
+            locality: Any, ownership: Any, session_id: Any, lookahead: Any, cache_salt: Any) -> BlockStored:
+    hashes, digests = _hashes(w.block_hashes)
+    parent, parent_digest = _parent(w.parent_block_hash)
+    toks = w.token_ids
+    pairs = None
+    if toks and type(toks[0]) is list:
+        pairs, toks = toks, []
+    m = w.medium
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=toks,
+        block_size=w.block_size,
+        lora_id=w.lora_id,
+        medium=m.upper() if m is not None else None,
+        lora_name=lora_name,
+        extra_keys=_extra(extra),
+        group_idx=group_idx,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+        locality=locality,
+        ownership=ownership,
+        session_id=session_id,
+        lookahead_token_ids=lookahead,
+        cache_salt=cache_salt,
+        token_id_pairs=pairs,
+        block_digests=digests,
+        parent_block_digest=parent_digest,
+    )
+
+
+def _stored_map(w: Any) -> BlockStored:
+    return _stored(w, w.lora_name, w.extra_keys, w.group_idx, w.kv_cache_spec_kind,
+                   w.kv_cache_spec_sliding_window, w.locality, w.ownership, w.session_id,
+                   w.lookahead_token_ids, w.cache_salt)
+
+
+def _stored_vllm(w: Any) -> BlockStored:
+    return _stored(w, w.lora_name, w.extra_keys, w.group_idx, w.kv_cache_spec_kind,
+                   w.kv_cache_spec_sliding_window, None, None, None, None, None)
+
+
+def _stored_sglang(w: Any) -> BlockStored:
+    return _stored(w, w.lora_name, None, None, None, None, None, None, w.session_id, None, w.cache_salt)
+
+
+def _removed(w: Any) -> BlockRemoved:
+    hashes, digests = _hashes(w.block_hashes)
+    m = w.medium
+    return BlockRemoved(
+        block_hashes=hashes,
+        medium=m.upper() if m is not None else None,
+        group_idx=getattr(w, "group_idx", None),
+        locality=getattr(w, "locality", None),
+        ownership=getattr(w, "ownership", None),
+        block_digests=digests,
+    )
+
+
+def _cleared(w: Any) -> AllBlocksCleared:
+    return AllBlocksCleared()
+
+
+_CONVERT: dict[type, Any] = {}
+for _lay, _fn in (("map", _stored_map), ("vllm", _stored_vllm), ("sglang", _stored_sglang)):
+    _CONVERT[STORED[_lay]] = _fn
+    _CONVERT[STORED_PAIRS[_lay]] = _fn
+    _CONVERT[REMOVED[_lay]] = _removed
+    _CONVERT[CLEARED[_lay]] = _cleared
+_VLLM_STORED = STORED["vllm"]
+_NIL_OR_ARRAY = frozenset([0xC0, 0xDC, 0xDD, *range(0x90, 0xA0)])
+
+
+# -- decode_batch --------------------------------------------------------------
+
+def decode_batch(payload: bytes, engine: str = "auto", *, skip_unknown: bool = False) -> DecodedBatch:
+    """Decode one engine batch (ZMQ frame 2) of any supported engine/version.
+
+    ``engine``: "auto" (detect per event, see module doc), "vllm" or "sglang" (use that
+    engine's array layout; maps decode by name either way). ``skip_unknown``: skip and
+    count events of unknown type instead of raising. Raises :class:`DecodeError`.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    for layout in ("map", "sglang" if engine == "sglang" else "vllm"):
+        try:
+            env = ENVELOPE_DECODERS[layout].decode(payload)
+        except msgspec.MsgspecError:
+            continue
+        try:
+            events = [_CONVERT[type(w)](w) for w in env.events]
+        except DecodeError:
+            break
+        if layout == "vllm" and engine == "auto" and any(
+            type(w) is _VLLM_STORED and _maybe_sglang(w) for w in env.events
+        ):
+            break
+        return DecodedBatch(env.ts, events, env.dp_rank, 0)
+    return _decode_per_event(payload, engine, skip_unknown)
+
+
+def _maybe_sglang(w: Any) -> bool:
+    """Fast-path guard: could this vLLM-layout BlockStored array be an SGLang array?"""
+    ek = w.extra_keys
+    if ek and memoryview(ek)[0] not in _NIL_OR_ARRAY:
+        return True
+    if w.lora_name is None:
+        return False
+    return _sglang_evidence(w.lora_id, w.medium, w.block_hashes)
+
+
+def _sglang_evidence(lora_id: Any, medium: Any, hashes: Any) -> bool:
+    if lora_id is None:
+        return True
+    if isinstance(medium, str) and medium.upper() in SGLANG_ONLY_MEDIUMS:
+        return True
+    return isinstance(hashes, list) and any(type(h) is int and h < 0 for h in hashes)
+
+
+def _looks_sglang(arr: list) -> bool:
+    """Reference rule for a BlockStored tagged array under engine="auto" (module doc)."""
+    n = len(arr)
+    if n <= 7 or n > 10:
+        return False
+    x8 = arr[8] if n > 8 else None
+    x9 = arr[9] if n > 9 else None
+    if isinstance(x8, str) or isinstance(x9, str):
+        return True
+    if isinstance(x8, list) or isinstance(x9, int):
+        return False
+    if arr[7] is None:
+        return False
+    return _sglang_evidence(arr[5], arr[6], arr[1])
+
+
+_PARTS = msgspec.msgpack.Decoder(list[Raw])
+_TS = msgspec.msgpack.Decoder(float)
+_EVENTS = msgspec.msgpack.Decoder(Annotated[list[Raw], Meta(max_length=MAX_EVENTS_PER_BATCH)])
+_RANK = msgspec.msgpack.Decoder(Optional[NonNegInt32])
+_ANY = msgspec.msgpack.Decoder()
+_DECODERS: dict[type, msgspec.msgpack.Decoder] = {
+    cls: msgspec.msgpack.Decoder(cls) for cls in _CONVERT
+}
+_STRUCTS = {
+    (lay, tag): cls
+    for lay in LAYOUTS
+    for tag, cls in (("BlockRemoved", REMOVED[lay]), ("AllBlocksCleared", CLEARED[lay]))
+}
+_AT_INDEX = re.compile(r"at `\$\[(\d+)\]")
+
+
+def _part(decoder: msgspec.msgpack.Decoder, raw: Raw, what: str) -> Any:
+    try:
+        return decoder.decode(raw)
+    except msgspec.MsgspecError as e:
+        raise DecodeError(f"{what}: {e}") from None
+
+
+def _decode_per_event(payload: bytes, engine: str, skip_unknown: bool) -> DecodedBatch:
+    """Reference decoder: envelope element by element, then each event on its own."""
+    try:
+        parts = _PARTS.decode(payload)
+    except msgspec.ValidationError as e:
+        raise DecodeError(f"envelope must be an array [ts, events, dp_rank]: {e}") from None
+    except msgspec.DecodeError as e:
+        raise DecodeError(f"payload is not valid msgpack: {e}") from None
+    if len(parts) < 2:
+        raise DecodeError(f"envelope has {len(parts)} element(s), expected [ts, events] or [ts, events, dp_rank]")
+    ts = _part(_TS, parts[0], "envelope ts")
+    raws = _part(_EVENTS, parts[1], "envelope events")
+    dp_rank = _part(_RANK, parts[2], "envelope dp_rank") if len(parts) > 2 else None
+    events: list[Event] = []
+    unknown = 0
+    for i, raw in enumerate(raws):
+        ev = _decode_event(raw, engine, i, skip_unknown)
+        if ev is None:
+            unknown += 1
+        else:
+            events.append(ev)
+    return DecodedBatch(ts, events, dp_rank, unknown)
+
+
+def _decode_event(raw: Raw, engine: str, i: int, skip_unknown: bool) -> Event | None:
+    obj = _ANY.decode(raw)
+    if isinstance(obj, dict):
+        layout, tag, tokens = "map", obj.get("type"), obj.get("token_ids")
+        if not isinstance(tag, str):
+            raise DecodeError(f"event {i}: map without a string 'type' key")
+    elif isinstance(obj, list):
+        if not obj or not isinstance(obj[0], str):
+            raise DecodeError(f"event {i}: array does not start with an event type string")
+        tag, tokens = obj[0], (obj[3] if len(obj) > 3 else None)
+        if engine != "auto":
+            layout = engine
+        else:
+            layout = "sglang" if tag == "BlockStored" and _looks_sglang(obj) else "vllm"
+    else:
+        raise DecodeError(f"event {i}: expected a map or a tagged array, got {type(obj).__name__}")
+    if tag not in EVENT_TAGS:
+        if skip_unknown:
+            return None
+        raise DecodeError(f"event {i}: unknown event type {tag!r}")
+    if tag == "BlockStored":
+        pairs = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
+        cls = (STORED_PAIRS if pairs else STORED)[layout]
+    else:
+        cls = _STRUCTS[(layout, tag)]
+    try:
+        w = _DECODERS[cls].decode(raw)
+        return _CONVERT[cls](w)
+    except msgspec.ValidationError as e:
+        raise DecodeError(f"event {i} ({tag}): {_describe(str(e), layout, tag)}") from None
+    except DecodeError as e:
+        raise DecodeError(f"event {i} ({tag}): {e}") from None
+
+
+def _describe(msg: str, layout: str, tag: str) -> str:
+    """Name the field an array-position error is about."""
+    m = _AT_INDEX.search(msg)
+    names = ARRAY_FIELDS.get((layout, tag))
+    if m and names and 0 < int(m.group(1)) <= len(names):
+        return f"{msg} ({layout} array field {names[int(m.group(1)) - 1]})"
+    return msg
+
+
+# -- frames ---------------------------------------------------------------------
+
+def _b(frame: Any) -> bytes:
+    return frame if type(frame) is bytes else bytes(frame)
+
+
+def _seq(frame: Any) -> int:
+    b = _b(frame)
+    if len(b) != 8:
+        raise DecodeError(f"sequence frame must be 8 bytes (big-endian uint64), got {len(b)}")
+    return int.from_bytes(b, "big")
+
+
+def _topic(frame: Any) -> str:
+    try:
+        return _b(frame).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DecodeError(f"topic frame is not UTF-8: {e}") from None
+
+
+def parse_frames(frames: list[bytes]) -> tuple[str, int, bytes]:
+    """A live PUB message ``[topic, seq8, payload]`` -> ``(topic, seq, payload)``.
+
+    Raises :class:`DecodeError` on a frame count other than 3 or a seq frame not 8 bytes.
+    """
+    if len(frames) != 3:
+        raise DecodeError(f"live message must have 3 frames [topic, seq, payload], got {len(frames)}")
+    topic, seq, payload = frames
+    return _topic(topic), _seq(seq), _b(payload)
+
+
+def parse_replay_reply(frames: list[bytes]) -> tuple[str, int, bytes] | None:
+    """A replay reply as a DEALER receives it, empty delimiter first.
+
+    ``[b"", topic, seq8, payload]`` (vLLM >= 0.26, SGLang 0.5.23) or ``[b"", seq8, payload]``
+    (vLLM <= 0.25; topic returned as ""). Returns None for the end marker (seq ff*8 or an
+    empty payload). Raises :class:`DecodeError` on any other shape.
+    """
+    n = len(frames)
+    if n not in (3, 4):
+        raise DecodeError(f"replay reply must have 3 or 4 frames ([b'', topic?, seq, payload]), got {n}")
+    if len(_b(frames[0])) != 0:
+        raise DecodeError("replay reply must start with the empty delimiter frame")
+    if n == 4:
+        topic, seq, payload = _topic(frames[1]), _seq(frames[2]), _b(frames[3])
+    else:
+        topic, seq, payload = "", _seq(frames[1]), _b(frames[2])
+    if seq == 0xFFFF_FFFF_FFFF_FFFF or not payload:
+        return None
+    return topic, seq, payload

@@ -1,0 +1,173 @@
+"""Typed msgspec structs of the engines' wire events, used by :mod:`producers.decode`.
+
+Three layouts exist (protocol doc §3, §4, §7):
+
+- **maps** (vLLM >= 0.24, SGLang >= 0.5.20): ``{"type": "<ClassName>", field: value, ...}``.
+  One struct per event type holds the union of every field vLLM and SGLang ever
+  sent; keys we do not know are ignored, and every field but ``block_hashes``
+  defaults to None/[]/0 so an engine that stops sending a field still decodes.
+- **vLLM tagged arrays** (0.9.0 - 0.23): ``["BlockStored", f1, f2, ...]``. Each
+  field vLLM added in the array era was appended at the end of the array at the
+  time (``medium`` 0.10.2 and ``lora_name`` 0.14 were required fields added while
+  no defaulted field existed yet), so element *k* means the same thing in every
+  version and one struct decodes them all: elements an older version lacks take
+  their default, elements a newer one adds are ignored by msgspec.
+- **SGLang tagged arrays** (<= 0.5.19): same first seven elements as vLLM
+  (``medium`` at index 6), then SGLang's own ``cache_salt, session_id, lora_name``.
+
+Each BlockStored layout exists twice: with ``token_ids: list[int]`` (the fast
+path) and with SGLang's EAGLE bigram ``token_ids: list[[a, b]]``.
+
+Integer fields carry the ranges the Avro schema can hold (``int`` = 32 bit,
+``long`` = 64 bit) and lists carry the size limits below, so msgspec rejects
+what kvbus cannot represent while it decodes, in C.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional, Union
+
+import msgspec
+from msgspec import Meta, Raw
+
+MAX_EVENTS_PER_BATCH = 1_000_000
+"""More events than this in one batch is rejected as absurd (vLLM publishes one batch per engine step)."""
+MAX_HASHES_PER_EVENT = 1_000_000
+"""More block hashes than this in one event is rejected (10^6 blocks of 16 tokens = 16M tokens)."""
+MAX_TOKENS_PER_EVENT = 1 << 26
+"""More token ids (or bigram pairs, or lookahead lists) than this in one event is rejected."""
+MAX_DIGEST_BYTES = 64
+"""A bytes block hash is a digest: 16 (xxh3_128) or 32 (sha256) bytes; 1..64 accepted."""
+
+Int32 = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
+"""Avro ``int``."""
+NonNegInt32 = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+"""Avro ``int`` that cannot be negative (block_size, dp_rank)."""
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+"""Avro ``long``."""
+Digest = Annotated[bytes, Meta(min_length=1, max_length=MAX_DIGEST_BYTES)]
+"""A raw digest sent as msgpack ``bin``."""
+Hash = Union[int, Digest]
+"""An engine block hash: unsigned (vLLM) or signed (SGLang, vLLM builtin hash) 64-bit int, or a digest."""
+Hashes = Annotated[list[Hash], Meta(max_length=MAX_HASHES_PER_EVENT)]
+Tokens = Annotated[list[Int64], Meta(max_length=MAX_TOKENS_PER_EVENT)]
+TokenLists = Annotated[
+    list[Annotated[list[Int64], Meta(max_length=MAX_TOKENS_PER_EVENT)]],
+    Meta(max_length=MAX_TOKENS_PER_EVENT),
+]
+"""SGLang bigram pairs, vLLM lookahead token lists."""
+
+# (name, type, default); default _REQ = required (positional in arrays).
+_REQ = object()
+
+
+def _fields(spec: list[tuple[str, Any, Any]]) -> list[tuple]:
+    return [(n, t) if d is _REQ else (n, t, d) for n, t, d in spec]
+
+
+def _stored_spec(layout: str, tokens: Any) -> list[tuple[str, Any, Any]]:
+    """Field list of BlockStored in ``layout`` ("map", "vllm", "sglang")."""
+    if layout == "map":
+        head = [
+            ("block_hashes", Hashes, _REQ),
+            ("parent_block_hash", Optional[Hash], None),
+            ("token_ids", tokens, []),
+            ("block_size", NonNegInt32, 0),
+            ("lora_id", Optional[Int64], None),
+        ]
+    else:  # vLLM 0.9.0 arrays: five required positions after the tag
+        head = [
+            ("block_hashes", Hashes, _REQ),
+            ("parent_block_hash", Optional[Hash], _REQ),
+            ("token_ids", tokens, _REQ),
+            ("block_size", NonNegInt32, _REQ),
+            ("lora_id", Optional[Int64], _REQ),
+        ]
+    head.append(("medium", Optional[str], None))
+    if layout == "sglang":
+        return head + [
+            ("cache_salt", Optional[str], None),
+            ("session_id", Optional[str], None),
+            ("lora_name", Optional[str], None),
+        ]
+    vllm = head + [
+        ("lora_name", Optional[str], None),
+        ("extra_keys", Raw, Raw()),  # exact msgpack bytes of the value; empty = absent
+        ("group_idx", Optional[Int32], None),
+        ("kv_cache_spec_kind", Optional[str], None),
+        ("kv_cache_spec_sliding_window", Optional[Int32], None),
+    ]
+    if layout == "vllm":
+        return vllm
+    return vllm + [  # map: every later vLLM field and SGLang's own
+        ("locality", Optional[str], None),
+        ("ownership", Optional[str], None),
+        ("session_id", Optional[str], None),
+        ("lookahead_token_ids", Optional[TokenLists], None),
+        ("cache_salt", Optional[str], None),
+    ]
+
+
+def _removed_spec(layout: str) -> list[tuple[str, Any, Any]]:
+    spec = [("block_hashes", Hashes, _REQ), ("medium", Optional[str], None)]
+    if layout == "sglang":
+        return spec
+    spec.append(("group_idx", Optional[Int32], None))
+    if layout == "map":
+        spec += [("locality", Optional[str], None), ("ownership", Optional[str], None)]
+    return spec
+
+
+def _struct(name: str, tag: str, layout: str, spec: list[tuple[str, Any, Any]]) -> type:
+    if layout == "map":
+        return msgspec.defstruct(name, _fields(spec), tag=tag, tag_field="type", kw_only=True, gc=False)
+    return msgspec.defstruct(name, _fields(spec), tag=tag, array_like=True, gc=False)
+
+
+LAYOUTS = ("map", "vllm", "sglang")
+
+STORED: dict[str, type] = {
+    lay: _struct(f"Stored_{lay}", "BlockStored", lay, _stored_spec(lay, Tokens)) for lay in LAYOUTS
+}
+"""BlockStored per layout, token_ids as ints."""
+STORED_PAIRS: dict[str, type] = {
+    lay: _struct(f"StoredPairs_{lay}", "BlockStored", lay, _stored_spec(lay, TokenLists)) for lay in LAYOUTS
+}
+"""BlockStored per layout, token_ids as SGLang bigram pairs."""
+REMOVED: dict[str, type] = {
+    lay: _struct(f"Removed_{lay}", "BlockRemoved", lay, _removed_spec(lay)) for lay in LAYOUTS
+}
+CLEARED: dict[str, type] = {lay: _struct(f"Cleared_{lay}", "AllBlocksCleared", lay, []) for lay in LAYOUTS}
+
+ARRAY_FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
+    (lay, tag): tuple(f[0] for f in spec)
+    for lay in ("vllm", "sglang")
+    for tag, spec in (("BlockStored", _stored_spec(lay, Tokens)), ("BlockRemoved", _removed_spec(lay)))
+}
+"""Field name at array index k+1, for error messages."""
+
+EVENT_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+"""Event types the engines publish."""
+
+
+def envelope(layout: str) -> type:
+    """The batch envelope ``[ts, events, dp_rank?, ...]`` with events of one layout.
+
+    Elements after dp_rank (the reserved ``publisher_id`` of open vLLM PRs) are ignored.
+    """
+    union = Union[STORED[layout], REMOVED[layout], CLEARED[layout]]  # type: ignore[valid-type]
+    return msgspec.defstruct(
+        f"Envelope_{layout}",
+        [
+            ("ts", float),
+            ("events", Annotated[list[union], Meta(max_length=MAX_EVENTS_PER_BATCH)]),
+            ("dp_rank", Optional[NonNegInt32], None),
+        ],
+        array_like=True,
+        gc=False,
+    )
+
+
+ENVELOPE_DECODERS: dict[str, msgspec.msgpack.Decoder] = {
+    lay: msgspec.msgpack.Decoder(envelope(lay)) for lay in LAYOUTS
+}
+"""Fast-path decoders: a whole batch whose events all use one layout."""

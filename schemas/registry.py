@@ -1,0 +1,124 @@
+"""Governance of kvbus's schemas in a Confluent-compatible registry (Apicurio's ccompat API).
+
+Subjects follow TopicNameStrategy: ``<topic>-value``. :func:`check` asks the
+registry whether the schemas in ``schemas/avro`` are compatible with what it
+holds (with the registry's reasons when not); :func:`register` registers them.
+"""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+
+from schemas.avro import schema_str
+from schemas.topics import Topics
+
+
+@dataclass
+class CheckResult:
+    """Outcome of one subject's compatibility check."""
+
+    subject: str
+    """Registry subject, ``<topic>-value``."""
+    record: str
+    """kvbus record kind whose schema was checked (EventBatch, BlockEvent, Incomplete, DeadLetter)."""
+    status: str
+    """compatible, incompatible, new (subject not registered yet), or error."""
+    messages: list[str] = field(default_factory=list)
+    """The registry's reasons when incompatible, or the error."""
+
+
+def subjects(topics: Topics, ownerships: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """Subject -> record kind for every kvbus topic (tier topics for the given ownership values)."""
+    out = {
+        f"{topics.raw}-value": "EventBatch",
+        f"{topics.blocks}-value": "BlockEvent",
+        f"{topics.incomplete}-value": "Incomplete",
+        f"{topics.dlq}-value": "DeadLetter",
+    }
+    for o in ownerships:
+        out[f"{topics.for_ownership(o)}-value"] = "BlockEvent"
+    return out
+
+
+def _request(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, dict | list]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url, data=data, method=method,
+        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, {"message": raw.decode(errors="replace")}
+
+
+def check_schema(registry_url: str, subject: str, schema: str) -> tuple[str, list[str]]:
+    """Is ``schema`` (Avro JSON) compatible with the latest version of ``subject``?
+
+    Returns (status, messages): ``compatible``, ``incompatible`` with the registry's
+    reasons, ``new`` when the subject does not exist, or ``error``.
+    """
+    base = registry_url.rstrip("/")
+    q = urllib.parse.quote(subject, safe="")
+    status, body = _request(
+        f"{base}/compatibility/subjects/{q}/versions/latest?verbose=true",
+        "POST", {"schema": schema, "schemaType": "AVRO"},
+    )
+    if status == 404:
+        return "new", []
+    if status != 200 or not isinstance(body, dict):
+        return "error", [f"HTTP {status}: {body}"]
+    if body.get("is_compatible"):
+        return "compatible", []
+    return "incompatible", [str(m) for m in body.get("messages", [])] or ["(no reason given)"]
+
+
+def register_schema(registry_url: str, subject: str, schema: str) -> int:
+    """Register ``schema`` under ``subject``; returns its id. Raises ValueError with the
+    registry's message when it refuses (e.g. 409 incompatible)."""
+    base = registry_url.rstrip("/")
+    q = urllib.parse.quote(subject, safe="")
+    status, body = _request(f"{base}/subjects/{q}/versions", "POST", {"schema": schema, "schemaType": "AVRO"})
+    if status != 200 or not isinstance(body, dict):
+        raise ValueError(f"registry refused {subject} (HTTP {status}): {body}")
+    return int(body["id"])
+
+
+def check(registry_url: str, topics: Topics, ownerships: tuple[str, ...] = ()) -> list[CheckResult]:
+    """Check every kvbus subject against the registry."""
+    results = []
+    for subject, record in subjects(topics, ownerships).items():
+        status, messages = check_schema(registry_url, subject, schema_str(record))
+        results.append(CheckResult(subject, record, status, messages))
+    return results
+
+
+#: Compatibility kvbus asks for on its own subjects: new and old readers must read
+#: records of every registered version (fields are only added, with defaults).
+KVBUS_COMPATIBILITY = "FULL_TRANSITIVE"
+
+
+def set_compatibility(registry_url: str, subject: str, level: str = KVBUS_COMPATIBILITY) -> None:
+    """Set ``subject``'s compatibility level (PUT /config/<subject>)."""
+    base = registry_url.rstrip("/")
+    q = urllib.parse.quote(subject, safe="")
+    status, body = _request(f"{base}/config/{q}", "PUT", {"compatibility": level})
+    if status != 200:
+        raise ValueError(f"registry refused compatibility {level} for {subject} (HTTP {status}): {body}")
+
+
+def register(registry_url: str, topics: Topics, ownerships: tuple[str, ...] = ()) -> dict[str, int]:
+    """Set every kvbus subject to FULL_TRANSITIVE and register its schema; returns subject -> id."""
+    ids = {}
+    for subject, record in subjects(topics, ownerships).items():
+        set_compatibility(registry_url, subject)
+        ids[subject] = register_schema(registry_url, subject, schema_str(record))
+    return ids

@@ -1,0 +1,64 @@
+"""Shared fixtures.
+
+``stack``: the real services (Kafka, Apicurio Registry, Redis), started once per
+test session through ``infra.stack`` (the same code as ``infra/stack up``) and
+stopped at the end if this session started them. A stack that does not come up
+is an error, never a skip: integration tests must run in CI.
+``unique_topics``: topic names of one test (uuid suffix), created with explicit
+partition counts.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import replace
+from typing import Iterator
+
+import pytest
+
+from schemas.settings import Settings
+from schemas.topics import Topics
+
+
+def _stack_ready() -> bool:
+    from infra import stack
+
+    try:
+        return bool(stack.status().get("ready"))
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Settings]:
+    """Settings of a running real stack; brought up (and later down) if it was not running."""
+    from infra import stack as infra_stack
+
+    started_here = not _stack_ready()
+    if started_here:
+        infra_stack.up()
+    yield Settings.from_env()
+    if started_here and os.environ.get("KVBUS_KEEP_STACK") != "1":
+        infra_stack.down()
+
+
+@pytest.fixture
+def unique_topics(stack: Settings) -> Topics:
+    """Fresh topic names for one test, created with the stack's partition count."""
+    from infra.topics import ensure_topics
+
+    suffix = uuid.uuid4().hex[:8]
+    t = Topics(
+        raw=f"t{suffix}.raw",
+        blocks=f"t{suffix}.blocks",
+        incomplete=f"t{suffix}.incomplete",
+        dlq=f"t{suffix}.dlq",
+    )
+    ensure_topics(stack.bootstrap, [t.raw, t.blocks, t.incomplete, t.dlq], stack.partitions, 1)
+    return t
+
+
+@pytest.fixture
+def test_settings(stack: Settings, unique_topics: Topics) -> Settings:
+    """The stack's settings with this test's own topics."""
+    return replace(stack, topics=unique_topics)
