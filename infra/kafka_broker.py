@@ -1,0 +1,328 @@
+"""Apache Kafka 4.4.0 in KRaft combined mode (broker+controller per JVM) from Maven jars.
+
+* Jars: ``infra/kafka/pom.xml`` -> ``$STATE/kafka/libs`` (fetched only when missing or
+  when the pom changed).
+* Config: generated per node into ``$STATE/kafka/conf/<mode>/node<i>.properties``
+  (static controller quorum, loopback listeners).
+* Data: ``$STATE/data/kafka-<mode>/node<i>``; the cluster id is kept in
+  ``$STATE/data/kafka-<mode>/cluster.id`` and storage is formatted once.
+* Logs: ``$STATE/logs/kafka-<mode>-node<i>.log``.
+
+``<mode>`` is ``single`` for one node and ``cluster3`` for three nodes.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import tools
+from .procs import PidRecord, ServiceError, alive_record, failure, port_open, start_process
+from .settings import INFRA_DIR, LOOPBACK, Paths, bootstrap_for, broker_ports, env_opts
+
+log = logging.getLogger("infra")
+
+KAFKA_VERSION = "4.4.0"
+POM = INFRA_DIR / "kafka" / "pom.xml"
+LOG4J_CONFIG = INFRA_DIR / "kafka" / "log4j2.properties"
+LIBS_MARKER = ".complete"
+
+
+def mode_name(brokers: int) -> str:
+    """Directory/log name of a cluster size: ``single`` or ``cluster<N>``."""
+    return "single" if brokers == 1 else f"cluster{brokers}"
+
+
+@dataclass(frozen=True)
+class Node:
+    """One combined broker+controller JVM."""
+
+    node_id: int
+    port: int
+    controller_port: int
+    brokers: int
+    paths: Paths
+
+    @property
+    def name(self) -> str:
+        return f"kafka-{self.node_id}" if self.brokers == 1 else f"kafka-{self.node_id}of{self.brokers}"
+
+    @property
+    def mode_dir(self) -> Path:
+        return self.paths.data / f"kafka-{mode_name(self.brokers)}"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.mode_dir / f"node{self.node_id}"
+
+    @property
+    def props_path(self) -> Path:
+        return self.paths.kafka_conf / mode_name(self.brokers) / f"node{self.node_id}.properties"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.paths.run / f"kafka-{mode_name(self.brokers)}-node{self.node_id}.pid"
+
+    @property
+    def log_path(self) -> Path:
+        return self.paths.logs / f"kafka-{mode_name(self.brokers)}-node{self.node_id}.log"
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+
+def plan(paths: Paths, brokers: int) -> list[Node]:
+    """The nodes of a ``brokers``-node cluster; ports from :func:`infra.settings.broker_ports`."""
+    if brokers < 1:
+        raise ValueError("brokers must be >= 1")
+    ports = broker_ports(brokers)
+    return [Node(i + 1, p, p + 1, brokers, paths) for i, p in enumerate(ports)]
+
+
+def bootstrap(nodes: list[Node]) -> str:
+    """Bootstrap string for ``nodes``."""
+    return bootstrap_for([n.port for n in nodes])
+
+
+# ---------------------------------------------------------------------------- jars
+
+
+def _pom_digest() -> str:
+    return hashlib.sha256(POM.read_bytes()).hexdigest()
+
+
+def libs_present(paths: Paths) -> bool:
+    """True if ``$STATE/kafka/libs`` was filled from the current pom."""
+    marker = paths.kafka_libs / LIBS_MARKER
+    return marker.is_file() and marker.read_text().strip() == _pom_digest()
+
+
+def ensure_libs(paths: Paths) -> bool:
+    """Copy the Kafka runtime jars into ``$STATE/kafka/libs`` if missing. Returns True if fetched."""
+    if libs_present(paths):
+        return False
+    tmp = paths.kafka_libs.with_name("libs.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tools.run_maven(
+        POM,
+        [
+            f"{tools.MAVEN_DEPENDENCY_PLUGIN}:copy-dependencies",
+            "-DincludeScope=runtime",
+            f"-DoutputDirectory={tmp}",
+        ],
+        what=f"Kafka {KAFKA_VERSION} jars",
+        log_path=paths.logs / "maven-kafka.log",
+    )
+    jars = list(tmp.glob("*.jar"))
+    if not any(j.name.startswith(f"kafka_2.13-{KAFKA_VERSION}") for j in jars):
+        raise ServiceError(f"Maven did not produce kafka_2.13-{KAFKA_VERSION}.jar in {tmp}")
+    (tmp / LIBS_MARKER).write_text(_pom_digest())
+    shutil.rmtree(paths.kafka_libs, ignore_errors=True)
+    tmp.replace(paths.kafka_libs)
+    log.info("Kafka jars ready in %s (%d jars)", paths.kafka_libs, len(jars))
+    return True
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def node_properties(node: Node, nodes: list[Node]) -> str:
+    """server.properties text for ``node`` in a cluster of ``nodes``."""
+    n = len(nodes)
+    rf = min(3, n)
+    min_isr = 2 if n >= 3 else 1
+    voters = ",".join(f"{x.node_id}@{LOOPBACK}:{x.controller_port}" for x in nodes)
+    lines = {
+        "process.roles": "broker,controller",
+        "node.id": str(node.node_id),
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://{LOOPBACK}:{node.port},CONTROLLER://{LOOPBACK}:{node.controller_port}",
+        "advertised.listeners": f"PLAINTEXT://{LOOPBACK}:{node.port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "log.dirs": str(node.data_dir),
+        "num.partitions": "4",
+        "default.replication.factor": str(rf),
+        "min.insync.replicas": str(min_isr),
+        "offsets.topic.replication.factor": str(rf),
+        "offsets.topic.num.partitions": "8",
+        "transaction.state.log.replication.factor": str(rf),
+        "transaction.state.log.min.isr": str(min_isr),
+        "transaction.state.log.num.partitions": "8",
+        "share.coordinator.state.topic.replication.factor": str(rf),
+        "share.coordinator.state.topic.min.isr": str(min_isr),
+        "group.initial.rebalance.delay.ms": "0",
+        "auto.create.topics.enable": "true",
+        "delete.topic.enable": "true",
+        "num.network.threads": "2",
+        "num.io.threads": "4",
+        "num.recovery.threads.per.data.dir": "1",
+        "log.segment.bytes": str(64 * 1024 * 1024),
+        "log.retention.hours": "168",
+        "unclean.leader.election.enable": "false",
+    }
+    header = f"# generated by infra/kafka_broker.py for {node.name}; edits are overwritten by `infra/stack up`\n"
+    return header + "".join(f"{k}={v}\n" for k, v in lines.items())
+
+
+def write_configs(nodes: list[Node]) -> None:
+    """(Re)write every node's properties file."""
+    for node in nodes:
+        node.props_path.parent.mkdir(parents=True, exist_ok=True)
+        node.props_path.write_text(node_properties(node, nodes))
+
+
+def random_cluster_id() -> str:
+    """Same format as ``kafka-storage random-uuid``: base64url of 16 random bytes, no padding."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
+def cluster_id(nodes: list[Node]) -> str:
+    """The persisted cluster id of this mode (created on first use)."""
+    path = nodes[0].mode_dir / "cluster.id"
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cid = random_cluster_id()
+    path.write_text(cid + "\n")
+    return cid
+
+
+def java_argv(paths: Paths, brokers: int, main: str, args: list[str], *, server: bool) -> list[str]:
+    """``java ... -cp libs/* main args`` with small heaps suited to a 2-core test box."""
+    heap = (["-Xms256m", "-Xmx512m"] if brokers == 1 else ["-Xms256m", "-Xmx384m"]) if server else ["-Xmx256m"]
+    opts = [
+        *heap,
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        "-XX:InitiatingHeapOccupancyPercent=35",
+        "-XX:+ExplicitGCInvokesConcurrent",
+        # C1-only speeds up short-lived tools; for the broker it gained nothing measurable at startup
+        # here and would make throughput benchmarks unrepresentative
+        *([] if server else ["-XX:TieredStopAtLevel=1"]),
+        "-XX:+ExitOnOutOfMemoryError",
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
+        f"-Dkafka.logs.dir={paths.logs}",
+    ]
+    if server:
+        opts += env_opts("KVBUS_KAFKA_JVM_OPTS")
+    return [tools.java(), *opts, "-cp", str(paths.kafka_libs / "*"), main, *args]
+
+
+def format_storage(paths: Paths, nodes: list[Node]) -> list[str]:
+    """Format the log dir of every node that has no ``meta.properties`` yet (in parallel).
+
+    Returns the names of the nodes formatted.
+    """
+    todo = [n for n in nodes if not (n.data_dir / "meta.properties").is_file()]
+    if not todo:
+        return []
+    cid = cluster_id(nodes)
+    procs: list[tuple[Node, subprocess.Popen[bytes], Path]] = []
+    for n in todo:
+        n.data_dir.mkdir(parents=True, exist_ok=True)
+        out = paths.logs / f"kafka-{mode_name(n.brokers)}-node{n.node_id}-format.log"
+        argv = java_argv(
+            paths, n.brokers, "kafka.tools.StorageTool", ["format", "-t", cid, "-c", str(n.props_path), "--ignore-formatted"], server=False
+        )
+        with open(out, "wb") as fh:
+            procs.append((n, subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), out))
+    for n, p, out in procs:
+        if p.wait(timeout=180) != 0:
+            raise failure(n.name, f"storage format failed (exit {p.returncode})", out)
+    log.info("formatted Kafka storage (cluster id %s) for %s", cid, ", ".join(n.name for n in todo))
+    return [n.name for n in todo]
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def running(nodes: list[Node]) -> dict[str, PidRecord]:
+    """Our live node processes by node name."""
+    out: dict[str, PidRecord] = {}
+    for n in nodes:
+        rec = alive_record(n.pid_path)
+        if rec is not None:
+            out[n.name] = rec
+    return out
+
+
+def start(paths: Paths, nodes: list[Node]) -> list[PidRecord]:
+    """Start every node that is not already running (ours). Returns the new records.
+
+    Raises if a node's port is taken by a process we did not start.
+    """
+    live = running(nodes)
+    todo = [n for n in nodes if n.name not in live]
+    for n in todo:
+        for port in (n.port, n.controller_port):
+            if port_open(LOOPBACK, port):
+                raise ServiceError(
+                    f"{n.name}: port {port} is already in use by a process this stack did not start "
+                    f"(state dir {paths.root}); stop it or point KVBUS_BOOTSTRAP elsewhere"
+                )
+    if not todo:
+        return []
+    write_configs(nodes)
+    format_storage(paths, todo)
+    started = []
+    for n in todo:
+        argv = java_argv(paths, n.brokers, "kafka.Kafka", [str(n.props_path)], server=True)
+        started.append(start_process(n.name, argv, pid_path=n.pid_path, log_path=n.log_path, marker=str(n.props_path), cwd=n.mode_dir))
+    return started
+
+
+def metadata_brokers(bootstrap_servers: str, timeout: float = 2.0) -> set[int]:
+    """Broker ids in the cluster metadata (empty set if unreachable)."""
+    from .topics import admin_client
+
+    md = admin_client(bootstrap_servers).list_topics(timeout=timeout)
+    return set(md.brokers)
+
+
+class Readiness:
+    """Reusable readiness probe: all nodes' ports open and all broker ids in metadata."""
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self.nodes = nodes
+        self._client: Any = None
+
+    def __call__(self) -> bool:
+        if not all(port_open(LOOPBACK, n.port) for n in self.nodes):
+            return False
+        from .topics import admin_client
+
+        if self._client is None:
+            self._client = admin_client(bootstrap(self.nodes))
+        md = self._client.list_topics(timeout=2)
+        return {n.node_id for n in self.nodes} <= set(md.brokers)
+
+
+def node_ready(nodes: list[Node]) -> dict[str, bool]:
+    """Per-node readiness (port open and present in cluster metadata)."""
+    open_ = {n.name: port_open(LOOPBACK, n.port) for n in nodes}
+    ids: set[int] = set()
+    if any(open_.values()):
+        try:
+            ids = metadata_brokers(",".join(n.address for n in nodes if open_[n.name]))
+        except Exception:  # noqa: BLE001
+            ids = set()
+    return {n.name: open_[n.name] and n.node_id in ids for n in nodes}
+
+
+def jvm_pids(nodes: list[Node]) -> dict[str, int]:
+    """pid of each of our live nodes."""
+    return {name: rec.pid for name, rec in running(nodes).items()}

