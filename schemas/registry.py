@@ -68,6 +68,10 @@ def check_schema(registry_url: str, subject: str, schema: str) -> tuple[str, lis
     """
     base = registry_url.rstrip("/")
     q = urllib.parse.quote(subject, safe="")
+    # Apicurio answers "compatible" for a subject it does not have: ask for it first.
+    status, _ = _request(f"{base}/subjects/{q}/versions")
+    if status == 404:
+        return "new", []
     status, body = _request(
         f"{base}/compatibility/subjects/{q}/versions/latest?verbose=true",
         "POST", {"schema": schema, "schemaType": "AVRO"},
