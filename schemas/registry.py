@@ -82,7 +82,23 @@ def check_schema(registry_url: str, subject: str, schema: str) -> tuple[str, lis
         return "error", [f"HTTP {status}: {body}"]
     if body.get("is_compatible"):
         return "compatible", []
-    return "incompatible", [str(m) for m in body.get("messages", [])] or ["(no reason given)"]
+    reasons = [str(m) for m in body.get("messages", [])] or _apicurio_reasons(registry_url, subject, schema)
+    return "incompatible", reasons or ["(the registry gave no reason)"]
+
+
+def _apicurio_reasons(registry_url: str, subject: str, schema: str) -> list[str]:
+    """Apicurio's ccompat check gives no reasons; its native API's dry-run registration does."""
+    base, sep, _ = registry_url.rstrip("/").rpartition("/apis/ccompat/")
+    if not sep:
+        return []
+    q = urllib.parse.quote(subject, safe="")
+    status, body = _request(
+        f"{base}/apis/registry/v3/groups/default/artifacts/{q}/versions?dryRun=true", "POST",
+        {"content": {"content": schema, "contentType": "application/json"}},
+    )
+    if status in (200, 201) or not isinstance(body, dict):
+        return []
+    return [body.get("title") or body.get("detail") or str(body)]
 
 
 def register_schema(registry_url: str, subject: str, schema: str) -> int:
