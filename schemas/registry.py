@@ -43,11 +43,12 @@ def subjects(topics: Topics, ownerships: list[str] | tuple[str, ...] = ()) -> di
     return out
 
 
-def _request(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, dict | list]:
+def _request(url: str, method: str = "GET", body: dict | None = None,
+             content_type: str = "application/vnd.schemaregistry.v1+json") -> tuple[int, dict | list]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(
         url, data=data, method=method,
-        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+        headers={"Content-Type": content_type},
     )
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
@@ -94,7 +95,7 @@ def _apicurio_reasons(registry_url: str, subject: str, schema: str) -> list[str]
     q = urllib.parse.quote(subject, safe="")
     status, body = _request(
         f"{base}/apis/registry/v3/groups/default/artifacts/{q}/versions?dryRun=true", "POST",
-        {"content": {"content": schema, "contentType": "application/json"}},
+        {"content": {"content": schema, "contentType": "application/json"}}, "application/json",
     )
     if status in (200, 201) or not isinstance(body, dict):
         return []
