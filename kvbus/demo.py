@@ -1,0 +1,181 @@
+"""``kvbus demo``: the main job in one command.
+
+Brings the stack up (or reuses it), registers the schemas, starts a synthetic fleet,
+one bridge per engine stream, the Faust worker and the sink as child processes,
+streams for ``--duration`` seconds with a live progress line, lets the pipeline
+drain, then prints the residency view and one lookup for a prompt the fleet served.
+Ctrl-C stops everything it started (the stack too, if it started it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from kvbus.procs import Children, wait_for
+from kvbus.progress import Progress
+from schemas.settings import Settings
+
+log = logging.getLogger("kvbus.demo")
+
+BRIDGE_METRICS_BASE = 9410
+WORKER_METRICS_PORT = 9401
+SINK_METRICS_PORT = 9402
+WORKER_GROUP = "kvbus-streams"
+SINK_GROUP = "kvbus-sink"
+
+
+def add_demo_args(p: argparse.ArgumentParser) -> None:
+    """Options of ``kvbus demo``."""
+    p.add_argument("--replicas", type=int, default=3, help="engine replicas (default 3)")
+    p.add_argument("--workers", type=int, default=1, help="tensor-parallel workers per replica, each its own stream and bridge (default 1)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of streaming (default 30)")
+    p.add_argument("--rate", type=float, default=20.0, help="engine steps (batches) per second per replica (default 20)")
+    p.add_argument("--seed", type=int, default=7, help="fleet seed (default 7)")
+    p.add_argument("--base-port", type=int, default=5557, help="first ZMQ port of the fleet (default 5557)")
+    p.add_argument("--format", default="vllm-0.33", help="engine wire format of the fleet (default vllm-0.33)")
+    p.add_argument("--keep-stack", action="store_true", help="leave the services running at the end (default: stop them if the demo started them)")
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for the sink to catch up after the fleet stops")
+
+
+def run_demo(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the demo; exit code 0 when the example lookup agrees with the fleet's ground truth."""
+    from infra import stack
+
+    state_dir = Path(os.environ.get("KVBUS_STATE_DIR", Path.cwd() / ".infra"))
+    started_stack = not stack.status().get("ready")
+    if started_stack:
+        print("== bringing the stack up (Kafka, Apicurio Registry, Redis) ...", flush=True)
+        t0 = time.monotonic()
+        stack.up()
+        print(f"   stack up in {time.monotonic() - t0:.1f}s", flush=True)
+    else:
+        print("== reusing the running stack", flush=True)
+    children = Children(log_dir=state_dir / "logs")
+    manifest = state_dir / f"demo-manifest-{uuid.uuid4().hex[:6]}.json"
+    try:
+        _register_schemas(settings)
+        _start_pipeline(children, args, manifest)
+        ok = _stream(children, args, settings, manifest)
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        print("\n== interrupted: stopping what the demo started", flush=True)
+        return 130
+    finally:
+        children.stop_all()
+        if started_stack and not args.keep_stack:
+            print("== stopping the stack the demo started (use --keep-stack to leave it up)", flush=True)
+            stack.down()
+        manifest.unlink(missing_ok=True)
+
+
+def _register_schemas(settings: Settings) -> None:
+    from schemas.registry import register
+
+    ids = register(settings.registry_url, settings.topics, ("kvcr",))
+    print(f"== schemas registered: {', '.join(f'{s}={i}' for s, i in ids.items())}", flush=True)
+
+
+def _streams(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    """(replica, worker_rank, pub_port, replay_port) of every fleet stream (kvbus.fleet's port rule)."""
+    out = []
+    for i in range(args.replicas):
+        for w in range(args.workers):
+            k = i * args.workers + w
+            out.append((f"replica-{i}", w, args.base_port + 2 * k, args.base_port + 2 * k + 1))
+    return out
+
+
+def _start_pipeline(children: Children, args: argparse.Namespace, manifest: Path) -> None:
+    print("== starting sink, Faust worker, bridges and fleet (logs in "
+          f"{children.log_dir}/demo-*.log)", flush=True)
+    children.start("sink", "sink", "--group", SINK_GROUP, "--metrics-port", str(SINK_METRICS_PORT))
+    children.start("worker", "worker", "--app-id", WORKER_GROUP, "--metrics-port", str(WORKER_METRICS_PORT),
+                   "--workdir", str(children.log_dir.parent / "demo"))
+    for n, (replica, w, pub, replay) in enumerate(_streams(args)):
+        children.start(
+            f"bridge-{replica}-w{w}", "bridge",
+            "--endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}",
+            "--replica", replica, "--worker-rank", str(w), "--workers", str(args.workers),
+            "--metrics-port", str(BRIDGE_METRICS_BASE + n),
+        )
+    time.sleep(2.0)  # let bridges connect before the fleet's first batch (replay covers the rest)
+    children.start(
+        "fleet", "fleet", "--replicas", str(args.replicas), "--workers", str(args.workers),
+        "--base-port", str(args.base_port), "--rate", str(args.rate), "--seed", str(args.seed),
+        "--format", args.format, "--duration", str(args.duration), "--manifest", str(manifest),
+    )
+
+
+def _stream(children: Children, args: argparse.Namespace, settings: Settings, manifest: Path) -> bool:
+    progress = Progress(
+        settings,
+        bridge_ports=[BRIDGE_METRICS_BASE + n for n in range(len(_streams(args)))],
+        worker_port=WORKER_METRICS_PORT, sink_port=SINK_METRICS_PORT,
+        worker_group=WORKER_GROUP, sink_group=SINK_GROUP,
+    )
+    fleet = next(c for c in children.started if c.name == "fleet")
+    print(f"== streaming for {args.duration:.0f}s", flush=True)
+    while fleet.proc.poll() is None:
+        _check_alive(children)
+        print("\r   " + progress.line(), end="", flush=True)
+        time.sleep(1.0)
+    print("\r   " + progress.line(), flush=True)
+    print("== fleet stopped; waiting for the pipeline to drain", flush=True)
+    drained = wait_for(lambda: progress.drained(), args.drain_timeout, 1.0)
+    print("   " + progress.line() + ("" if drained else "  (not fully drained)"), flush=True)
+    return _report(settings, manifest)
+
+
+def _check_alive(children: Children) -> None:
+    dead = [c for c in children.dead() if c.name != "fleet"]
+    if dead:
+        names = ", ".join(f"{c.name} (exit {c.proc.returncode}, log {c.log_path})" for c in dead)
+        raise SystemExit(f"demo: a stage stopped unexpectedly: {names}")
+
+
+def _report(settings: Settings, manifest: Path) -> bool:
+    from sinks.cli import add_lookup_args, lookup_answer
+    from sinks.view import summary
+
+    view = summary(settings.redis_url)
+    print("== residency view (blocks per replica per tier):")
+    for holder in sorted(view):
+        tiers = ", ".join(f"{t}={n}" for t, n in sorted(view[holder].items()))
+        print(f"   {holder:14s} {tiers}")
+    data = json.loads(manifest.read_text())
+    pick = _pick_prompt(data)
+    if pick is None:
+        print("== no fully resident prompt to look up (try a longer --duration)")
+        return False
+    holder, prompt = pick
+    argv = ["--json", "--block-size", str(data["block_size"]), "--algo", data["hash_algo"],
+            "--tokens", ",".join(map(str, prompt["tokens"]))]
+    parser = argparse.ArgumentParser(prog="kvbus lookup")
+    add_lookup_args(parser)
+    answer = lookup_answer(parser.parse_args(argv), settings)
+    shown = " ".join(argv[:-1]) + f" {','.join(map(str, prompt['tokens'][:6]))},…"
+    print(f"== lookup of a {len(prompt['tokens'])}-token prompt ({prompt['blocks']} blocks) that {holder} served:")
+    print(f"   $ kvbus lookup {shown}")
+    print("   " + json.dumps(answer, sort_keys=True))
+    name = holder[:-2] if holder.endswith("#0") else holder
+    got = answer.get(name, {}).get("matched", 0)
+    ok = got == prompt["blocks"]
+    print(f"== {name} holds {got} of {prompt['blocks']} leading blocks: "
+          + ("matches the fleet's ground truth" if ok else "DOES NOT match the fleet's ground truth"))
+    return ok
+
+
+def _pick_prompt(data: dict) -> tuple[str, dict] | None:
+    """The longest prompt that is fully resident on GPU at the end, and who holds it."""
+    best = None
+    for holder, rep in data["replicas"].items():
+        for p in rep["prompts"]:
+            if p["resident"] and (best is None or p["blocks"] > best[1]["blocks"]):
+                best = (holder, p)
+    return best

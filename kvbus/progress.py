@@ -1,0 +1,87 @@
+"""The demo's live progress line: events/s in (bridges), consolidated and applied
+(the Faust worker and the sink), and consumer lag, read from the stages' Prometheus
+endpoints and from Kafka's committed offsets."""
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+from confluent_kafka import Consumer, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
+
+from schemas.settings import Settings
+
+
+def scrape(port: int, pattern: str) -> float:
+    """Sum of the samples whose name matches ``pattern`` at ``127.0.0.1:<port>/metrics`` (0 if down)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    rx = re.compile(pattern)
+    return sum(
+        s.value for fam in text_string_to_metric_families(text) for s in fam.samples if rx.fullmatch(s.name)
+    )
+
+
+def group_lag(bootstrap: str, group: str, topic_regex: str) -> int:
+    """Records in topics matching ``topic_regex`` not yet committed by consumer ``group``."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        md = c.list_topics(timeout=5)
+        rx = re.compile(topic_regex)
+        tps = [TopicPartition(t, p) for t, tm in md.topics.items() if rx.fullmatch(t) for p in tm.partitions]
+        lag = 0
+        for tp in c.committed(tps, timeout=5):
+            low, high = c.get_watermark_offsets(tp, timeout=5, cached=False)
+            done = tp.offset if tp.offset >= 0 else low
+            lag += max(0, high - done)
+        return lag
+    finally:
+        c.close()
+
+
+class Progress:
+    """Rates since the previous call, plus lag of the worker and the sink."""
+
+    def __init__(self, settings: Settings, bridge_ports: list[int], worker_port: int, sink_port: int,
+                 worker_group: str, sink_group: str) -> None:
+        self.settings = settings
+        self.bridge_ports = bridge_ports
+        self.worker_port = worker_port
+        self.sink_port = sink_port
+        self.worker_group = worker_group
+        self.sink_group = sink_group
+        self._last = (time.monotonic(), 0.0, 0.0, 0.0)
+
+    def counts(self) -> tuple[float, float, float]:
+        """(events acknowledged by Kafka from all bridges, events consolidated, events applied to Redis)."""
+        acked = sum(scrape(p, r"kvbus_bridge_events_acked_total") for p in self.bridge_ports)
+        consolidated = scrape(self.worker_port, r"kvbus_streams_(consolidated|passthrough)_total")
+        applied = scrape(self.sink_port, r"kvbus_sink_events_applied_total")
+        return acked, consolidated, applied
+
+    def lags(self) -> tuple[int, int]:
+        """(raw records the worker has not committed, block events the sink has not committed)."""
+        t = self.settings.topics
+        raw = group_lag(self.settings.bootstrap, self.worker_group, re.escape(t.raw))
+        blocks = group_lag(self.settings.bootstrap, self.sink_group, t.blocks_pattern()[1:])
+        return raw, blocks
+
+    def line(self) -> str:
+        """One progress line; rates are per second since the previous line."""
+        now = time.monotonic()
+        acked, consolidated, applied = self.counts()
+        t0, a0, c0, p0 = self._last
+        dt = max(now - t0, 1e-6)
+        self._last = (now, acked, consolidated, applied)
+        raw_lag, sink_lag = self.lags()
+        return (f"in {(acked - a0) / dt:8.0f} ev/s | consolidated {(consolidated - c0) / dt:8.0f} ev/s | "
+                f"applied {(applied - p0) / dt:8.0f} ev/s | totals {acked:.0f}/{consolidated:.0f}/{applied:.0f} | "
+                f"lag raw {raw_lag} blocks {sink_lag}")
+
+    def drained(self) -> bool:
+        """True when the worker and the sink have committed everything in their topics."""
+        return self.lags() == (0, 0)
