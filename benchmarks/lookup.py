@@ -1,0 +1,249 @@
+"""Lookup latency and memory per entry: kvbus's Redis layout next to llm-d's, on one private Redis.
+
+    .venv/bin/python benchmarks/lookup.py                  # 10 M entries, 256 replicas, 128-block chains
+    .venv/bin/python benchmarks/lookup.py --entries 1000000 --queries 500
+
+What it does, in one run on one throw-away ``redis-server`` (free port, ``--save ''``, temp dir,
+``--maxmemory 4gb``):
+
+1. generates a fleet residency (``sinks.testing.fleet_workload``): conversations = one of 64 shared
+   system prompts + their own blocks, each cached on ``--copies`` random replicas on GPU and, with
+   probability ``--cpu-frac``, on CPU too, until ``--entries`` (replica, block, tier) entries;
+2. loads it into kvbus's layout through ``RedisStore.apply`` (the sink's write path: one FCALL per
+   replica per batch, exactly-once positions included), and measures ``used_memory`` before/after;
+3. loads the same entries into the llm-d layout in database 1 of the same server, as llm-d's
+   ``redis.go`` does: one HASH per block key (the decimal uint64 hash, no prefix), one field per pod
+   entry holding the JSON ``PodEntry`` and an empty value, written with pipelined HSET (its
+   engine->request ``engine:<h>`` ZSETs are left out, which favours llm-d);
+4. runs ``--queries`` lookups of 128-block chains of cached conversations, alternating layouts:
+   kvbus = one ``FCALL_RO kvbus_lookup``; llm-d = one pipeline of 128 ``HKEYS`` + JSON decoding
+   (memoised) + its LongestPrefixScorer (active-pod intersection, max tier weight per block); both
+   timed end to end in the same Python client; and checks both layouts agree on every match.
+
+The last line printed is one JSON object with the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from schemas.events import BlockEvent, BlockStored  # noqa: E402
+from sinks.redis_store import RedisStore  # noqa: E402
+from sinks.testing import FleetStore, RedisServer, fleet_workload  # noqa: E402
+from sinks.tiers import Weights  # noqa: E402
+
+TOPIC = "kvbus.blocks"
+LLMD_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
+
+
+# ---------------------------------------------------------------------- llm-d baseline layout
+
+
+def pod_identifier(replica: int) -> str:
+    """llm-d's pod id for replica index ``replica``: ``<pod-ip>:8000``."""
+    return f"10.0.{replica // 250}.{replica % 250 + 1}:8000"
+
+
+def pod_entry(replica: int, medium: str) -> str:
+    """llm-d's JSON ``PodEntry`` field (Go json.Marshal field order)."""
+    return json.dumps(
+        {"PodIdentifier": pod_identifier(replica), "DeviceTier": medium.lower(), "Speculative": False,
+         "HasGroup": False, "GroupIdx": 0},
+        separators=(",", ":"),
+    )
+
+
+class LlmdIndex:
+    """llm-d-kv-cache's Redis index (``pkg/kvcache/kvblock/redis.go``): HASH per block key, field =
+    JSON PodEntry, value ""; Add = pipelined HSET; Lookup = pipelined HKEYS, cut at the first empty key."""
+
+    def __init__(self, r: redis.Redis):
+        self.r = r
+        self._entries: dict[bytes, tuple[str, str]] = {}
+
+    @staticmethod
+    def key(h: bytes) -> str:
+        return str(int.from_bytes(h, "big"))
+
+    def add(self, stores: list[FleetStore]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for s in stores:
+            field = pod_entry(s.replica, s.medium)
+            for h in s.hashes:
+                pipe.hset(self.key(h), field, "")
+        pipe.execute()
+
+    def _entry(self, raw: bytes) -> tuple[str, str]:
+        e = self._entries.get(raw)
+        if e is None:
+            d = json.loads(raw)
+            e = self._entries[raw] = (d["PodIdentifier"], d["DeviceTier"])
+        return e
+
+    def lookup(self, chain: list[bytes]) -> dict[str, tuple[int, float]]:
+        """pod -> (leading blocks held, score) as llm-d's LongestPrefixScorer computes them."""
+        pipe = self.r.pipeline(transaction=False)
+        for h in chain:
+            pipe.hkeys(self.key(h))
+        active: set[str] | None = None
+        matched: dict[str, int] = {}
+        score: dict[str, float] = {}
+        for i, fields in enumerate(pipe.execute(), start=1):
+            if not fields:
+                break
+            best: dict[str, float] = {}
+            for f in fields:
+                pod, tier = self._entry(f)
+                if active is None or pod in active:
+                    w = LLMD_WEIGHTS.get(tier, 0.0)
+                    if w > best.get(pod, -1.0):
+                        best[pod] = w
+            if not best:
+                break
+            active = set(best)
+            for pod, w in best.items():
+                matched[pod] = i
+                score[pod] = score.get(pod, 0.0) + w
+        return {p: (matched[p], score[p]) for p in matched}
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def used_memory(r: redis.Redis) -> int:
+    return int(r.info("memory")["used_memory"])
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def load_kvbus(store: RedisStore, stores, batch: int) -> tuple[int, float]:
+    seq: dict[int, int] = {}
+    records: list = []
+    n = 0
+    t0 = time.perf_counter()
+    for s in stores:
+        q = seq.get(s.replica, 0)
+        seq[s.replica] = q + 1
+        ev = BlockEvent(replica=f"r{s.replica}", epoch=1, seq=q, index=0, ts=time.time(),
+                        event=BlockStored(block_hashes=s.hashes, medium=s.medium, block_size=16))
+        records.append((TOPIC, ev))
+        n += len(s.hashes)
+        if len(records) >= batch:
+            store.apply(records)
+            records = []
+    if records:
+        store.apply(records)
+    return n, time.perf_counter() - t0
+
+
+def load_llmd(index: LlmdIndex, stores, batch: int) -> tuple[int, float]:
+    n = 0
+    buf: list[FleetStore] = []
+    t0 = time.perf_counter()
+    for s in stores:
+        buf.append(s)
+        n += len(s.hashes)
+        if len(buf) >= batch:
+            index.add(buf)
+            buf = []
+    if buf:
+        index.add(buf)
+    return n, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--entries", type=int, default=10_000_000, help="(replica, block, tier) entries to load")
+    ap.add_argument("--replicas", type=int, default=256)
+    ap.add_argument("--chain", type=int, default=128, help="blocks per lookup chain")
+    ap.add_argument("--queries", type=int, default=2000)
+    ap.add_argument("--copies", type=int, default=1, help="replicas caching each conversation")
+    ap.add_argument("--cpu-frac", type=float, default=0.5, help="share of caches also offloaded to CPU")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--maxmemory", default="4gb")
+    ap.add_argument("--skip-llmd", action="store_true", help="kvbus layout only")
+    args = ap.parse_args(argv)
+
+    with RedisServer(["--maxmemory", args.maxmemory, "--maxmemory-policy", "noeviction"]) as srv:
+        r0 = srv.client()
+        store = RedisStore(r0, "kvbus:")
+        base = used_memory(r0)
+        stores, chains = fleet_workload(args.entries, replicas=args.replicas, copies=args.copies,
+                                        cpu_frac=args.cpu_frac, seed=args.seed, min_chain=args.chain)
+        n, secs = load_kvbus(store, stores, batch=2000)
+        size = store.size()
+        assert size["entries"] == n, (size, n)
+        kv_bytes = used_memory(r0) - base
+        print(f"kvbus: loaded {n:,} entries ({size['blocks']:,} blocks) in {secs:.1f}s "
+              f"({n / secs:,.0f} entries/s), {kv_bytes / n:.1f} bytes/entry", flush=True)
+        result: dict = {
+            "entries": n, "blocks": size["blocks"], "replicas": args.replicas, "chain": args.chain,
+            "copies": args.copies, "cpu_frac": args.cpu_frac,
+            "kvbus": {"bytes_per_entry": round(kv_bytes / n, 2), "load_entries_per_s": round(n / secs)},
+        }
+        llmd = None
+        if not args.skip_llmd:
+            r1 = srv.client(db=1)
+            llmd = LlmdIndex(r1)
+            before = used_memory(r0)
+            stores2, _ = fleet_workload(args.entries, replicas=args.replicas, copies=args.copies,
+                                        cpu_frac=args.cpu_frac, seed=args.seed, min_chain=args.chain)
+            n2, secs2 = load_llmd(llmd, stores2, batch=200)
+            ll_bytes = used_memory(r0) - before
+            print(f"llm-d: loaded {n2:,} entries in {secs2:.1f}s ({n2 / secs2:,.0f} entries/s), "
+                  f"{ll_bytes / n2:.1f} bytes/entry", flush=True)
+            result["llmd"] = {"bytes_per_entry": round(ll_bytes / n2, 2), "load_entries_per_s": round(n2 / secs2)}
+
+        queries = [c[:args.chain] for c in chains][: args.queries]
+        while len(queries) < args.queries:
+            queries += queries[: args.queries - len(queries)]
+        weights = Weights({"GPU": 1.0, "CPU": 0.8, "*": 0.0})
+        lat_kv: list[float] = []
+        lat_ll: list[float] = []
+        holders: list[int] = []
+        disagree = 0
+        for i, q in enumerate(queries):
+            t = time.perf_counter()
+            got = store.lookup(q, weights=weights)
+            lat_kv.append(time.perf_counter() - t)
+            holders.append(len(got))
+            if llmd is not None:
+                t = time.perf_counter()
+                base_ans = llmd.lookup(q)
+                lat_ll.append(time.perf_counter() - t)
+                mine = {pod_identifier(int(h.replica[1:])): (h.matched, round(h.score, 4)) for h in got.values()}
+                theirs = {p: (m, round(s, 4)) for p, (m, s) in base_ans.items()}
+                disagree += mine != theirs
+        kv = {"p50_ms": round(pct(lat_kv, 0.5) * 1e3, 3), "p99_ms": round(pct(lat_kv, 0.99) * 1e3, 3)}
+        result["kvbus"].update(kv)
+        result["holders_per_query_avg"] = round(sum(holders) / len(holders), 1)
+        print(f"kvbus lookup: p50 {kv['p50_ms']} ms, p99 {kv['p99_ms']} ms "
+              f"({len(queries)} queries, {result['holders_per_query_avg']} holders matched on average)")
+        if llmd is not None:
+            ll = {"p50_ms": round(pct(lat_ll, 0.5) * 1e3, 3), "p99_ms": round(pct(lat_ll, 0.99) * 1e3, 3)}
+            result["llmd"].update(ll)
+            result["answers_disagree"] = disagree
+            result["ratio"] = {
+                "lookup_p50": round(ll["p50_ms"] / kv["p50_ms"], 2),
+                "lookup_p99": round(ll["p99_ms"] / kv["p99_ms"], 2),
+                "bytes_per_entry": round(result["llmd"]["bytes_per_entry"] / result["kvbus"]["bytes_per_entry"], 2),
+            }
+            print(f"llm-d lookup: p50 {ll['p50_ms']} ms, p99 {ll['p99_ms']} ms; answers that differ: {disagree}")
+            print(f"ratios llm-d/kvbus: {result['ratio']}")
+        result["redis_used_memory_mb"] = round(used_memory(r0) / 2**20, 1)
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""The bridge: one engine publisher stream (ZMQ SUB) -> decoded EventBatch records -> a sink (Kafka).
+
+Per loop pass: serve the producer (delivery callbacks, backlog), poll the live SUB
+socket and the replay DEALER, feed the :class:`~producers.sequencer.Sequencer`,
+and hand what it releases, in order, to the sink:
+
+* live frames ``[topic, seq8, payload]`` are parsed (bad frame sets -> DLQ), sequenced,
+  and decoded only when released (undecodable payloads -> DLQ; their seq still counts);
+* gaps trigger a replay from the engine's ROUTER; live batches are held meanwhile;
+* reset markers become ``EventBatch(seq=-1, events=[Reset(...)])`` in the new epoch;
+* events of unknown type are skipped by the decoder, the batch's known events are
+  produced and its raw frames dead-lettered, so nothing disappears silently.
+
+The sink is a seam: :class:`~producers.kafka_out.KafkaSink` in production, any
+object with the :class:`Sink` methods (or a plain callable, see :class:`CallbackSink`)
+in unit tests.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import zmq
+
+from producers.decode import DecodeError, decode_batch, parse_frames
+from producers.metrics import BridgeMetrics
+from producers.recovery import Resume
+from producers.replay import DEFAULT_TIMEOUT, ReplayBad, ReplayClient, Replayed, ReplayEnd
+from producers.sequencer import Actions, Emit, ResetMarker, Sequencer
+from schemas.events import DeadLetter, EventBatch, Reset
+
+log = logging.getLogger("kvbus.producers.bridge")
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    """What one bridge reads and how it labels what it produces."""
+
+    endpoint: str
+    """ZMQ endpoint of the engine's PUB socket (the bridge connects)."""
+    replica: str
+    """Engine replica id written into every record."""
+    replay_endpoint: str | None = None
+    """Engine's replay ROUTER endpoint; None disables gap fill (gaps become resets)."""
+    engine: str = "auto"
+    """Payload layout: auto, vllm or sglang (see producers.decode)."""
+    topic: str = ""
+    """ZMQ subscription prefix ('' = everything)."""
+    dp_rank: int = 0
+    """DP rank assumed when the engine's batch does not carry one (vLLM 0.9.0); also the
+    rank whose history is recovered on start."""
+    worker_rank: int = 0
+    """Tensor-parallel worker whose stream this is (0..workers-1)."""
+    workers: int = 1
+    """Workers that each report the same events (1 = no aggregation)."""
+    replay_timeout: float = DEFAULT_TIMEOUT
+    """Seconds without a replay reply before the request is given up."""
+    rcvhwm: int = 100_000
+    """SUB receive high-water mark (messages queued in the bridge before ZMQ drops)."""
+    max_held: int = 200_000
+    """Live batches held during a replay before it is abandoned."""
+
+    @property
+    def engine_label(self) -> str:
+        """Value of EventBatch.engine: the forced engine, else vllm."""
+        return self.engine if self.engine in ("vllm", "sglang") else "vllm"
+
+
+class Sink(Protocol):
+    """Where the bridge's records go (KafkaSink, or a test double)."""
+
+    def produce_batch(self, batch: EventBatch) -> None: ...
+    def produce_dead_letter(self, dl: DeadLetter) -> None: ...
+    def service(self) -> None: ...
+    def accepting(self) -> bool: ...
+    def update_gauges(self) -> None: ...
+    def close(self, timeout: float = 30.0) -> int: ...
+
+
+class CallbackSink:
+    """A sink calling ``on_batch(batch)`` / ``on_dead_letter(dl)`` synchronously (unit tests)."""
+
+    def __init__(self, on_batch: Callable[[EventBatch], Any],
+                 on_dead_letter: Callable[[DeadLetter], Any] | None = None) -> None:
+        self.on_batch = on_batch
+        self.on_dead_letter = on_dead_letter or (lambda dl: None)
+        self.accept = True
+        """Set False to simulate a full backlog."""
+
+    def produce_batch(self, batch: EventBatch) -> None:
+        self.on_batch(batch)
+
+    def produce_dead_letter(self, dl: DeadLetter) -> None:
+        self.on_dead_letter(dl)
+
+    def service(self) -> None:
+        pass
+
+    def accepting(self) -> bool:
+        return self.accept
+
+    def update_gauges(self) -> None:
+        pass
+
+    def close(self, timeout: float = 30.0) -> int:
+        return 0
+
+
+class Bridge:
+    """Runs one stream. ``resume``: the last position produced before (from
+    :func:`producers.recovery.find_last_produced`), None for a first start."""
+
+    def __init__(
+        self,
+        cfg: BridgeConfig,
+        sink: Sink | Callable[[EventBatch], Any],
+        metrics: BridgeMetrics | None = None,
+        *,
+        resume: Resume | None = None,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.sink: Sink = sink if hasattr(sink, "produce_batch") else CallbackSink(sink)  # type: ignore[arg-type]
+        self.metrics = metrics or BridgeMetrics()
+        self.ctx = ctx or zmq.Context.instance()
+        self.sequencer = Sequencer(
+            replay=cfg.replay_endpoint is not None,
+            epoch=resume.epoch if resume else None,
+            last_seq=resume.last_seq if resume else None,
+            max_held=cfg.max_held,
+            is_last=self._same_as_resumed if resume is not None else None,
+        )
+        self._resume = resume
+        self.replay = ReplayClient(self.ctx, cfg.replay_endpoint, cfg.replay_timeout) if cfg.replay_endpoint else None
+        self.sub: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._polled_replay: zmq.Socket | None = None
+        self._dp_rank = resume.record.dp_rank if resume else cfg.dp_rank
+        self._topic = resume.record.topic if resume else cfg.topic
+        self._stop = threading.Event()
+        self._last_gauges = 0.0
+
+    def _same_as_resumed(self, item: Any) -> bool:
+        """Whether a replayed batch is the one this bridge produced last before its restart."""
+        assert self._resume is not None
+        try:
+            d = decode_batch(item[1], self.cfg.engine, skip_unknown=True)
+        except DecodeError:
+            return True  # cannot tell: assume the engine kept running
+        rec = self._resume.record
+        same = d.ts == rec.ts and d.events == rec.events
+        if not same:
+            log.warning("replayed seq %d differs from the last record produced (ts %s vs %s): the engine "
+                        "restarted while the bridge was down", rec.seq, d.ts, rec.ts)
+        return same
+
+    # -- lifecycle --------------------------------------------------------------
+    def open(self) -> None:
+        """Connect the SUB socket and issue the start-up replay (resume or slow-joiner fill)."""
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
+        sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode("utf-8"))
+        sub.connect(self.cfg.endpoint)
+        self.sub = sub
+        self._poller.register(sub, zmq.POLLIN)
+        log.info("bridge %s worker %d/%d: SUB %s topic %r, replay %s, epoch %s last seq %s",
+                 self.cfg.replica, self.cfg.worker_rank, self.cfg.workers, self.cfg.endpoint, self.cfg.topic,
+                 self.cfg.replay_endpoint or "off", self.sequencer.epoch, self.sequencer.last)
+        self._apply(self.sequencer.start())
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return (thread-safe)."""
+        self._stop.set()
+
+    def run(self, stop: Callable[[], bool] | None = None, poll_ms: int = 50) -> None:
+        """Loop until :meth:`stop` (or ``stop()`` returns True)."""
+        if self.sub is None:
+            self.open()
+        should_stop = stop or (lambda: False)
+        while not self._stop.is_set() and not should_stop():
+            self.step(poll_ms)
+
+    def close(self, flush_timeout: float = 30.0) -> int:
+        """Flush the sink and close sockets; returns records left undelivered."""
+        left = self.sink.close(flush_timeout)
+        if self.replay is not None:
+            self.replay.close()
+        if self.sub is not None:
+            self.sub.close(linger=0)
+            self.sub = None
+        self.metrics.sync_sequencer(self.sequencer.stats)
+        return left
+
+    # -- one pass -----------------------------------------------------------------
+    def step(self, poll_ms: int = 50, max_live: int = 5000) -> None:
+        """Serve the sink, then handle whatever the sockets have (waits up to ``poll_ms``)."""
+        self.sink.service()
+        self._sync_poller()
+        ready = dict(self._poller.poll(poll_ms))
+        replay = self.replay
+        if replay is not None and replay.socket is not None and replay.socket in ready:
+            for reply in replay.read():
+                self._on_reply(reply)
+        if self.sub in ready:
+            sub = self.sub
+            for _ in range(max_live):
+                try:
+                    frames = sub.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                self._on_live(frames)
+        if replay is not None and replay.expired():
+            log.warning("replay from %s seq>=%s timed out", replay.endpoint, replay.start_seq)
+            replay.cancel()
+            self._apply(self.sequencer.on_replay_end(complete=False))
+        now = time.monotonic()
+        if now - self._last_gauges > 0.5:
+            self._last_gauges = now
+            self.metrics.sync_sequencer(self.sequencer.stats)
+            self.metrics.held.set(self.sequencer.held)
+            self.sink.update_gauges()
+
+    def _sync_poller(self) -> None:
+        sock = self.replay.socket if self.replay is not None else None
+        if sock is not self._polled_replay:
+            if self._polled_replay is not None:
+                try:
+                    self._poller.unregister(self._polled_replay)
+                except KeyError:
+                    pass
+            if sock is not None:
+                self._poller.register(sock, zmq.POLLIN)
+            self._polled_replay = sock
+
+    # -- inputs ---------------------------------------------------------------------
+    def _on_live(self, frames: list[bytes]) -> None:
+        self.metrics.batches_in.inc()
+        try:
+            topic, seq, payload = parse_frames(frames)
+        except DecodeError as exc:
+            self._dead(frames, exc, self.cfg.endpoint)
+            return
+        if not self.sink.accepting():
+            # backlog full: drop it now; the gap it leaves is replayed or reset later
+            self.metrics.shed.inc()
+            return
+        self._apply(self.sequencer.on_live(seq, (topic, payload, frames, self.cfg.endpoint)))
+
+    def _on_reply(self, reply: Any) -> None:
+        if isinstance(reply, Replayed):
+            self.metrics.batches_in.inc()
+            self._apply(self.sequencer.on_replayed(reply.seq, (reply.topic, reply.payload, reply.frames,
+                                                                self.cfg.replay_endpoint)))
+        elif isinstance(reply, ReplayEnd):
+            self._apply(self.sequencer.on_replay_end(complete=True))
+        elif isinstance(reply, ReplayBad):
+            self._dead(reply.frames, reply.error, self.cfg.replay_endpoint or "")
+
+    # -- outputs ----------------------------------------------------------------------
+    def _apply(self, actions: Actions) -> None:
+        out = actions.out
+        if out:
+            if len(out) == 1 and type(out[0]) is Emit:
+                batch = self._decode(out[0])
+                if batch is not None:
+                    self.sink.produce_batch(batch)
+            else:
+                self._produce_all(out)
+        if self.replay is not None:
+            if actions.replay_from is not None:
+                self.replay.request(actions.replay_from)
+            elif self.replay.active and not self.sequencer.replay_pending:
+                self.replay.cancel()  # the sequencer gave up on it (too many held batches)
+
+    def _produce_all(self, out: list) -> None:
+        decoded: list[EventBatch | None] = [self._decode(o) if type(o) is Emit else None for o in out]
+        for i, o in enumerate(out):
+            if type(o) is ResetMarker:
+                nxt = next((b for b in decoded[i + 1:] if b is not None), None)
+                self.sink.produce_batch(self._marker(o, nxt.dp_rank if nxt is not None else self._dp_rank))
+                log.warning("%s#%d worker %d: reset %s (missing %s..%s), new epoch %d", self.cfg.replica,
+                            self._dp_rank, self.cfg.worker_rank, o.reason, o.missing_from, o.missing_to, o.epoch)
+            elif decoded[i] is not None:
+                self.sink.produce_batch(decoded[i])  # type: ignore[arg-type]
+
+    def _decode(self, e: Emit) -> EventBatch | None:
+        topic, payload, frames, source = e.item
+        try:
+            d = decode_batch(payload, self.cfg.engine, skip_unknown=True)
+        except DecodeError as exc:
+            self._dead(frames, exc, source)
+            return None
+        dp = d.dp_rank if d.dp_rank is not None else self.cfg.dp_rank
+        self._dp_rank = dp
+        self._topic = topic
+        if d.unknown_events:
+            self.metrics.unknown_events.inc(d.unknown_events)
+            self._dead(frames, DecodeError(f"{d.unknown_events} event(s) of unknown type skipped at seq {e.seq}"),
+                       source)
+        self.metrics.events_in.inc(len(d.events))
+        cfg = self.cfg
+        return EventBatch(
+            replica=cfg.replica, seq=e.seq, ts=d.ts, events=d.events, dp_rank=dp,
+            worker_rank=cfg.worker_rank, workers=cfg.workers, engine=cfg.engine_label,
+            epoch=e.epoch, topic=topic,
+        )
+
+    def _marker(self, m: ResetMarker, dp_rank: int) -> EventBatch:
+        cfg = self.cfg
+        return EventBatch(
+            replica=cfg.replica, seq=-1, ts=time.time(),
+            events=[Reset(reason=m.reason, missing_from=m.missing_from, missing_to=m.missing_to)],
+            dp_rank=dp_rank, worker_rank=cfg.worker_rank, workers=cfg.workers, engine=cfg.engine_label,
+            epoch=m.epoch, topic=self._topic,
+        )
+
+    def _dead(self, frames: list[bytes], exc: Exception, source: str) -> None:
+        log.warning("dead letter from %s: %s: %s", source, type(exc).__name__, exc)
+        self.metrics.dlq.inc()
+        self.sink.produce_dead_letter(DeadLetter(
+            stage="bridge", source=source, reason=f"{type(exc).__name__}: {exc}",
+            payload=[bytes(f) for f in frames], ts=time.time(),
+        ))

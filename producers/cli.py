@@ -1,0 +1,162 @@
+"""``kvbus bridge``: wire one engine publisher stream to Kafka.
+
+Also runnable on its own: ``python -m producers.cli bridge --endpoint ... --replica ...``.
+
+Start-up order: schema id from the registry, then the last position this bridge
+produced (read back from the raw topic), then the ZMQ subscription and the
+start-up replay. Both services are waited for (with retries) before the SUB
+socket connects; the engine is never slowed by a missing bridge (PUB drops), and
+its replay buffer covers the time the bridge needed to come up.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from producers.avro_fast import FastBatchSerializer
+from producers.bridge import Bridge, BridgeConfig
+from producers.decode import ENGINES
+from producers.kafka_out import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, KafkaSink
+from producers.metrics import BridgeMetrics
+from producers.recovery import Resume, find_last_produced, wait_and_recover
+from producers.replay import DEFAULT_TIMEOUT
+from schemas.serde import RecordSerde, registry_client
+from schemas.settings import Settings
+
+log = logging.getLogger("kvbus.producers")
+
+
+def add_bridge_args(p: argparse.ArgumentParser) -> None:
+    """Options of ``kvbus bridge``."""
+    p.add_argument("--endpoint", required=True, help="engine PUB endpoint to connect, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--replay-endpoint", default=None, help="engine replay ROUTER endpoint, e.g. tcp://127.0.0.1:5558 (gap fill)")
+    p.add_argument("--replica", required=True, help="replica id written into every record (unique in the fleet)")
+    p.add_argument("--engine", default="auto", choices=ENGINES, help="payload layout (default auto)")
+    p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default '' = all)")
+    p.add_argument("--dp-rank", type=int, default=0, help="DP rank of this stream when batches do not carry one (default 0)")
+    p.add_argument("--worker-rank", type=int, default=0, help="tensor-parallel worker of this stream (default 0)")
+    p.add_argument("--workers", type=int, default=1, help="workers reporting the same events (default 1)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--replay-timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds without a replay reply before giving up")
+    p.add_argument("--no-recover", action="store_true", help="do not read the raw topic for the last position (start a new epoch)")
+    p.add_argument("--max-backlog", type=int, default=DEFAULT_MAX_BACKLOG, help="records held beyond librdkafka's queue")
+    p.add_argument("--max-backlog-mb", type=int, default=DEFAULT_MAX_BACKLOG_BYTES >> 20, help="MiB held beyond librdkafka's queue")
+    p.add_argument("--serializer", default="fast", choices=("fast", "confluent"),
+                   help="fast: direct Avro encoder with the registry's schema id; confluent: AvroSerializer")
+    p.add_argument("--flush-timeout", type=float, default=30.0, help="seconds to deliver queued records on exit")
+    p.add_argument("--producer-conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra librdkafka producer setting (repeatable)")
+
+
+def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], every: float = 2.0) -> Any:
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if stop():
+                raise
+            log.warning("%s failed (%s); retrying in %.0fs", what, exc, every)
+            time.sleep(every)
+
+
+def _conf_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for kv in pairs:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"--producer-conf expects KEY=VALUE, got {kv!r}")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> BridgeConfig:
+    """BridgeConfig from parsed options."""
+    return BridgeConfig(
+        endpoint=args.endpoint, replica=args.replica, replay_endpoint=args.replay_endpoint, engine=args.engine,
+        topic=args.topic, dp_rank=args.dp_rank, worker_rank=args.worker_rank, workers=args.workers,
+        replay_timeout=args.replay_timeout,
+    )
+
+
+def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[], bool]) -> Bridge | None:
+    """Registry, recovery, Kafka sink and the bridge; None if stopped while waiting for services."""
+    cfg = config_from_args(args)
+    topics = settings.topics
+    registry = registry_client(settings.registry_url)
+    dl_serde = RecordSerde(registry, "DeadLetter")
+    batch_serde = RecordSerde(registry, "EventBatch")
+    if args.serializer == "fast":
+        fast = _retry("registering the EventBatch schema", lambda: FastBatchSerializer.from_registry(registry, topics.raw), stop)
+        serialize_batch = fast.dumps
+        log.info("EventBatch schema id %d for %s-value", fast.schema_id, topics.raw)
+    else:
+        serialize_batch = lambda b: batch_serde.dumps(b, topics.raw)  # noqa: E731
+    resume: Resume | None = None
+    if not args.no_recover:
+        ok, resume = wait_and_recover(
+            lambda: find_last_produced(settings.bootstrap, topics.raw, cfg.replica, cfg.dp_rank, cfg.worker_rank,
+                                       lambda v: batch_serde.loads(v, topics.raw)),
+            stop,
+        )
+        if not ok:
+            return None
+        if resume is None:
+            log.info("no earlier record of %s#%d worker %d in %s: first start", cfg.replica, cfg.dp_rank,
+                     cfg.worker_rank, topics.raw)
+    metrics = BridgeMetrics()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+        log.info("metrics on :%d/metrics", args.metrics_port)
+    sink = KafkaSink.build(
+        settings.bootstrap, topics.raw, topics.dlq, serialize_batch, lambda dl: dl_serde.dumps(dl, topics.dlq),
+        metrics, _conf_pairs(args.producer_conf), max_backlog=args.max_backlog,
+        max_backlog_bytes=args.max_backlog_mb << 20,
+    )
+    return Bridge(cfg, sink, metrics, resume=resume)
+
+
+def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
+    """Run one bridge until SIGTERM/SIGINT; flushes on exit. Returns 0, or 1 if records were left undelivered."""
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    bridge = build_bridge(args, settings, stopping.is_set)
+    if bridge is None:
+        return 0
+    try:
+        bridge.open()
+        bridge.run(stopping.is_set)
+    finally:
+        left = bridge.close(args.flush_timeout)
+        m = bridge.metrics
+        log.info("bridge stopped: in %d batches / %d events, acked %d batches / %d events, dlq %d, resets %d, "
+                 "recovered %d, left undelivered %d", m.value("batches_in"), m.value("events_in"),
+                 m.value("batches_acked"), m.value("events_acked"), m.value("dlq"), m.value("resets"),
+                 m.value("recovered"), left)
+    return 1 if left else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m producers.cli bridge ...``."""
+    parser = argparse.ArgumentParser(prog="producers")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bridge_args(sub.add_parser("bridge", help="ZMQ -> Kafka bridge of one engine stream"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_bridge(args, Settings.from_env())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

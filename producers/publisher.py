@@ -1,0 +1,394 @@
+"""In-process publisher: an engine hands its KV-event batches straight to Kafka, no ZMQ.
+
+Same constructor shape and ``publish``/``shutdown`` interface as vLLM's
+``EventPublisher`` implementations (``shared/docs/kv-events-protocol.md`` §2), so a
+vLLM plugin (or any engine) can construct it like its ZMQ publisher. It writes the
+same Avro ``EventBatch`` records to the raw topic as the bridge does, with
+``engine="kvbus"``.
+
+Usage::
+
+    pub = create_publisher("kafka", replica="pod-a", data_parallel_rank=0)
+    pub.publish(batch)          # vLLM KVEventBatch, or ts/events/data_parallel_rank duck-typed
+    pub.shutdown()
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+import msgspec
+from confluent_kafka import KafkaError, Producer
+
+from producers.avro_fast import LONG, FastBatchSerializer, encode_event, longs, opt_long, opt_str
+from producers.kafka_out import producer_conf
+from producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
+from schemas.events import (
+    HASH_MASK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Reset,
+    holder_key,
+)
+from schemas.serde import registry_client
+from schemas.settings import Settings
+
+log = logging.getLogger("kvbus.producers.publisher")
+
+ENGINE = "kvbus"
+"""EventBatch.engine of records written by this publisher."""
+
+
+class EventPublisher(Protocol):
+    """What an engine calls (vLLM's ``EventPublisher`` interface)."""
+
+    def publish(self, events: Any) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class NullEventPublisher:
+    """Publishes nothing (events disabled); costs nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def publish(self, events: Any) -> None:
+        """Drop the batch."""
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+
+# -- vLLM object -> kvbus event ---------------------------------------------------------
+
+_MASK = HASH_MASK
+_EXTRA = msgspec.msgpack.Encoder()
+
+
+def _hashes(hs: list) -> tuple[list[bytes], list[bytes] | None]:
+    """Canonical hashes and, when the engine sent bytes digests, the digests."""
+    try:
+        return [(h & _MASK).to_bytes(8, "big") for h in hs], None
+    except TypeError:
+        pass
+    if any(type(h) is int for h in hs):
+        raise ValueError("block_hashes mixes int and bytes hashes")
+    digests = [bytes(h) for h in hs]
+    return [d[-8:].rjust(8, b"\0") for d in digests], digests
+
+
+def _one_hash(h: Any) -> tuple[bytes | None, bytes | None]:
+    if h is None:
+        return None, None
+    if type(h) is int:
+        return (h & _MASK).to_bytes(8, "big"), None
+    b = bytes(h)
+    return b[-8:].rjust(8, b"\0"), b
+
+
+def _medium(m: Any) -> str | None:
+    return m.upper() if isinstance(m, str) else (None if m is None else str(m).upper())
+
+
+def to_kvbus_event(e: Any) -> Any:
+    """A vLLM/SGLang event object (or a kvbus struct) as a :mod:`schemas.events` struct.
+
+    Duck-typed by class name: BlockStored, BlockRemoved, AllBlocksCleared; fields the
+    object lacks are None. Raises ValueError for any other event type.
+    """
+    t = type(e)
+    if t is BlockStored or t is BlockRemoved or t is AllBlocksCleared or t is Reset:
+        return e
+    name = t.__name__
+    g = getattr
+    if name == "BlockStored":
+        hashes, digests = _hashes(e.block_hashes)
+        parent, parent_digest = _one_hash(e.parent_block_hash)
+        extra = g(e, "extra_keys", None)
+        return BlockStored(
+            block_hashes=hashes, parent_block_hash=parent, token_ids=list(e.token_ids), block_size=e.block_size,
+            lora_id=g(e, "lora_id", None), medium=_medium(g(e, "medium", None)), lora_name=g(e, "lora_name", None),
+            extra_keys=None if extra is None else _EXTRA.encode(extra), group_idx=g(e, "group_idx", None),
+            kv_cache_spec_kind=g(e, "kv_cache_spec_kind", None),
+            kv_cache_spec_sliding_window=g(e, "kv_cache_spec_sliding_window", None),
+            locality=g(e, "locality", None), ownership=g(e, "ownership", None), session_id=g(e, "session_id", None),
+            lookahead_token_ids=g(e, "lookahead_token_ids", None), cache_salt=g(e, "cache_salt", None),
+            block_digests=digests, parent_block_digest=parent_digest,
+        )
+    if name == "BlockRemoved":
+        hashes, digests = _hashes(e.block_hashes)
+        return BlockRemoved(block_hashes=hashes, medium=_medium(g(e, "medium", None)), group_idx=g(e, "group_idx", None),
+                            locality=g(e, "locality", None), ownership=g(e, "ownership", None), block_digests=digests)
+    if name == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown KV event type {name}")
+
+
+_GPU_TAIL: dict[tuple, bytes] = {}
+
+
+def _tail(group_idx: Any, kind: Any) -> bytes:
+    """Encoding of BlockStored fields lora_name..parent_block_digest when only group_idx/kind are set."""
+    key = (group_idx, kind)
+    t = _GPU_TAIL.get(key)
+    if t is None:
+        t = _GPU_TAIL[key] = b"\x00\x00" + opt_long(group_idx) + opt_str(kind) + b"\x00" * 9
+    return t
+
+
+def encode_engine_event(e: Any) -> bytes:
+    """Avro encoding (event-union branch) of a vLLM/SGLang event object, without building a
+    kvbus struct for the common shapes: integer hashes, no LoRA, no extra keys, no offload
+    attribution. Anything else goes through :func:`to_kvbus_event`."""
+    name = type(e).__name__
+    g = getattr
+    try:
+        if name == "BlockRemoved" and g(e, "locality", None) is None and g(e, "ownership", None) is None:
+            hs = e.block_hashes
+            return (b"\x02" + LONG[len(hs)] + b"".join([(h & _MASK).to_bytes(8, "big") for h in hs])
+                    + (b"\x00" if hs else b"") + opt_str(_medium(g(e, "medium", None))) + opt_long(g(e, "group_idx", None))
+                    + b"\x00\x00\x00")
+        if (name == "BlockStored" and g(e, "lora_id", None) is None and g(e, "lora_name", None) is None
+                and g(e, "extra_keys", None) is None and g(e, "kv_cache_spec_sliding_window", None) is None
+                and g(e, "locality", None) is None and g(e, "ownership", None) is None
+                and g(e, "session_id", None) is None and g(e, "lookahead_token_ids", None) is None):
+            hs = e.block_hashes
+            p = e.parent_block_hash
+            toks = e.token_ids
+            n = len(toks)
+            if type(toks) is not list:
+                toks = list(toks)
+            return b"".join((
+                b"\x00", LONG[len(hs)], b"".join([(h & _MASK).to_bytes(8, "big") for h in hs]), b"\x00" if hs else b"",
+                b"\x00" if p is None else b"\x02" + (p & _MASK).to_bytes(8, "big"),
+                longs(toks, n),
+                LONG[e.block_size], b"\x00", opt_str(_medium(g(e, "medium", None))),
+                _tail(g(e, "group_idx", None), g(e, "kv_cache_spec_kind", None)),
+            ))
+    except (TypeError, AttributeError):  # bytes hashes, unusual objects
+        pass
+    return encode_event(to_kvbus_event(e))
+
+
+def encode_engine_events(events: list) -> bytes:
+    """The Avro ``events`` array of engine event objects."""
+    if not events:
+        return b"\x00"
+    return LONG[len(events)] + b"".join(map(encode_engine_event, events)) + b"\x00"
+
+
+# -- the publisher ------------------------------------------------------------------------
+
+class KafkaEventPublisher:
+    """Publishes an engine's KV-event batches to Kafka (topic ``settings.topics.raw``) as Avro
+    ``EventBatch`` records keyed ``<replica>#<dp_rank>``.
+
+    Contract (as vLLM's ``EventPublisher``):
+
+    * **At-least-once, in order.** Each ``publish()`` becomes one record with ``seq`` =
+      0, 1, 2, ... (monotonic, per publisher) in ``epoch`` = this publisher's start time in
+      ms; the idempotent producer keeps per-partition order. A consumer may see a record
+      twice (retries across a producer restart) and tells by its (epoch, seq) position.
+    * **Never blocks the engine.** ``publish()`` encodes and queues; delivery is
+      asynchronous. While Kafka is unreachable records wait in librdkafka's bounded queue
+      (``hwm`` records) plus a backlog of ``max_queue_size`` records; beyond that batches
+      are dropped and the loss is announced by a ``Reset(gap-unrecoverable, from, to)``
+      marker (seq -1, new epoch) before the next record that fits.
+    * **Start.** A new publisher is a new engine run: it first writes a
+      ``Reset(engine-restart)`` marker (seq -1) in its epoch, so consumers drop what the
+      previous run of this (replica, dp_rank) announced.
+    * ``shutdown()`` delivers what is queued (bounded wait) and closes; ``publish()``
+      afterwards raises RuntimeError.
+
+    vLLM constructor arguments: ``endpoint`` is the Kafka bootstrap (default
+    ``settings.bootstrap``); ``topic`` is carried as EventBatch.topic; ``hwm`` bounds
+    librdkafka's queue; ``max_queue_size`` the backlog beyond it; ``replay_endpoint`` and
+    ``buffer_steps`` are accepted and unused (Kafka is the replay log).
+    """
+
+    def __init__(
+        self,
+        data_parallel_rank: int = 0,
+        endpoint: str | None = None,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        *,
+        replica: str,
+        settings: Settings | None = None,
+        worker_rank: int = 0,
+        workers: int = 1,
+        producer_overrides: dict[str, Any] | None = None,
+        schema_id: int | None = None,
+    ) -> None:
+        self.settings = settings or Settings.from_env()
+        self.dp_rank = data_parallel_rank
+        self.replica = replica
+        self.topic = topic
+        self.worker_rank = worker_rank
+        self.workers = workers
+        self.kafka_topic = self.settings.topics.raw
+        self.max_backlog = max_queue_size
+        if schema_id is None:
+            ser = FastBatchSerializer.from_registry(registry_client(self.settings.registry_url), self.kafka_topic)
+        else:
+            ser = FastBatchSerializer(schema_id)
+        self._ser = ser
+        overrides = {"queue.buffering.max.messages": hwm, **(producer_overrides or {})}
+        self.producer = Producer(producer_conf(endpoint or self.settings.bootstrap, overrides, error_cb=self._on_error))
+        self.epoch = int(time.time() * 1000)
+        self._seq = 0
+        self._prefix: dict[int, bytes] = {}
+        self._keys: dict[int, bytes] = {}
+        self._backlog: list[tuple[bytes, bytes]] = []
+        self._lost: tuple[int, int] | None = None
+        self._closed = False
+        self.acked = 0
+        """Records Kafka acknowledged."""
+        self.failed = 0
+        """Records Kafka refused (delivery error)."""
+        self.dropped = 0
+        """Batches dropped because queue and backlog were full."""
+        self._last_err = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="kvbus-publisher-poll", daemon=True)
+        self._poller.start()
+        self._marker(REASON_ENGINE_RESTART, None, None, self.dp_rank)
+
+    # -- encoding -----------------------------------------------------------------------
+    def _key_prefix(self, dp: int) -> tuple[bytes, bytes]:
+        prefix = self._prefix.get(dp)
+        if prefix is None:
+            prefix = self._prefix[dp] = self._ser.prefix(self.replica, dp, self.worker_rank, self.workers, ENGINE)
+            self._keys[dp] = holder_key(self.replica, dp).encode()
+        return self._keys[dp], prefix
+
+    def _marker(self, reason: str, missing_from: int | None, missing_to: int | None, dp: int) -> None:
+        key, prefix = self._key_prefix(dp)
+        value = self._ser.dumps_with_prefix(prefix, self.epoch, -1, time.time(), self.topic,
+                                            [Reset(reason=reason, missing_from=missing_from, missing_to=missing_to)])
+        self._produce(key, value)
+
+    def publish(self, events: Any) -> None:
+        """Publish one batch: an object with ``ts``, ``events`` and optionally
+        ``data_parallel_rank`` (vLLM KVEventBatch, schemas.events.EventBatch or alike)."""
+        if self._closed:
+            raise RuntimeError("publish() after shutdown()")
+        batch = events
+        dp = getattr(batch, "data_parallel_rank", None)
+        if dp is None:
+            dp = getattr(batch, "dp_rank", None)
+        if dp is None:
+            dp = self.dp_rank
+        evs = encode_engine_events(batch.events)
+        key, prefix = self._key_prefix(dp)
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            if not self._room():
+                self.dropped += 1
+                lo = self._lost[0] if self._lost else seq
+                self._lost = (lo, seq)
+                return
+            if self._lost is not None:
+                lo, hi = self._lost
+                self._lost = None
+                self.epoch = max(self.epoch + 1, int(time.time() * 1000))
+                log.warning("kvbus publisher %s: batches %d..%d were dropped (Kafka unavailable); new epoch %d",
+                            self.replica, lo, hi, self.epoch)
+                self._marker(REASON_GAP, lo, hi, dp)
+            value = self._ser.dumps_encoded(prefix, self.epoch, seq, float(batch.ts), self.topic, evs)
+            self._produce(key, value)
+
+    def _room(self) -> bool:
+        return len(self._backlog) < self.max_backlog
+
+    def _produce(self, key: bytes, value: bytes) -> None:
+        if self._backlog:
+            self._backlog.append((key, value))
+            return
+        try:
+            self.producer.produce(self.kafka_topic, value, key, on_delivery=self._delivered)
+        except BufferError:
+            self._backlog.append((key, value))
+
+    def _drain(self) -> None:
+        with self._lock:
+            n = 0
+            for key, value in self._backlog:
+                try:
+                    self.producer.produce(self.kafka_topic, value, key, on_delivery=self._delivered)
+                except BufferError:
+                    break
+                n += 1
+            if n:
+                del self._backlog[:n]
+
+    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
+        if err is None:
+            self.acked += 1
+            return
+        self.failed += 1
+        now = time.monotonic()
+        if now - self._last_err > 5:
+            self._last_err = now
+            log.error("kvbus publisher %s: record refused by Kafka: %s", self.replica, err)
+
+    def _on_error(self, err: KafkaError) -> None:
+        now = time.monotonic()
+        if now - self._last_err > 5:
+            self._last_err = now
+            log.warning("kvbus publisher %s: kafka: %s", self.replica, err)
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            self.producer.poll(0.05)
+            if self._backlog:
+                self._drain()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Records not yet acknowledged (queue + backlog)."""
+        return len(self.producer) + len(self._backlog)
+
+    def flush(self, timeout: float = 10.0) -> int:
+        """Wait up to ``timeout`` s for delivery; returns records still pending."""
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            self._drain()
+            self.producer.flush(min(0.2, max(0.0, deadline - time.monotonic())))
+        return self.pending
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Deliver what is queued (at most ``timeout`` s) and stop."""
+        if self._closed:
+            return
+        self._closed = True
+        left = self.flush(timeout)
+        self._stop.set()
+        self._poller.join(timeout=2)
+        if left:
+            log.error("kvbus publisher %s: %d records not delivered at shutdown", self.replica, left)
+
+
+PUBLISHERS: dict[str, type] = {"null": NullEventPublisher, "kafka": KafkaEventPublisher}
+"""Publisher kinds of :func:`create_publisher`."""
+
+
+def create_publisher(kind: str = "kafka", **kwargs: Any) -> EventPublisher:
+    """A publisher by kind ("null" or "kafka"); ``kwargs`` go to its constructor."""
+    try:
+        cls = PUBLISHERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown publisher {kind!r}; known: {', '.join(PUBLISHERS)}") from None
+    return cls(**kwargs)
+
+
+__all__ = ["KafkaEventPublisher", "NullEventPublisher", "EventPublisher", "create_publisher", "to_kvbus_event"]

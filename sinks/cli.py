@@ -1,0 +1,133 @@
+"""``kvbus sink`` and ``kvbus lookup``: argparse wiring for the lead's ``kvbus`` command.
+
+    kvbus sink [--group G] [--prefix kvbus:] [--stale-after SEC] [--metrics-port P] [--batch N]
+    kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16] [--algo sha256|sha256_cbor])
+                 [--replicas a,b#1] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
+
+Standalone: ``python -m sinks.cli sink ...`` / ``python -m sinks.cli lookup ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from schemas.settings import Settings
+
+from sinks.redis_store import DEFAULT_PREFIX
+
+log = logging.getLogger("kvbus.sinks")
+
+
+# -------------------------------------------------------------------------- sink
+
+
+def add_sink_args(p: argparse.ArgumentParser) -> None:
+    """Options of ``kvbus sink``."""
+    p.add_argument("--group", default="kvbus-sink", help="Kafka consumer group (default kvbus-sink)")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="Redis key prefix of the view (default kvbus:)")
+    p.add_argument("--stale-after", type=float, default=300.0,
+                   help="expire holders with no event or heartbeat for SEC seconds; 0 = never (default 300)")
+    p.add_argument("--expire-every", type=float, default=5.0, help="seconds between staleness checks (default 5)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
+    p.add_argument("--batch", type=int, default=2000, help="records per poll/apply batch (default 2000)")
+
+
+def run_sink(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the sink until SIGTERM/SIGINT."""
+    from prometheus_client import start_http_server
+
+    from sinks.consumer import SinkConsumer
+    from sinks.metrics import SinkMetrics
+    from sinks.redis_store import RedisStore
+
+    store = RedisStore(settings.redis_url, args.prefix)
+    metrics = SinkMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=metrics.registry)
+        log.info("metrics on :%d/metrics", args.metrics_port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    sink = SinkConsumer(settings, store, group=args.group, stale_after=args.stale_after,
+                        expire_every=args.expire_every, batch=args.batch, metrics=metrics)
+    log.info("sink writing the view to %s under prefix %r", settings.redis_url, args.prefix)
+    sink.run(stop)
+    return 0
+
+
+# -------------------------------------------------------------------------- lookup
+
+
+def add_lookup_args(p: argparse.ArgumentParser) -> None:
+    """Options of ``kvbus lookup``."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hashes", help="comma-separated block hashes, block 0 first "
+                                      "(decimal uint64, negative int64 or 0x-hex)")
+    src.add_argument("--tokens", help="comma-separated prompt token ids (hashed as vLLM does)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block with --tokens (default 16)")
+    p.add_argument("--algo", default="sha256", choices=["sha256", "sha256_cbor"],
+                   help="vLLM --prefix-caching-hash-algo with --tokens (default sha256)")
+    p.add_argument("--replicas", help="only these candidates: replica names or <replica>#<dp_rank>, comma-separated")
+    p.add_argument("--weights", help="tier weights NAME=W over the defaults GPU=1,CPU=0.8,STORAGE=0.5,*=0.5 "
+                                     "(NAME: a medium or an ownership)")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="Redis key prefix of the view (default kvbus:)")
+    p.add_argument("--json", action="store_true", help='print {"<replica>": {"matched": N, ...}, ...}')
+
+
+def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dict]:
+    """The ``--json`` answer of ``kvbus lookup``: holders by display name, best first."""
+    from sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
+    from sinks.redis_store import RedisStore
+    from sinks.tiers import Weights
+
+    if args.hashes is not None:
+        chain = parse_hashes(args.hashes)
+    else:
+        chain = chain_from_tokens(parse_tokens(args.tokens), args.block_size, args.algo)
+    candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
+    store = RedisStore(settings.redis_url, args.prefix, load=False)
+    found = store.lookup(chain, weights=Weights.parse(args.weights), candidates=candidates)
+    ranked = sorted(found.items(), key=lambda kv: (-kv[1].score, -kv[1].matched, kv[0]))
+    return {name: m.to_json() for name, m in ranked}
+
+
+def run_lookup(args: argparse.Namespace, settings: Settings) -> int:
+    """Print which holders hold the longest prefix of a chain."""
+    from sinks.functions import FunctionsUnavailable
+
+    try:
+        answer = lookup_answer(args, settings)
+    except (ValueError, FunctionsUnavailable) as e:
+        print(f"kvbus lookup: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(answer))
+        return 0
+    if not answer:
+        print("no replica holds block 0 of this chain")
+        return 0
+    print(f"{'replica':<28} {'matched':>7} {'score':>9}  tiers")
+    for name, m in answer.items():
+        tiers = " ".join(f"{t}={n}" for t, n in m["tiers"].items())
+        print(f"{name:<28} {m['matched']:>7} {m['score']:>9.3f}  {tiers}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sinks.cli {sink,lookup} ...``."""
+    ap = argparse.ArgumentParser(prog="kvbus-sinks")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_sink_args(sub.add_parser("sink", help="apply block events to the Redis view"))
+    add_lookup_args(sub.add_parser("lookup", help="longest cached prefix per replica"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings.from_env()
+    return run_sink(args, settings) if args.cmd == "sink" else run_lookup(args, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The sink: consume consolidated BlockEvents from Kafka and apply them to the residency view.
+
+Loop (``SinkConsumer.step``): poll a batch from every block topic (regex subscription, so new tier
+topics ``kvbus.blocks.<ownership>`` are picked up), decode and check each record (failures go to
+the dead-letter topic), apply the batch to the store (one FCALL per holder, pipelined; positions are
+stored with the change, so redelivery is harmless), flush dead letters, then commit the offsets.
+Offsets are only a resume hint: a sink killed anywhere re-reads at most one batch, which the stored
+positions turn into duplicates. Every ``expire_every`` seconds, when caught up, holders silent for
+``stale_after`` seconds are expired.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+
+from schemas.events import BlockEvent, DeadLetter
+from schemas.serde import RecordSerde, registry_client
+from schemas.settings import Settings
+from schemas.topics import Topics
+
+from sinks.metrics import SinkMetrics
+from sinks.store import ResidencyStore
+from sinks.validate import problem
+
+log = logging.getLogger("kvbus.sinks")
+
+STAGE = "sink"
+
+
+class SinkConsumer:
+    """Kafka -> residency view.
+
+    ``settings``: where Kafka and the registry are; ``store``: the view; ``topics``: topic names
+    (default ``settings.topics``); ``group``: consumer group; ``stale_after``: seconds without events
+    or heartbeat after which a holder is expired (0 = never); ``batch``: records per poll.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: ResidencyStore,
+        *,
+        topics: Topics | None = None,
+        group: str = "kvbus-sink",
+        stale_after: float = 300.0,
+        expire_every: float = 5.0,
+        batch: int = 2000,
+        poll_timeout: float = 0.5,
+        metrics: SinkMetrics | None = None,
+        consumer_conf: dict[str, Any] | None = None,
+    ):
+        self.settings = settings
+        self.store = store
+        self.topics = topics or settings.topics
+        self.stale_after = stale_after
+        self.expire_every = expire_every
+        self.batch = batch
+        self.poll_timeout = poll_timeout
+        self.metrics = metrics or SinkMetrics()
+        registry = registry_client(settings.registry_url)
+        self.serde = RecordSerde(registry, "BlockEvent", auto_register=False)
+        self.dlq_serde = RecordSerde(registry, "DeadLetter")
+        conf = {
+            "bootstrap.servers": settings.bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "topic.metadata.refresh.interval.ms": 5000,
+            "enable.partition.eof": False,
+        }
+        conf.update(consumer_conf or {})
+        self.consumer = Consumer(conf)
+        self.producer = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True,
+                                  "acks": "all", "linger.ms": 5})
+        self.consumer.subscribe([self.topics.blocks_pattern()])
+        self._last_expire = 0.0
+        self._caught_up = False
+        self._dlq_errors: list[str] = []
+        log.info("sink subscribed to %s as group %s", self.topics.blocks_pattern(), group)
+
+    # -- one batch ------------------------------------------------------------
+
+    def step(self) -> int:
+        """Poll one batch, apply it, commit; returns the number of records read."""
+        msgs = self.consumer.consume(num_messages=self.batch, timeout=self.poll_timeout)
+        records: list[tuple[str, BlockEvent]] = []
+        sources: list[tuple[Any, str]] = []
+        dead = 0
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.fatal():
+                    raise KafkaException(err)
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consumer error: %s", err)
+                continue
+            source = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+            try:
+                ev = self.serde.loads(msg.value(), msg.topic())
+            except Exception as e:  # undecodable: anything the deserializer raises
+                self._dead(msg, source, f"decode: {type(e).__name__}: {e}", "decode")
+                dead += 1
+                continue
+            why = problem(msg.topic(), msg.key(), ev, self.topics)
+            if why is not None:
+                self._dead(msg, source, why, "invalid")
+                dead += 1
+                continue
+            records.append((msg.topic(), ev))
+            sources.append((msg, source))
+        self.metrics.records.inc(len(msgs))
+        if records:
+            t0 = time.perf_counter()
+            res = self.store.apply(records)
+            self.metrics.apply_seconds.observe(time.perf_counter() - t0)
+            self.metrics.observe(res)
+            for topic, ev, reason in res.failed:
+                msg, source = next((m, s) for (m, s), (t, e) in zip(sources, records) if e is ev)
+                self._dead(msg, source, f"store: {reason}", "store")
+                dead += 1
+        if dead:
+            self._flush_dead()
+        if msgs:
+            self.consumer.commit(asynchronous=True)
+        self._caught_up = len(msgs) < self.batch
+        self._maybe_expire()
+        return len(msgs)
+
+    def _dead(self, msg: Any, source: str, reason: str, kind: str) -> None:
+        log.warning("dead letter %s: %s", source, reason)
+        letter = DeadLetter(stage=STAGE, source=source, reason=reason, payload=[msg.value() or b""], ts=time.time())
+        self.producer.produce(self.topics.dlq, key=source.encode(), value=self.dlq_serde.dumps(letter, self.topics.dlq),
+                              on_delivery=self._on_dlq_delivery)
+        self.metrics.dead_letters.labels(kind).inc()
+
+    def _on_dlq_delivery(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            self._dlq_errors.append(str(err))
+
+    def _flush_dead(self) -> None:
+        """Dead letters must be durable before the offsets of their records are committed."""
+        remaining = self.producer.flush(30)
+        if remaining or self._dlq_errors:
+            errors, self._dlq_errors = self._dlq_errors, []
+            raise RuntimeError(f"dead-letter topic unavailable ({remaining} undelivered, errors: {errors[:3]})")
+
+    def _maybe_expire(self) -> None:
+        now = time.time()
+        if now - self._last_expire < self.expire_every or not self._caught_up:
+            return
+        self._last_expire = now
+        if self.stale_after > 0:
+            expired = self.store.expire_stale(self.stale_after, now)
+            if expired:
+                log.info("expired %d stale holders: %s", len(expired), ", ".join(expired[:10]))
+                self.metrics.expired.inc(len(expired))
+        self.metrics.set_view(self.store.size(), len(self.store.stale()))
+
+    # -- loop -----------------------------------------------------------------
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Run until ``stop`` is set; then commit and close."""
+        stop = stop or threading.Event()
+        try:
+            while not stop.is_set():
+                self.step()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Commit what was applied and leave the group."""
+        try:
+            self.producer.flush(10)
+            self.consumer.commit(asynchronous=False)
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError._NO_OFFSET:
+                log.warning("final commit failed: %s", e)
+        finally:
+            self.consumer.close()
+            log.info("sink stopped")

@@ -1,0 +1,84 @@
+"""The ``kvbus`` Redis function library (``sinks/lua/kvbus.lua``): loading and calling it.
+
+Functions are loaded once with ``FUNCTION LOAD REPLACE`` and called with FCALL / FCALL_RO. When a
+server lost them (restart without persistence, ``FUNCTION FLUSH``, a new replica), a call fails with
+"Function not found": :func:`call` loads the library and retries once.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import redis
+
+LIBRARY_PATH = Path(__file__).parent / "lua" / "kvbus.lua"
+MIN_REDIS = (7, 0, 0)
+
+
+@lru_cache(maxsize=None)
+def library_version() -> str:
+    """Version of the library: a digest of ``kvbus.lua``, so any change reloads it."""
+    return hashlib.sha1(LIBRARY_PATH.read_bytes()).hexdigest()[:16]
+
+
+@lru_cache(maxsize=None)
+def library_code() -> str:
+    """Source of the ``kvbus`` library as loaded (``@VERSION@`` filled in)."""
+    return LIBRARY_PATH.read_text().replace("@VERSION@", library_version())
+
+
+class FunctionsUnavailable(RuntimeError):
+    """The kvbus functions are missing and this connection cannot load them (replica, read-only user)."""
+
+
+def is_missing(err: Exception) -> bool:
+    """Whether ``err`` says the called function does not exist on the server."""
+    return isinstance(err, redis.ResponseError) and "function not found" in str(err).lower()
+
+
+def check_server(r: redis.Redis) -> None:
+    """Raise if the server is older than Redis 7.0 (no functions)."""
+    version = r.info("server").get("redis_version", "0")
+    parts = tuple(int(x) for x in re.findall(r"\d+", str(version))[:3])
+    if parts < MIN_REDIS:
+        raise RuntimeError(f"Redis {version} has no functions: kvbus needs Redis >= 7.0")
+
+
+def load_library(r: redis.Redis) -> None:
+    """``FUNCTION LOAD REPLACE`` the library; :class:`FunctionsUnavailable` if the server refuses."""
+    try:
+        r.function_load(library_code(), replace=True)
+    except (redis.exceptions.NoPermissionError, redis.exceptions.ReadOnlyError) as e:
+        raise FunctionsUnavailable(
+            f"kvbus functions are not loaded on this server and cannot be loaded from here ({e}); "
+            "start a sink against the primary, it loads them"
+        ) from e
+
+
+def ensure_library(r: redis.Redis) -> None:
+    """Load the library unless the server already has this version."""
+    try:
+        current = r.fcall_ro("kvbus_version", 0)
+    except redis.ResponseError as e:
+        if not is_missing(e):
+            raise
+        current = None
+    if isinstance(current, bytes):
+        current = current.decode()
+    if current != library_version():
+        load_library(r)
+
+
+def call(r: redis.Redis, name: str, *args: Any, readonly: bool = False) -> Any:
+    """FCALL (or FCALL_RO) ``name`` with no keys and ``args``; loads the library once if it is missing."""
+    fn = r.fcall_ro if readonly else r.fcall
+    try:
+        return fn(name, 0, *args)
+    except redis.ResponseError as e:
+        if not is_missing(e):
+            raise
+    load_library(r)
+    return fn(name, 0, *args)

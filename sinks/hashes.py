@@ -1,0 +1,48 @@
+"""Block-hash input for lookups: hash strings as routers and operators write them, or a prompt's tokens."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from schemas.events import canonical_hash
+from schemas.hashing import HASH_ALGOS, block_hashes
+
+U64 = 1 << 64
+I64_MIN = -(1 << 63)
+
+
+def parse_hash(text: str) -> bytes:
+    """One block hash as its canonical 8 bytes: decimal uint64 (vLLM), negative decimal int64
+    (SGLang) or ``0x`` hex (at most 16 digits). Raises ValueError otherwise."""
+    s = text.strip()
+    try:
+        if s.lower().startswith("0x"):
+            value = int(s, 16)
+            if not 0 <= value < U64:
+                raise ValueError
+        else:
+            value = int(s, 10)
+            if not I64_MIN <= value < U64:
+                raise ValueError
+    except ValueError:
+        raise ValueError(f"not a 64-bit block hash: {text!r} (decimal uint64, negative int64 or 0x-hex)") from None
+    return canonical_hash(value)
+
+
+def parse_hashes(text: str) -> list[bytes]:
+    """Comma-separated hashes (see :func:`parse_hash`), chain order."""
+    return [parse_hash(p) for p in text.split(",") if p.strip()]
+
+
+def parse_tokens(text: str) -> list[int]:
+    """Comma-separated token ids."""
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError as e:
+        raise ValueError(f"token ids must be integers: {e}") from None
+
+
+def chain_from_tokens(tokens: Sequence[int], block_size: int, algo: str = "sha256") -> list[bytes]:
+    """The chain of block hashes vLLM publishes for a prompt (full blocks only; protocol doc §5)."""
+    if algo not in HASH_ALGOS:
+        raise ValueError(f"unknown hash algorithm {algo!r}; one of {sorted(HASH_ALGOS)}")
+    return block_hashes(tokens, block_size, algo)

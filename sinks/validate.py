@@ -1,0 +1,34 @@
+"""Checks a decoded BlockEvent must pass before the sink applies it.
+
+A record failing them cannot be right (it names its holder inconsistently, or sits on a topic its
+tier does not belong to, or has an impossible position): it goes to the dead-letter topic.
+"""
+from __future__ import annotations
+
+from schemas.events import BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
+from schemas.topics import Topics
+
+
+def problem(topic: str, key: bytes | None, ev: BlockEvent, topics: Topics) -> str | None:
+    """Why ``ev`` read from ``topic`` with Kafka key ``key`` cannot be applied, or None if it can."""
+    if not isinstance(ev, BlockEvent):
+        return f"not a BlockEvent: {type(ev).__name__}"
+    if not ev.replica:
+        return "empty replica id"
+    if ev.dp_rank < 0:
+        return f"negative dp_rank {ev.dp_rank}"
+    if key is not None and key.decode("utf-8", "replace") != holder_key(ev.replica, ev.dp_rank):
+        return f"record key {key!r} does not name the event's holder {holder_key(ev.replica, ev.dp_rank)!r}"
+    if ev.epoch < 0 or ev.seq < -1 or ev.index < 0:
+        return f"impossible position {ev.position}"
+    e = ev.event
+    if isinstance(e, Reset) and ev.seq != -1:
+        return f"reset marker with seq {ev.seq} (markers have seq -1)"
+    if isinstance(e, (BlockStored, BlockRemoved)):
+        bad = [h for h in e.block_hashes if len(h) != 8]
+        if bad:
+            return f"block hash of {len(bad[0])} bytes (canonical hashes have 8)"
+        expected = topics.for_ownership(e.ownership)
+        if topic != expected:
+            return f"{type(e).__name__} of ownership {e.ownership!r} on topic {topic!r} (belongs on {expected!r})"
+    return None

@@ -1,0 +1,73 @@
+"""Topics, the state table and the agents of the streams stage (a thin shell over
+:mod:`streams.runtime` and :mod:`streams.aggregation`).
+
+* ``consolidate``: reads raw EventBatch records in batches and hands them to the runtime.
+* ``sweep`` (timer): expires partial aggregates older than the window.
+* ``STATE`` table: the durable copy of the aggregation state, keyed ``<holder>\\0`` (meta) and
+  ``<holder>\\0<identity>`` (open aggregates); its changelog has the raw topic's partition count
+  and every entry lives in the partition of its holder's raw records.
+
+Why a plain Table swept by a timer rather than a windowed table: see docs/streams.md
+("Expiry").
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import faust
+
+from streams.app import OPTIONS, SETTINGS, app
+from streams.runtime import Runtime
+
+log = logging.getLogger("kvbus.streams")
+
+RAW = app.topic(
+    SETTINGS.topics.raw,
+    key_serializer="raw",
+    value_serializer="raw",
+    partitions=SETTINGS.partitions,
+)
+"""Raw EventBatch records (Confluent-wire Avro), keyed ``<replica>#<dp_rank>``; pre-created by infra."""
+
+STATE = app.Table(
+    "state",
+    schema=faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw"),
+    partitions=SETTINGS.partitions,
+    help="Aggregation state: holder meta and open aggregates (msgpack).",
+)
+"""Durable aggregation state; changelog topic ``<app id>-state-changelog`` (compacted)."""
+
+RUNTIME = Runtime(app, SETTINGS, OPTIONS, STATE)
+"""This process's runtime."""
+
+
+@app.agent(RAW, name="consolidate")
+async def consolidate(stream: Any) -> None:
+    """Aggregate worker reports into consolidated events, a batch of raw records at a time."""
+    async for events in stream.take_events(OPTIONS.batch, within=OPTIONS.batch_within):
+        await RUNTIME.process(events)
+
+
+@app.timer(interval=OPTIONS.sweep)
+async def sweep() -> None:
+    """Expire partial aggregates that waited longer than the window."""
+    await RUNTIME.sweep()
+
+
+@STATE.on_recover
+async def rebuild() -> None:
+    """Table recovered after a rebalance: rebuild the working state of our partitions."""
+    await RUNTIME.rebuild()
+
+
+@app.on_partitions_revoked.connect
+async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
+    """Forget the working state of partitions moving to another worker."""
+    RUNTIME.revoke(tp.partition for tp in revoked if tp.topic == SETTINGS.topics.raw)
+
+
+@app.on_before_shutdown.connect
+def on_shutdown(sender: Any, **kwargs: Any) -> None:
+    """Deliver queued outputs before the worker stops."""
+    RUNTIME.stop()

@@ -1,0 +1,85 @@
+"""``kvbus worker``: run one Faust worker of the streams stage.
+
+    kvbus worker [--workdir DIR] [--window SEC] [--metrics-port P] [--app-id ID]
+                 [--datadir DIR] [--store URL] [--loglevel LEVEL]
+
+Every flag defaults to its ``KVBUS_STREAMS_*`` variable (see :mod:`streams.options`);
+Kafka, registry and topic names come from the Settings (``KVBUS_*``). The worker runs in this
+process and stops cleanly on SIGTERM/SIGINT. ``python -m streams worker -l info`` runs the
+same app with options from the environment only.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from schemas.settings import Settings
+
+log = logging.getLogger("kvbus.streams")
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """Add the ``kvbus worker`` options to ``p``."""
+    p.add_argument("--workdir", help="directory for the worker's data directory (KVBUS_STREAMS_WORKDIR; default .)")
+    p.add_argument("--datadir", help="Faust data directory, one per worker process "
+                                     "(KVBUS_STREAMS_DATADIR; default <workdir>/<app-id>-data)")
+    p.add_argument("--window", type=float, help="seconds a partial aggregate waits for the other workers "
+                                                "(KVBUS_STREAMS_WINDOW; default 5)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port, 0 = off "
+                                                    "(KVBUS_STREAMS_METRICS_PORT; default 0)")
+    p.add_argument("--app-id", help="Faust app id = consumer group (KVBUS_STREAMS_APP_ID; default kvbus-streams)")
+    p.add_argument("--store", help="table store: memory:// or rocksdb:// (KVBUS_STREAMS_STORE; default memory://)")
+    p.add_argument("--loglevel", default="info", help="log level (default info)")
+
+
+def _export(settings: Settings) -> None:
+    """Make the module-level Faust app see ``settings`` (it reads the environment at import)."""
+    env = os.environ
+    env["KVBUS_BOOTSTRAP"] = settings.bootstrap
+    env["KVBUS_REGISTRY_URL"] = settings.registry_url
+    env["KVBUS_REDIS_URL"] = settings.redis_url
+    env["KVBUS_PARTITIONS"] = str(settings.partitions)
+    t = settings.topics
+    env["KVBUS_TOPIC_RAW"] = t.raw
+    env["KVBUS_TOPIC_BLOCKS"] = t.blocks
+    env["KVBUS_TOPIC_INCOMPLETE"] = t.incomplete
+    env["KVBUS_TOPIC_DLQ"] = t.dlq
+
+
+def run_worker(args: argparse.Namespace, settings: Settings) -> int:
+    """Run a streams worker until SIGTERM/SIGINT; returns the exit code."""
+    _export(settings)
+    env = os.environ
+    for flag, var in (("workdir", "KVBUS_STREAMS_WORKDIR"), ("datadir", "KVBUS_STREAMS_DATADIR"),
+                      ("window", "KVBUS_STREAMS_WINDOW"), ("metrics_port", "KVBUS_STREAMS_METRICS_PORT"),
+                      ("app_id", "KVBUS_STREAMS_APP_ID"), ("store", "KVBUS_STREAMS_STORE")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            env[var] = str(value)
+    import sys
+
+    if "streams.app" in sys.modules:
+        log.warning("streams.app was imported before run_worker: options may not apply")
+    from faust.worker import Worker
+
+    import streams.agents  # noqa: F401  (declares topics, table, agents)
+    from streams.app import OPTIONS, app
+
+    OPTIONS.data_dir.mkdir(parents=True, exist_ok=True)
+    log.info("starting streams worker app_id=%s datadir=%s", OPTIONS.app_id, OPTIONS.data_dir)
+    worker = Worker(app, loglevel=getattr(args, "loglevel", None) or "info",
+                    workdir=str(Path(OPTIONS.workdir).resolve()))
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry: ``python -m streams.cli [options]``."""
+    p = argparse.ArgumentParser(prog="kvbus worker", description=__doc__.splitlines()[0])
+    add_worker_args(p)
+    return run_worker(p.parse_args(argv), Settings.from_env())

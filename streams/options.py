@@ -1,0 +1,90 @@
+"""Options of the streams stage (besides the shared :class:`schemas.settings.Settings`).
+
+Read from the environment so that ``python -m streams worker`` subprocesses and the
+``kvbus worker`` command configure the module-level Faust app identically; ``kvbus worker``
+flags are written to these variables before the app is imported.
+
+| variable | default | meaning |
+|---|---|---|
+| ``KVBUS_STREAMS_APP_ID`` | ``kvbus-streams`` | Faust app id = consumer group and changelog topic prefix |
+| ``KVBUS_STREAMS_WINDOW`` | ``5.0`` | seconds a partial aggregate waits for the other workers |
+| ``KVBUS_STREAMS_SWEEP`` | ``0.5`` | seconds between expiry sweeps |
+| ``KVBUS_STREAMS_METRICS_PORT`` | ``0`` | Prometheus port (0: no endpoint) |
+| ``KVBUS_STREAMS_WEB_PORT`` | unset | Faust's web server port; unset: web disabled |
+| ``KVBUS_STREAMS_WORKDIR`` | ``.`` | directory for Faust's data directory |
+| ``KVBUS_STREAMS_DATADIR`` | ``<workdir>/<app id>-data`` | Faust data directory (one per worker process) |
+| ``KVBUS_STREAMS_STORE`` | ``memory://`` | table store: ``memory://`` or ``rocksdb://`` |
+| ``KVBUS_REPLICATION`` | ``1`` | replication factor of changelog and tier topics |
+| ``KVBUS_STREAMS_STANDBY_REPLICAS`` | ``0`` | Faust standby replicas of the table |
+| ``KVBUS_STREAMS_SESSION_TIMEOUT`` | ``10`` | seconds before a dead worker's partitions move |
+| ``KVBUS_STREAMS_BATCH`` | ``2000`` | raw records taken per processing batch |
+| ``KVBUS_STREAMS_BATCH_WITHIN`` | ``0.02`` | seconds to wait for a batch to fill |
+| ``KVBUS_STREAMS_COMMIT_INTERVAL`` | ``1.0`` | seconds between offset commits |
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class StreamsOptions:
+    """How one streams worker runs; every field has a ``KVBUS_*`` variable (module doc)."""
+
+    app_id: str = "kvbus-streams"
+    """Faust app id: consumer group id and prefix of the changelog topic."""
+    window: float = 5.0
+    """Seconds a partial aggregate waits for the remaining workers before it is Incomplete."""
+    sweep: float = 0.5
+    """Seconds between expiry sweeps (an aggregate expires at most this late)."""
+    metrics_port: int = 0
+    """Port of the Prometheus endpoint; 0 disables it."""
+    web_port: Optional[int] = None
+    """Port of Faust's own web server; None disables it."""
+    workdir: str = "."
+    """Directory that holds the data directory."""
+    datadir: Optional[str] = None
+    """Faust data directory (RocksDB files); default ``<workdir>/<app_id>-data``."""
+    store: str = "memory://"
+    """Table store URL: memory:// (rebuilt from the changelog) or rocksdb:// (local files)."""
+    replication: int = 1
+    """Replication factor of the changelog topic and of tier topics this stage creates."""
+    standby_replicas: int = 0
+    """Faust standby replicas of the state table (useful with rocksdb://)."""
+    session_timeout: float = 10.0
+    """Consumer-group session timeout: how fast a killed worker's partitions move."""
+    batch: int = 2000
+    """Maximum raw records per processing batch."""
+    batch_within: float = 0.02
+    """Seconds to wait for a batch to fill before processing what arrived."""
+    commit_interval: float = 1.0
+    """Seconds between offset commits (replay after a crash is at most about this long)."""
+
+    @classmethod
+    def from_env(cls) -> "StreamsOptions":
+        """Options from KVBUS_STREAMS_* (and KVBUS_REPLICATION), defaults for the rest."""
+        env = os.environ
+        web = env.get("KVBUS_STREAMS_WEB_PORT")
+        return cls(
+            app_id=env.get("KVBUS_STREAMS_APP_ID", cls.app_id),
+            window=float(env.get("KVBUS_STREAMS_WINDOW", cls.window)),
+            sweep=float(env.get("KVBUS_STREAMS_SWEEP", cls.sweep)),
+            metrics_port=int(env.get("KVBUS_STREAMS_METRICS_PORT", cls.metrics_port)),
+            web_port=int(web) if web else None,
+            workdir=env.get("KVBUS_STREAMS_WORKDIR", cls.workdir),
+            datadir=env.get("KVBUS_STREAMS_DATADIR") or None,
+            store=env.get("KVBUS_STREAMS_STORE", cls.store),
+            replication=int(env.get("KVBUS_REPLICATION", cls.replication)),
+            standby_replicas=int(env.get("KVBUS_STREAMS_STANDBY_REPLICAS", cls.standby_replicas)),
+            session_timeout=float(env.get("KVBUS_STREAMS_SESSION_TIMEOUT", cls.session_timeout)),
+            batch=int(env.get("KVBUS_STREAMS_BATCH", cls.batch)),
+            batch_within=float(env.get("KVBUS_STREAMS_BATCH_WITHIN", cls.batch_within)),
+            commit_interval=float(env.get("KVBUS_STREAMS_COMMIT_INTERVAL", cls.commit_interval)),
+        )
+
+    @property
+    def data_dir(self) -> Path:
+        """The Faust data directory to use."""
+        return Path(self.datadir) if self.datadir else Path(self.workdir) / f"{self.app_id}-data"

@@ -1,0 +1,245 @@
+"""Bridge against the real stack: Kafka + schema registry (integration).
+
+The bridge runs as its own process (``python -m producers.cli bridge``) against an
+in-process synthetic engine; what it wrote is read back with a plain confluent
+Consumer and the registry's AvroDeserializer (not kvbus's RecordSerde).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import replace
+from typing import Callable
+
+import msgspec
+import pytest
+from confluent_kafka import Consumer
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from kvbus.engine_wire import project
+from kvbus.fleet import Fleet, FleetConfig
+from producers.recovery import partition_for
+from producers.sequencer import REASON_ENGINE_RESTART
+from schemas.events import BlockStored, holder_key
+from schemas.settings import Settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+REPLICA = "replica-0"
+FMT = "vllm-0.33"
+ZMQ_TOPIC = "kv@replica-0@model"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class RawReader:
+    """Reads a topic from the beginning with a plain Consumer + AvroDeserializer (dicts)."""
+
+    def __init__(self, settings: Settings, topic: str) -> None:
+        self.topic = topic
+        self.consumer = Consumer({
+            "bootstrap.servers": settings.bootstrap, "group.id": f"test-{uuid.uuid4().hex}",
+            "auto.offset.reset": "earliest", "enable.auto.commit": False,
+        })
+        self.consumer.subscribe([topic])
+        self.deser = AvroDeserializer(SchemaRegistryClient({"url": settings.registry_url}))
+        self.records: list[tuple[int, int, bytes, dict]] = []  # (partition, offset, key, value)
+
+    def poll(self, seconds: float = 0.5) -> None:
+        for msg in self.consumer.consume(1000, timeout=seconds):
+            assert msg.error() is None, msg.error()
+            value = self.deser(msg.value(), SerializationContext(self.topic, MessageField.VALUE))
+            self.records.append((msg.partition(), msg.offset(), msg.key(), value))
+
+    def until(self, cond: Callable[[list[dict]], bool], timeout: float = 60.0, what: str = "records") -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.poll()
+            if cond(self.values()):
+                return self.values()
+        raise AssertionError(f"timed out waiting for {what}; have {len(self.records)} records")
+
+    def values(self) -> list[dict]:
+        return [v for *_, v in sorted(self.records, key=lambda r: (r[0], r[1]))]
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class BridgeProcess:
+    """``python -m producers.cli bridge`` with this test's topics."""
+
+    def __init__(self, settings: Settings, endpoint: str, replay_endpoint: str | None, *extra: str) -> None:
+        env = dict(os.environ, KVBUS_BOOTSTRAP=settings.bootstrap, KVBUS_REGISTRY_URL=settings.registry_url,
+                   KVBUS_TOPIC_RAW=settings.topics.raw, KVBUS_TOPIC_DLQ=settings.topics.dlq,
+                   KVBUS_TOPIC_BLOCKS=settings.topics.blocks, KVBUS_TOPIC_INCOMPLETE=settings.topics.incomplete)
+        argv = [sys.executable, "-m", "producers.cli", "bridge", "--endpoint", endpoint, "--replica", REPLICA,
+                "--topic", ZMQ_TOPIC, "--flush-timeout", "10", *extra]
+        if replay_endpoint:
+            argv += ["--replay-endpoint", replay_endpoint]
+        self.log_path = f"/tmp/kvbus-test-bridge-{uuid.uuid4().hex[:8]}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until the bridge has subscribed (its log says so)."""
+        wait_for(lambda: b"SUB tcp://" in open(self.log_path, "rb").read() or self.proc.poll() is not None,
+                 timeout, "bridge start")
+        assert self.proc.poll() is None, self.output()
+        time.sleep(0.3)
+
+    def output(self) -> str:
+        return open(self.log_path, "rb").read().decode(errors="replace")
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=30)
+        self._log.close()
+        return rc
+
+    def kill(self) -> None:
+        self.proc.kill()  # SIGKILL: no flush, no goodbye
+        self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture
+def fleet():
+    f = Fleet(FleetConfig(replicas=1, base_port=0, format=FMT, topic=ZMQ_TOPIC, seed=3)).start()
+    yield f
+    f.stop()
+
+
+def _data(values: list[dict]) -> list[dict]:
+    return [v for v in values if v["seq"] >= 0]
+
+
+def test_bridge_records_read_back_field_for_field(test_settings: Settings, fleet: Fleet):
+    stream = fleet.streams()[0]
+    pub = fleet.publisher(REPLICA)
+    model = fleet.models[(REPLICA, 0)]
+    sent = []
+    for i in range(3):  # published before the bridge connects: only replay can deliver them
+        evs = model.step()
+        pub.publish(evs, ts=1_750_000_000.0 + i)
+        sent.append(evs)
+    bridge = BridgeProcess(test_settings, stream.endpoint, stream.replay_endpoint)
+    reader = RawReader(test_settings, test_settings.topics.raw)
+    try:
+        bridge.wait_ready()
+        for i in range(3, 25):
+            evs = model.step()
+            pub.publish(evs, ts=1_750_000_000.0 + i)
+            sent.append(evs)
+        values = reader.until(lambda vs: len(vs) >= 25, what="25 records")
+        assert bridge.terminate() == 0, bridge.output()
+        reader.poll(1.0)
+        values = reader.values()
+    finally:
+        reader.close()
+        if bridge.proc.poll() is None:
+            bridge.kill()
+    assert len(values) == 25 and all(v["seq"] >= 0 for v in values)
+    epoch = values[0]["epoch"]
+    assert epoch > 1_700_000_000_000
+    for i, (v, evs) in enumerate(zip(values, sent)):
+        assert {k: v[k] for k in ("replica", "dp_rank", "worker_rank", "workers", "engine", "epoch", "seq", "ts", "topic")} == {
+            "replica": REPLICA, "dp_rank": 0, "worker_rank": 0, "workers": 1, "engine": "vllm", "epoch": epoch,
+            "seq": i, "ts": 1_750_000_000.0 + i, "topic": ZMQ_TOPIC,
+        }
+        assert v["events"] == [msgspec.structs.asdict(project(FMT, e)) for e in evs]
+    # every record sits in the partition the Java/murmur2 partitioner picks for its key
+    key = holder_key(REPLICA, 0).encode()
+    assert {(p, k) for p, _, k, _ in reader.records} == {(partition_for(key, test_settings.partitions), key)}
+
+
+def test_killed_bridge_restarts_without_losing_what_the_engine_buffered(test_settings: Settings, fleet: Fleet):
+    stream = fleet.streams()[0]
+    pub = fleet.publisher(REPLICA)
+
+    def publish(n: int) -> None:
+        for _ in range(n):
+            i = pub.next_seq
+            pub.publish([BlockStored(block_hashes=[(i + 1).to_bytes(8, "big")], token_ids=list(range(16)),
+                                     block_size=16, medium="GPU")], ts=1000.0 + i)
+
+    reader = RawReader(test_settings, test_settings.topics.raw)
+    first = BridgeProcess(test_settings, stream.endpoint, stream.replay_endpoint)
+    try:
+        first.wait_ready()
+        publish(10)
+        reader.until(lambda vs: len(_data(vs)) >= 10, what="10 records from the first bridge")
+        first.kill()
+        publish(15)  # while no bridge runs: only the engine's replay buffer has them
+        second = BridgeProcess(test_settings, stream.endpoint, stream.replay_endpoint)
+        second.wait_ready()
+        publish(5)
+        values = reader.until(lambda vs: len(_data(vs)) >= 30, what="30 records")
+        assert "recovered" in second.output() and "seq 9" in second.output()
+        assert second.terminate() == 0, second.output()
+        reader.poll(1.0)
+        values = reader.values()
+        assert [v["seq"] for v in values] == list(range(30))  # in order, nothing lost, no duplicate
+        assert len({v["epoch"] for v in values}) == 1  # the restarted bridge resumed the epoch
+        assert [v["ts"] for v in values] == [1000.0 + i for i in range(30)]
+
+        # the engine restarts while no bridge runs: the next bridge announces it
+        pub.restart()
+        publish(3)
+        third = BridgeProcess(test_settings, stream.endpoint, stream.replay_endpoint)
+        third.wait_ready()
+        publish(1)
+        values = reader.until(lambda vs: len(vs) >= 30 + 1 + 4, what="reset + 4 records")
+        assert third.terminate() == 0, third.output()
+        tail = values[30:]
+        assert tail[0]["seq"] == -1 and tail[0]["events"] == [
+            {"reason": REASON_ENGINE_RESTART, "missing_from": None, "missing_to": None}]
+        assert tail[0]["epoch"] > values[0]["epoch"]
+        assert [v["seq"] for v in tail[1:]] == [0, 1, 2, 3]
+        assert {v["epoch"] for v in tail} == {tail[0]["epoch"]}
+    finally:
+        reader.close()
+        for b in ("first", "second", "third"):
+            proc = locals().get(b)
+            if proc is not None and proc.proc.poll() is None:
+                proc.kill()
+
+
+def test_bad_input_lands_in_the_dlq_topic(test_settings: Settings, fleet: Fleet):
+    stream = fleet.streams()[0]
+    pub = fleet.publisher(REPLICA)
+    bridge = BridgeProcess(test_settings, stream.endpoint, None, "--no-recover")
+    dlq = RawReader(test_settings, test_settings.topics.dlq)
+    raw = RawReader(test_settings, test_settings.topics.raw)
+    try:
+        bridge.wait_ready()
+        # probe until the subscription is live (no replay endpoint here)
+        wait_for(lambda: (pub.publish([BlockStored(block_hashes=[b"\0" * 8], block_size=16)]) >= 0
+                          and (raw.poll(0.2) or True) and len(raw.records) > 0), 30, "first record")
+        pub.send_raw([ZMQ_TOPIC.encode(), b"short"])  # 2 frames
+        pub.publish_payload(b"\x93\xcb\x00")  # truncated msgpack
+        values = dlq.until(lambda vs: len(vs) >= 2, what="2 dead letters")
+        assert bridge.terminate() == 0
+    finally:
+        dlq.close()
+        raw.close()
+        if bridge.proc.poll() is None:
+            bridge.kill()
+    assert [v["stage"] for v in values] == ["bridge", "bridge"]
+    assert {v["source"] for v in values} == {stream.endpoint}
+    assert values[0]["payload"] == [ZMQ_TOPIC.encode(), b"short"] and "3 frames" in values[0]["reason"]
+    assert values[1]["payload"][2] == b"\x93\xcb\x00" and values[1]["reason"].startswith("DecodeError")
+    assert {k for p, o, k, v in dlq.records} == {stream.endpoint.encode()}

@@ -1,0 +1,342 @@
+"""Bridge against a real in-process ZMQ engine (kvbus.fleet), no Kafka.
+
+The sink is the unit seam: a CallbackSink collecting what the bridge would produce.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Callable
+
+import msgspec
+import pytest
+
+from kvbus.engine_wire import project
+from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
+from producers.avro_fast import FastBatchSerializer
+from producers.bridge import Bridge, BridgeConfig, CallbackSink
+from producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
+from schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DeadLetter,
+    EventBatch,
+    Reset,
+)
+from schemas.serde import RecordSerde, registry_client
+
+pytestmark = pytest.mark.timeout(60)
+
+REPLICA = "replica-0"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def stored(i: int, parent: int | None = None, medium: str = "GPU") -> BlockStored:
+    return BlockStored(block_hashes=[h(i)], parent_block_hash=None if parent is None else h(parent),
+                       token_ids=list(range(i * 16, i * 16 + 16)), block_size=16, medium=medium)
+
+
+def script_events(n: int) -> list[list]:
+    """n batches of varied events."""
+    out = []
+    for i in range(n):
+        evs: list = [stored(i + 1, i if i else None)]
+        if i % 3 == 1:
+            evs.append(BlockRemoved(block_hashes=[h(i)], medium="GPU"))
+        if i % 7 == 6:
+            evs.append(AllBlocksCleared())
+        out.append(evs)
+    return out
+
+
+class Harness:
+    """A fleet of one replica and a bridge running in a thread, collecting its output."""
+
+    def __init__(self, fmt: str = "vllm-0.33", *, replay: bool = True, buffer_steps: int = 10_000,
+                 topic: str = "", replay_timeout: float = 1.0, max_held: int = 200_000) -> None:
+        self.fleet = Fleet(FleetConfig(replicas=1, base_port=0, format=fmt, buffer_steps=buffer_steps, topic=topic))
+        self.fleet.start()
+        self.stream = self.fleet.streams()[0]
+        self.pub = self.fleet.publisher(REPLICA)
+        self.batches: list[EventBatch] = []
+        self.dead: list[DeadLetter] = []
+        self.sink = CallbackSink(self.batches.append, self.dead.append)
+        self.cfg = BridgeConfig(endpoint=self.stream.endpoint, replica=REPLICA,
+                                replay_endpoint=self.stream.replay_endpoint if replay else None,
+                                topic=topic, replay_timeout=replay_timeout, max_held=max_held)
+        self.bridge = Bridge(self.cfg, self.sink)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Harness":
+        self._thread = threading.Thread(target=self.bridge.run, kwargs={"poll_ms": 10}, daemon=True)
+        self._thread.start()
+        return self
+
+    def connected(self) -> None:
+        """Publish probes until the bridge's subscription is live (slow joiner), then forget them."""
+        wait_for(lambda: self.bridge.sub is not None, what="bridge open")
+        # the start-up replay is answered quickly; wait until it is done
+        wait_for(lambda: not self.bridge.sequencer.replay_pending, what="start-up replay")
+
+    def stop(self) -> None:
+        self.bridge.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.bridge.close(1)
+        self.fleet.stop()
+
+    def data(self) -> list[EventBatch]:
+        return [b for b in self.batches if b.seq >= 0]
+
+    def markers(self) -> list[EventBatch]:
+        return [b for b in self.batches if b.seq < 0]
+
+
+@pytest.fixture
+def harness_factory():
+    made: list[Harness] = []
+
+    def make(**kw) -> Harness:
+        hs = Harness(**kw)
+        made.append(hs)
+        return hs
+
+    yield make
+    for hs in made:
+        hs.stop()
+
+
+def test_batches_published_before_and_after_connect_arrive_in_order(harness_factory):
+    hs = harness_factory()
+    batches = script_events(12)
+    for evs in batches[:5]:  # before the bridge exists: only the replay buffer has them
+        hs.pub.publish(evs, ts=1000.0)
+    hs.start()
+    for evs in batches[5:]:
+        hs.pub.publish(evs, ts=1001.0)
+    wait_for(lambda: len(hs.data()) == 12, what="12 batches")
+    time.sleep(0.1)
+    data = hs.data()
+    assert [b.seq for b in data] == list(range(12))
+    assert hs.markers() == []
+    assert len({b.epoch for b in data}) == 1 and data[0].epoch > 0
+    for b, evs in zip(data, batches):
+        assert b.events == [project("vllm-0.33", e) for e in evs]
+        assert (b.replica, b.dp_rank, b.worker_rank, b.workers, b.engine, b.topic) == (REPLICA, 0, 0, 1, "vllm", "")
+    assert hs.dead == []
+
+
+@pytest.mark.parametrize("fmt, topic", [("vllm-0.24", ""), ("vllm-0.26", "kv@pod-a@model"), ("sglang-0.5.23", "kv")])
+def test_dropped_live_messages_are_replayed_in_order(harness_factory, fmt, topic):
+    """Both replay layouts: <= 0.25 replies without the topic frame, >= 0.26 / SGLang 0.5.23 with it."""
+    hs = harness_factory(fmt=fmt, topic=topic).start()
+    hs.connected()
+    batches = script_events(30)
+    lost = {3, 4, 5, 11, 20, 21}
+    for i, evs in enumerate(batches):
+        hs.pub.publish(evs, ts=1000.0 + i, send_live=i not in lost)
+    wait_for(lambda: len(hs.data()) == 30, what="30 batches")
+    data = hs.data()
+    assert [b.seq for b in data] == list(range(30))
+    assert hs.markers() == []
+    assert [b.ts for b in data] == [1000.0 + i for i in range(30)]
+    for b, evs in zip(data, batches):
+        assert b.events == [project(fmt, e) for e in evs]
+        assert b.topic == topic
+    stats = hs.bridge.sequencer.stats
+    assert stats.gaps >= 1 and stats.recovered >= len(lost)
+
+
+def test_gap_older_than_replay_buffer_gives_reset_marker(harness_factory):
+    hs = harness_factory(buffer_steps=5).start()
+    hs.connected()
+    batches = script_events(12)
+    hs.pub.publish(batches[0], ts=1.0)  # seq 0 live
+    wait_for(lambda: len(hs.data()) == 1, what="seq 0")
+    for i in range(1, 11):  # seq 1..10 lost live
+        hs.pub.publish(batches[i], ts=1.0 + i, send_live=False)
+    hs.pub.publish(batches[11], ts=12.0)  # seq 11 live -> gap 1..10; the buffer keeps only 7..11
+    wait_for(lambda: len(hs.batches) == 1 + 1 + 5, what="reset + 5 batches")
+    out = hs.batches
+    assert out[0].seq == 0
+    marker = out[1]
+    assert marker.seq == -1 and marker.events == [Reset(reason=REASON_GAP, missing_from=1, missing_to=6)]
+    assert marker.epoch > out[0].epoch
+    assert [b.seq for b in out[2:]] == [7, 8, 9, 10, 11]
+    assert {b.epoch for b in out[2:]} == {marker.epoch}
+
+
+def test_gap_without_replay_endpoint_gives_reset_marker(harness_factory):
+    hs = harness_factory(replay=False).start()
+    wait_for(lambda: hs.bridge.sub is not None)
+    # seq 0 may be lost to the slow joiner: probe until the subscription is live
+    wait_for(lambda: (hs.pub.publish([stored(1)]) is not None and len(hs.batches) > 0), what="first batch")
+    last = hs.pub.next_seq - 1
+    hs.pub.publish([stored(2)], send_live=False)
+    hs.pub.publish([stored(3)])
+    wait_for(lambda: hs.data() and hs.data()[-1].seq == last + 2, what="after gap")
+    marker = [m for m in hs.markers() if m.events[0].reason == REASON_GAP][-1]
+    assert marker.events[0] == Reset(reason=REASON_GAP, missing_from=last + 1, missing_to=last + 1)
+
+
+def test_engine_restart_gives_reset_marker_and_new_epoch(harness_factory):
+    hs = harness_factory().start()
+    hs.connected()
+    for i in range(3):
+        hs.pub.publish([stored(i + 1)], ts=float(i))
+    wait_for(lambda: len(hs.data()) == 3, what="3 batches")
+    old_epoch = hs.data()[0].epoch
+    hs.pub.restart()  # seq back to 0, buffer emptied, sockets re-bound
+    time.sleep(0.3)  # let the bridge reconnect
+    for i in range(4):
+        hs.pub.publish([stored(100 + i)], ts=10.0 + i)
+    wait_for(lambda: len(hs.data()) == 7, what="7 batches")
+    after = hs.batches[3:]
+    assert after[0].seq == -1 and after[0].events == [Reset(reason=REASON_ENGINE_RESTART)]
+    assert after[0].epoch > old_epoch
+    assert [b.seq for b in after[1:]] == [0, 1, 2, 3]
+    assert {b.epoch for b in after} == {after[0].epoch}
+    assert hs.bridge.sequencer.stats.restarts == 1
+
+
+def test_bad_input_goes_to_dead_letters_and_the_bridge_continues(harness_factory):
+    hs = harness_factory().start()
+    hs.connected()
+    hs.pub.publish([stored(1)])  # seq 0
+    hs.pub.send_raw([b"only-one-frame"])  # wrong frame count (no seq consumed)
+    hs.pub.send_raw([b"", b"\x00\x01", b"x"])  # seq frame not 8 bytes
+    hs.pub.publish_payload(b"\xc1 not msgpack")  # seq 1: undecodable payload
+    unknown = msgspec.msgpack.encode([5.0, [{"type": "BlockFrobbed", "x": 1},
+                                            {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}], 0])
+    hs.pub.publish_payload(unknown)  # seq 2: one unknown event type
+    hs.pub.publish([stored(2)])  # seq 3
+    wait_for(lambda: len(hs.data()) == 3 and len(hs.dead) == 4, what="3 batches + 4 dead letters")
+    assert [b.seq for b in hs.data()] == [0, 2, 3]
+    assert hs.markers() == []  # the undecodable seq 1 was consumed, not a gap
+    assert hs.data()[1].events == [BlockRemoved(block_hashes=[h(7)], medium="GPU")]
+    reasons = [d.reason for d in hs.dead]
+    assert all(d.stage == "bridge" and d.source == hs.stream.endpoint for d in hs.dead)
+    assert "3 frames" in reasons[0] and hs.dead[0].payload == [b"only-one-frame"]
+    assert "8 bytes" in reasons[1]
+    assert "msgpack" in reasons[2] and hs.dead[2].payload[2] == b"\xc1 not msgpack"
+    assert "unknown" in reasons[3] and hs.dead[3].payload[2] == unknown
+    assert hs.bridge.metrics.value("dlq") == 4
+
+
+def test_shed_batches_while_backlog_full_are_recovered_by_replay(harness_factory):
+    hs = harness_factory().start()
+    hs.connected()
+    for i in range(3):
+        hs.pub.publish([stored(i + 1)])
+    wait_for(lambda: len(hs.data()) == 3)
+    hs.sink.accept = False  # Kafka down and backlog full
+    for i in range(3, 8):
+        hs.pub.publish([stored(i + 1)])
+    wait_for(lambda: hs.bridge.metrics.value("shed") == 5, what="5 shed")
+    hs.sink.accept = True
+    hs.pub.publish([stored(9)])
+    wait_for(lambda: len(hs.data()) == 9, what="9 batches")
+    assert [b.seq for b in hs.data()] == list(range(9))
+    assert hs.markers() == []
+
+
+def test_fleet_generated_traffic_round_trips_exactly(harness_factory):
+    """A generated workload (stores, evictions, CPU/kvcr offload) arrives unchanged."""
+    hs = harness_factory().start()
+    hs.connected()
+    model = hs.fleet.models[(REPLICA, 0)]
+    sent = []
+    for _ in range(40):
+        evs = model.step()
+        hs.pub.publish(evs, ts=1.0)
+        sent.append(evs)
+    wait_for(lambda: len(hs.data()) == 40, what="40 batches")
+    assert [b.events for b in hs.data()] == [[project("vllm-0.33", e) for e in evs] for evs in sent]
+    kinds = {(type(e).__name__, getattr(e, "medium", None), getattr(e, "ownership", None))
+             for evs in sent for e in evs}
+    assert ("BlockStored", "GPU", None) in kinds and ("BlockStored", "CPU", None) in kinds
+
+
+# -- the fast Avro path --------------------------------------------------------------
+
+def _random_event(rng: random.Random):
+    def maybe(v):
+        return v if rng.random() < 0.5 else None
+
+    def hsh():
+        return rng.getrandbits(64).to_bytes(8, "big")
+
+    kind = rng.randrange(4)
+    if kind == 0:
+        n = rng.randint(0, 4)
+        return BlockStored(
+            block_hashes=[hsh() for _ in range(n)], parent_block_hash=maybe(hsh()),
+            token_ids=[rng.randrange(-5, 1 << 40) for _ in range(rng.randint(0, 40))],
+            block_size=rng.choice([0, 16, 256]), lora_id=maybe(rng.randrange(-3, 1 << 40)),
+            medium=maybe(rng.choice(["GPU", "CPU", "é-ünïcode"])), lora_name=maybe("lora-x"),
+            extra_keys=maybe(msgspec.msgpack.encode([["a", 1], None])), group_idx=maybe(rng.randrange(-2, 5)),
+            kv_cache_spec_kind=maybe("sliding_window"), kv_cache_spec_sliding_window=maybe(4096),
+            locality=maybe("REMOTE"), ownership=maybe("kvcr"), session_id=maybe(f"s-{rng.random()}"),
+            lookahead_token_ids=maybe([[rng.randrange(100) for _ in range(rng.randint(0, 3))] for _ in range(n)]),
+            cache_salt=maybe("salt"), token_id_pairs=maybe([[1, 2], [3, 4]] if rng.random() < 0.5 else []),
+            block_digests=maybe([rng.randbytes(32) for _ in range(n)]), parent_block_digest=maybe(rng.randbytes(16)),
+        )
+    if kind == 1:
+        return BlockRemoved(block_hashes=[hsh() for _ in range(rng.randint(0, 3))], medium=maybe("GPU"),
+                            group_idx=maybe(1), locality=maybe("LOCAL"), ownership=maybe("kvcr"),
+                            block_digests=maybe([rng.randbytes(32)]))
+    if kind == 2:
+        return AllBlocksCleared()
+    return Reset(reason=rng.choice(["engine-restart", "gap-unrecoverable"]), missing_from=maybe(rng.randrange(1 << 40)),
+                 missing_to=maybe(3))
+
+
+def test_fast_serializer_bytes_decode_with_record_serde():
+    """The hand-written Avro encoder is byte-compatible with the registry schema."""
+    serde = RecordSerde(registry_client("mock://fast-path"), "EventBatch")
+    topic = "kvbus.raw.fasttest"
+    rng = random.Random(7)
+    probe = EventBatch(replica="r", seq=0, ts=0.0, events=[])
+    schema_id = int.from_bytes(serde.dumps(probe, topic)[1:5], "big")
+    fast = FastBatchSerializer(schema_id)
+    for i in range(300):
+        batch = EventBatch(
+            replica=rng.choice(["replica-0", "ünï-" + str(i)]), seq=rng.choice([-1, 0, i, 1 << 40]),
+            ts=rng.random() * 2e9, events=[_random_event(rng) for _ in range(rng.randint(0, 6))],
+            dp_rank=rng.randrange(0, 8), worker_rank=rng.randrange(0, 4), workers=rng.randint(1, 4),
+            engine=rng.choice(["vllm", "sglang", "kvbus"]), epoch=rng.choice([0, 1_750_000_000_000, (1 << 62)]),
+            topic=rng.choice(["", "kv@pod@model"]),
+        )
+        data = fast.dumps(batch)
+        assert serde.loads(data, topic) == batch
+        assert data == serde.dumps(batch, topic)
+
+
+def test_fast_serializer_rejects_hashes_that_are_not_8_bytes():
+    with pytest.raises(ValueError):
+        FastBatchSerializer(1).dumps(EventBatch(replica="r", seq=0, ts=0.0,
+                                                events=[BlockRemoved(block_hashes=[b"short"])]))
+
+
+def test_script_mode_ground_truth(harness_factory):
+    hs = harness_factory()
+    hs.fleet.play([
+        ScriptBatch(REPLICA, [stored(1), stored(2, 1)]),
+        ScriptBatch(REPLICA, [BlockRemoved(block_hashes=[h(1)], medium="GPU"), stored(1, medium="CPU")]),
+    ])
+    truth = hs.fleet.truth(REPLICA)
+    assert truth.snapshot() == {("GPU", None): {h(2)}, ("CPU", None): {h(1)}}

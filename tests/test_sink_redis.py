@@ -1,0 +1,128 @@
+"""Redis-specific behaviour of the view: function (re)loading, read-only lookups (ACL user, replica),
+clear cost proportional to the holder, compact encodings. Private redis-servers only."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
+from sinks import functions
+from sinks.redis_store import RedisStore
+from sinks.testing import RedisServer
+
+TOPIC = "kvbus.blocks"
+H = [canonical_hash(0xABC000 + i * 104729) for i in range(3000)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as srv:
+        yield srv
+
+
+def ev(replica: str, seq: int, event, dp: int = 0) -> BlockEvent:
+    return BlockEvent(replica=replica, dp_rank=dp, epoch=1, seq=seq, index=0, ts=time.time(), event=event)
+
+
+def gpu(hashes) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), medium="GPU")
+
+
+def prefix() -> str:
+    return f"r{uuid.uuid4().hex[:8]}:"
+
+
+def test_missing_functions_are_loaded_again_on_the_next_call(server):
+    r = server.client()
+    store = RedisStore(r, prefix())
+    store.apply([(TOPIC, ev("a", 0, gpu(H[:3])))])
+    r.function_delete("kvbus")
+    res = store.apply([(TOPIC, ev("a", 1, gpu(H[3:5])))])  # pipelined FCALLs: "Function not found"
+    assert res.applied == 1 and not res.failed
+    r.function_delete("kvbus")
+    assert store.lookup(H[:5])["a"].matched == 5
+    r.function_delete("kvbus")
+    assert store.expire_stale(10**9, now=1.0) == []
+
+
+def test_an_older_library_version_is_replaced(server):
+    r = server.client()
+    r.function_load("#!lua name=kvbus\nredis.register_function{function_name='kvbus_version', "
+                    "callback=function() return 'old' end, flags={'no-writes'}}", replace=True)
+    RedisStore(r, prefix())
+    assert r.fcall_ro("kvbus_version", 0).decode() == functions.library_version()
+
+
+def test_lookup_works_for_a_user_with_only_read_commands_and_fcall_ro(server):
+    r = server.client()
+    p = prefix()
+    store = RedisStore(r, p)
+    store.apply([(TOPIC, ev("a", 0, gpu(H[:4]))), (TOPIC, ev("b", 0, gpu(H[:2])))])
+    r.execute_command("ACL", "SETUSER", "router", "reset", "on", ">s3cret", f"%R~{p}*", "-@all", "+@read",
+                      "+fcall_ro")
+    ro = redis.Redis(host="127.0.0.1", port=server.port, username="router", password="s3cret")
+    lookup = RedisStore(ro, p, load=False)
+    got = lookup.lookup(H[:4])
+    assert {k: v.matched for k, v in got.items()} == {"a": 4, "b": 2}
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        ro.fcall("kvbus_apply", 0, p, "a", 0)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        ro.set(p + "x", 1)
+    r.function_delete("kvbus")
+    with pytest.raises(functions.FunctionsUnavailable):
+        lookup.lookup(H[:4])
+    functions.load_library(r)
+
+
+def test_lookup_works_on_a_replica(server):
+    primary = server.client()
+    functions.ensure_library(primary)
+    with RedisServer(["--replicaof", "127.0.0.1", str(server.port)]) as rep:
+        r = rep.client()
+        deadline = time.time() + 20
+        while r.info("replication").get("master_link_status") != "up":
+            assert time.time() < deadline, "replica did not sync"
+            time.sleep(0.1)
+        p = prefix()
+        store = RedisStore(primary, p)
+        store.apply([(TOPIC, ev("a", 0, gpu(H[:6]))), (TOPIC, ev("a", 0, gpu(H[:3]), dp=1))])
+        assert primary.execute_command("WAIT", 1, 5000) >= 1
+        on_replica = RedisStore(r, p, load=False)
+        assert on_replica.lookup(H[:6]) == store.lookup(H[:6])
+        assert set(on_replica.lookup(H[:6])) == {"a#0", "a#1"}
+        with pytest.raises(redis.exceptions.ReadOnlyError):
+            r.fcall("kvbus_apply", 0, p, "a", 0)
+
+
+def test_clearing_a_holder_touches_only_its_own_blocks(server):
+    r = server.client()
+    store = RedisStore(r, prefix())
+    store.apply([(TOPIC, ev("big", 0, gpu(H[:3000])))])
+    store.apply([(TOPIC, ev("small", 0, gpu(H[:20])))])
+    r.config_resetstat()
+    res = store.apply([(TOPIC, ev("small", 1, AllBlocksCleared()))])
+    stats = r.info("commandstats")
+    assert res.clears == 1 and res.entries_delta == -20
+    hget = stats.get("cmdstat_hget", {}).get("calls", 0)
+    smembers = stats.get("cmdstat_smembers", {}).get("calls", 0)
+    assert hget <= 20 + 5, f"{hget} HGETs to clear 20 blocks"
+    assert smembers <= 2, "one index bucket"
+    assert "cmdstat_scan" not in stats and "cmdstat_keys" not in stats
+    assert store.summary() == {"big": {"GPU": 3000}}
+
+
+def test_structures_use_compact_encodings(server):
+    r = server.client()
+    p = prefix()
+    store = RedisStore(r, p)
+    recs = [(TOPIC, ev(f"h{i}", 0, gpu(H[:2000]))) for i in range(30)]  # 30 holders: wide blocks
+    store.apply(recs)
+    encodings = {r.object("encoding", k) for k in r.scan_iter(p + "B:*", count=1000)}
+    assert encodings == {b"listpack"}
+    assert {r.object("encoding", k) for k in r.scan_iter(p + "W:*", count=1000)} == {b"intset"}
+    assert {r.object("encoding", k) for k in r.scan_iter(p + "I:*", count=1000)} == {b"intset"}
+    assert r.object("encoding", p + "hname") == b"hashtable"
+    assert store.lookup(H[:100])["h7"].matched == 100

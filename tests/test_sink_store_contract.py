@@ -1,0 +1,281 @@
+"""One contract suite for every ResidencyStore (llm-d style): the Redis store and its in-memory twin.
+
+Runs against a private redis-server (no service needed beyond /usr/bin/redis-server).
+"""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
+from schemas.topics import Topics
+from sinks.memory_store import InMemoryStore
+from sinks.redis_store import RedisStore
+from sinks.store import ResidencyStore
+from sinks.testing import RedisServer
+from sinks.tiers import Weights
+
+T = Topics(blocks="tb")
+MAIN = T.blocks
+KVCR = T.for_ownership("kvcr")
+H = [canonical_hash(0x1000 + i * 7919) for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request) -> ResidencyStore:
+    if request.param == "memory":
+        return InMemoryStore()
+    srv = request.getfixturevalue("redis_server")
+    return RedisStore(srv.client(), f"c{uuid.uuid4().hex[:8]}:")
+
+
+class Stream:
+    """Builds events of one holder with growing positions."""
+
+    def __init__(self, replica: str = "a", dp: int = 0, epoch: int = 100, ts: float = 1000.0):
+        self.replica, self.dp, self.epoch, self.seq, self.ts = replica, dp, epoch, 0, ts
+
+    def ev(self, event, seq: int | None = None, index: int = 0) -> BlockEvent:
+        if seq is None:
+            seq, self.seq = self.seq, self.seq + 1
+        return BlockEvent(replica=self.replica, dp_rank=self.dp, epoch=self.epoch, seq=seq, index=index,
+                          ts=self.ts + seq, event=event)
+
+    def restart(self, topics=(MAIN,)) -> list[tuple[str, BlockEvent]]:
+        self.epoch += 10
+        self.seq = 0
+        return [(t, BlockEvent(replica=self.replica, dp_rank=self.dp, epoch=self.epoch, seq=-1, index=0,
+                               ts=self.ts, event=Reset(reason="engine-restart"))) for t in topics]
+
+
+def stored(hashes, medium="GPU", ownership=None, group=None):
+    return BlockStored(block_hashes=list(hashes), medium=medium, ownership=ownership, group_idx=group)
+
+
+def removed(hashes, medium="GPU", ownership=None, group=None):
+    return BlockRemoved(block_hashes=list(hashes), medium=medium, ownership=ownership, group_idx=group)
+
+
+def view(store) -> dict:
+    return {h: {t: dict(b) for t, b in tiers.items()} for h, tiers in store.snapshot().items()}
+
+
+def test_store_then_lookup_counts_leading_blocks_per_tier(store):
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored(H[:5]))), (MAIN, a.ev(stored(H[:3], "CPU")))])
+    got = store.lookup(H[:6])
+    assert set(got) == {"a"}
+    m = got["a"]
+    assert (m.replica, m.dp_rank, m.matched) == ("a", 0, 5)
+    assert m.tiers == {"GPU": 5, "CPU": 3}
+    assert m.score == pytest.approx(5.0)
+
+
+def test_lookup_stops_at_the_first_block_no_holder_has(store):
+    a, b = Stream("a"), Stream("b")
+    store.apply([(MAIN, a.ev(stored(H[:2] + H[3:6]))), (MAIN, b.ev(stored(H[1:6])))])
+    got = store.lookup(H[:6])
+    assert set(got) == {"a"}, "b lacks block 0: no prefix"
+    assert got["a"].matched == 2
+    assert store.lookup([H[199]]) == {}
+
+
+def test_score_uses_the_best_tier_of_each_block_and_custom_weights(store):
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored(H[:2]))), (MAIN, a.ev(stored(H[:4], "CPU"))),
+                 (MAIN, a.ev(stored(H[:6], "STORAGE")))])
+    m = store.lookup(H[:6])["a"]
+    assert m.matched == 6 and m.tiers == {"GPU": 2, "CPU": 4, "STORAGE": 6}
+    assert m.score == pytest.approx(2 * 1.0 + 2 * 0.8 + 2 * 0.5)
+    m = store.lookup(H[:6], weights=Weights.parse("GPU=2,CPU=1,STORAGE=0.25"))["a"]
+    assert m.score == pytest.approx(2 * 2 + 2 * 1 + 2 * 0.25)
+
+
+def test_tier_run_stops_where_the_tier_breaks_even_if_the_holder_continues(store):
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored([H[0], H[1], H[3]]))), (MAIN, a.ev(stored(H[:4], "CPU")))])
+    m = store.lookup(H[:4])["a"]
+    assert m.matched == 4
+    assert m.tiers == {"GPU": 2, "CPU": 4}
+
+
+def test_full_mode_restore_is_idempotent_on_a_set_tier(store):
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored(H[:3]))), (MAIN, a.ev(stored(H[:3]))), (MAIN, a.ev(stored(H[:1] * 3)))])
+    assert view(store) == {"a#0": {"GPU": {h: 1 for h in H[:3]}}}
+    store.apply([(MAIN, a.ev(removed(H[:1])))])
+    assert view(store) == {"a#0": {"GPU": {h: 1 for h in H[1:3]}}}
+    assert store.size()["entries"] == 2
+
+
+def test_offload_tier_reference_counts_repeated_hashes(store):
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored([H[0], H[1], H[0]], "CPU")))])  # once per chunk
+    assert view(store) == {"a#0": {"CPU": {H[0]: 2, H[1]: 1}}}
+    store.apply([(MAIN, a.ev(removed([H[0], H[1]], "CPU")))])
+    assert view(store) == {"a#0": {"CPU": {H[0]: 1}}}
+    assert store.lookup(H[:1])["a"].tiers == {"CPU": 1}
+    store.apply([(MAIN, a.ev(removed([H[0]], "CPU")))])
+    assert view(store) == {}
+    assert store.lookup(H[:1]) == {}
+
+
+def test_redelivered_events_are_skipped_and_change_nothing(store):
+    a = Stream("a")
+    batch = [(MAIN, a.ev(stored(H[:3], "CPU"))), (MAIN, a.ev(removed(H[:1], "CPU"))),
+             (MAIN, a.ev(stored(H[:1], "CPU")))]
+    first = store.apply(batch)
+    before = view(store)
+    again = store.apply(batch[1:] + batch)
+    assert (first.applied, first.skipped) == (3, 0)
+    assert (again.applied, again.skipped) == (0, 5)
+    assert view(store) == before
+    assert store.positions()[("a#0", MAIN)] == (100, 2, 0)
+
+
+def test_positions_are_kept_per_topic(store):
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored(H[:1]), seq=5)), (KVCR, a.ev(stored(H[:1], "CPU", "kvcr"), seq=2))])
+    assert store.positions() == {("a#0", MAIN): (100, 5, 0), ("a#0", KVCR): (100, 2, 0)}
+    res = store.apply([(KVCR, a.ev(stored(H[1:2], "CPU", "kvcr"), seq=3))])
+    assert res.applied == 1, "an older seq on another topic is not a duplicate"
+
+
+def test_all_blocks_cleared_drops_framework_tiers_and_keeps_ownership_tiers(store):
+    a, b = Stream("a"), Stream("b")
+    store.apply([(MAIN, a.ev(stored(H[:4]))), (MAIN, a.ev(stored(H[:4], "CPU"))),
+                 (MAIN, a.ev(stored(H[:2], "GPU", group=1))),
+                 (KVCR, a.ev(stored(H[:3], "CPU", "kvcr"))), (MAIN, b.ev(stored(H[:4])))])
+    res = store.apply([(MAIN, a.ev(AllBlocksCleared()))])
+    assert res.clears == 1
+    assert view(store) == {"a#0": {"CPU@kvcr": {h: 1 for h in H[:3]}}, "b#0": {"GPU": {h: 1 for h in H[:4]}}}
+    assert store.lookup(H[:4])["a"].tiers == {"CPU@kvcr": 3}
+    assert store.size()["entries"] == 7
+
+
+def test_reset_marker_drops_the_holder_and_makes_the_old_run_stale(store):
+    a, b = Stream("a"), Stream("b")
+    old = a.ev(stored(H[10:12]))
+    store.apply([(MAIN, a.ev(stored(H[:4]))), (KVCR, a.ev(stored(H[:3], "CPU", "kvcr"))),
+                 (MAIN, b.ev(stored(H[:4])))])
+    markers = a.restart([MAIN])
+    res = store.apply(markers)
+    assert res.resets == 1
+    assert view(store) == {"b#0": {"GPU": {h: 1 for h in H[:4]}}}, "tier topic not reset yet, older epoch: dropped"
+    late = store.apply([(KVCR, BlockEvent(replica="a", epoch=100, seq=9, index=0, ts=1.0,
+                                          event=BlockStored(block_hashes=H[5:6], medium="CPU", ownership="kvcr"))),
+                        (MAIN, old)])
+    assert (late.applied, late.skipped) == (0, 2), "events of the old run are stale on every topic"
+    store.apply([(MAIN, a.ev(stored(H[20:22])))])
+    assert view(store)["a#0"] == {"GPU": {H[20]: 1, H[21]: 1}}
+
+
+def test_reset_keeps_tiers_of_a_topic_already_in_the_new_run(store):
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored(H[:4]))), (KVCR, a.ev(stored(H[:3], "CPU", "kvcr")))])
+    kvcr_marker, main_marker = a.restart([KVCR, MAIN])
+    store.apply([kvcr_marker, (KVCR, a.ev(stored(H[5:7], "CPU", "kvcr")))])  # tier topic ahead
+    # the tier topic's marker also drops the GPU tier: its topic is still in the old run
+    assert view(store) == {"a#0": {"CPU@kvcr": {H[5]: 1, H[6]: 1}}}
+    store.apply([main_marker])  # must not drop what the tier topic stored in the new run
+    assert view(store) == {"a#0": {"CPU@kvcr": {H[5]: 1, H[6]: 1}}}
+
+
+def test_stale_holders_are_expired_listed_and_revived(store):
+    a, b = Stream("a", ts=1000.0), Stream("b", ts=5000.0)
+    store.apply([(MAIN, a.ev(stored(H[:3]))), (MAIN, b.ev(stored(H[:3])))])
+    assert store.expire_stale(max_age=600, now=5100.0) == ["a#0"]
+    assert set(store.stale()) == {"a#0"}
+    assert set(store.lookup(H[:3])) == {"b"}
+    assert store.size() == {"entries": 3, "blocks": 3, "holders": 1}
+    assert store.expire_stale(max_age=600, now=5100.0) == []
+    store.apply([(MAIN, a.ev(stored(H[5:6])))])
+    assert store.stale() == {}
+    assert set(view(store)) == {"a#0", "b#0"}
+
+
+def test_heartbeat_keeps_a_silent_holder_alive(store):
+    a = Stream("a", ts=1000.0)
+    store.apply([(MAIN, a.ev(stored(H[:3])))])
+    store.heartbeat("a", 0, 4900.0)
+    assert store.expire_stale(max_age=600, now=5100.0) == []
+    assert store.expire_stale(max_age=100, now=5100.0) == ["a#0"]
+
+
+def test_drop_holder_forgets_one_holder_only(store):
+    a, b = Stream("a"), Stream("b")
+    store.apply([(MAIN, a.ev(stored(H[:3]))), (MAIN, a.ev(stored(H[:2], "CPU"))), (MAIN, b.ev(stored(H[:3])))])
+    assert store.drop_holder("a", 0, now=1.0) == 5
+    assert set(view(store)) == {"b#0"}
+    assert "a#0" in store.stale()
+    assert store.drop_holder("zz", 0, now=1.0) == 0
+
+
+def test_dp_ranks_are_separate_holders_and_named_by_rank(store):
+    r0, r1, s = Stream("r", 0), Stream("r", 1), Stream("s", 0)
+    store.apply([(MAIN, r0.ev(stored(H[:2]))), (MAIN, r1.ev(stored(H[:3]))), (MAIN, s.ev(stored(H[:1])))])
+    got = store.lookup(H[:3])
+    assert {k: v.matched for k, v in got.items()} == {"r#0": 2, "r#1": 3, "s": 1}
+    assert (got["r#1"].replica, got["r#1"].dp_rank) == ("r", 1)
+    assert store.summary() == {"r#0": {"GPU": 2}, "r#1": {"GPU": 3}, "s": {"GPU": 1}}
+
+
+def test_candidates_restrict_the_answer(store):
+    r0, r1, s = Stream("r", 0), Stream("r", 1), Stream("s", 0)
+    store.apply([(MAIN, r0.ev(stored(H[:2]))), (MAIN, r1.ev(stored(H[:3]))), (MAIN, s.ev(stored(H[:1])))])
+    assert set(store.lookup(H[:3], candidates=["r"])) == {"r#0", "r#1"}
+    assert set(store.lookup(H[:3], candidates=["r#1", "s"])) == {"r#1", "s"}
+    assert store.lookup(H[:3], candidates=["nobody"]) == {}
+
+
+def test_hundreds_of_holders_sharing_a_long_prefix(store):
+    """Wide blocks (more holders than fit a packed value) and long identical runs."""
+    streams = [Stream(f"p{i}") for i in range(40)]
+    recs = []
+    for i, s in enumerate(streams):
+        recs.append((MAIN, s.ev(stored(H[:60]))))
+        if i % 2:
+            recs.append((MAIN, s.ev(stored(H[:60 + i], "CPU"))))
+    store.apply(recs)
+    got = store.lookup(H[:120])
+    assert len(got) == 40
+    for i in range(40):
+        m = got[f"p{i}"]
+        assert m.matched == (60 + i if i % 2 else 60)
+        assert m.tiers == ({"GPU": 60, "CPU": 60 + i} if i % 2 else {"GPU": 60})
+        assert m.score == pytest.approx(60 + (0.8 * i if i % 2 else 0))
+    store.apply([(MAIN, streams[3].ev(removed(H[30:31], "CPU")))])
+    assert store.lookup(H[:120])["p3"].tiers == {"GPU": 60, "CPU": 30}
+    store.apply([(MAIN, streams[3].ev(removed(H[30:31])))])
+    assert store.lookup(H[:120])["p3"].matched == 30
+
+
+def test_tier_table_overflow_is_reported_not_applied(store):
+    a = Stream("a")
+    recs = [(MAIN, a.ev(stored(H[:1], "GPU", group=g))) for g in range(64)]
+    assert store.apply(recs).applied == 64
+    res = store.apply([(MAIN, a.ev(stored(H[:1], "GPU", group=64))), (MAIN, a.ev(stored(H[1:2])))])
+    assert res.applied == 1 and len(res.failed) == 1
+    assert "tier table full" in res.failed[0][2]
+
+
+def test_summary_and_size(store):
+    a, b = Stream("a"), Stream("b")
+    store.apply([(MAIN, a.ev(stored(H[:3]))), (MAIN, a.ev(stored(H[:2], "CPU"))),
+                 (KVCR, a.ev(stored(H[:1], "CPU", "kvcr"))), (MAIN, b.ev(stored(H[2:6])))])
+    assert store.summary() == {"a": {"CPU": 2, "CPU@kvcr": 1, "GPU": 3}, "b": {"GPU": 4}}
+    assert store.size() == {"entries": 10, "blocks": 6, "holders": 2}
+
+
+def test_store_without_hashes_only_moves_the_position(store):
+    a = Stream("a")
+    res = store.apply([(MAIN, a.ev(BlockStored(block_hashes=[], medium="CPU")))])
+    assert res.applied == 1 and view(store) == {}
+    assert store.positions()[("a#0", MAIN)] == (100, 0, 0)
