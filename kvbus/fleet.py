@@ -60,12 +60,20 @@ DEFAULT_FORMAT = "vllm-0.33"
 
 # -- one publisher stream ---------------------------------------------------------
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
-    """Bind ``endpoint`` (port 0 = any free port); returns the endpoint actually bound."""
+def _bind(sock: zmq.Socket, endpoint: str, retry_for: float = 0.0) -> str:
+    """Bind ``endpoint`` (port 0 = any free port); returns the endpoint actually bound.
+    ``retry_for``: seconds to retry while the port is still held by a just-closed socket."""
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-2] + ":*"
-    sock.bind(endpoint)
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    deadline = time.monotonic() + retry_for
+    while True:
+        try:
+            sock.bind(endpoint)
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 class EnginePublisher:
@@ -144,7 +152,7 @@ class EnginePublisher:
             pub = self.ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self.hwm)
             pub.setsockopt(zmq.LINGER, 0)
-            self.pub_endpoint = _bind(pub, self.pub_endpoint)
+            self.pub_endpoint = _bind(pub, self.pub_endpoint, retry_for=5.0)
             self.pub = pub
 
     def encode(self, events: list[Event], ts: float | None = None) -> bytes:

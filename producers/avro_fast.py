@@ -90,32 +90,23 @@ def opt_bytes(v: bytes | None) -> bytes:
     return _NULL if v is None else _ONE + _bytes(v)
 
 
-TABLE_SIZE = 1 << 18
-"""Token ids below this are encoded through a lookup list (vocabularies up to 262144)."""
-_TABLE: list[bytes] = []
-
-
-def _table() -> list[bytes]:
-    """The encoded longs 0..TABLE_SIZE-1 (built on first use, ~12 MB, ~0.1 s)."""
-    if not _TABLE:
-        _TABLE.extend(_varint(i) for i in range(TABLE_SIZE))
-    return _TABLE
-
-
 def longs(values: Sequence[int], n: int) -> bytes:
-    """Array of longs in one block (``n = len(values)``); token ids take the table path."""
-    if not n:
-        return _NULL
-    if n == 1:
+    """Array of longs in one block (``n = len(values)``), e.g. token ids (cached encodings)."""
+    if n > 1:
+        return LONG[n] + b"".join(itemgetter(*values)(LONG)) + _NULL
+    if n:
         return _ONE + LONG[values[0]] + _NULL
-    if min(values) >= 0 and max(values) < TABLE_SIZE:
-        return LONG[n] + b"".join(itemgetter(*values)(_TABLE or _table())) + _NULL
-    return LONG[n] + b"".join(map(LONG.__getitem__, values)) + _NULL
+    return _NULL
 
 
 def _hashes(hashes: list[bytes]) -> bytes:
     """Array of kvbus.BlockHash (fixed 8)."""
     n = len(hashes)
+    if n == 1:
+        h = hashes[0]
+        if len(h) == 8:
+            return _ONE + h + _NULL
+        raise ValueError("block hashes must be 8 bytes each")
     if not n:
         return _NULL
     body = b"".join(hashes)
@@ -180,24 +171,41 @@ _check_schema()
 _B_STORED, _B_REMOVED, _B_CLEARED, _B_RESET = (b"\x00", b"\x02", b"\x04", b"\x06")
 
 
+_STORED_TAIL: dict[tuple, bytes] = {}
+
+
+def _stored_tail(group_idx: int | None, kind: str | None) -> bytes:
+    """Fields lora_name..parent_block_digest when only group_idx and kind may be set."""
+    key = (group_idx, kind)
+    tail = _STORED_TAIL.get(key)
+    if tail is None:
+        tail = _NULL + _NULL + opt_long(group_idx) + opt_str(kind) + _NULL * 9
+        if len(_STORED_TAIL) < 1024:
+            _STORED_TAIL[key] = tail
+    return tail
+
+
 def _stored(e: BlockStored) -> bytes:
     tokens = e.token_ids
+    p = e.parent_block_hash
+    m = e.medium
     head = (
-        _B_STORED
-        + _hashes(e.block_hashes)
-        + opt_hash(e.parent_block_hash)
-        + longs(tokens, len(tokens))
-        + LONG[e.block_size]
-        + opt_long(e.lora_id)
-        + opt_str(e.medium)
+        _B_STORED,
+        _hashes(e.block_hashes),
+        _NULL if p is None else opt_hash(p),
+        longs(tokens, len(tokens)),
+        LONG[e.block_size],
+        _NULL if e.lora_id is None else _ONE + LONG[e.lora_id],
+        _NULL if m is None else _ONE + STR[m],
     )
     if (e.lora_name is None and e.extra_keys is None and e.kv_cache_spec_sliding_window is None
             and e.locality is None and e.ownership is None and e.session_id is None
             and e.lookahead_token_ids is None and e.cache_salt is None and e.token_id_pairs is None
             and e.block_digests is None and e.parent_block_digest is None):
-        # the common vLLM GPU case: only group_idx / kind may be set
-        return head + _NULL + _NULL + opt_long(e.group_idx) + opt_str(e.kv_cache_spec_kind) + b"\x00" * 9
-    return head + b"".join((
+        # the common vLLM case: only group_idx / kind may be set
+        return b"".join((*head, _stored_tail(e.group_idx, e.kv_cache_spec_kind)))
+    return b"".join((
+        *head,
         opt_str(e.lora_name),
         opt_bytes(e.extra_keys),
         opt_long(e.group_idx),

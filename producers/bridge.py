@@ -35,6 +35,11 @@ from schemas.events import DeadLetter, EventBatch, Reset
 log = logging.getLogger("kvbus.producers.bridge")
 
 
+def _payload_fingerprint(item: tuple) -> int:
+    """Sequencer item identity: the payload bytes (item = (topic, payload, frames, source))."""
+    return hash(item[1])
+
+
 @dataclass(frozen=True)
 class BridgeConfig:
     """What one bridge reads and how it labels what it produces."""
@@ -60,8 +65,8 @@ class BridgeConfig:
     """Seconds without a replay reply before the request is given up."""
     rcvhwm: int = 100_000
     """SUB receive high-water mark (messages queued in the bridge before ZMQ drops)."""
-    max_held: int = 200_000
-    """Live batches held during a replay before it is abandoned."""
+    max_held: int = 50_000
+    """Live batches held during a replay before it is abandoned (bounds memory)."""
 
     @property
     def engine_label(self) -> str:
@@ -132,6 +137,7 @@ class Bridge:
             last_seq=resume.last_seq if resume else None,
             max_held=cfg.max_held,
             is_last=self._same_as_resumed if resume is not None else None,
+            fingerprint=_payload_fingerprint,
         )
         self._resume = resume
         self.replay = ReplayClient(self.ctx, cfg.replay_endpoint, cfg.replay_timeout) if cfg.replay_endpoint else None

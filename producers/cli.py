@@ -53,15 +53,22 @@ def add_bridge_args(p: argparse.ArgumentParser) -> None:
                    help="extra librdkafka producer setting (repeatable)")
 
 
+class _Stopped(Exception):
+    """SIGTERM/SIGINT arrived while waiting for a service."""
+
+
 def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], every: float = 2.0) -> Any:
+    """``fn()`` until it succeeds; raises :class:`_Stopped` if asked to stop meanwhile."""
     while True:
         try:
             return fn()
         except Exception as exc:
-            if stop():
-                raise
             log.warning("%s failed (%s); retrying in %.0fs", what, exc, every)
-            time.sleep(every)
+            deadline = time.monotonic() + every
+            while time.monotonic() < deadline:
+                if stop():
+                    raise _Stopped(what) from exc
+                time.sleep(0.1)
 
 
 def _conf_pairs(pairs: Sequence[str]) -> dict[str, str]:
@@ -130,7 +137,11 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    bridge = build_bridge(args, settings, stopping.is_set)
+    try:
+        bridge = build_bridge(args, settings, stopping.is_set)
+    except _Stopped as exc:
+        log.info("stopped while waiting for: %s", exc)
+        return 0
     if bridge is None:
         return 0
     try:

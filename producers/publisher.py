@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from operator import itemgetter
 from typing import Any, Protocol
 
 import msgspec
@@ -127,50 +128,113 @@ def to_kvbus_event(e: Any) -> Any:
     raise ValueError(f"unknown KV event type {name}")
 
 
-_GPU_TAIL: dict[tuple, bytes] = {}
+_STORED_TAIL: dict[tuple, bytes] = {}
+_MEDIUM: dict[Any, bytes] = {None: b"\x00"}
 
 
 def _tail(group_idx: Any, kind: Any) -> bytes:
     """Encoding of BlockStored fields lora_name..parent_block_digest when only group_idx/kind are set."""
     key = (group_idx, kind)
-    t = _GPU_TAIL.get(key)
+    t = _STORED_TAIL.get(key)
     if t is None:
-        t = _GPU_TAIL[key] = b"\x00\x00" + opt_long(group_idx) + opt_str(kind) + b"\x00" * 9
+        t = b"\x00\x00" + opt_long(group_idx) + opt_str(kind) + b"\x00" * 9
+        if len(_STORED_TAIL) < 1024:
+            _STORED_TAIL[key] = t
     return t
 
 
-def encode_engine_event(e: Any) -> bytes:
-    """Avro encoding (event-union branch) of a vLLM/SGLang event object, without building a
-    kvbus struct for the common shapes: integer hashes, no LoRA, no extra keys, no offload
-    attribution. Anything else goes through :func:`to_kvbus_event`."""
-    name = type(e).__name__
-    g = getattr
-    try:
-        if name == "BlockRemoved" and g(e, "locality", None) is None and g(e, "ownership", None) is None:
-            hs = e.block_hashes
-            return (b"\x02" + LONG[len(hs)] + b"".join([(h & _MASK).to_bytes(8, "big") for h in hs])
-                    + (b"\x00" if hs else b"") + opt_str(_medium(g(e, "medium", None))) + opt_long(g(e, "group_idx", None))
-                    + b"\x00\x00\x00")
-        if (name == "BlockStored" and g(e, "lora_id", None) is None and g(e, "lora_name", None) is None
-                and g(e, "extra_keys", None) is None and g(e, "kv_cache_spec_sliding_window", None) is None
-                and g(e, "locality", None) is None and g(e, "ownership", None) is None
-                and g(e, "session_id", None) is None and g(e, "lookahead_token_ids", None) is None):
-            hs = e.block_hashes
-            p = e.parent_block_hash
-            toks = e.token_ids
-            n = len(toks)
-            if type(toks) is not list:
-                toks = list(toks)
-            return b"".join((
-                b"\x00", LONG[len(hs)], b"".join([(h & _MASK).to_bytes(8, "big") for h in hs]), b"\x00" if hs else b"",
-                b"\x00" if p is None else b"\x02" + (p & _MASK).to_bytes(8, "big"),
-                longs(toks, n),
-                LONG[e.block_size], b"\x00", opt_str(_medium(g(e, "medium", None))),
-                _tail(g(e, "group_idx", None), g(e, "kv_cache_spec_kind", None)),
-            ))
-    except (TypeError, AttributeError):  # bytes hashes, unusual objects
-        pass
+def _opt_medium(m: Any) -> bytes:
+    """Upper-cased medium as an optional string (cached per engine value)."""
+    enc = _MEDIUM.get(m)
+    if enc is None:
+        enc = opt_str(_medium(m))
+        if len(_MEDIUM) < 256:
+            _MEDIUM[m] = enc
+    return enc
+
+
+def _slow(e: Any) -> bytes:
     return encode_event(to_kvbus_event(e))
+
+
+_ABSENT = object()
+_PLANS: dict[type, Any] = {}
+
+
+def _plan(cls: type) -> Any:
+    """An encoder specialised to one engine event class: msgspec structs are read with one
+    ``astuple`` call and field positions found once; other objects use :func:`to_kvbus_event`."""
+    if cls in (BlockStored, BlockRemoved, AllBlocksCleared, Reset):
+        return encode_event
+    fields = getattr(cls, "__struct_fields__", None)
+    name = cls.__name__
+    if name == "AllBlocksCleared":
+        return lambda e: b"\x04"
+    if fields is None or name not in ("BlockStored", "BlockRemoved"):
+        return _slow
+    pos = {f: i for i, f in enumerate(fields)}
+    astuple = msgspec.structs.astuple
+    n_fields = len(fields)
+
+    def at(field: str) -> int:
+        return pos.get(field, n_fields)  # n_fields: the None appended to the tuple
+
+    def unset(*names: str) -> Any:
+        idx = [pos[f] for f in names if f in pos]
+        if not idx:
+            return lambda v: True
+        get = itemgetter(*idx)
+        expect = get((None,) * n_fields)
+        return lambda v: get(v) == expect
+
+    i_h, i_m, i_g = at("block_hashes"), at("medium"), at("group_idx")
+    if name == "BlockRemoved":
+        plain = unset("locality", "ownership")
+
+        def removed(e: Any) -> bytes:
+            v = astuple(e) + (None,)
+            hs = v[i_h]
+            if not plain(v) or len(hs) != 1 or type(hs[0]) is not int:
+                return _slow(e)
+            return b"".join((b"\x02\x02", (hs[0] & _MASK).to_bytes(8, "big"), b"\x00", _opt_medium(v[i_m]),
+                             opt_long(v[i_g]), b"\x00\x00\x00"))
+        return removed
+
+    i_p, i_t, i_bs, i_k = at("parent_block_hash"), at("token_ids"), at("block_size"), at("kv_cache_spec_kind")
+    plain = unset("lora_id", "lora_name", "extra_keys", "kv_cache_spec_sliding_window", "locality", "ownership",
+                  "session_id", "lookahead_token_ids", "cache_salt")
+
+    def stored(e: Any) -> bytes:
+        v = astuple(e) + (None,)
+        if not plain(v):
+            return _slow(e)
+        hs, p, toks = v[i_h], v[i_p], v[i_t]
+        try:
+            hashes = b"".join([(h & _MASK).to_bytes(8, "big") for h in hs])
+            parent = b"\x00" if p is None else b"\x02" + (p & _MASK).to_bytes(8, "big")
+        except TypeError:  # bytes digests
+            return _slow(e)
+        n = len(toks)
+        if n and type(toks[0]) is not int:
+            return _slow(e)  # SGLang bigram pairs
+        return b"".join((
+            b"\x00", LONG[len(hs)], hashes, b"\x00" if hs else b"", parent,
+            longs(toks if type(toks) is list else list(toks), n), LONG[v[i_bs]], b"\x00", _opt_medium(v[i_m]),
+            _tail(v[i_g], v[i_k]),
+        ))
+    return stored
+
+
+def encode_engine_event(e: Any) -> bytes:
+    """Avro encoding (event-union branch) of a vLLM/SGLang event object (or a kvbus struct).
+
+    msgspec-struct events of the common shape (integer hashes, no LoRA, no extra keys, no
+    offload attribution) are encoded directly; anything else goes through
+    :func:`to_kvbus_event`. The bytes are the same either way."""
+    f = _PLANS.get(type(e))
+    if f is None:
+        f = _PLANS[type(e)] = _plan(type(e))
+    return f(e)
 
 
 def encode_engine_events(events: list) -> bytes:
@@ -203,6 +267,10 @@ class KafkaEventPublisher:
     * ``shutdown()`` delivers what is queued (bounded wait) and closes; ``publish()``
       afterwards raises RuntimeError.
 
+    kvbus arguments: ``replica`` (required), ``settings`` (topics, registry; default from the
+    environment), ``worker_rank``/``workers``, ``producer_overrides`` (librdkafka settings),
+    ``schema_id`` (skip the registry lookup), ``producer`` (an injected producer, tests).
+
     vLLM constructor arguments: ``endpoint`` is the Kafka bootstrap (default
     ``settings.bootstrap``); ``topic`` is carried as EventBatch.topic; ``hwm`` bounds
     librdkafka's queue; ``max_queue_size`` the backlog beyond it; ``replay_endpoint`` and
@@ -225,6 +293,7 @@ class KafkaEventPublisher:
         workers: int = 1,
         producer_overrides: dict[str, Any] | None = None,
         schema_id: int | None = None,
+        producer: Any = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
         self.dp_rank = data_parallel_rank
@@ -240,7 +309,9 @@ class KafkaEventPublisher:
             ser = FastBatchSerializer(schema_id)
         self._ser = ser
         overrides = {"queue.buffering.max.messages": hwm, **(producer_overrides or {})}
-        self.producer = Producer(producer_conf(endpoint or self.settings.bootstrap, overrides, error_cb=self._on_error))
+        if producer is None:
+            producer = Producer(producer_conf(endpoint or self.settings.bootstrap, overrides, error_cb=self._on_error))
+        self.producer = producer
         self.epoch = int(time.time() * 1000)
         self._seq = 0
         self._prefix: dict[int, bytes] = {}

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 

@@ -36,7 +36,7 @@ REASON_GAP = "gap-unrecoverable"
 REASON_BRIDGE_START = "bridge-start"
 
 #: Most live batches held while a replay is pending; beyond, the replay is abandoned.
-DEFAULT_MAX_HELD = 200_000
+DEFAULT_MAX_HELD = 50_000
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,8 @@ class Sequencer:
     ``is_last(item)``: on resume, tells whether the engine's batch ``last_seq`` is the one
     produced before (the start-up replay then begins at ``last_seq``); False means the
     engine restarted meanwhile and its new run already reached that seq.
+    ``fingerprint(item)``: identity of a batch's content (default ``hash``), used to tell
+    a late live copy of a replayed batch from a new run's batch of the same seq.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class Sequencer:
         clock: Callable[[], int] = ms_clock,
         max_held: int = DEFAULT_MAX_HELD,
         is_last: Callable[[Any], bool] | None = None,
+        fingerprint: Callable[[Any], Any] = hash,
     ) -> None:
         self.replay = replay
         self.epoch = epoch
@@ -137,8 +140,13 @@ class Sequencer:
         self._pending: int | None = None
         """Start seq of the replay in flight."""
         self._replayed: dict[int, Any] = {}
-        self._replay_seen: set[int] = set()
-        """Every seq the replay in flight delivered (to spot held live duplicates)."""
+        self._replay_seen: dict[int, Any] = {}
+        """Fingerprint of every seq the replay in flight delivered (to spot live duplicates)."""
+        self._late: dict[int, Any] = {}
+        """Fingerprints of the last finished replay: the live copy of a replayed batch can
+        arrive after the replay ended (two sockets); it is a duplicate, not a restart."""
+        self._late_max = -1
+        self._fingerprint = fingerprint
         self._held: list[tuple[int, Any]] = []
         self._is_last = is_last
         self._verify_seq: int | None = None
@@ -169,6 +177,7 @@ class Sequencer:
             self.stats.lost += missing_to - missing_from + 1
         marker = ResetMarker(self._new_epoch(), reason, missing_from, missing_to)
         self.last = -1
+        self._late = {}  # fingerprints of the old epoch mean nothing in the new one
         return marker
 
     def _open_epoch(self) -> None:
@@ -180,7 +189,7 @@ class Sequencer:
 
     def _request(self, start: int) -> int:
         self._pending = start
-        self._replay_seen = set()
+        self._replay_seen = {}
         self.stats.replays += 1
         return start
 
@@ -208,9 +217,26 @@ class Sequencer:
             if len(self._held) > self._max_held:
                 return self.on_replay_end(complete=False)
             return Actions()
+        if self._late and self._late_duplicate(seq, item):
+            return Actions()
         out: list[Output] = []
         replay_from = self._feed(seq, item, out, allow_replay=True)
         return Actions(out, replay_from)
+
+    def _late_duplicate(self, seq: int, item: Any) -> bool:
+        """A live batch the last replay already delivered (same seq, same content)."""
+        late = self._late
+        if not late:
+            return False
+        fp = late.get(seq)
+        if fp is None:
+            if seq > self._late_max:
+                self._late = {}  # live is past the replayed range: no more late copies
+            return False
+        if self.last is None or seq > self.last or fp != self._fingerprint(item):
+            return False
+        self.stats.duplicates += 1
+        return True
 
     def _feed(self, seq: int, item: Any, out: list[Output], allow_replay: bool,
               covered: int | None = None) -> int | None:
@@ -277,7 +303,7 @@ class Sequencer:
                 if self._is_last is not None and not self._is_last(item):
                     self._restart_on_end = True
                 return Actions()
-        self._replay_seen.add(seq)
+        self._replay_seen[seq] = self._fingerprint(item)
         if self._fresh:
             self._replayed[seq] = item  # decide the reset once we know the first seq
             return Actions()
@@ -317,14 +343,15 @@ class Sequencer:
         for seq, item in replayed:
             self._place(seq, item, out, replayed=True)
         replay_from: int | None = None
-        replayed_seqs, self._replay_seen = self._replay_seen, set()
+        replayed_seqs, self._replay_seen = self._replay_seen, {}
         covered = max(replayed_seqs) if complete and replayed_seqs else None
+        self._late = replayed_seqs
+        self._late_max = covered if covered is not None else max(replayed_seqs, default=-1)
         for seq, item in held:
             if replay_from is not None:
                 self._held.append((seq, item))
                 continue
-            if not self._fresh and self.last is not None and seq <= self.last and seq in replayed_seqs:
-                self.stats.duplicates += 1  # arrived live while also replayed
+            if self._late_duplicate(seq, item):
                 continue
             # a gap the finished replay covered cannot be filled by asking again (a
             # later one can); a restart detected here may still replay the new run from 0

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import replace
 from typing import Callable
 
 import msgspec
@@ -22,7 +21,7 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from kvbus.engine_wire import project
+from kvbus.engine_wire import FORMATS, project
 from kvbus.fleet import Fleet, FleetConfig
 from producers.recovery import partition_for
 from producers.sequencer import REASON_ENGINE_RESTART
@@ -243,3 +242,148 @@ def test_bad_input_lands_in_the_dlq_topic(test_settings: Settings, fleet: Fleet)
     assert values[0]["payload"] == [ZMQ_TOPIC.encode(), b"short"] and "3 frames" in values[0]["reason"]
     assert values[1]["payload"][2] == b"\x93\xcb\x00" and values[1]["reason"].startswith("DecodeError")
     assert {k for p, o, k, v in dlq.records} == {stream.endpoint.encode()}
+
+
+# -- Kafka outage: a private single-node broker this test can stop and start -------------
+
+class PrivateKafka:
+    """A throw-away 1-node KRaft broker (infra.kafka_broker) in its own state dir and ports,
+    so the test can kill it without touching the shared stack. Only pids it started are killed."""
+
+    def __init__(self, root, monkeypatch) -> None:
+        from infra import kafka_broker
+        from infra.settings import Paths
+
+        shared_libs = Paths().kafka_libs
+        assert shared_libs.is_dir(), "the shared stack's Kafka jars are needed (infra/stack up)"
+        self.paths = Paths(root=root).ensure()
+        (self.paths.root / "kafka").mkdir(parents=True, exist_ok=True)
+        (self.paths.root / "kafka" / "libs").symlink_to(shared_libs)
+        port = _free_port_pair()
+        monkeypatch.setenv("KVBUS_BOOTSTRAP", f"127.0.0.1:{port}")
+        self.kb = kafka_broker
+        self.nodes = kafka_broker.plan(self.paths, 1)
+        self.bootstrap = kafka_broker.bootstrap(self.nodes)
+        self.pids: list[int] = []
+
+    def up(self, timeout: float = 90.0) -> None:
+        for rec in self.kb.start(self.paths, self.nodes):
+            self.pids.append(rec.pid)
+        ready = self.kb.Readiness(self.nodes)
+
+        def probe() -> bool:
+            try:
+                return ready()
+            except Exception:
+                return False
+
+        wait_for(probe, timeout, "private Kafka ready")
+
+    def kill(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        self.pids.clear()
+
+
+def _free_port_pair() -> int:
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+def test_bridge_rides_out_a_kafka_outage(stack: Settings, tmp_path, monkeypatch, fleet: Fleet):
+    """Kafka dies mid-stream: the engine is never slowed, the bridge holds what it can
+    (librdkafka queue, then its backlog), sheds the rest, and once Kafka is back recovers
+    the shed batches from the engine's replay buffer: every batch lands, in order, once."""
+    from infra.topics import ensure_topics
+    from schemas.topics import Topics
+
+    kafka = PrivateKafka(tmp_path / "kafka-state", monkeypatch)
+    bridge = None
+    try:
+        kafka.up()
+        sfx = uuid.uuid4().hex[:8]
+        topics = Topics(raw=f"out{sfx}.raw", dlq=f"out{sfx}.dlq", blocks=f"out{sfx}.blocks",
+                        incomplete=f"out{sfx}.incomplete")
+        ensure_topics(kafka.bootstrap, [topics.raw, topics.dlq], 4, 1)
+        settings = Settings(bootstrap=kafka.bootstrap, registry_url=stack.registry_url, topics=topics)
+        stream = fleet.streams()[0]
+        bridge = BridgeProcess(settings, stream.endpoint, stream.replay_endpoint, "--max-backlog", "300",
+                               "--producer-conf", "queue.buffering.max.messages=200", "--no-recover")
+        bridge.wait_ready()
+
+        def run(seconds: float, rate: float = 200.0) -> float:
+            """Publish steps for ``seconds``; returns the slowest publish_step in seconds."""
+            worst, end = 0.0, time.monotonic() + seconds
+            while time.monotonic() < end:
+                t = time.perf_counter()
+                fleet.publish_step()
+                worst = max(worst, time.perf_counter() - t)
+                time.sleep(max(0.0, 1 / rate - (time.perf_counter() - t)))
+            return worst
+
+        run(2)
+        kafka.kill()
+        worst = run(6)  # Kafka down: ~1200 batches, more than queue + backlog hold
+        assert worst < 0.5  # the engine side never waits for Kafka
+        kafka.up()
+        run(2)
+        total = fleet.publisher(REPLICA).next_seq
+        reader = RawReader(settings, topics.raw)
+        try:
+            values = reader.until(lambda vs: len(_data(vs)) >= total, timeout=90, what=f"{total} records")
+        finally:
+            reader.close()
+        assert bridge.terminate() == 0, bridge.output()
+        out = bridge.output()
+        assert "shedding live batches" in out and "accepting live batches again" in out
+        assert [v["seq"] for v in values] == list(range(total))  # nothing lost, nothing twice, in order
+        assert len({v["epoch"] for v in values}) == 1
+    finally:
+        if bridge is not None and bridge.proc.poll() is None:
+            bridge.kill()
+        kafka.kill()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_engine_format_read_back_field_for_field(test_settings: Settings, fmt: str):
+    """Each supported engine/version: the fleet publishes in that wire format, the bridge decodes
+    and produces it, and a plain registry-aware consumer reads back the normalized events."""
+    engine = "sglang" if fmt.startswith("sglang") else "auto"
+    fleet = Fleet(FleetConfig(replicas=1, base_port=0, format=fmt, topic=ZMQ_TOPIC, seed=5)).start()
+    stream = fleet.streams()[0]
+    model, pub = fleet.models[(REPLICA, 0)], fleet.publisher(REPLICA)
+    bridge = BridgeProcess(test_settings, stream.endpoint, stream.replay_endpoint, "--engine", engine)
+    reader = RawReader(test_settings, test_settings.topics.raw)
+    sent = []
+    try:
+        bridge.wait_ready()
+        while len(sent) < 6:
+            evs = model.step()
+            if evs:
+                pub.publish(evs, ts=1_750_000_000.0 + len(sent))
+                sent.append(evs)
+        values = _data(reader.until(lambda vs: len(_data(vs)) >= len(sent), what=f"{len(sent)} records"))
+    finally:
+        reader.close()
+        if bridge.proc.poll() is None:
+            bridge.kill()
+        fleet.stop()
+    assert [v["seq"] for v in values] == list(range(len(sent)))
+    assert {v["engine"] for v in values} == {"sglang" if engine == "sglang" else "vllm"}
+    for v, evs in zip(values, sent):
+        assert v["events"] == [msgspec.structs.asdict(project(fmt, e)) for e in evs]

@@ -340,3 +340,179 @@ def test_script_mode_ground_truth(harness_factory):
     ])
     truth = hs.fleet.truth(REPLICA)
     assert truth.snapshot() == {("GPU", None): {h(2)}, ("CPU", None): {h(1)}}
+
+
+# -- the in-process publisher (no Kafka: its producer is replaced by a recording double) -------
+
+class VllmBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
+    """vLLM 0.33's struct shape (renamed here; the publisher duck-types by class name)."""
+
+    block_hashes: list
+    parent_block_hash: object
+    token_ids: list
+    block_size: int
+    lora_id: object
+    medium: object
+    lora_name: object
+    extra_keys: object = None
+    group_idx: object = None
+    kv_cache_spec_kind: object = None
+    kv_cache_spec_sliding_window: object = None
+    locality: object = None
+    ownership: object = None
+    session_id: object = None
+    lookahead_token_ids: object = None
+
+
+VllmBlockStored.__name__ = "BlockStored"
+
+
+class VllmBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
+    block_hashes: list
+    medium: object
+    group_idx: object = None
+    locality: object = None
+    ownership: object = None
+
+
+VllmBlockRemoved.__name__ = "BlockRemoved"
+
+
+class PlainCleared:
+    """A non-msgspec object: the generic path."""
+
+
+PlainCleared.__name__ = "AllBlocksCleared"
+
+
+class VllmBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list
+    data_parallel_rank: object = None
+
+
+def _vllm_events():
+    digest = bytes(range(32))
+    return [
+        VllmBlockStored(block_hashes=[1, 2**64 - 1], parent_block_hash=None, token_ids=list(range(32)), block_size=16,
+                        lora_id=None, medium="GPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention"),
+        VllmBlockStored(block_hashes=[3], parent_block_hash=2, token_ids=[5] * 16, block_size=16, lora_id=7,
+                        medium="cpu", lora_name="sql", extra_keys=[["sql", ["mm", 0]]], ownership="kvcr",
+                        session_id="s-1", lookahead_token_ids=[[1, 2]]),
+        VllmBlockStored(block_hashes=[digest], parent_block_hash=digest[::-1], token_ids=[1] * 16, block_size=16,
+                        lora_id=None, medium="GPU", lora_name=None),
+        VllmBlockRemoved(block_hashes=[2**63 + 5], medium="GPU", group_idx=0),
+        VllmBlockRemoved(block_hashes=[4, 5], medium=None, locality="REMOTE"),
+        PlainCleared(),
+    ]
+
+
+def test_publisher_encodes_vllm_objects_like_the_normalized_structs():
+    from producers.avro_fast import encode_events
+    from producers.publisher import encode_engine_events, to_kvbus_event
+
+    events = _vllm_events()
+    converted = [to_kvbus_event(e) for e in events]
+    assert converted[0].block_hashes == [h(1), b"\xff" * 8]
+    assert converted[1].medium == "CPU" and converted[1].extra_keys == msgspec.msgpack.encode([["sql", ["mm", 0]]])
+    assert converted[2].block_hashes == [bytes(range(24, 32))] and converted[2].block_digests == [bytes(range(32))]
+    assert converted[2].parent_block_digest == bytes(range(32))[::-1]
+    assert converted[5] == AllBlocksCleared()
+    assert encode_engine_events(events) == encode_events(converted)
+    with pytest.raises(ValueError):
+        to_kvbus_event(object())
+
+
+class RecordingProducer:
+    """Stands in for confluent_kafka.Producer: records produce() calls; ``full`` simulates
+    librdkafka's queue being full (Kafka unreachable)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, bytes, bytes]] = []
+        self.full = False
+
+    def produce(self, topic, value, key, on_delivery=None):
+        if self.full:
+            raise BufferError("queue full")
+        self.records.append((topic, value, key))
+
+    def poll(self, timeout=0):
+        time.sleep(min(timeout, 0.01))
+        return 0
+
+    def flush(self, timeout=0):
+        return 0
+
+    def __len__(self):
+        return 0
+
+
+@pytest.fixture
+def publisher_factory():
+    from dataclasses import replace as dc_replace
+
+    from producers.publisher import KafkaEventPublisher
+    from schemas.settings import Settings
+    from schemas.topics import Topics
+
+    serde = RecordSerde(registry_client("mock://publisher"), "EventBatch")
+    topic = "pub.raw"
+    schema_id = int.from_bytes(serde.dumps(EventBatch(replica="r", seq=0, ts=0.0, events=[]), topic)[1:5], "big")
+    made = []
+
+    def make(**kw):
+        settings = dc_replace(Settings(), bootstrap="127.0.0.1:1", topics=Topics(raw=topic))
+        fake = RecordingProducer()
+        pub = KafkaEventPublisher(replica="pod-a", settings=settings, schema_id=schema_id, producer=fake, **kw)
+        made.append(pub)
+        return pub, fake, (lambda value: serde.loads(value, topic))
+
+    yield make
+    for pub in made:
+        pub.shutdown(timeout=0.1)
+
+
+def test_publisher_writes_monotonic_seqs_after_a_restart_marker(publisher_factory):
+    pub, fake, loads = publisher_factory(data_parallel_rank=1, topic="kv@pod-a@m")
+    pub.publish(VllmBatch(ts=5.0, events=_vllm_events()[:1]))
+    pub.publish(VllmBatch(ts=6.0, events=_vllm_events()[3:4], data_parallel_rank=2))
+    records = [(key, loads(value)) for _, value, key in fake.records]
+    assert [k for k, _ in records] == [b"pod-a#1", b"pod-a#1", b"pod-a#2"]
+    start = records[0][1]  # a new publisher is a new engine run
+    assert start.seq == -1 and start.epoch == pub.epoch and start.events == [Reset(reason=REASON_ENGINE_RESTART)]
+    b0, b1 = records[1][1], records[2][1]
+    assert (b0.seq, b1.seq) == (0, 1) and b0.epoch == b1.epoch == pub.epoch
+    assert (b0.replica, b0.dp_rank, b0.engine, b0.topic, b0.ts) == ("pod-a", 1, "kvbus", "kv@pod-a@m", 5.0)
+    assert b1.dp_rank == 2 and b1.events == [BlockRemoved(block_hashes=[(2**63 + 5).to_bytes(8, "big")],
+                                                          medium="GPU", group_idx=0)]
+
+
+def test_publisher_never_blocks_and_announces_what_it_had_to_drop(publisher_factory):
+    pub, fake, loads = publisher_factory(max_queue_size=2)
+    del fake.records[:]  # the start marker
+    fake.full = True  # Kafka down: librdkafka's queue is full
+    t0 = time.perf_counter()
+    for i in range(6):  # seq 0, 1 fit in the backlog; 2..5 are dropped
+        pub.publish(VllmBatch(ts=float(i), events=_vllm_events()[3:4]))
+    assert time.perf_counter() - t0 < 0.5
+    assert pub.dropped == 4 and fake.records == []
+    old_epoch = pub.epoch
+    fake.full = False  # Kafka is back: the poll thread drains the backlog
+    wait_for(lambda: len(fake.records) == 2, what="backlog drained")
+    pub.publish(VllmBatch(ts=6.0, events=_vllm_events()[3:4]))
+    batches = [loads(v) for _, v, _ in fake.records]
+    assert [(b.seq, b.epoch) for b in batches[:2]] == [(0, old_epoch), (1, old_epoch)]
+    marker, after = batches[2], batches[3]
+    assert marker.seq == -1 and marker.events == [Reset(reason=REASON_GAP, missing_from=2, missing_to=5)]
+    assert marker.epoch == after.epoch > old_epoch and after.seq == 6
+
+
+def test_create_publisher_and_null_publisher():
+    from producers.publisher import NullEventPublisher, create_publisher
+
+    null = create_publisher("null", replica="x", data_parallel_rank=0)
+    assert isinstance(null, NullEventPublisher)
+    null.publish(VllmBatch(ts=0.0, events=[]))
+    null.shutdown()
+    with pytest.raises(ValueError):
+        create_publisher("zmq")

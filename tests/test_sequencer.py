@@ -293,3 +293,28 @@ def test_resume_check_passes_when_the_engine_kept_running():
     assert s.start().replay_from == 5
     outs = s.on_replayed(5, "b5").out + s.on_replayed(6, "b6").out + s.on_replay_end().out
     assert emitted(outs) == [(42, 6, "b6")]
+
+
+def test_live_copy_arriving_after_the_replay_ended_is_a_duplicate_not_a_restart():
+    """Replay and live are two sockets: the replay can overtake live messages."""
+    s = seq_of(replay=True)
+    assert s.start().replay_from == 0
+    outs = []
+    for i in range(3):
+        outs += s.on_replayed(i, f"b{i}").out
+    outs += s.on_replay_end().out
+    for i in range(4):  # the live copies of 0..2 arrive late, then 3
+        outs += s.on_live(i, f"b{i}").out
+    assert outputs_seqs(outs) == [0, 1, 2, 3]
+    assert s.stats.restarts == 0 and s.stats.duplicates == 3
+
+
+def test_restart_right_after_a_replay_is_still_detected_by_content():
+    s = seq_of(replay=False, epoch=5, last_seq=-1)
+    s.replay = True
+    assert s.on_live(3, "b3").replay_from == 0
+    for i in range(4):
+        s.on_replayed(i, f"b{i}")
+    s.on_replay_end()
+    outs = s.on_live(0, "new-run-0").out  # same seq as a replayed batch, other content
+    assert isinstance(outs[0], ResetMarker) and outs[0].reason == REASON_ENGINE_RESTART
