@@ -15,10 +15,14 @@ What it does, in one run on one throw-away ``redis-server`` (free port, ``--save
    ``redis.go`` does: one HASH per block key (the decimal uint64 hash, no prefix), one field per pod
    entry holding the JSON ``PodEntry`` and an empty value, written with pipelined HSET (its
    engine->request ``engine:<h>`` ZSETs are left out, which favours llm-d);
-4. runs ``--queries`` lookups of 128-block chains of cached conversations, alternating layouts:
-   kvbus = one ``FCALL_RO kvbus_lookup``; llm-d = one pipeline of 128 ``HKEYS`` + JSON decoding
-   (memoised) + its LongestPrefixScorer (active-pod intersection, max tier weight per block); both
-   timed end to end in the same Python client; and checks both layouts agree on every match.
+4. runs ``--queries`` lookups of 128-block chains, alternating layouts: kvbus = one
+   ``FCALL_RO kvbus_lookup``; llm-d = one pipeline of 128 ``HKEYS`` + JSON decoding (memoised) + its
+   LongestPrefixScorer (active-pod intersection, max tier weight per block); both timed end to end
+   in the same Python client, and both answers compared (they must agree). Two query sets:
+   "shared" = a cached conversation with its system prompt (the prompt is cached by most replicas,
+   so an answer lists ~all 256 of them), "private" = a conversation without shared prefix (1-2
+   holders). Then ``--server-queries`` of each set again with SLOWLOG at 0 us, for the Redis-side
+   time (kvbus: the FCALL_RO; llm-d: the sum of its HKEYS, without their per-command dispatch).
 
 The last line printed is one JSON object with the figures.
 """
@@ -161,12 +165,74 @@ def load_llmd(index: LlmdIndex, stores, batch: int) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
+def server_side(r: redis.Redis, store: RedisStore, llmd: "LlmdIndex | None", queries, weights) -> dict:
+    """Redis-side execution time per lookup, from SLOWLOG with a 0 us threshold (no client, no network)."""
+    r.config_set("slowlog-max-len", 400_000)
+    r.config_set("slowlog-log-slower-than", 0)
+    out: dict = {}
+    try:
+        r.slowlog_reset()
+        for q in queries:
+            store.lookup(q, weights=weights)
+        durs = [e["duration"] for e in r.slowlog_get(len(queries) * 4) if e["command"].startswith(b"FCALL_RO")]
+        out["kvbus"] = {"server_p50_ms": round(pct(durs, 0.5) / 1e3, 3), "server_p99_ms": round(pct(durs, 0.99) / 1e3, 3)}
+        if llmd is not None:
+            r.slowlog_reset()
+            for q in queries:
+                llmd.lookup(q)
+            entries = sorted((e for e in r.slowlog_get(len(queries) * (len(queries[0]) + 4))
+                              if e["command"].startswith(b"HKEYS")), key=lambda e: e["id"])
+            per = len(queries[0])
+            sums = [sum(e["duration"] for e in entries[i:i + per]) for i in range(0, len(entries), per)]
+            out["llmd"] = {"server_p50_ms": round(pct(sums, 0.5) / 1e3, 3), "server_p99_ms": round(pct(sums, 0.99) / 1e3, 3)}
+    finally:
+        r.config_set("slowlog-log-slower-than", 10_000)
+        r.slowlog_reset()
+    return out
+
+
+def measure(kind: str, store: RedisStore, llmd: "LlmdIndex | None", queries, args) -> dict:
+    """Client-side latency of both layouts on ``queries`` (alternating), then Redis-side latency."""
+    weights = Weights({"GPU": 1.0, "CPU": 0.8, "*": 0.0})
+    lat_kv: list[float] = []
+    lat_ll: list[float] = []
+    holders: list[int] = []
+    disagree = 0
+    for q in queries:
+        t = time.perf_counter()
+        got = store.lookup(q, weights=weights)
+        lat_kv.append(time.perf_counter() - t)
+        holders.append(len(got))
+        if llmd is not None:
+            t = time.perf_counter()
+            base_ans = llmd.lookup(q)
+            lat_ll.append(time.perf_counter() - t)
+            mine = {pod_identifier(int(h.replica[1:])): (h.matched, round(h.score, 4)) for h in got.values()}
+            theirs = {p: (m, round(s, 4)) for p, (m, s) in base_ans.items()}
+            disagree += mine != theirs
+    out: dict = {"queries": len(queries), "holders_per_answer": round(sum(holders) / len(holders), 1),
+                 "kvbus": {"p50_ms": round(pct(lat_kv, 0.5) * 1e3, 3), "p99_ms": round(pct(lat_kv, 0.99) * 1e3, 3)}}
+    if llmd is not None:
+        out["llmd"] = {"p50_ms": round(pct(lat_ll, 0.5) * 1e3, 3), "p99_ms": round(pct(lat_ll, 0.99) * 1e3, 3)}
+        out["answers_disagree"] = disagree
+    server = server_side(store.r, store, llmd, queries[: args.server_queries], weights)
+    for side in server:
+        out[side].update(server[side])
+    if llmd is not None:
+        out["ratio"] = {k: round(out["llmd"][k] / out["kvbus"][k], 2)
+                        for k in ("p50_ms", "p99_ms", "server_p50_ms", "server_p99_ms")}
+    print(f"{kind}-prefix lookups ({len(queries)}, {out['holders_per_answer']} holders per answer): "
+          f"kvbus {out['kvbus']}; llm-d {out.get('llmd')}; answers that differ: {disagree}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, default=10_000_000, help="(replica, block, tier) entries to load")
     ap.add_argument("--replicas", type=int, default=256)
     ap.add_argument("--chain", type=int, default=128, help="blocks per lookup chain")
     ap.add_argument("--queries", type=int, default=2000)
+    ap.add_argument("--server-queries", type=int, default=400, help="lookups timed Redis-side through SLOWLOG")
     ap.add_argument("--copies", type=int, default=1, help="replicas caching each conversation")
     ap.add_argument("--cpu-frac", type=float, default=0.5, help="share of caches also offloaded to CPU")
     ap.add_argument("--seed", type=int, default=1)
@@ -178,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         r0 = srv.client()
         store = RedisStore(r0, "kvbus:")
         base = used_memory(r0)
-        stores, chains = fleet_workload(args.entries, replicas=args.replicas, copies=args.copies,
+        stores, chains, bodies = fleet_workload(args.entries, replicas=args.replicas, copies=args.copies,
                                         cpu_frac=args.cpu_frac, seed=args.seed, min_chain=args.chain)
         n, secs = load_kvbus(store, stores, batch=2000)
         size = store.size()
@@ -196,51 +262,23 @@ def main(argv: list[str] | None = None) -> int:
             r1 = srv.client(db=1)
             llmd = LlmdIndex(r1)
             before = used_memory(r0)
-            stores2, _ = fleet_workload(args.entries, replicas=args.replicas, copies=args.copies,
+            stores2, _, _ = fleet_workload(args.entries, replicas=args.replicas, copies=args.copies,
                                         cpu_frac=args.cpu_frac, seed=args.seed, min_chain=args.chain)
             n2, secs2 = load_llmd(llmd, stores2, batch=200)
             ll_bytes = used_memory(r0) - before
             print(f"llm-d: loaded {n2:,} entries in {secs2:.1f}s ({n2 / secs2:,.0f} entries/s), "
                   f"{ll_bytes / n2:.1f} bytes/entry", flush=True)
             result["llmd"] = {"bytes_per_entry": round(ll_bytes / n2, 2), "load_entries_per_s": round(n2 / secs2)}
+            result["bytes_ratio_llmd_over_kvbus"] = round(ll_bytes / n2 / (kv_bytes / n), 2)
 
-        queries = [c[:args.chain] for c in chains][: args.queries]
-        while len(queries) < args.queries:
-            queries += queries[: args.queries - len(queries)]
-        weights = Weights({"GPU": 1.0, "CPU": 0.8, "*": 0.0})
-        lat_kv: list[float] = []
-        lat_ll: list[float] = []
-        holders: list[int] = []
-        disagree = 0
-        for i, q in enumerate(queries):
-            t = time.perf_counter()
-            got = store.lookup(q, weights=weights)
-            lat_kv.append(time.perf_counter() - t)
-            holders.append(len(got))
-            if llmd is not None:
-                t = time.perf_counter()
-                base_ans = llmd.lookup(q)
-                lat_ll.append(time.perf_counter() - t)
-                mine = {pod_identifier(int(h.replica[1:])): (h.matched, round(h.score, 4)) for h in got.values()}
-                theirs = {p: (m, round(s, 4)) for p, (m, s) in base_ans.items()}
-                disagree += mine != theirs
-        kv = {"p50_ms": round(pct(lat_kv, 0.5) * 1e3, 3), "p99_ms": round(pct(lat_kv, 0.99) * 1e3, 3)}
-        result["kvbus"].update(kv)
-        result["holders_per_query_avg"] = round(sum(holders) / len(holders), 1)
-        print(f"kvbus lookup: p50 {kv['p50_ms']} ms, p99 {kv['p99_ms']} ms "
-              f"({len(queries)} queries, {result['holders_per_query_avg']} holders matched on average)")
-        if llmd is not None:
-            ll = {"p50_ms": round(pct(lat_ll, 0.5) * 1e3, 3), "p99_ms": round(pct(lat_ll, 0.99) * 1e3, 3)}
-            result["llmd"].update(ll)
-            result["answers_disagree"] = disagree
-            result["ratio"] = {
-                "lookup_p50": round(ll["p50_ms"] / kv["p50_ms"], 2),
-                "lookup_p99": round(ll["p99_ms"] / kv["p99_ms"], 2),
-                "bytes_per_entry": round(result["llmd"]["bytes_per_entry"] / result["kvbus"]["bytes_per_entry"], 2),
-            }
-            print(f"llm-d lookup: p50 {ll['p50_ms']} ms, p99 {ll['p99_ms']} ms; answers that differ: {disagree}")
-            print(f"ratios llm-d/kvbus: {result['ratio']}")
+        for kind, sample in (("shared", chains), ("private", bodies)):
+            queries = [c[:args.chain] for c in sample][: args.queries]
+            while len(queries) < args.queries:
+                queries += queries[: args.queries - len(queries)]
+            result[kind] = measure(kind, store, llmd, queries, args)
         result["redis_used_memory_mb"] = round(used_memory(r0) / 2**20, 1)
+        mem = r0.info("memory")
+        result["lua_functions_heap_mb"] = round(int(mem.get("used_memory_vm_functions", 0)) / 2**20, 1)
         print(json.dumps(result))
     return 0
 

@@ -15,7 +15,9 @@ import threading
 import time
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+import redis
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from schemas.events import BlockEvent, DeadLetter
 from schemas.serde import RecordSerde, registry_client
@@ -29,6 +31,21 @@ from sinks.validate import problem
 log = logging.getLogger("kvbus.sinks")
 
 STAGE = "sink"
+RETRY_PAUSE = 1.0
+"""Seconds to wait before re-reading a batch after a transient failure (registry or Redis down)."""
+
+
+class TransientError(Exception):
+    """A dependency is unavailable: the batch is read again later, nothing is dead-lettered."""
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether ``e`` says a service is unreachable or failing, rather than that the input is bad."""
+    if isinstance(e, SchemaRegistryError):
+        return e.http_status_code >= 500 or e.http_status_code <= 0
+    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)):
+        return True
+    return any(c.__name__ in ("TransportError", "TimeoutException") for c in type(e).__mro__)
 
 
 class SinkConsumer:
@@ -85,8 +102,30 @@ class SinkConsumer:
     # -- one batch ------------------------------------------------------------
 
     def step(self) -> int:
-        """Poll one batch, apply it, commit; returns the number of records read."""
+        """Poll one batch, apply it, commit; returns the number of records read.
+
+        If the registry or Redis is unavailable, the batch is rewound (read again after
+        ``RETRY_PAUSE``); what was applied of it is skipped then by the stored positions.
+        """
         msgs = self.consumer.consume(num_messages=self.batch, timeout=self.poll_timeout)
+        try:
+            return self._handle(msgs)
+        except TransientError as e:
+            log.warning("%s: batch of %d records will be read again", e, len(msgs))
+            self._rewind(msgs)
+            time.sleep(RETRY_PAUSE)
+            return 0
+
+    def _rewind(self, msgs: list) -> None:
+        first: dict[tuple[str, int], int] = {}
+        for m in msgs:
+            if m.error() is None:
+                key = (m.topic(), m.partition())
+                first[key] = min(first.get(key, m.offset()), m.offset())
+        for (topic, partition), offset in first.items():
+            self.consumer.seek(TopicPartition(topic, partition, offset))
+
+    def _handle(self, msgs: list) -> int:
         records: list[tuple[str, BlockEvent]] = []
         sources: list[tuple[Any, str]] = []
         dead = 0
@@ -102,6 +141,8 @@ class SinkConsumer:
             try:
                 ev = self.serde.loads(msg.value(), msg.topic())
             except Exception as e:  # undecodable: anything the deserializer raises
+                if is_transient(e):
+                    raise TransientError(f"schema registry unavailable ({type(e).__name__}: {e})") from e
                 self._dead(msg, source, f"decode: {type(e).__name__}: {e}", "decode")
                 dead += 1
                 continue
@@ -115,7 +156,10 @@ class SinkConsumer:
         self.metrics.records.inc(len(msgs))
         if records:
             t0 = time.perf_counter()
-            res = self.store.apply(records)
+            try:
+                res = self.store.apply(records)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                raise TransientError(f"Redis unavailable ({e})") from e
             self.metrics.apply_seconds.observe(time.perf_counter() - t0)
             self.metrics.observe(res)
             for topic, ev, reason in res.failed:
@@ -153,12 +197,15 @@ class SinkConsumer:
         if now - self._last_expire < self.expire_every or not self._caught_up:
             return
         self._last_expire = now
-        if self.stale_after > 0:
-            expired = self.store.expire_stale(self.stale_after, now)
-            if expired:
-                log.info("expired %d stale holders: %s", len(expired), ", ".join(expired[:10]))
-                self.metrics.expired.inc(len(expired))
-        self.metrics.set_view(self.store.size(), len(self.store.stale()))
+        try:
+            if self.stale_after > 0:
+                expired = self.store.expire_stale(self.stale_after, now)
+                if expired:
+                    log.info("expired %d stale holders: %s", len(expired), ", ".join(expired[:10]))
+                    self.metrics.expired.inc(len(expired))
+            self.metrics.set_view(self.store.size(), len(self.store.stale()))
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("staleness check skipped: Redis unavailable (%s)", e)
 
     # -- loop -----------------------------------------------------------------
 

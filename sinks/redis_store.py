@@ -1,11 +1,13 @@
 """``RedisStore``: the residency view in Redis, written and read through the ``kvbus`` functions.
 
-Layout and cost figures: docs/sinks-layout.md. Every write is one FCALL per (holder, topic) group of
-a batch, pipelined, so a batch costs one round trip; every lookup is one FCALL_RO.
+Layout and cost figures: docs/sinks-layout.md. A batch of records is written with one FCALL per holder
+(its events in record order), all pipelined: one round trip; every lookup is one FCALL_RO.
 """
 from __future__ import annotations
 
 import logging
+import struct
+import time
 from collections import OrderedDict
 from typing import Any, Iterable, Sequence
 
@@ -26,7 +28,15 @@ from sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
 
 log = logging.getLogger("kvbus.sinks")
 
+DEFAULT_WEIGHTS = Weights()
+
+EVENT_HEADER = struct.Struct(">BHddIdHI")
+"""Per-event header in ``kvbus_apply``'s event blob: kind, topic index, epoch, seq, index, ts, tier index,
+number of hashes (37 bytes, big-endian; the hashes follow)."""
+
 DEFAULT_PREFIX = "kvbus:"
+NAMES_TTL = 10.0
+"""Seconds a lookup client trusts its cache of holder names (dp-rank display names may change)."""
 MAX_EVENTS_PER_CALL = 1000
 MAX_HASHES_PER_CALL = 8000
 """Events and block hashes per FCALL: bound how long one call keeps Redis busy (~10-20 ms)."""
@@ -69,48 +79,75 @@ class RedisStore(ResidencyStore):
         self.max_events_per_call = max_events_per_call
         self.max_hashes_per_call = max_hashes_per_call
         self._rc: dict[str, str] = {}
+        self._names: dict[int, tuple[str, int]] = {}
+        self._ranks: dict[str, int] = {}
+        self._names_at = float("-inf")
         if load:
             functions.check_server(self.r)
             functions.ensure_library(self.r)
 
     # -- writes ---------------------------------------------------------------
 
-    def _event_args(self, topic: str, ev: BlockEvent) -> tuple:
-        e = ev.event
-        if isinstance(e, (BlockStored, BlockRemoved)):
-            desc = self.policy.tier_of(e)
-            rc = self._rc.get(desc)
-            if rc is None:
-                rc = self._rc[desc] = "1" if self.policy.refcounted(desc) else "0"
-            kind = "S" if isinstance(e, BlockStored) else "R"
-            return (kind, topic, ev.epoch, ev.seq, ev.index, repr(ev.ts), desc, rc, b"".join(e.block_hashes))
-        if isinstance(e, AllBlocksCleared):
-            return ("C", topic, ev.epoch, ev.seq, ev.index, repr(ev.ts), "", "0", b"")
-        if isinstance(e, Reset):
-            return ("X", topic, ev.epoch, ev.seq, ev.index, repr(ev.ts), "", "0", b"")
-        raise TypeError(f"not a kvbus event: {type(e).__name__}")
+    def _tier(self, e: BlockStored | BlockRemoved) -> tuple[str, str]:
+        desc = self.policy.tier_of(e)
+        rc = self._rc.get(desc)
+        if rc is None:
+            rc = self._rc[desc] = "1" if self.policy.refcounted(desc) else "0"
+        return desc, rc
+
+    def _pack(self, replica: str, dp_rank: int, part: list[tuple[str, BlockEvent]]) -> list:
+        """FCALL arguments of ``kvbus_apply`` for events of one holder (format: kvbus.lua)."""
+        topics: dict[str, int] = {}
+        tiers: dict[str, int] = {}
+        rcs: list[str] = []
+        blob: list[bytes] = []
+        pack = EVENT_HEADER.pack
+        for topic, ev in part:
+            ti = topics.setdefault(topic, len(topics) + 1)
+            e = ev.event
+            if isinstance(e, (BlockStored, BlockRemoved)):
+                desc, rc = self._tier(e)
+                di = tiers.get(desc)
+                if di is None:
+                    di = tiers[desc] = len(tiers) + 1
+                    rcs.append(rc)
+                kind = 1 if isinstance(e, BlockStored) else 2
+                hashes = e.block_hashes
+            elif isinstance(e, AllBlocksCleared):
+                kind, di, hashes = 3, 0, ()
+            elif isinstance(e, Reset):
+                kind, di, hashes = 4, 0, ()
+            else:
+                raise TypeError(f"not a kvbus event: {type(e).__name__}")
+            joined = b"".join(hashes)
+            if len(joined) != 8 * len(hashes):
+                raise ValueError(f"block hashes of {ev.replica}#{ev.dp_rank} at {ev.position} are not 8 bytes each")
+            blob.append(pack(kind, ti, ev.epoch, ev.seq, ev.index, ev.ts, di, len(hashes)))
+            blob.append(joined)
+        args: list = [self.prefix, replica, dp_rank, len(topics), *topics, len(tiers)]
+        for desc, rc in zip(tiers, rcs):
+            args.extend((desc, rc))
+        args.append(b"".join(blob))
+        return args
 
     def _calls(self, records: Iterable[tuple[str, BlockEvent]]) -> list[tuple[list[tuple[str, BlockEvent]], list]]:
+        """(records, FCALL args) per holder, in record order, cut at the per-call limits."""
         groups: "OrderedDict[str, list[tuple[str, BlockEvent]]]" = OrderedDict()
         for topic, ev in records:
             groups.setdefault(holder_key(ev.replica, ev.dp_rank), []).append((topic, ev))
         calls = []
         for recs in groups.values():
             ev0 = recs[0][1]
-            head = [self.prefix, ev0.replica, ev0.dp_rank]
             part: list[tuple[str, BlockEvent]] = []
-            args: list = list(head)
             nhashes = 0
             for topic, ev in recs:
-                a = self._event_args(topic, ev)
-                if part and (len(part) >= self.max_events_per_call
-                             or nhashes + len(a[8]) // 8 > self.max_hashes_per_call):
-                    calls.append((part, args))
-                    part, args, nhashes = [], list(head), 0
+                n = len(getattr(ev.event, "block_hashes", ()))
+                if part and (len(part) >= self.max_events_per_call or nhashes + n > self.max_hashes_per_call):
+                    calls.append((part, self._pack(ev0.replica, ev0.dp_rank, part)))
+                    part, nhashes = [], 0
                 part.append((topic, ev))
-                args.extend(a)
-                nhashes += len(a[8]) // 8
-            calls.append((part, args))
+                nhashes += n
+            calls.append((part, self._pack(ev0.replica, ev0.dp_rank, part)))
         return calls
 
     def apply(self, records: Iterable[tuple[str, BlockEvent]]) -> ApplyResult:
@@ -142,8 +179,8 @@ class RedisStore(ResidencyStore):
 
     def _apply_one_by_one(self, part, args, err: Exception, res: ApplyResult) -> None:
         log.warning("apply refused for %s#%s (%s): retrying event by event", args[1], args[2], err)
-        for i, (topic, ev) in enumerate(part):
-            one = args[:3] + args[3 + 9 * i: 12 + 9 * i]
+        for topic, ev in part:
+            one = self._pack(ev.replica, ev.dp_rank, [(topic, ev)])
             try:
                 self._add_reply(res, functions.call(self.r, "kvbus_apply", *one))
             except redis.ResponseError as e:
@@ -177,15 +214,30 @@ class RedisStore(ResidencyStore):
         weights: Weights | None = None,
         candidates: Sequence[str] | None = None,
     ) -> dict[str, HolderMatch]:
-        """One FCALL_RO (works on replicas and for read-only ACL users)."""
+        """One FCALL_RO (works on replicas and for read-only ACL users). Holder names come from a
+        client-side cache of the holder table, read again when a reply names an unknown holder id
+        or the cache is older than ``NAMES_TTL`` seconds (ids are never reused)."""
         if not chain:
             return {}
-        weights = weights or Weights()
-        args: list = [self.prefix, b"".join(chain), len(weights.by_name)]
-        for name, w in weights.by_name.items():
-            args.extend((name, repr(float(w))))
-        args.extend(candidates or ())
-        return parse_lookup(functions.call(self.r, "kvbus_lookup", *args, readonly=True))
+        spec = (weights or DEFAULT_WEIGHTS).spec()
+        args: list = [self.prefix, b"".join(chain), spec, *(candidates or ())]
+        reply = functions.call(self.r, "kvbus_lookup", *args, readonly=True)
+        if time.monotonic() - self._names_at > NAMES_TTL:
+            self._refresh_names()
+        try:
+            return parse_lookup(reply, self._names, self._ranks)
+        except KeyError:  # a holder created since the cache was read
+            self._refresh_names()
+            return parse_lookup(reply, self._names, self._ranks)
+
+    def _refresh_names(self) -> None:
+        names: dict[int, tuple[str, int]] = {}
+        ranks: dict[str, int] = {}
+        for hid, name in self._holders().items():
+            replica, dp = split_holder(name)
+            names[hid] = (replica, dp)
+            ranks[replica] = ranks.get(replica, 0) + 1
+        self._names, self._ranks, self._names_at = names, ranks, time.monotonic()
 
     def stale(self) -> dict[str, float]:
         return {_s(n): float(s) for n, s in self.r.zrange(self.prefix + "stale", 0, -1, withscores=True)}
@@ -276,17 +328,21 @@ class RedisStore(ResidencyStore):
         }
 
 
-def parse_lookup(reply: list) -> dict[str, HolderMatch]:
-    """Turn ``kvbus_lookup``'s reply into ``{display name: HolderMatch}``."""
-    names, rids, nums, descs = reply
+def parse_lookup(reply: list, names: dict[int, tuple[str, int]], ranks: dict[str, int]) -> dict[str, HolderMatch]:
+    """Turn ``kvbus_lookup``'s reply into ``{display name: HolderMatch}``.
+
+    ``names``: hid -> (replica, dp_rank); ``ranks``: replica -> number of known dp ranks.
+    """
+    head, blobs, descs = reply
     labels = {int(descs[i]): label(_s(descs[i + 1])) for i in range(0, len(descs), 2)}
     out: dict[str, HolderMatch] = {}
     k = 0
-    for name, rh in zip(names, rids):
-        matched, score, n = int(nums[k]), int(nums[k + 1]), int(nums[k + 2])
-        tiers = {labels[int(nums[k + 3 + 2 * j])]: int(nums[k + 4 + 2 * j]) for j in range(n)}
+    for blob in blobs:
+        matched, score, n = int(head[k]), int(head[k + 1]) / 1e6, int(head[k + 2])
+        tiers = {labels[int(head[k + 3 + 2 * j])]: int(head[k + 4 + 2 * j]) for j in range(n)}
         k += 3 + 2 * n
-        replica, dp = split_holder(_s(name))
-        hm = HolderMatch(replica, dp, matched, tiers, score / 1e6, len(_s(rh or b"").split()))
-        out[hm.name] = hm
+        for hid in struct.unpack(f">{len(blob) // 4}I", blob):
+            replica, dp = names[hid]
+            hm = HolderMatch(replica, dp, matched, dict(tiers), score, ranks.get(replica, 1))
+            out[hm.name] = hm
     return out

@@ -213,7 +213,7 @@ def fleet_workload(
     seed: int = 0,
     sample_chains: int = 4000,
     min_chain: int = 128,
-) -> tuple[Iterator[FleetStore], list[list[bytes]]]:
+) -> tuple[Iterator[FleetStore], list[list[bytes]], list[list[bytes]]]:
     """A fleet's residency built from conversations, until about ``entries`` (replica, block, tier) entries.
 
     Each conversation is one of ``prompts`` shared system prompts (8-32 blocks) followed by its own
@@ -222,10 +222,13 @@ def fleet_workload(
     so prompt blocks end up shared by most replicas and conversation blocks by ``copies`` of them.
 
     Returns (the stores, lazily generated and deterministic for a seed; up to ``sample_chains``
-    conversation chains of at least ``min_chain`` blocks, filled while the stores are consumed).
+    conversation chains of at least ``min_chain`` blocks starting with their system prompt, and as
+    many conversation bodies of at least ``min_chain`` blocks (no shared prefix); both filled while
+    the stores are consumed).
     """
     rng = random.Random(seed)
     chains: list[list[bytes]] = []
+    bodies: list[list[bytes]] = []
 
     def h() -> bytes:
         return rng.getrandbits(64).to_bytes(8, "big")
@@ -246,6 +249,8 @@ def fleet_workload(
                     chains.append(chain)
                 elif rng.random() < sample_chains / seen_long:
                     chains[rng.randrange(sample_chains)] = chain
+            if len(body) >= min_chain and len(bodies) < sample_chains:
+                bodies.append(body)
             for r in rng.sample(range(replicas), copies):
                 for medium in ("GPU", "CPU") if rng.random() < cpu_frac else ("GPU",):
                     hashes = body if (r, p, medium) in have else chain
@@ -253,4 +258,4 @@ def fleet_workload(
                     total += len(hashes)
                     yield FleetStore(r, medium, hashes)
 
-    return gen(), chains
+    return gen(), chains, bodies

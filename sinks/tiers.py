@@ -93,6 +93,14 @@ class Weights:
             return float(self.by_name[medium])
         return float(self.by_name.get("*", 1.0))
 
+    def spec(self) -> str:
+        """``"NAME=W,..."``, the form ``kvbus_lookup`` takes (names must not contain ``,`` or ``=``)."""
+        cached = self.__dict__.get("_spec")
+        if cached is None:
+            cached = ",".join(f"{k}={float(v)!r}" for k, v in self.by_name.items())
+            object.__setattr__(self, "_spec", cached)
+        return cached
+
     @classmethod
     def parse(cls, spec: str | None) -> "Weights":
         """``"GPU=1,CPU=0.8,STORAGE=0.5"`` over the defaults (names upper-cased except ownerships)."""

@@ -77,10 +77,13 @@ class Pipeline:
             if p.poll() is not None:
                 raise AssertionError(f"{name} exited with {p.returncode}:\n{self.log(name)}")
 
-    def lookup_json(self, *args: str) -> dict:
-        """``kvbus lookup --json <args>`` as a process; its parsed output."""
+    def lookup_json(self, *args: str, check: bool = True) -> dict | str:
+        """``kvbus lookup --json <args>`` as a process; its parsed output (with ``check=False``,
+        its error output instead of failing when it exits non-zero)."""
         out = subprocess.run([sys.executable, "-m", "kvbus", "lookup", "--json", *args], env=env_for(self.settings),
                              capture_output=True, text=True, timeout=60)
+        if out.returncode != 0 and not check:
+            return out.stderr
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -126,3 +126,13 @@ def test_structures_use_compact_encodings(server):
     assert {r.object("encoding", k) for k in r.scan_iter(p + "I:*", count=1000)} == {b"intset"}
     assert r.object("encoding", p + "hname") == b"hashtable"
     assert store.lookup(H[:100])["h7"].matched == 100
+
+
+def test_a_lookup_client_learns_holders_created_after_it_started(server):
+    r = server.client()
+    p = prefix()
+    writer, reader = RedisStore(r, p), RedisStore(r, p, load=False)
+    writer.apply([(TOPIC, ev("a", 0, gpu(H[:2])))])
+    assert set(reader.lookup(H[:2])) == {"a"}
+    writer.apply([(TOPIC, ev("n", 0, gpu(H[:2]))), (TOPIC, ev("a", 0, gpu(H[:1]), dp=1))])
+    assert {k: v.matched for k, v in reader.lookup(H[:2]).items()} == {"a#0": 2, "a#1": 1, "n": 2}

@@ -36,7 +36,7 @@ encodings (listpack HASH, intset SET) whatever the number of blocks.
 local VERSION = '@VERSION@' -- replaced at load by a digest of this file (sinks/functions.py)
 local K = 64               -- tier codes per holder; member = hid * K + code
 local MAX_HOLDERS = 262144 -- 2^24 / K: members fit 3 bytes
-local BLOCK_LOAD = 40      -- block-table fields per bucket (hash-max-listpack-entries >= 128)
+local BLOCK_LOAD = 16      -- block-table fields per bucket: short listpack scans (hash-max-listpack-entries >= 128)
 local INDEX_LOAD = 160     -- index members per bucket (set-max-intset-entries >= 512)
 local WIDE = 60            -- packed value bytes beyond which a block becomes wide (hash-max-listpack-value >= 64)
 local TWO32 = 4294967296
@@ -140,7 +140,7 @@ local function ctx_load(P)
   local m = redis.call('HMGET', P .. 'meta', 'bL', 'bS', 'blocks', 'entries')
   local c = {P = P, L = tonumber(m[1]) or 0, S = tonumber(m[2]) or 0, blocks = tonumber(m[3]) or 0,
     entries0 = tonumber(m[4]) or 0, entries = tonumber(m[4]) or 0, blocks0 = tonumber(m[3]) or 0,
-    L0 = tonumber(m[1]) or 0, S0 = tonumber(m[2]) or 0, tiers = {}, BP = P .. 'B:', bk = {}}
+    L0 = tonumber(m[1]) or 0, S0 = tonumber(m[2]) or 0, tiers = {}, BP = P .. 'B:'}
   c.m = 2 ^ c.L
   c.cap = BLOCK_LOAD * (c.m + c.S)
   return c
@@ -155,10 +155,7 @@ end
 -- ---------------------------------------------------------------- block table
 
 local function block_key(c, raw)
-  local b = lh_bucket(lo32(raw), c.m, c.S)
-  local k = c.bk[b]
-  if not k then k = c.BP .. b; c.bk[b] = k end
-  return k
+  return c.BP .. lh_bucket(lo32(raw), c.m, c.S)
 end
 
 local function split_block_bucket(c)
@@ -277,13 +274,18 @@ local function tier_init(c, hid, code, t)
   t.m = 2 ^ t.L
   t.cap = INDEX_LOAD * (t.m + t.S)
   t.IP = c.P .. 'I:' .. hid .. ':' .. code .. ':'
-  t.kc = {}
+  t.kc = {}                    -- bucket -> key, for this call
+  t.field = 't:' .. code       -- its field in the holder state
+  t.member = hid * K + code
+  t.packed = pack3(t.member)
+  t.rkey = c.P .. 'R:' .. hid .. ':' .. code
   return t
 end
 
 -- Holder state: {hid, key, pos = {topic -> {e, s, i}}, floor, tiers = {code -> {n, L, S, origin}}, dirty, gone}
 local function holder_load(c, hid)
-  local h = {hid = hid, key = c.P .. 'H:' .. hid, pos = {}, floor = -1, tiers = {}, dirty = {}, gone = {}}
+  local h = {hid = hid, key = c.P .. 'H:' .. hid, pos = {}, floor = -1, tiers = {}, dirty = {}, gone = {},
+    ptouched = {}}
   local all = redis.call('HGETALL', h.key)
   for k = 1, #all, 2 do
     local f, v = all[k], all[k + 1]
@@ -304,12 +306,13 @@ end
 
 local function holder_save(h)
   local set = {}
+  for topic, _ in pairs(h.ptouched) do
+    local p = h.pos[topic]
+    set[#set + 1] = 'p:' .. topic; set[#set + 1] = string.format('%.0f %.0f %.0f', p[1], p[2], p[3])
+  end
   for f, _ in pairs(h.dirty) do
     local kind, rest = string.sub(f, 1, 2), string.sub(f, 3)
-    if kind == 'p:' then
-      local p = h.pos[rest]
-      set[#set + 1] = f; set[#set + 1] = string.format('%.0f %.0f %.0f', p[1], p[2], p[3])
-    elseif kind == 't:' then
+    if kind == 't:' then
       local t = h.tiers[tonumber(rest)]
       if t then
         set[#set + 1] = f; set[#set + 1] = string.format('%.0f %d %d %s', t.n, t.L, t.S, t.o)
@@ -350,15 +353,40 @@ local function index_key(t, raw)
   return k
 end
 
-local function index_add(t, raw)
-  redis.call('SADD', index_key(t, raw), raw_to_dec(raw))
-  t.n = t.n + 1
-  while t.n > t.cap do split_index_bucket(t) end
+-- cmd key members... in chunks (Lua's unpack is limited to a few thousand values)
+local function call_many(cmd, key, list)
+  for j = 1, #list, 1000 do
+    redis.call(cmd, key, unpack(list, j, math.min(j + 999, #list)))
+  end
 end
 
-local function index_rem(t, raw)
-  redis.call('SREM', index_key(t, raw), raw_to_dec(raw))
-  t.n = t.n - 1
+-- SADD/SREM the raws to/from the index, one call per bucket
+local function index_update(t, cmd, raws)
+  if #raws == 1 then
+    redis.call(cmd, index_key(t, raws[1]), raw_to_dec(raws[1]))
+    return
+  end
+  local groups, keys = {}, {}
+  for _, raw in ipairs(raws) do
+    local k = index_key(t, raw)
+    local g = groups[k]
+    if not g then g = {}; groups[k] = g; keys[#keys + 1] = k end
+    g[#g + 1] = raw_to_dec(raw)
+  end
+  for _, k in ipairs(keys) do call_many(cmd, k, groups[k]) end
+end
+
+local function index_add(t, raws)
+  if #raws == 0 then return end
+  t.n = t.n + #raws
+  while t.n > t.cap do split_index_bucket(t) end -- first: a bucket must never outgrow an intset
+  index_update(t, 'SADD', raws)
+end
+
+local function index_rem(t, raws)
+  if #raws == 0 then return end
+  index_update(t, 'SREM', raws)
+  t.n = t.n - #raws
 end
 
 -- drop every entry of tier code of holder h; returns entries removed
@@ -399,40 +427,41 @@ local function store(c, h, topic, desc, rc, hashes)
   if not t then
     t = tier_init(c, h.hid, code, {n = 0, L = 0, S = 0, o = topic})
     h.tiers[code] = t
-    h.gone['t:' .. code] = nil
+    h.gone[t.field] = nil
   end
-  h.dirty['t:' .. code] = true
-  local m = h.hid * K + code
-  local packed = pack3(m)
+  h.dirty[t.field] = true
+  local m, packed = t.member, t.packed
+  local added = {}
   for j = 1, #hashes, 8 do
-    local raw = string.sub(hashes, j, j + 7)
+    local raw = #hashes == 8 and hashes or string.sub(hashes, j, j + 7)
     if block_add(c, raw, m, packed) then
-      index_add(t, raw)
-      c.entries = c.entries + 1
+      added[#added + 1] = raw
     elseif counted then
-      redis.call('HINCRBY', c.P .. 'R:' .. h.hid .. ':' .. code, raw, 1)
+      redis.call('HINCRBY', t.rkey, raw, 1)
     end
   end
+  index_add(t, added)
+  c.entries = c.entries + #added
 end
 
 local function remove(c, h, desc, hashes)
   local code, counted = tier_code(c, desc, '0', false)
   local t = code and h.tiers[code]
   if not t then return end
-  h.dirty['t:' .. code] = true
-  local m = h.hid * K + code
-  local packed = pack3(m)
-  local rkey = c.P .. 'R:' .. h.hid .. ':' .. code
+  h.dirty[t.field] = true
+  local m, packed = t.member, t.packed
+  local gone = {}
   for j = 1, #hashes, 8 do
-    local raw = string.sub(hashes, j, j + 7)
-    local extra = counted and redis.call('HGET', rkey, raw)
+    local raw = #hashes == 8 and hashes or string.sub(hashes, j, j + 7)
+    local extra = counted and redis.call('HGET', t.rkey, raw)
     if extra then
-      if tonumber(extra) <= 1 then redis.call('HDEL', rkey, raw) else redis.call('HINCRBY', rkey, raw, -1) end
+      if tonumber(extra) <= 1 then redis.call('HDEL', t.rkey, raw) else redis.call('HINCRBY', t.rkey, raw, -1) end
     elseif block_rem(c, raw, m, packed) then
-      index_rem(t, raw)
-      c.entries = c.entries - 1
+      gone[#gone + 1] = raw
     end
   end
+  index_rem(t, gone)
+  c.entries = c.entries - #gone
 end
 
 -- HMGET in chunks (Lua's unpack is limited to a few thousand values)
@@ -455,60 +484,73 @@ end
 --[[
 kvbus_apply: apply a batch of consolidated events of ONE holder, exactly once.
 ARGV[1] prefix, ARGV[2] replica, ARGV[3] dp_rank,
-then 9 values per event, in delivery order (each topic's events in partition order):
-  kind   S (BlockStored), R (BlockRemoved), C (AllBlocksCleared), X (Reset marker)
-  topic  the Kafka topic it was read from (positions are kept per holder and topic)
-  epoch, seq, index   the event's position
-  ts     engine wall-clock seconds (last-seen time of the holder)
-  tier   descriptor "<MEDIUM>|<ownership>|<group>" (S, R; "" otherwise)
-  rc     "1" if the tier is ref-counted (used when the tier is first created), else "0"
-  hashes concatenated 8-byte block hashes (S, R; "" otherwise)
-An event is applied only if its position is greater than the holder's stored position for this topic
-and its epoch is not below the holder's reset floor; the new position is stored in the same call.
-C drops the holder's tiers that came from this topic. X drops them too, plus the tiers from other
-topics whose applied epoch is older than the marker's, and raises the floor to the marker's epoch.
+ARGV[4] nT, then nT topic names; then nD, then nD pairs (tier descriptor "<MEDIUM>|<ownership>|<group>",
+rc = "1" if that tier is reference-counted (used when the tier is first created) else "0");
+last ARGV: the events, in delivery order (each topic's events in partition order), each a 37-byte
+big-endian header followed by its hashes (sinks/redis_store.py: EVENT_HEADER):
+  kind (u8: 1 BlockStored, 2 BlockRemoved, 3 AllBlocksCleared, 4 Reset marker), topic (u16, 1-based
+  index into the topics), epoch, seq (doubles), index (u32), ts (double, engine seconds),
+  tier (u16, 1-based index into the descriptors, 0 if none), n (u32), then n 8-byte hashes.
+An event is applied only if its position (epoch, seq, index) is greater than the holder's stored
+position for its topic and its epoch is not below the holder's reset floor; the new positions are
+stored in the same call. AllBlocksCleared drops the holder's tiers that came from the same topic; a
+Reset marker drops those too, plus the tiers from other topics whose applied epoch is older than the
+marker's, and raises the floor to the marker's epoch.
 Returns {applied, skipped, entries_delta, resets, clears}.
 ]]
+local HEADER = '>BHddI4dHI4'
+local HEADER_LEN = 37
+
 local function apply(keys, args)
   local c = ctx_load(args[1])
   local replica = args[2]
   local name = replica .. '#' .. args[3]
+  local nT = tonumber(args[4])
+  local topics = {}
+  for j = 1, nT do topics[j] = args[4 + j] end
+  local nD = tonumber(args[5 + nT])
+  local descs, rcs = {}, {}
+  for j = 1, nD do descs[j] = args[4 + nT + 2 * j]; rcs[j] = args[5 + nT + 2 * j] end
+  local blob = args[6 + nT + 2 * nD]
+  if not blob or #args ~= 6 + nT + 2 * nD then return redis.error_reply('kvbus: malformed arguments') end
   local hid = holder_id(c, replica, name, true)
   if not hid then return redis.error_reply('kvbus: holder table full') end
-  -- validate first: a function is not rolled back on error, so nothing may fail after a write
-  for k = 4, #args, 9 do
-    local kind = args[k]
-    if not (tonumber(args[k + 2]) and tonumber(args[k + 3]) and tonumber(args[k + 4]) and tonumber(args[k + 5]))
-      or not args[k + 8] or #args[k + 8] % 8 ~= 0 then
-      return redis.error_reply('kvbus: malformed event at argument ' .. k)
+  -- validate everything first: a function is not rolled back on error, so nothing may fail after
+  -- the first write; then decode again while applying (cheaper than keeping every event in a table)
+  local pos, len = 1, #blob
+  while pos <= len do
+    if pos + HEADER_LEN - 1 > len then return redis.error_reply('kvbus: truncated event header') end
+    local kind, ti, _, _, _, _, di, n, nxt = struct.unpack(HEADER, blob, pos)
+    if nxt + 8 * n - 1 > len or not topics[ti] or kind < 1 or kind > 4 then
+      return redis.error_reply('kvbus: malformed event at byte ' .. pos)
     end
-    if kind == 'S' then
-      if args[k + 8] ~= '' and not tier_code(c, args[k + 6], args[k + 7], true) then
-        return redis.error_reply('kvbus: tier table full (' .. K .. ' tiers), cannot add ' .. args[k + 6])
-      end
-    elseif kind ~= 'R' and kind ~= 'C' and kind ~= 'X' then
-      return redis.error_reply('kvbus: unknown event kind ' .. tostring(kind))
+    if kind <= 2 and not descs[di] then return redis.error_reply('kvbus: event without tier at byte ' .. pos) end
+    if kind == 1 and n > 0 and not tier_code(c, descs[di], rcs[di], true) then
+      return redis.error_reply('kvbus: tier table full (' .. K .. ' tiers), cannot add ' .. descs[di])
     end
+    pos = nxt + 8 * n
   end
   local h = holder_load(c, hid)
   local applied, skipped, resets, clears = 0, 0, 0, 0
   local maxts = nil
-  for k = 4, #args, 9 do
-    local kind, topic = args[k], args[k + 1]
-    local e, s, i = tonumber(args[k + 2]), tonumber(args[k + 3]), tonumber(args[k + 4])
+  pos = 1
+  while pos <= len do
+    local kind, ti, e, s, i, ts, di, n, nxt = struct.unpack(HEADER, blob, pos)
+    pos = nxt + 8 * n
+    local topic = topics[ti]
     if e < h.floor or not newer(e, s, i, h.pos[topic]) then
       skipped = skipped + 1
     else
-      if kind == 'S' then
-        store(c, h, topic, args[k + 6], args[k + 7], args[k + 8])
-      elseif kind == 'R' then
-        remove(c, h, args[k + 6], args[k + 8])
-      elseif kind == 'C' then
+      if kind == 1 then
+        store(c, h, topic, descs[di], rcs[di], string.sub(blob, nxt, pos - 1))
+      elseif kind == 2 then
+        remove(c, h, descs[di], string.sub(blob, nxt, pos - 1))
+      elseif kind == 3 then
         for code, t in pairs(h.tiers) do
           if t.o == topic then clear_tier(c, h, code) end
         end
         clears = clears + 1
-      else -- 'X'
+      else
         for code, t in pairs(h.tiers) do
           local p = h.pos[t.o]
           if t.o == topic or not p or p[1] < e then clear_tier(c, h, code) end
@@ -516,16 +558,16 @@ local function apply(keys, args)
         if e > h.floor then h.floor = e; h.dirty['f'] = true end
         resets = resets + 1
       end
-      h.pos[topic] = {e, s, i}
-      h.dirty['p:' .. topic] = true
+      local p = h.pos[topic]
+      if p then p[1], p[2], p[3] = e, s, i else h.pos[topic] = {e, s, i} end
+      h.ptouched[topic] = true
       applied = applied + 1
-      local ts = tonumber(args[k + 5])
       if not maxts or ts > maxts then maxts = ts end
     end
   end
   holder_save(h)
   if maxts then
-    redis.call('ZADD', c.P .. 'seen', 'GT', maxts, h.hid)
+    redis.call('ZADD', c.P .. 'seen', 'GT', string.format('%.6f', maxts), h.hid)
     redis.call('ZREM', c.P .. 'stale', name)
   end
   local delta = c.entries - c.entries0
@@ -536,26 +578,30 @@ end
 --[[
 kvbus_lookup (read-only, FCALL_RO): longest cached prefix of a chain of block hashes per holder.
 ARGV[1] prefix, ARGV[2] chain: concatenated 8-byte hashes, block 0 first,
-ARGV[3] W, then W pairs (name, weight): weight of a tier = weight of its ownership if given, else of
-its medium, else of "*"; then candidate names (replica or "<replica>#<dp>"; none = every holder).
+ARGV[3] weights "NAME=W,NAME=W,...": weight of a tier = weight of its ownership if given, else of
+its medium, else of "*" (else 1); ARGV[4...] candidate names (replica or "<replica>#<dp>"; none = all).
 For every holder holding block 0: matched = number of leading blocks it holds in any tier; per tier,
 the number of leading blocks held in that tier; score = sum over the matched blocks of the best
 weight among the tiers holding it. Stops at the first block no remaining holder holds.
-Returns {names, rids, nums, descs}: names[j] = "<replica>#<dp>" of the j-th holder, rids[j] = the hids
-of all dp ranks of its replica ("h1 h2 ..."), nums = per holder: matched, score * 10^6 (integer),
-n, then n pairs (tier code, run); descs = {code, descriptor, ...} for the codes used.
+Holders with the same answer are returned as one group (typically: all holders of a shared system
+prompt). Returns {head, hids, descs}:
+  head  per group: matched, score * 10^6 (integer), n, then n pairs (tier code, run)
+  hids  per group: its holder ids, 4-byte big-endian each
+  descs {code, descriptor, ...} for the tier codes used
 ]]
+local P2 = {}
+for j = 0, 31 do P2[j] = 2 ^ j end
+
 local function lookup(keys, args)
   local c = ctx_load(args[1])
   local chain = args[2]
-  local nw = tonumber(args[3])
   local weights = {}
-  for k = 4, 3 + 2 * nw, 2 do weights[args[k]] = tonumber(args[k + 1]) end
+  for name, w in string.gmatch(args[3], '([^,=]+)=([^,]+)') do weights[name] = tonumber(w) end
   local cand = nil
-  if #args > 3 + 2 * nw then
+  if #args > 3 then
     cand = {}
     local names, rest = {}, {}
-    for k = 4 + 2 * nw, #args do names[#names + 1] = args[k] end
+    for k = 4, #args do names[#names + 1] = args[k] end
     for j, hid in ipairs(hmget(c.P .. 'hid', names)) do
       if hid then cand[tonumber(hid)] = true else rest[#rest + 1] = names[j] end
     end
@@ -567,31 +613,28 @@ local function lookup(keys, args)
   end
   local tw, tdesc = {}, {}
   local function weight(code)
-    local w = tw[code]
-    if w then return w end
     local d = redis.call('HGET', c.P .. 'tname', code) or '||0'
     local medium, own = string.match(d, '^([^|]*)|([^|]*)|')
-    w = (own ~= '' and weights[own]) or weights[medium] or weights['*'] or 1
+    local w = (own ~= '' and weights[own]) or weights[medium] or weights['*'] or 1
     tw[code] = w
     tdesc[code] = d
     return w
   end
-  local matched, score, runs, order = {}, {}, {}, {}
-  -- A block whose members are exactly those of the previous block (same packed string, or equal
-  -- wide sets: same SCARD and SINTERCARD) extends the same holders and tiers: counted in `pend`
-  -- and applied in one go, so a prefix shared by hundreds of holders costs O(1) per block.
-  local last_best, last_ext = {}, {}
+  -- Holders are tracked in groups with identical history (same tiers at every block so far), so
+  -- the work per block is per group, plus per member only at blocks whose members change.
+  -- group: {m = matched, s = score, r = {code -> run}, bw = best weight at its last block, ext = codes extended}
+  local G = {[0] = {m = 0, s = 0, r = {}}}
+  local ngroups = 0
+  local grp = {}       -- hid -> group id
+  local fresh = {}     -- groups created at the last slow block (they extend on identical blocks)
   local prev_v, prev_w, prev_card = nil, nil, 0
   local pend = 0
   local function flush()
     if pend == 0 then return end
-    for hid, w in pairs(last_best) do
-      matched[hid] = matched[hid] + pend
-      score[hid] = score[hid] + w * pend
-    end
-    for j = 1, #last_ext, 2 do
-      local r = runs[last_ext[j]]
-      r[last_ext[j + 1]] = r[last_ext[j + 1]] + pend
+    for _, g in ipairs(fresh) do
+      g.m = g.m + pend
+      g.s = g.s + g.bw * pend
+      for _, code in ipairs(g.ext) do g.r[code] = g.r[code] + pend end
     end
     pend = 0
   end
@@ -606,64 +649,90 @@ local function lookup(keys, args)
     end
     if (v ~= '' and v == prev_v) or (wkey and prev_w and card == prev_card
         and redis.call('SINTERCARD', 2, prev_w, wkey) == card) then
-      pend = pend + 1
+      pend = pend + 1 -- same members as the previous block: same holders extend the same tiers
     else
       flush()
       local members
       if wkey then
         members = redis.call('SMEMBERS', wkey)
-        for j = 1, #members do members[j] = tonumber(members[j]) end
       else
         members = unpack3(v)
       end
-      local best, ext = {}, {}
-      local any = false
-      for _, m in ipairs(members) do
-        local hid = floor(m / K)
-        local code = m - hid * K
+      local lo, hi, present = {}, {}, {}
+      for j = 1, #members do
+        local m = tonumber(members[j])
+        local code = m % K
+        local hid = (m - code) / K
         local ok
-        if i == 1 then ok = (not cand) or cand[hid] else ok = matched[hid] == i - 1 end
+        if i == 1 then ok = (not cand) or cand[hid] else ok = grp[hid] and G[grp[hid]].m == i - 1 end
         if ok then
-          local w = weight(code)
-          local b = best[hid]
-          if not b then
-            best[hid] = w
-            any = true
-            if i == 1 then order[#order + 1] = hid; runs[hid] = {}; matched[hid] = 0; score[hid] = 0 end
-          elseif w > b then best[hid] = w end
-          local r = runs[hid]
-          if (r[code] or 0) == i - 1 then r[code] = i; ext[#ext + 1] = hid; ext[#ext + 1] = code end
+          if not lo[hid] then lo[hid] = 0; hi[hid] = 0; present[#present + 1] = hid end
+          if code < 32 then lo[hid] = lo[hid] + P2[code] else hi[hid] = hi[hid] + P2[code - 32] end
         end
       end
-      if not any then break end
-      for hid, w in pairs(best) do
-        matched[hid] = i
-        score[hid] = score[hid] + w
+      if #present == 0 then break end
+      fresh = {}
+      local made = {} -- old group id -> lo -> hi -> new group id
+      for _, hid in ipairs(present) do
+        local og = grp[hid] or 0
+        local l, h = lo[hid], hi[hid]
+        local t1 = made[og]
+        if not t1 then t1 = {}; made[og] = t1 end
+        local t2 = t1[l]
+        if not t2 then t2 = {}; t1[l] = t2 end
+        local ng = t2[h]
+        if not ng then
+          local old = G[og]
+          local g = {m = i, r = {}, ext = {}, bw = nil}
+          for code, run in pairs(old.r) do g.r[code] = run end
+          for code = 0, K - 1 do
+            local bit
+            if code < 32 then bit = floor(l / P2[code]) % 2 else bit = floor(h / P2[code - 32]) % 2 end
+            if bit == 1 then
+              local w = tw[code] or weight(code)
+              if not g.bw or w > g.bw then g.bw = w end
+              if (g.r[code] or 0) == i - 1 then g.r[code] = i; g.ext[#g.ext + 1] = code end
+            end
+          end
+          g.s = old.s + g.bw
+          ngroups = ngroups + 1
+          ng = ngroups
+          G[ng] = g
+          t2[h] = ng
+          fresh[#fresh + 1] = g
+        end
+        grp[hid] = ng
       end
-      last_best, last_ext = best, ext
       prev_v, prev_w, prev_card = v, wkey, card
     end
   end
   flush()
-  local names, rhs, nums = {}, {}, {}
-  if #order > 0 then
-    names = hmget(c.P .. 'hname', order)
-    local replicas = {}
-    for j, n in ipairs(names) do replicas[j] = string.match(n, '^(.*)#%d+$') or n end
-    rhs = hmget(c.P .. 'rh', replicas)
-    for _, hid in ipairs(order) do
-      nums[#nums + 1] = matched[hid]
-      nums[#nums + 1] = floor(score[hid] * 1000000 + 0.5)
-      local at = #nums + 1
-      nums[at] = 0
-      local k = 0
-      for code, run in pairs(runs[hid]) do nums[#nums + 1] = code; nums[#nums + 1] = run; k = k + 1 end
-      nums[at] = k
+  local members_of = {}
+  for hid, g in pairs(grp) do
+    local l = members_of[g]
+    if not l then l = {}; members_of[g] = l end
+    l[#l + 1] = hid
+  end
+  local head, blobs = {}, {}
+  for gid, hids in pairs(members_of) do
+    local g = G[gid]
+    head[#head + 1] = g.m
+    head[#head + 1] = floor(g.s * 1000000 + 0.5)
+    local at = #head + 1
+    head[at] = 0
+    local k = 0
+    for code, run in pairs(g.r) do head[#head + 1] = code; head[#head + 1] = run; k = k + 1 end
+    head[at] = k
+    local parts = {}
+    for j = 1, #hids, 1000 do
+      local n = math.min(j + 999, #hids) - j + 1
+      parts[#parts + 1] = struct.pack('>' .. string.rep('I4', n), unpack(hids, j, j + n - 1))
     end
+    blobs[#blobs + 1] = table.concat(parts)
   end
   local descs = {}
   for code, d in pairs(tdesc) do descs[#descs + 1] = code; descs[#descs + 1] = d end
-  return {names, rhs, nums, descs}
+  return {head, blobs, descs}
 end
 
 local function expire_holder(c, hid, now)

@@ -1,0 +1,162 @@
+"""Apply throughput of the sink's write path next to llm-d's Redis writes, on one private Redis.
+
+    .venv/bin/python benchmarks/sink.py                     # 400k events over 256 replicas
+    .venv/bin/python benchmarks/sink.py --events 2000000
+
+The event stream imitates what vLLM publishes per engine step, per replica (protocol doc §6):
+BlockStored of 1 block (a decode step fills a block) or of a prompt's 2-32 new blocks (prefill),
+one BlockRemoved per evicted hash, OffloadingConnector CPU stores, and kv_cache_report_mode=full
+re-announcements of cached prefixes. Removals only name blocks the replica holds, so the view stays
+at a steady size.
+
+kvbus: ``RedisStore.apply`` on batches of ``--batch`` records (what the sink does per poll: one FCALL
+per replica, pipelined; exactly-once positions and the per-replica index included).
+llm-d: the same events as ``redis.go`` writes them: HSET <block> <PodEntry JSON> "" per stored hash;
+HDEL + its delete-if-empty Lua script per removed hash; pipelined per batch (no dedup, no positions,
+no per-pod index). Both timed end to end from the same Python client. Also reported: Avro decoding
+cost per record (``schemas.serde``), the other half of the sink's per-record work.
+
+The last line printed is one JSON object with the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lookup import pod_entry  # noqa: E402  (the llm-d layout lives in benchmarks/lookup.py)
+
+from schemas.events import BlockEvent, BlockRemoved, BlockStored  # noqa: E402
+from schemas.serde import RecordSerde, registry_client  # noqa: E402
+from sinks.redis_store import RedisStore  # noqa: E402
+from sinks.testing import RedisServer  # noqa: E402
+
+TOPIC = "kvbus.blocks"
+LLMD_EVICT = """
+if redis.call('HLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def event_stream(n: int, replicas: int, seed: int, capacity: int = 2000) -> list[tuple[str, BlockEvent]]:
+    """``n`` events over ``replicas``, each replica keeping about ``capacity`` GPU and 2x that CPU blocks."""
+    rng = random.Random(seed)
+    gpu: list[list[bytes]] = [[] for _ in range(replicas)]
+    cpu: list[list[bytes]] = [[] for _ in range(replicas)]
+    fresh: list[list[bytes]] = [[] for _ in range(replicas)]  # stored on GPU, not offloaded yet
+    seq = [0] * replicas
+    out: list[tuple[str, BlockEvent]] = []
+    ts = time.time()
+
+    def evict(blocks: list[bytes]) -> bytes:
+        i = rng.randrange(len(blocks))
+        blocks[i], blocks[-1] = blocks[-1], blocks[i]
+        return blocks.pop()
+
+    while len(out) < n:
+        r = rng.randrange(replicas)
+        x = rng.random()
+        mine = gpu[r]
+        if len(mine) > capacity or (x < 0.40 and mine):  # vLLM: one BlockRemoved per evicted hash
+            h = evict(mine)
+            if h in fresh[r]:
+                fresh[r].remove(h)
+            ev = BlockRemoved(block_hashes=[h], medium="GPU")
+        elif x < 0.75:  # decode fills one block, or a prefill stores a prompt's new blocks
+            k = 1 if rng.random() < 0.7 else rng.randint(2, 32)
+            new = [rng.getrandbits(64).to_bytes(8, "big") for _ in range(k)]
+            mine.extend(new)
+            fresh[r].extend(new)
+            ev = BlockStored(block_hashes=new, medium="GPU", block_size=16)
+        elif x < 0.85 and fresh[r]:  # OffloadingConnector copies new blocks to CPU
+            k = min(len(fresh[r]), rng.randint(1, 16))
+            new, fresh[r] = fresh[r][:k], fresh[r][k:]
+            cpu[r].extend(new)
+            ev = BlockStored(block_hashes=new, medium="CPU", block_size=16)
+        elif x < 0.92 and len(cpu[r]) > 2 * capacity:
+            ev = BlockRemoved(block_hashes=[evict(cpu[r])], medium="CPU")
+        elif mine:  # kv_cache_report_mode=full: a cache hit re-announces a held prefix
+            ev = BlockStored(block_hashes=mine[: rng.randint(1, min(len(mine), 16))], medium="GPU", block_size=16)
+        else:
+            continue
+        out.append((TOPIC, BlockEvent(replica=f"r{r}", epoch=1, seq=seq[r], index=0, ts=ts, event=ev)))
+        seq[r] += 1
+    return out
+
+
+def apply_llmd(r, sha: str, batch: list[tuple[str, BlockEvent]]) -> None:
+    pipe = r.pipeline(transaction=False)
+    for _, ev in batch:
+        e = ev.event
+        field = pod_entry(int(ev.replica[1:]), e.medium)
+        for h in e.block_hashes:
+            key = str(int.from_bytes(h, "big"))
+            if isinstance(e, BlockStored):
+                pipe.hset(key, field, "")
+            else:
+                pipe.hdel(key, field)
+                pipe.evalsha(sha, 1, key)
+    pipe.execute()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=400_000)
+    ap.add_argument("--replicas", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=2000, help="records per apply (the sink's poll batch)")
+    ap.add_argument("--seed", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    t = time.perf_counter()
+    events = event_stream(args.events, args.replicas, args.seed)
+    hashes = sum(len(ev.event.block_hashes) for _, ev in events)
+    print(f"generated {len(events):,} events ({hashes:,} block hashes) in {time.perf_counter() - t:.1f}s", flush=True)
+    batches = [events[i:i + args.batch] for i in range(0, len(events), args.batch)]
+    result: dict = {"events": len(events), "hashes": hashes, "replicas": args.replicas, "batch": args.batch}
+
+    with RedisServer(["--maxmemory", "4gb", "--maxmemory-policy", "noeviction"]) as srv:
+        store = RedisStore(srv.client(), "kvbus:")
+        t = time.perf_counter()
+        applied = 0
+        for b in batches:
+            applied += store.apply(b).applied
+        secs = time.perf_counter() - t
+        assert applied == len(events)
+        again = store.apply(batches[0])
+        assert again.applied == 0 and again.skipped == len(batches[0])
+        result["kvbus"] = {"events_per_s": round(len(events) / secs), "hashes_per_s": round(hashes / secs),
+                           "seconds": round(secs, 2), "entries_after": store.size()["entries"]}
+        print(f"kvbus: {len(events) / secs:,.0f} events/s ({hashes / secs:,.0f} hashes/s), {secs:.1f}s", flush=True)
+
+        r1 = srv.client(db=1)
+        sha = r1.script_load(LLMD_EVICT)
+        t = time.perf_counter()
+        for b in batches:
+            apply_llmd(r1, sha, b)
+        secs = time.perf_counter() - t
+        result["llmd"] = {"events_per_s": round(len(events) / secs), "hashes_per_s": round(hashes / secs),
+                          "seconds": round(secs, 2)}
+        print(f"llm-d: {len(events) / secs:,.0f} events/s ({hashes / secs:,.0f} hashes/s), {secs:.1f}s", flush=True)
+        result["ratio_kvbus_over_llmd"] = round(result["kvbus"]["events_per_s"] / result["llmd"]["events_per_s"], 2)
+
+    serde = RecordSerde(registry_client("mock://bench-sink"), "BlockEvent")
+    sample = events[:20000]
+    blobs = [serde.dumps(ev, TOPIC) for _, ev in sample]
+    t = time.perf_counter()
+    for blob in blobs:
+        serde.loads(blob, TOPIC)
+    per = (time.perf_counter() - t) / len(blobs)
+    result["avro_decode_us_per_record"] = round(per * 1e6, 2)
+    print(f"Avro decode: {per * 1e6:.1f} us/record ({1 / per:,.0f} records/s on one core)")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The sink's Kafka loop against the real Kafka + registry (and a private Redis): the view equals the
+model of the produced events, bad records go to the dead-letter topic, and a sink SIGKILLed mid-stream
+and restarted leaves the view exactly as if it had never stopped."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from confluent_kafka import Consumer, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from schemas.events import BlockEvent, BlockStored, DeadLetter, canonical_hash, holder_key
+from schemas.serde import RecordSerde, registry_client
+from schemas.settings import Settings
+from schemas.topics import Topics
+from sinks.consumer import SinkConsumer
+from sinks.memory_store import InMemoryStore
+from sinks.redis_store import RedisStore
+from sinks.testing import RedisServer, random_streams
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def settings(stack) -> Settings:
+    """The real stack (started by the session fixture; never skipped)."""
+    return stack
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def topics(settings) -> Topics:
+    t = Topics(blocks=f"kvbustest-{uuid.uuid4().hex[:10]}.blocks", dlq=f"kvbustest-{uuid.uuid4().hex[:10]}.dlq")
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap})
+    names = [t.blocks, t.for_ownership("kvcr"), t.dlq]
+    for f in admin.create_topics([NewTopic(n, num_partitions=2, replication_factor=1) for n in names]).values():
+        f.result(30)
+    yield t
+    admin.delete_topics(names)
+
+
+def produce(settings: Settings, records, extra=()) -> None:
+    serde = RecordSerde(registry_client(settings.registry_url), "BlockEvent")
+    p = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True})
+    for topic, ev in records:
+        p.produce(topic, key=holder_key(ev.replica, ev.dp_rank), value=serde.dumps(ev, topic))
+    for topic, key, value in extra:
+        p.produce(topic, key=key, value=value if isinstance(value, bytes) else serde.dumps(value, topic))
+    assert p.flush(30) == 0
+
+
+def wait_for(cond, timeout: float, what: str, step=None) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        if step:
+            step()
+        else:
+            time.sleep(0.2)
+
+
+def read_dead_letters(settings: Settings, topic: str, n: int) -> list[DeadLetter]:
+    serde = RecordSerde(registry_client(settings.registry_url), "DeadLetter")
+    c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"dlq-{uuid.uuid4().hex}",
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([topic])
+    out: list[DeadLetter] = []
+    deadline = time.time() + 30
+    while len(out) < n and time.time() < deadline:
+        for m in c.consume(10, timeout=0.5):
+            if not m.error():
+                out.append(serde.loads(m.value(), topic))
+    c.close()
+    return out
+
+
+def test_sink_applies_events_and_dead_letters_bad_records(settings, topics, redis_server):
+    records = random_streams(11, topics, holders=4, batches=150, pool=30)
+    good = BlockEvent(replica="x", epoch=1, seq=0, index=0, ts=1.0,
+                      event=BlockStored(block_hashes=[canonical_hash(1)], medium="GPU"))
+    tier_on_main = BlockEvent(replica="x", epoch=1, seq=1, index=0, ts=1.0,
+                              event=BlockStored(block_hashes=[canonical_hash(2)], medium="CPU", ownership="kvcr"))
+    produce(settings, records, extra=[(topics.blocks, b"r0#0", b"\x00garbage"),
+                                      (topics.blocks, b"y#0", good),
+                                      (topics.blocks, b"x#0", tier_on_main)])
+    model = InMemoryStore()
+    model.apply(records)
+    store = RedisStore(redis_server.client(), f"s{uuid.uuid4().hex[:8]}:")
+    sink = SinkConsumer(settings, store, topics=topics, group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
+                        poll_timeout=0.2)
+    try:
+        wait_for(lambda: store.positions() == model.positions(), 90, "the sink to catch up", step=sink.step)
+    finally:
+        sink.close()
+    assert store.snapshot() == model.snapshot()
+    letters = read_dead_letters(settings, topics.dlq, 3)
+    assert len(letters) == 3
+    assert {d.stage for d in letters} == {"sink"}
+    reasons = " | ".join(sorted(d.reason for d in letters))
+    assert "decode" in reasons and "does not name the event's holder" in reasons and "belongs on" in reasons
+    assert b"\x00garbage" in [d.payload[0] for d in letters]
+    assert sink.metrics.dead_letters.labels("decode")._value.get() == 1
+    m = sink.metrics
+    assert m.applied._value.get() + m.duplicates._value.get() == len(records)  # skips: old run after a reset
+
+
+def test_sink_killed_mid_stream_and_restarted_leaves_the_exact_view(settings, topics, redis_server):
+    records = random_streams(23, topics, holders=6, batches=1500, pool=60, max_chain=10)
+    produce(settings, records)
+    model = InMemoryStore()
+    model.apply(records)
+    prefix = f"k{uuid.uuid4().hex[:8]}:"
+    store = RedisStore(redis_server.client(), prefix)
+    env = dict(os.environ, KVBUS_TOPIC_BLOCKS=topics.blocks, KVBUS_TOPIC_DLQ=topics.dlq,
+               KVBUS_REDIS_URL=redis_server.url, KVBUS_BOOTSTRAP=settings.bootstrap,
+               KVBUS_REGISTRY_URL=settings.registry_url)
+    cmd = [sys.executable, "-m", "sinks.cli", "sink", "--group", f"g-{uuid.uuid4().hex}", "--prefix", prefix,
+           "--batch", "7", "--stale-after", "0"]
+
+    def applied() -> int:
+        return sum(p[1] >= 0 for p in store.positions().values())
+
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: store.size()["entries"] > 0, 60, "the first sink to start applying")
+        time.sleep(0.7)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    assert store.positions() != model.positions(), "killed before the end of the stream"
+    assert applied() > 0
+    second = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: store.positions() == model.positions(), 120, "the restarted sink to catch up")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        _, err = second.communicate(timeout=30)
+    assert second.returncode == 0, err.decode()[-2000:]
+    assert store.snapshot() == model.snapshot()
+    assert store.size() == model.size()
+
+
+def test_sink_picks_up_new_tier_topics_and_expires_silent_replicas(settings, topics, redis_server):
+    now = time.time()
+
+    def ev(replica, seq, event, ts):
+        return BlockEvent(replica=replica, epoch=1, seq=seq, index=0, ts=ts, event=event)
+
+    produce(settings, [(topics.blocks, ev("old", 0, BlockStored(block_hashes=[canonical_hash(1)], medium="GPU"), now - 900)),
+                       (topics.blocks, ev("new", 0, BlockStored(block_hashes=[canonical_hash(1)], medium="GPU"), now))])
+    store = RedisStore(redis_server.client(), f"e{uuid.uuid4().hex[:8]}:")
+    sink = SinkConsumer(settings, store, topics=topics, group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=600,
+                        expire_every=0.0, poll_timeout=0.2, consumer_conf={"topic.metadata.refresh.interval.ms": 1000})
+    try:
+        wait_for(lambda: "old#0" in store.stale(), 60, "the silent replica to expire", step=sink.step)
+        assert set(store.lookup([canonical_hash(1)])) == {"new"}
+        assert sink.metrics.stale._value.get() == 1 and sink.metrics.expired._value.get() == 1
+        late = topics.for_ownership("lmcache")
+        admin = AdminClient({"bootstrap.servers": settings.bootstrap})
+        for f in admin.create_topics([NewTopic(late, num_partitions=1, replication_factor=1)]).values():
+            f.result(30)
+        try:
+            produce(settings, [(late, ev("new", 1, BlockStored(block_hashes=[canonical_hash(2)], medium="CPU",
+                                                               ownership="lmcache"), now))])
+            wait_for(lambda: store.summary().get("new", {}).get("CPU@lmcache") == 1, 60,
+                     "a tier topic created after the sink started", step=sink.step)
+        finally:
+            admin.delete_topics([late])
+    finally:
+        sink.close()
