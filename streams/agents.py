@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import faust
-
 from streams.app import OPTIONS, SETTINGS, app
 from streams.runtime import Runtime
 
@@ -32,7 +30,8 @@ RAW = app.topic(
 
 STATE = app.Table(
     "state",
-    schema=faust.Schema(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw"),
+    key_type=bytes,  # bytes key/value types make Faust use the "raw" codec for the changelog
+    value_type=bytes,
     partitions=SETTINGS.partitions,
     help="Aggregation state: holder meta and open aggregates (msgpack).",
 )
@@ -46,7 +45,16 @@ RUNTIME = Runtime(app, SETTINGS, OPTIONS, STATE)
 async def consolidate(stream: Any) -> None:
     """Aggregate worker reports into consolidated events, a batch of raw records at a time."""
     async for events in stream.take_events(OPTIONS.batch, within=OPTIONS.batch_within):
-        await RUNTIME.process(events)
+        # Faust acks the batch when this body returns; hold each message until the runtime has
+        # delivered its outputs and written its state (Runtime.process acks it then).
+        for event in events:
+            event.message.incref()
+        try:
+            await RUNTIME.process(events)
+        except Exception as exc:  # never leave held records behind in a running worker
+            log.exception("processing a batch failed; stopping the worker so the batch is replayed")
+            await app.crash(exc)
+            raise
 
 
 @app.timer(interval=OPTIONS.sweep)

@@ -59,6 +59,8 @@ from schemas.events import (
     holder_key,
 )
 from schemas.topics import Topics
+from streams import avro_writer
+from streams.raw_event import RawEvent
 
 Position = tuple[int, int, int]
 """(epoch, seq, index) of a report; see docs/CONTRACT-NOTES.md."""
@@ -68,19 +70,26 @@ DEFAULT_WINDOW = 5.0
 
 _ENCODER = msgspec.msgpack.Encoder()
 
+AnyEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, Reset, RawEvent]
+"""An event as decoded (struct) or as scanned (:class:`RawEvent`)."""
 
-def identity(event: Event, workers: int = 1) -> bytes:
+
+def identity(event: AnyEvent, workers: int = 1) -> bytes:
     """16-byte identity of an event as vLLM's ``__hash__`` defines it, salted by the worker count.
 
-    ``BlockStored``: every field but ``lora_name`` (newer fields are included automatically:
-    the struct is encoded whole); ``BlockRemoved`` and ``AllBlocksCleared``: every field.
-    Events that differ only in ``lora_name`` share an identity.
+    The hash of the event's canonical Avro encoding with ``lora_name`` set to null: for
+    ``BlockStored`` every field but ``lora_name`` (newer fields are in the encoding too), for
+    ``BlockRemoved`` and ``AllBlocksCleared`` every field. Events that differ only in
+    ``lora_name`` share an identity; a :class:`RawEvent` has its struct's identity.
     """
-    if type(event) is BlockStored and event.lora_name is not None:
-        event = msgspec.structs.replace(event, lora_name=None)
-    return hashlib.blake2b(
-        _ENCODER.encode(event), digest_size=16, salt=workers.to_bytes(2, "big")
-    ).digest()
+    t = type(event)
+    if t is RawEvent:
+        data = event.canon if event.canon is not None else event.avro
+    else:
+        if t is BlockStored and event.lora_name is not None:
+            event = msgspec.structs.replace(event, lora_name=None)
+        data = avro_writer.event(event)
+    return hashlib.blake2b(data, digest_size=16, salt=workers.to_bytes(2, "big")).digest()
 
 
 class Aggregate(msgspec.Struct, array_like=True):
@@ -90,7 +99,7 @@ class Aggregate(msgspec.Struct, array_like=True):
     """:func:`identity` of the event."""
     workers: int
     """Worker count the reports carried."""
-    event: Event
+    event: AnyEvent
     """The event as reported by the lowest rank so far (its ``lora_name`` is the one emitted)."""
     ts: float
     """Engine time of the batch of that lowest-rank report."""
@@ -481,11 +490,6 @@ class Aggregator:
             if st.meta_dirty:
                 st.meta_dirty = False
                 yield part, meta_key(key), encode_meta(st.meta)
-
-    def drop_partitions(self, partitions: set[int]) -> None:
-        """Forget the holders whose state lives in ``partitions`` (revoked)."""
-        for key in [k for k, st in self.holders.items() if st.meta.partition in partitions]:
-            del self.holders[key]
 
 
 # -- store layout -------------------------------------------------------------

@@ -12,6 +12,7 @@ import struct
 from typing import Callable, Optional
 
 from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, Incomplete, Reset
+from streams.raw_event import RawEvent
 
 _DOUBLE = struct.Struct("<d").pack
 
@@ -156,6 +157,7 @@ _EVENT: dict[type, tuple[bytes, Callable]] = {
     BlockRemoved: (_LONG[1], removed),
     AllBlocksCleared: (_LONG[2], lambda e: b""),
     Reset: (_LONG[3], reset),
+    RawEvent: (b"", lambda e: e.avro),  # already branch index + record
 }
 
 

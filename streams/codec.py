@@ -5,9 +5,10 @@ Everything is Confluent wire format (magic byte, schema id, Avro body) as made b
 values (tests/test_streams_codec.py proves byte equality):
 
 * decoding: when a value's schema id is one whose registered schema is our ``EventBatch``
-  schema, its body is read with fastavro directly (no reader/writer resolution); anything
-  else goes through ``RecordSerde.loads`` (so its errors are the errors that send a record
-  to the DLQ);
+  schema, its body is scanned by :func:`streams.avro_scan.scan`, which keeps each block
+  event as its Avro bytes (:class:`~streams.raw_event.RawEvent`) instead of decoding token
+  ids; anything else (other schema ids, non-canonical encodings, garbage) goes through
+  ``RecordSerde.loads``, whose errors are the errors that send a record to the DLQ;
 * encoding: the schema id of ``<topic>-value`` is learnt once from ``RecordSerde.dumps``;
   then values are written by :mod:`streams.avro_writer`.
 """
@@ -20,12 +21,15 @@ import struct
 from typing import Any, Union
 
 import fastavro
+import msgspec
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
-from schemas.avro import batch_from_avro, parsed_schema, schema_str
-from schemas.events import BlockEvent, DeadLetter, EventBatch, Incomplete
+from schemas.avro import event_from_avro, parsed_schema, schema_str
+from schemas.events import BlockEvent, DeadLetter, Event, EventBatch, Incomplete
 from schemas.serde import RecordSerde
 from streams import avro_writer
+from streams.avro_scan import ScanError, scan
+from streams.raw_event import RawEvent
 
 log = logging.getLogger("kvbus.streams")
 
@@ -56,11 +60,9 @@ class Codec:
                 same = self._reader_ids[schema_id] = self._is_our_schema(schema_id)
             if same:
                 try:
-                    d = fastavro.schemaless_reader(io.BytesIO(data[5:]), self._batch_schema, None,
-                                                   return_record_name=True)
-                    return batch_from_avro(d)
-                except Exception:
-                    pass  # let RecordSerde give the canonical error
+                    return scan(data, 5)
+                except ScanError:
+                    pass  # not canonical, or broken: RecordSerde decodes it or gives the error
         return self._batch.loads(data, topic)
 
     def _is_our_schema(self, schema_id: int) -> bool:
@@ -79,10 +81,26 @@ class Codec:
         key = (kind, topic)
         header = self._writer_ids.get(key)
         if header is None or not self.fast:
+            if isinstance(getattr(value, "event", None), RawEvent):
+                value = msgspec.structs.replace(value, event=materialize(value.event))
             data = self._serdes[kind].dumps(value, topic)
             self._writer_ids[key] = data[:5]
             return data
         return header + avro_writer.WRITERS[kind](value)
+
+
+_EVENT_UNION = None
+
+
+def materialize(event: RawEvent) -> Event:
+    """The struct a RawEvent encodes."""
+    global _EVENT_UNION
+    if _EVENT_UNION is None:
+        batch = parsed_schema("EventBatch")
+        items = next(f for f in batch["fields"] if f["name"] == "events")["type"]["items"]
+        _EVENT_UNION = fastavro.parse_schema(items)
+    value = fastavro.schemaless_reader(io.BytesIO(event.avro), _EVENT_UNION, None, return_record_name=True)
+    return event_from_avro(value)
 
 
 def _canonical(schema: Any) -> str:

@@ -1,18 +1,22 @@
-"""What the Faust agent and timer call: decode, aggregate, publish, persist.
+"""What the Faust agent and timer call: decode, aggregate, publish, persist, ack.
 
 One :class:`Runtime` per worker process. It owns the process's share of aggregation state
-(:class:`streams.aggregation.Aggregator` over plain dicts), the output producer, the codec
-and the metrics, and writes state changes to the Faust table after the outputs they imply
-are delivered. Order inside one batch (this is what makes a crash safe, see docs/streams.md):
+(:class:`streams.aggregation.Aggregator` over plain dicts), the output producer, the codec and
+the metrics. Each batch of raw records (and each expiry sweep) goes through:
 
-1. decode and check each raw record (bad ones become DeadLetters) and apply it;
-2. produce every output and wait until Kafka acknowledged all of them;
-3. write the changed aggregates, then each holder's meta, to the table (changelog);
-4. return, so the batch is acked; Faust commits offsets only after flushing its producer,
-   i.e. after the table writes of step 3 are durable.
+1. decode and check each record (bad ones become DeadLetters) and apply it to the state;
+2. produce every output and dead letter, and snapshot the state changes it made
+   (serialised table entries: changed aggregates first, then each holder's meta);
+3. once Kafka has acknowledged *every* record of the batch (and of all earlier batches):
+   write the snapshot to the Faust table (changelog), then ack the batch's raw records.
 
-A state entry therefore never describes a record whose outputs could still be lost, and a
-committed record's state is always in the changelog.
+Step 3 runs in a completion task, so the next batch is decoded while this one is delivered
+(at most ``MAX_INFLIGHT`` batches wait). Faust only commits acked offsets and flushes its
+producer (the changelog) before committing. Hence: a table entry never describes a record
+whose outputs could still be lost, and a committed record's state is in the changelog. After
+a crash the new owner restores the table and replays from the committed offset; what the
+state already contains is recognised by the per-worker (epoch, seq) high-water marks, and
+everything else is applied again and re-emitted with its original position.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Iterable, Optional, Sequence
 
 from confluent_kafka import KafkaException, Producer
@@ -36,13 +40,16 @@ from streams.options import StreamsOptions
 
 log = logging.getLogger("kvbus.streams")
 
+MAX_INFLIGHT = 4
+"""Batches whose outputs may be awaiting delivery while the next one is processed."""
+
 
 class _PartitionEvent:
     """Stand-in for the 'current event' Faust tables read the changelog partition from.
 
-    Table writes normally go to the partition of the event being processed; state changes of
-    a whole batch (or of an expiry sweep) are written per holder, so each write is made under
-    a stand-in naming that holder's raw partition.
+    Table writes normally go to the partition of the event being processed; state changes are
+    written per holder after delivery, so each write is made under a stand-in naming that
+    holder's raw partition (the same partition, so co-partitioning holds).
     """
 
     __slots__ = ("message", "__weakref__")
@@ -58,6 +65,28 @@ class _PartitionEvent:
         self.message = self._Message(topic, partition)
 
 
+class _Batch:
+    """Outputs of one processing step on their way to Kafka, and what to do once delivered."""
+
+    __slots__ = ("events", "items", "remaining", "failed", "created")
+
+    def __init__(self, events: Sequence[Any]):
+        self.events = events
+        """Faust events to ack once the batch is durable (empty for sweeps)."""
+        self.items: list[tuple[int, bytes, Optional[bytes]]] = []
+        """State changes: (raw partition, table key, value or None to delete)."""
+        self.remaining = 0
+        """Produced records not yet acknowledged by Kafka."""
+        self.failed: list[tuple[str, bytes, bytes, int, Any]] = []
+        self.created = time.perf_counter()
+
+    def delivered(self, err: Any, msg: Any) -> None:
+        """librdkafka delivery report (served by ``poll`` on the event-loop thread)."""
+        if err is not None:
+            self.failed.append((msg.topic(), msg.key(), msg.value(), msg.partition(), err))
+        self.remaining -= 1
+
+
 class Runtime:
     """The streams stage inside one worker process."""
 
@@ -70,6 +99,7 @@ class Runtime:
         self.aggregator = Aggregator(settings.topics, options.window)
         self.metrics = StreamsMetrics()
         self.lock = asyncio.Lock()
+        """Serialises changes of the aggregation state (agent, timer, rebuild)."""
         self.ready = False
         """False between a revocation and the end of the next recovery."""
         self.next_offset: dict[int, int] = {}
@@ -78,8 +108,11 @@ class Runtime:
         self._producer: Optional[Producer] = None
         self._admin: Optional[AdminClient] = None
         self._partitions: dict[str, int] = {}
-        self._failed: list[tuple[str, bytes, bytes, int, Any]] = []
         self._contexts: dict[int, _PartitionEvent] = {}
+        self._inflight: deque[_Batch] = deque()
+        self._wake = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._completer: Optional[asyncio.Task] = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -92,7 +125,7 @@ class Runtime:
         self._producer = Producer({
             "bootstrap.servers": s.bootstrap,
             "enable.idempotence": True,  # acks=all, ordered retries, no duplicates from retries
-            "linger.ms": 5,
+            "linger.ms": 2,
             "compression.type": "lz4",
             "queue.buffering.max.messages": 1_000_000,
             "client.id": f"{self.options.app_id}-outputs",
@@ -115,14 +148,18 @@ class Runtime:
                  self.options.window, self.topics.raw, self.topics.blocks, self.options.metrics_port)
 
     def stop(self) -> None:
-        """Deliver what is queued."""
+        """Best effort: deliver what is queued (un-acked batches are replayed after a restart)."""
         if self._producer is not None:
-            self._producer.flush(30)
+            self._producer.flush(10)
 
     # -- the agent ------------------------------------------------------------
 
     async def process(self, events: Sequence[Any]) -> None:
-        """Process one batch of raw Faust events (see module doc for the order of steps)."""
+        """Process one batch of raw Faust events; they are acked once durable (module doc).
+
+        The caller has taken a reference on each event's message (``incref``) so that Faust's
+        own ack at the end of the batch does not release it early.
+        """
         self.start()
         t0 = time.perf_counter()
         async with self.lock:
@@ -136,6 +173,8 @@ class Runtime:
                 msg = event.message
                 if msg.tp not in assignment:
                     continue  # revoked while buffered: the new owner replays it
+                if msg.partition not in self.next_offset:
+                    log.info("raw partition %s: first record processed at offset %s", msg.partition, msg.offset)
                 self.next_offset[msg.partition] = msg.offset + 1
                 value = msg.value
                 try:
@@ -149,11 +188,12 @@ class Runtime:
                     continue
                 agg.apply(batch, msg.partition, now, out)
                 touched.add(holder_key(batch.replica, batch.dp_rank))
-            if out or dead:
-                await self._publish(out, dead)
-            self._persist(touched)
+            await self._enqueue(_Batch(events), out, dead, touched)
             self.metrics.sync(agg.stats)
         self.metrics.batch_seconds.observe(time.perf_counter() - t0)
+        while len(self._inflight) > MAX_INFLIGHT:
+            self._progress.clear()
+            await self._progress.wait()
 
     def _dead_letter(self, msg: Any, kind: str, error: Any) -> DeadLetter:
         reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
@@ -174,9 +214,7 @@ class Runtime:
         async with self.lock:
             out: list[Output] = []
             self.aggregator.expire(time.time(), out)
-            if out:
-                await self._publish(out, [])
-            self._persist(None)
+            await self._enqueue(_Batch(()), out, [], None)
             self.metrics.sync(self.aggregator.stats)
         self.metrics.pending.set(self.aggregator.pending_count())
         self.metrics.holders.set(len(self.aggregator.holders))
@@ -198,68 +236,141 @@ class Runtime:
     # -- rebalancing ----------------------------------------------------------
 
     async def rebuild(self) -> None:
-        """After table recovery: rebuild the working state of the assigned raw partitions."""
+        """After table recovery: rebuild the working state of the assigned raw partitions and
+        rewind them to their committed offsets (see :meth:`_rewind`)."""
         async with self.lock:
-            actives = {tp.partition for tp in self.app.assignor.assigned_actives()
-                       if tp.topic == self.topics.raw}
+            await self._drain()
+            tps = [tp for tp in self.app.assignor.assigned_actives() if tp.topic == self.topics.raw]
+            actives = {tp.partition for tp in tps}
+            await self._rewind(tps)
             states = load(self.table.items(), actives)
             self.aggregator.holders.clear()
             self.aggregator.holders.update(states)
-            for p in list(self.next_offset):
-                if p not in actives:
-                    del self.next_offset[p]
+            self.next_offset.clear()
             self.ready = True
             log.info("state rebuilt for raw partitions %s: %d holders, %d pending aggregates",
                      sorted(actives), len(states), self.aggregator.pending_count())
 
+    async def _rewind(self, tps: list[Any]) -> None:
+        """Seek each raw partition to its committed offset, or to its beginning if it has none.
+
+        Faust drops records fetched while a rebalance is in progress (stale generation or flow
+        paused) and then relies on aiokafka's ``seek_to_committed``, which does nothing for a
+        partition without a committed offset (or with offset 0): the dropped records would
+        never be read again. Seen here when two workers of a new group start together.
+        """
+        if not tps:
+            return
+        self.start()
+        committed = await asyncio.get_running_loop().run_in_executor(None, self._committed, tps)
+        consumer = self.app.consumer
+        missing = [tp for tp in tps if committed.get(tp.partition) is None]
+        earliest = await consumer.earliest_offsets(*missing) if missing else {}
+        for tp in tps:
+            offset = committed.get(tp.partition)
+            if offset is None:
+                offset = earliest.get(tp, 0) or 0
+            await consumer.seek(tp, offset)
+        log.info("raw partitions rewound to committed offsets %s", {tp.partition: committed.get(tp.partition)
+                                                                      for tp in tps})
+
+    def _committed(self, tps: list[Any]) -> dict[int, Optional[int]]:
+        from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+
+        request = ConsumerGroupTopicPartitions(self.options.app_id,
+                                               [TopicPartition(tp.topic, tp.partition) for tp in tps])
+        result = self._admin.list_consumer_group_offsets([request])[self.options.app_id].result(30)
+        return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in result.topic_partitions}
+
     def revoke(self, partitions: Iterable[int]) -> None:
         """Partitions were revoked: stop sweeping until the next recovery."""
         self.ready = False
-        self.aggregator.drop_partitions(set(partitions))
 
     # -- publishing -----------------------------------------------------------
 
-    async def _publish(self, out: list[Output], dead: list[DeadLetter]) -> None:
-        """Produce outputs and dead letters; return once Kafka has acknowledged every one."""
+    async def _enqueue(self, batch: _Batch, out: list[Output], dead: list[DeadLetter],
+                       holders: Optional[set[str]]) -> None:
+        """Produce a batch's records, snapshot its state changes, and queue it for completion."""
         missing = {o.topic for o in out if o.topic not in self._partitions}
         if missing:
             await asyncio.get_running_loop().run_in_executor(None, self._ensure_topics, missing)
-        produce = self._produce
         encode = self._codec.encode
         parts = self._partitions
+        produce = self._produce
+        cb = batch.delivered
         for o in out:
             n = parts.get(o.topic, 0)
-            produce(o.topic, o.key, encode(o.value, o.topic), o.partition if o.partition < n else -1)
+            produce(o.topic, o.key, encode(o.value, o.topic), o.partition if o.partition < n else -1, cb)
+        dlq = self.topics.dlq
         for d in dead:
-            produce(self.topics.dlq, d.source.encode(), encode(d, self.topics.dlq), -1)
-        await asyncio.get_running_loop().run_in_executor(None, self._deliver)
+            produce(dlq, d.source.encode(), encode(d, dlq), -1, cb)
+        batch.remaining = len(out) + len(dead)
+        batch.items = list(self.aggregator.flush(holders))
+        if not batch.items and not batch.events and not batch.remaining:
+            return
+        self._inflight.append(batch)
+        if self._completer is None or self._completer.done():
+            self._completer = asyncio.ensure_future(self._complete_loop())
+        self._wake.set()
 
-    def _produce(self, topic: str, key: bytes, value: bytes, partition: int) -> None:
+    def _produce(self, topic: str, key: bytes, value: bytes, partition: int, cb: Any) -> None:
         while True:
             try:
-                self._producer.produce(topic, value, key, partition=partition, on_delivery=self._on_delivery)
+                self._producer.produce(topic, value, key, partition=partition, on_delivery=cb)
                 return
             except BufferError:
                 self._producer.poll(0.05)
 
-    def _on_delivery(self, err: Any, msg: Any) -> None:
-        if err is not None:
-            self._failed.append((msg.topic(), msg.key(), msg.value(), msg.partition(), err))
+    async def _complete_loop(self) -> None:
+        """Serve delivery reports; complete batches in order once all their records are in Kafka.
 
-    def _deliver(self) -> None:
-        """Block until every queued record is delivered, re-producing failed ones (backing off)."""
+        Anything unexpected here (a table write failing) crashes the worker: its un-acked
+        records are then replayed by whoever owns the partitions next.
+        """
+        try:
+            await self._complete_batches()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("completing output batches failed; stopping the worker")
+            await self.app.crash(exc)
+
+    async def _complete_batches(self) -> None:
         delay = 0.2
+        producer = self._producer
         while True:
-            while self._producer.flush(5.0) > 0:
-                log.warning("waiting for Kafka to acknowledge %d output records", len(self._producer))
-            if not self._failed:
-                return
-            failed, self._failed = self._failed, []
-            log.error("%d output records failed (%s); retrying in %.1fs", len(failed), failed[0][4], delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
-            for topic, key, value, partition, _ in failed:
-                self._produce(topic, key, value, partition)
+            producer.poll(0)
+            done = False
+            while self._inflight and self._inflight[0].remaining <= 0:
+                b = self._inflight[0]
+                if b.failed:
+                    failed, b.failed = b.failed, []
+                    log.error("%d output records failed (%s); retrying in %.1fs", len(failed), failed[0][4], delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    b.remaining += len(failed)
+                    for topic, key, value, partition, _ in failed:
+                        self._produce(topic, key, value, partition, b.delivered)
+                    break
+                delay = 0.2
+                self._persist(b.items)
+                for event in b.events:
+                    event.ack()  # the reference the agent took: the final ack, offset committable
+                self._inflight.popleft()
+                done = True
+            if done:
+                self._progress.set()
+            if not self._inflight:
+                self._wake.clear()
+                await self._wake.wait()
+            else:
+                await asyncio.sleep(0.001)
+
+    async def _drain(self) -> None:
+        """Wait until every queued batch is complete."""
+        while self._inflight:
+            self._progress.clear()
+            await self._progress.wait()
 
     def _ensure_topics(self, names: Iterable[str]) -> None:
         for name in names:
@@ -284,20 +395,22 @@ class Runtime:
 
     # -- durable state --------------------------------------------------------
 
-    def _persist(self, holders: Optional[Iterable[str]]) -> None:
-        """Write state changes of ``holders`` (all when None) to the table, per raw partition."""
-        assignment = self.app.consumer.assignment()
+    def _persist(self, items: list[tuple[int, bytes, Optional[bytes]]]) -> None:
+        """Write state changes to the table, each under its holder's raw partition."""
+        if not items:
+            return
         raw = self.topics.raw
+        assigned = {tp.partition for tp in self.app.consumer.assignment() if tp.topic == raw}
         table = self.table
         by_partition: dict[int, list[tuple[bytes, Optional[bytes]]]] = defaultdict(list)
-        for partition, key, value in self.aggregator.flush(holders):
+        for partition, key, value in items:
             by_partition[partition].append((key, value))
-        for partition, items in by_partition.items():
-            if not any(tp.topic == raw and tp.partition == partition for tp in assignment):
+        for partition, entries in by_partition.items():
+            if partition not in assigned:
                 continue  # revoked: its new owner rebuilds from the changelog and replays
             token = _set_current_event(self._context(partition))
             try:
-                for key, value in items:
+                for key, value in entries:
                     if value is None:
                         table.pop(key, None)
                     else:
