@@ -162,19 +162,20 @@ def free_port() -> int:
 
 def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dict[str, Any]:
     """(a): acknowledged events/s through one bridge."""
-    from producers.avro_fast import FastBatchSerializer
     from producers.bridge import Bridge, BridgeConfig
     from producers.kafka_out import KafkaSink
     from producers.metrics import BridgeMetrics
+    from schemas.fast_codec import FastSerde
     from schemas.serde import RecordSerde, registry_client
 
     topics = settings.topics
     registry = registry_client(settings.registry_url)
-    fast = FastBatchSerializer.from_registry(registry, topics.raw)
+    fast = FastSerde(registry, "EventBatch")
+    fast.header(topics.raw)  # registers the schema before the clock starts
     dl = RecordSerde(registry, "DeadLetter")
     metrics = BridgeMetrics()
-    sink = KafkaSink.build(settings.bootstrap, topics.raw, topics.dlq, fast.dumps, lambda d: dl.dumps(d, topics.dlq),
-                           metrics)
+    sink = KafkaSink.build(settings.bootstrap, topics.raw, topics.dlq, lambda b: fast.dumps(b, topics.raw),
+                           lambda d: dl.dumps(d, topics.dlq), metrics)
     p1, p2 = free_port(), free_port()
     cfg = BridgeConfig(endpoint=f"tcp://127.0.0.1:{p1}", replica="bench-0",
                        replay_endpoint=f"tcp://127.0.0.1:{p2}", engine="vllm", rcvhwm=0)

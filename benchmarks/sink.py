@@ -10,7 +10,8 @@ re-announcements of cached prefixes. Removals only name blocks the replica holds
 at a steady size.
 
 kvbus: ``RedisStore.apply`` on batches of ``--batch`` records (what the sink does per poll: one FCALL
-per replica, pipelined; exactly-once positions and the per-replica index included).
+per batch for all replicas; exactly-once positions and the per-replica index included); the time spent
+inside Redis (``server_seconds``, from INFO commandstats) is reported next to the end-to-end time.
 llm-d: the same events as ``redis.go`` writes them: HSET <block> <PodEntry JSON> "" per stored hash;
 HDEL + its delete-if-empty Lua script per removed hash; pipelined per batch (no dedup, no positions,
 no per-pod index). Both timed end to end from the same Python client. Also reported: Avro decoding
@@ -122,16 +123,21 @@ def main(argv: list[str] | None = None) -> int:
 
     with RedisServer(["--maxmemory", "4gb", "--maxmemory-policy", "noeviction"]) as srv:
         store = RedisStore(srv.client(), "kvbus:")
+        store.r.config_resetstat()
         t = time.perf_counter()
         applied = 0
         for b in batches:
             applied += store.apply(b).applied
         secs = time.perf_counter() - t
         assert applied == len(events)
+        fcall = store.r.info("commandstats").get("cmdstat_fcall", {})
         again = store.apply(batches[0])
         assert again.applied == 0 and again.skipped == len(batches[0])
         result["kvbus"] = {"events_per_s": round(len(events) / secs), "hashes_per_s": round(hashes / secs),
-                           "seconds": round(secs, 2), "entries_after": store.size()["entries"]}
+                           "seconds": round(secs, 2), "entries_after": store.size()["entries"],
+                           # Redis-side share: time inside kvbus_apply (INFO commandstats), per event and per hash
+                           "server_seconds": round(fcall.get("usec", 0) / 1e6, 2), "fcalls": fcall.get("calls", 0),
+                           "server_us_per_hash": round(fcall.get("usec", 0) / hashes, 2)}
         print(f"kvbus: {len(events) / secs:,.0f} events/s ({hashes / secs:,.0f} hashes/s), {secs:.1f}s", flush=True)
 
         r1 = srv.client(db=1)

@@ -18,13 +18,13 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from producers.avro_fast import FastBatchSerializer
 from producers.bridge import Bridge, BridgeConfig
 from producers.decode import ENGINES
 from producers.kafka_out import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, KafkaSink
 from producers.metrics import BridgeMetrics
 from producers.recovery import Resume, find_last_produced, wait_and_recover
 from producers.replay import DEFAULT_TIMEOUT
+from schemas.fast_codec import FastSerde
 from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings
 
@@ -98,9 +98,10 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
     dl_serde = RecordSerde(registry, "DeadLetter")
     batch_serde = RecordSerde(registry, "EventBatch")
     if args.serializer == "fast":
-        fast = _retry("registering the EventBatch schema", lambda: FastBatchSerializer.from_registry(registry, topics.raw), stop)
-        serialize_batch = fast.dumps
-        log.info("EventBatch schema id %d for %s-value", fast.schema_id, topics.raw)
+        fast = FastSerde(registry, "EventBatch")
+        schema_id = _retry("registering the EventBatch schema", lambda: fast.schema_id(topics.raw), stop)
+        serialize_batch = lambda b: fast.dumps(b, topics.raw)  # noqa: E731
+        log.info("EventBatch schema id %d for %s-value", schema_id, topics.raw)
     else:
         serialize_batch = lambda b: batch_serde.dumps(b, topics.raw)  # noqa: E731
     resume: Resume | None = None

@@ -23,7 +23,6 @@ from typing import Any, Protocol
 import msgspec
 from confluent_kafka import KafkaError, Producer
 
-from producers.avro_fast import LONG, FastBatchSerializer, encode_event, longs, opt_long, opt_str
 from producers.kafka_out import producer_conf
 from producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
 from schemas.events import (
@@ -34,8 +33,10 @@ from schemas.events import (
     Reset,
     holder_key,
 )
-from schemas.serde import registry_client
+from schemas.fast_encode import batch_from_head, batch_head, event as encode_event, events as encode_events, stored_tail
+from schemas.serde import registry_client, value_schema_id
 from schemas.settings import Settings
+from schemas.wire import LONG, confluent_header, longs, opt_long, opt_str
 
 log = logging.getLogger("kvbus.producers.publisher")
 
@@ -128,19 +129,7 @@ def to_kvbus_event(e: Any) -> Any:
     raise ValueError(f"unknown KV event type {name}")
 
 
-_STORED_TAIL: dict[tuple, bytes] = {}
 _MEDIUM: dict[Any, bytes] = {None: b"\x00"}
-
-
-def _tail(group_idx: Any, kind: Any) -> bytes:
-    """Encoding of BlockStored fields lora_name..parent_block_digest when only group_idx/kind are set."""
-    key = (group_idx, kind)
-    t = _STORED_TAIL.get(key)
-    if t is None:
-        t = b"\x00\x00" + opt_long(group_idx) + opt_str(kind) + b"\x00" * 9
-        if len(_STORED_TAIL) < 1024:
-            _STORED_TAIL[key] = t
-    return t
 
 
 def _opt_medium(m: Any) -> bytes:
@@ -220,7 +209,7 @@ def _plan(cls: type) -> Any:
         return b"".join((
             b"\x00", LONG[len(hs)], hashes, b"\x00" if hs else b"", parent,
             longs(toks if type(toks) is list else list(toks), n), LONG[v[i_bs]], b"\x00", _opt_medium(v[i_m]),
-            _tail(v[i_g], v[i_k]),
+            stored_tail(v[i_g], v[i_k]),
         ))
     return stored
 
@@ -304,10 +293,8 @@ class KafkaEventPublisher:
         self.kafka_topic = self.settings.topics.raw
         self.max_backlog = max_queue_size
         if schema_id is None:
-            ser = FastBatchSerializer.from_registry(registry_client(self.settings.registry_url), self.kafka_topic)
-        else:
-            ser = FastBatchSerializer(schema_id)
-        self._ser = ser
+            schema_id = value_schema_id(registry_client(self.settings.registry_url), self.kafka_topic, "EventBatch")
+        self._header = confluent_header(schema_id)
         overrides = {"queue.buffering.max.messages": hwm, **(producer_overrides or {})}
         if producer is None:
             producer = Producer(producer_conf(endpoint or self.settings.bootstrap, overrides, error_cb=self._on_error))
@@ -336,14 +323,15 @@ class KafkaEventPublisher:
     def _key_prefix(self, dp: int) -> tuple[bytes, bytes]:
         prefix = self._prefix.get(dp)
         if prefix is None:
-            prefix = self._prefix[dp] = self._ser.prefix(self.replica, dp, self.worker_rank, self.workers, ENGINE)
+            prefix = self._prefix[dp] = self._header + batch_head(self.replica, dp, self.worker_rank, self.workers,
+                                                                  ENGINE)
             self._keys[dp] = holder_key(self.replica, dp).encode()
         return self._keys[dp], prefix
 
     def _marker(self, reason: str, missing_from: int | None, missing_to: int | None, dp: int) -> None:
         key, prefix = self._key_prefix(dp)
-        value = self._ser.dumps_with_prefix(prefix, self.epoch, -1, time.time(), self.topic,
-                                            [Reset(reason=reason, missing_from=missing_from, missing_to=missing_to)])
+        value = batch_from_head(prefix, self.epoch, -1, time.time(), self.topic,
+                                encode_events([Reset(reason=reason, missing_from=missing_from, missing_to=missing_to)]))
         self._produce(key, value)
 
     def publish(self, events: Any) -> None:
@@ -374,7 +362,7 @@ class KafkaEventPublisher:
                 log.warning("kvbus publisher %s: batches %d..%d were dropped (Kafka unavailable); new epoch %d",
                             self.replica, lo, hi, self.epoch)
                 self._marker(REASON_GAP, lo, hi, dp)
-            value = self._ser.dumps_encoded(prefix, self.epoch, seq, float(batch.ts), self.topic, evs)
+            value = batch_from_head(prefix, self.epoch, seq, float(batch.ts), self.topic, evs)
             self._produce(key, value)
 
     def _room(self) -> bool:

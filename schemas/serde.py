@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from confluent_kafka.schema_registry import SchemaRegistryClient, topic_subject_name_strategy
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, topic_subject_name_strategy
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
@@ -17,6 +17,18 @@ from schemas.avro import FROM_AVRO, TO_AVRO, schema_str
 def registry_client(url: str) -> SchemaRegistryClient:
     """A registry client for ``url`` (``mock://...`` gives confluent's in-process mock)."""
     return SchemaRegistryClient.new_client({"url": url})
+
+
+def value_schema_id(registry: SchemaRegistryClient, topic: str, record: str, auto_register: bool = True) -> int:
+    """Id of ``kvbus.<record>``'s schema under ``<topic>-value`` (TopicNameStrategy), as
+    :class:`RecordSerde` writes it: registered when ``auto_register`` (the registry refuses
+    it if it breaks compatibility), else looked up (SchemaRegistryError 404 if absent).
+    The client caches the answer; callers keep the id (see schemas.fast_codec.FastSerde)."""
+    subject = f"{topic}-value"
+    schema = Schema(schema_str(record), "AVRO")
+    if auto_register:
+        return registry.register_schema(subject, schema)
+    return registry.lookup_schema(subject, schema).schema_id
 
 
 class RecordSerde:

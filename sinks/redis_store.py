@@ -1,7 +1,8 @@
 """``RedisStore``: the residency view in Redis, written and read through the ``kvbus`` functions.
 
-Layout and cost figures: docs/sinks-layout.md. A batch of records is written with one FCALL per holder
-(its events in record order), all pipelined: one round trip; every lookup is one FCALL_RO.
+Layout and cost figures: docs/sinks-layout.md. A batch of records is written with one FCALL (each
+holder's events in record order; more calls only past the per-call limits), pipelined: one round
+trip; every lookup is one FCALL_RO.
 """
 from __future__ import annotations
 
@@ -30,16 +31,19 @@ log = logging.getLogger("kvbus.sinks")
 
 DEFAULT_WEIGHTS = Weights()
 
-EVENT_HEADER = struct.Struct(">BHddIdHI")
-"""Per-event header in ``kvbus_apply``'s event blob: kind, topic index, epoch, seq, index, ts, tier index,
-number of hashes (37 bytes, big-endian; the hashes follow)."""
+EVENT_HEADER = struct.Struct(">BHHddIdHI")
+"""Per-event header in ``kvbus_apply``'s event blob: kind, holder index, topic index, epoch, seq, index, ts,
+tier index, number of hashes (39 bytes, big-endian; the hashes follow)."""
 
 DEFAULT_PREFIX = "kvbus:"
 NAMES_TTL = 10.0
 """Seconds a lookup client trusts its cache of holder names (dp-rank display names may change)."""
-MAX_EVENTS_PER_CALL = 1000
-MAX_HASHES_PER_CALL = 8000
-"""Events and block hashes per FCALL: bound how long one call keeps Redis busy (~10-20 ms)."""
+MAX_EVENTS_PER_CALL = 256
+MAX_HASHES_PER_CALL = 1024
+"""Events and block hashes per FCALL: bound how long one call keeps Redis busy, i.e. how long a lookup
+may wait behind it (~7 us per hash on the development VM: ~7 ms per call at most)."""
+MAX_HOLDERS_PER_CALL = 65535
+"""Holders per FCALL (the event header's holder index is 16 bits)."""
 
 
 def signed_int(raw: bytes) -> int:
@@ -78,7 +82,7 @@ class RedisStore(ResidencyStore):
         self.policy = policy
         self.max_events_per_call = max_events_per_call
         self.max_hashes_per_call = max_hashes_per_call
-        self._rc: dict[str, str] = {}
+        self._rc: dict[tuple, tuple[str, str]] = {}
         self._names: dict[int, tuple[str, int]] = {}
         self._ranks: dict[str, int] = {}
         self._names_at = float("-inf")
@@ -89,69 +93,101 @@ class RedisStore(ResidencyStore):
     # -- writes ---------------------------------------------------------------
 
     def _tier(self, e: BlockStored | BlockRemoved) -> tuple[str, str]:
-        desc = self.policy.tier_of(e)
-        rc = self._rc.get(desc)
-        if rc is None:
-            rc = self._rc[desc] = "1" if self.policy.refcounted(desc) else "0"
-        return desc, rc
+        """(descriptor, "1" if ref-counted else "0") of an event's tier, cached per (medium, ownership, group)."""
+        k = (e.medium, e.ownership, e.group_idx)
+        t = self._rc.get(k)
+        if t is None:
+            desc = self.policy.tier_of(e)
+            t = self._rc[k] = (desc, "1" if self.policy.refcounted(desc) else "0")
+        return t
 
-    def _pack(self, replica: str, dp_rank: int, part: list[tuple[str, BlockEvent]]) -> list:
-        """FCALL arguments of ``kvbus_apply`` for events of one holder (format: kvbus.lua)."""
+    def _pack(self, part: list[tuple[str, BlockEvent]]) -> list:
+        """FCALL arguments of ``kvbus_apply`` for ``part`` (any holders; format: kvbus.lua).
+
+        ``part`` keeps each holder's records in record order (other orders do not matter)."""
+        holders: dict[tuple[str, int], int] = {}
         topics: dict[str, int] = {}
         tiers: dict[str, int] = {}
         rcs: list[str] = []
         blob: list[bytes] = []
         pack = EVENT_HEADER.pack
+        tier = self._tier
+        join = b"".join
         for topic, ev in part:
-            ti = topics.setdefault(topic, len(topics) + 1)
+            hk = (ev.replica, ev.dp_rank)
+            hi = holders.get(hk)
+            if hi is None:
+                hi = holders[hk] = len(holders) + 1
+            ti = topics.get(topic)
+            if ti is None:
+                ti = topics[topic] = len(topics) + 1
             e = ev.event
-            if isinstance(e, (BlockStored, BlockRemoved)):
-                desc, rc = self._tier(e)
+            t = type(e)
+            if t is BlockStored or t is BlockRemoved:
+                desc, rc = tier(e)
                 di = tiers.get(desc)
                 if di is None:
                     di = tiers[desc] = len(tiers) + 1
                     rcs.append(rc)
-                kind = 1 if isinstance(e, BlockStored) else 2
                 hashes = e.block_hashes
-            elif isinstance(e, AllBlocksCleared):
-                kind, di, hashes = 3, 0, ()
-            elif isinstance(e, Reset):
-                kind, di, hashes = 4, 0, ()
+                joined = join(hashes)
+                if len(joined) != 8 * len(hashes):
+                    raise ValueError(f"block hashes of {ev.replica}#{ev.dp_rank} at {ev.position} are not 8 bytes each")
+                blob.append(pack(1 if t is BlockStored else 2, hi, ti, ev.epoch, ev.seq, ev.index, ev.ts, di,
+                                 len(hashes)))
+                blob.append(joined)
+            elif t is AllBlocksCleared or t is Reset:
+                blob.append(pack(3 if t is AllBlocksCleared else 4, hi, ti, ev.epoch, ev.seq, ev.index, ev.ts, 0, 0))
             else:
-                raise TypeError(f"not a kvbus event: {type(e).__name__}")
-            joined = b"".join(hashes)
-            if len(joined) != 8 * len(hashes):
-                raise ValueError(f"block hashes of {ev.replica}#{ev.dp_rank} at {ev.position} are not 8 bytes each")
-            blob.append(pack(kind, ti, ev.epoch, ev.seq, ev.index, ev.ts, di, len(hashes)))
-            blob.append(joined)
-        args: list = [self.prefix, replica, dp_rank, len(topics), *topics, len(tiers)]
+                raise TypeError(f"not a kvbus event: {t.__name__}")
+        args: list = [self.prefix, len(holders)]
+        for replica, dp in holders:
+            args.extend((replica, dp))
+        args.append(len(topics))
+        args.extend(topics)
+        args.append(len(tiers))
         for desc, rc in zip(tiers, rcs):
             args.extend((desc, rc))
-        args.append(b"".join(blob))
+        args.append(join(blob))
         return args
 
     def _calls(self, records: Iterable[tuple[str, BlockEvent]]) -> list[tuple[list[tuple[str, BlockEvent]], list]]:
-        """(records, FCALL args) per holder, in record order, cut at the per-call limits."""
-        groups: "OrderedDict[str, list[tuple[str, BlockEvent]]]" = OrderedDict()
-        for topic, ev in records:
-            groups.setdefault(holder_key(ev.replica, ev.dp_rank), []).append((topic, ev))
+        """(records, FCALL args) per call: every holder's records in record order, grouped by holder,
+        cut at the per-call limits (events, hashes, holders)."""
+        groups: dict[tuple[str, int], list[tuple[str, BlockEvent]]] = {}
+        for rec in records:
+            ev = rec[1]
+            k = (ev.replica, ev.dp_rank)
+            g = groups.get(k)
+            if g is None:
+                groups[k] = [rec]
+            else:
+                g.append(rec)
         calls = []
+        part: list[tuple[str, BlockEvent]] = []
+        nhashes = 0
+        nholders = 0
+        max_ev, max_h = self.max_events_per_call, self.max_hashes_per_call
         for recs in groups.values():
-            ev0 = recs[0][1]
-            part: list[tuple[str, BlockEvent]] = []
-            nhashes = 0
-            for topic, ev in recs:
-                n = len(getattr(ev.event, "block_hashes", ()))
-                if part and (len(part) >= self.max_events_per_call or nhashes + n > self.max_hashes_per_call):
-                    calls.append((part, self._pack(ev0.replica, ev0.dp_rank, part)))
-                    part, nhashes = [], 0
-                part.append((topic, ev))
+            if nholders >= MAX_HOLDERS_PER_CALL and part:
+                calls.append((part, self._pack(part)))
+                part, nhashes, nholders = [], 0, 0
+            nholders += 1
+            for rec in recs:
+                e = rec[1].event
+                n = len(e.block_hashes) if type(e) is BlockStored or type(e) is BlockRemoved else 0
+                if part and (len(part) >= max_ev or nhashes + n > max_h):
+                    calls.append((part, self._pack(part)))
+                    part, nhashes, nholders = [], 0, 1
+                part.append(rec)
                 nhashes += n
-            calls.append((part, self._pack(ev0.replica, ev0.dp_rank, part)))
+        if part:
+            calls.append((part, self._pack(part)))
         return calls
 
     def apply(self, records: Iterable[tuple[str, BlockEvent]]) -> ApplyResult:
-        """Apply records: one FCALL per holder (in record order), all in one pipeline (one round trip).
+        """Apply records: one FCALL for the whole batch (more when it exceeds the per-call limits), all
+        in one pipeline (one round trip); each holder's records are applied in record order.
 
         A group the functions refuse (e.g. tier table full) is retried event by event; the events
         still refused are returned in ``failed`` and the rest is applied.
@@ -178,9 +214,9 @@ class RedisStore(ResidencyStore):
         return pipe.execute(raise_on_error=False)
 
     def _apply_one_by_one(self, part, args, err: Exception, res: ApplyResult) -> None:
-        log.warning("apply refused for %s#%s (%s): retrying event by event", args[1], args[2], err)
+        log.warning("apply refused for %d holders (%s): retrying event by event", args[1], err)
         for topic, ev in part:
-            one = self._pack(ev.replica, ev.dp_rank, [(topic, ev)])
+            one = self._pack([(topic, ev)])
             try:
                 self._add_reply(res, functions.call(self.r, "kvbus_apply", *one))
             except redis.ResponseError as e:
@@ -304,11 +340,11 @@ class RedisStore(ResidencyStore):
         for b in range(2 ** meta.get("bL", 0) + meta.get("bS", 0)):
             for raw, v in self.r.hgetall(f"{self.prefix}B:{b}").items():
                 if v == b"":
-                    for m in self.r.smembers(f"{self.prefix}W:".encode() + raw):
-                        add(raw, int(m))
-                else:
-                    for j in range(0, len(v), 3):
-                        add(raw, int.from_bytes(v[j:j + 3], "big"))
+                    v = self.r.get(f"{self.prefix}W:".encode() + raw)
+                members = [int.from_bytes(v[j:j + 3], "big") for j in range(0, len(v), 3)]
+                assert members == sorted(set(members)), f"member string of {raw.hex()} is not sorted"
+                for m in members:
+                    add(raw, m)
         return out
 
     def summary(self) -> dict[str, dict[str, int]]:
@@ -343,6 +379,7 @@ def parse_lookup(reply: list, names: dict[int, tuple[str, int]], ranks: dict[str
         k += 3 + 2 * n
         for hid in struct.unpack(f">{len(blob) // 4}I", blob):
             replica, dp = names[hid]
-            hm = HolderMatch(replica, dp, matched, dict(tiers), score, ranks.get(replica, 1))
-            out[hm.name] = hm
+            nr = ranks.get(replica, 1)
+            out[replica if nr <= 1 and dp == 0 else f"{replica}#{dp}"] = HolderMatch(
+                replica, dp, matched, tiers.copy(), score, nr)  # key: HolderMatch.name, inlined
     return out

@@ -58,8 +58,8 @@ from schemas.events import (
     Reset,
     holder_key,
 )
+from schemas.fast_encode import event as encode_event
 from schemas.topics import Topics
-from streams import avro_writer
 from streams.raw_event import RawEvent
 
 Position = tuple[int, int, int]
@@ -88,7 +88,7 @@ def identity(event: AnyEvent, workers: int = 1) -> bytes:
     else:
         if t is BlockStored and event.lora_name is not None:
             event = msgspec.structs.replace(event, lora_name=None)
-        data = avro_writer.event(event)
+        data = encode_event(event)
     return hashlib.blake2b(data, digest_size=16, salt=workers.to_bytes(2, "big")).digest()
 
 

@@ -4,7 +4,6 @@ The sink is the unit seam: a CallbackSink collecting what the bridge would produ
 """
 from __future__ import annotations
 
-import random
 import threading
 import time
 from typing import Callable
@@ -14,7 +13,6 @@ import pytest
 
 from kvbus.engine_wire import project
 from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
-from producers.avro_fast import FastBatchSerializer
 from producers.bridge import Bridge, BridgeConfig, CallbackSink
 from producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
 from schemas.events import (
@@ -271,67 +269,6 @@ def test_fleet_generated_traffic_round_trips_exactly(harness_factory):
     assert ("BlockStored", "GPU", None) in kinds and ("BlockStored", "CPU", None) in kinds
 
 
-# -- the fast Avro path --------------------------------------------------------------
-
-def _random_event(rng: random.Random):
-    def maybe(v):
-        return v if rng.random() < 0.5 else None
-
-    def hsh():
-        return rng.getrandbits(64).to_bytes(8, "big")
-
-    kind = rng.randrange(4)
-    if kind == 0:
-        n = rng.randint(0, 4)
-        return BlockStored(
-            block_hashes=[hsh() for _ in range(n)], parent_block_hash=maybe(hsh()),
-            token_ids=[rng.randrange(-5, 1 << 40) for _ in range(rng.randint(0, 40))],
-            block_size=rng.choice([0, 16, 256]), lora_id=maybe(rng.randrange(-3, 1 << 40)),
-            medium=maybe(rng.choice(["GPU", "CPU", "é-ünïcode"])), lora_name=maybe("lora-x"),
-            extra_keys=maybe(msgspec.msgpack.encode([["a", 1], None])), group_idx=maybe(rng.randrange(-2, 5)),
-            kv_cache_spec_kind=maybe("sliding_window"), kv_cache_spec_sliding_window=maybe(4096),
-            locality=maybe("REMOTE"), ownership=maybe("kvcr"), session_id=maybe(f"s-{rng.random()}"),
-            lookahead_token_ids=maybe([[rng.randrange(100) for _ in range(rng.randint(0, 3))] for _ in range(n)]),
-            cache_salt=maybe("salt"), token_id_pairs=maybe([[1, 2], [3, 4]] if rng.random() < 0.5 else []),
-            block_digests=maybe([rng.randbytes(32) for _ in range(n)]), parent_block_digest=maybe(rng.randbytes(16)),
-        )
-    if kind == 1:
-        return BlockRemoved(block_hashes=[hsh() for _ in range(rng.randint(0, 3))], medium=maybe("GPU"),
-                            group_idx=maybe(1), locality=maybe("LOCAL"), ownership=maybe("kvcr"),
-                            block_digests=maybe([rng.randbytes(32)]))
-    if kind == 2:
-        return AllBlocksCleared()
-    return Reset(reason=rng.choice(["engine-restart", "gap-unrecoverable"]), missing_from=maybe(rng.randrange(1 << 40)),
-                 missing_to=maybe(3))
-
-
-def test_fast_serializer_bytes_decode_with_record_serde():
-    """The hand-written Avro encoder is byte-compatible with the registry schema."""
-    serde = RecordSerde(registry_client("mock://fast-path"), "EventBatch")
-    topic = "kvbus.raw.fasttest"
-    rng = random.Random(7)
-    probe = EventBatch(replica="r", seq=0, ts=0.0, events=[])
-    schema_id = int.from_bytes(serde.dumps(probe, topic)[1:5], "big")
-    fast = FastBatchSerializer(schema_id)
-    for i in range(300):
-        batch = EventBatch(
-            replica=rng.choice(["replica-0", "ünï-" + str(i)]), seq=rng.choice([-1, 0, i, 1 << 40]),
-            ts=rng.random() * 2e9, events=[_random_event(rng) for _ in range(rng.randint(0, 6))],
-            dp_rank=rng.randrange(0, 8), worker_rank=rng.randrange(0, 4), workers=rng.randint(1, 4),
-            engine=rng.choice(["vllm", "sglang", "kvbus"]), epoch=rng.choice([0, 1_750_000_000_000, (1 << 62)]),
-            topic=rng.choice(["", "kv@pod@model"]),
-        )
-        data = fast.dumps(batch)
-        assert serde.loads(data, topic) == batch
-        assert data == serde.dumps(batch, topic)
-
-
-def test_fast_serializer_rejects_hashes_that_are_not_8_bytes():
-    with pytest.raises(ValueError):
-        FastBatchSerializer(1).dumps(EventBatch(replica="r", seq=0, ts=0.0,
-                                                events=[BlockRemoved(block_hashes=[b"short"])]))
-
-
 def test_script_mode_ground_truth(harness_factory):
     hs = harness_factory()
     hs.fleet.play([
@@ -408,7 +345,7 @@ def _vllm_events():
 
 
 def test_publisher_encodes_vllm_objects_like_the_normalized_structs():
-    from producers.avro_fast import encode_events
+    from schemas.fast_encode import events as encode_events
     from producers.publisher import encode_engine_events, to_kvbus_event
 
     events = _vllm_events()

@@ -132,8 +132,9 @@ def test_sink_killed_mid_stream_and_restarted_leaves_the_exact_view(settings, to
 
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: store.size()["entries"] > 0, 60, "the first sink to start applying")
-        time.sleep(0.7)
+        # killed as soon as it applies: it gets through the whole stream in under a second
+        wait_for(lambda: store.size()["entries"] > 0, 60, "the first sink to start applying",
+                 step=lambda: time.sleep(0.01))
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(10)

@@ -65,6 +65,31 @@ def test_view_equals_model_under_redelivery(redis_server, seed):
         assert mine == model
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_wide_blocks_equal_model_under_redelivery(redis_server, seed):
+    """Many holders on a small pool of hashes: blocks go wide (> 20 members) and shrink again."""
+    records = random_streams(50 + seed, T, holders=14, batches=400, pool=12)
+    r = redis_server.client()
+    prefix = f"w{uuid.uuid4().hex[:8]}:"
+    rs = RedisStore(r, prefix)
+    same = InMemoryStore()
+    wide_seen = False
+    for batch in redeliver(records, seed, dup=0.2):
+        got, want = rs.apply(batch), same.apply(batch)
+        assert (got.applied, got.skipped, got.entries_delta) == (want.applied, want.skipped, want.entries_delta)
+        wide_seen = wide_seen or any(True for _ in r.scan_iter(prefix + "W:*", count=1000))
+    assert wide_seen, "some block went wide"
+    check_same(rs, same)
+    hashes = sorted({h for tiers in same.snapshot().values() for blocks in tiers.values() for h in blocks})
+    rng = random.Random(seed)
+    for _ in range(40):
+        start = rng.randrange(len(hashes))
+        chain = [hashes[(start + k) % len(hashes)] for k in range(rng.randint(1, 6))]
+        mine = {k: (v.matched, v.tiers, round(v.score, 6)) for k, v in rs.lookup(chain).items()}
+        model = {k: (v.matched, v.tiers, round(v.score, 6)) for k, v in same.lookup(chain).items()}
+        assert mine == model
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_batches_cut_short_then_redelivered_leave_the_same_view(redis_server, seed):
     """A sink killed mid-batch has applied some of a batch's FCALLs and committed nothing."""

@@ -122,7 +122,9 @@ def test_structures_use_compact_encodings(server):
     store.apply(recs)
     encodings = {r.object("encoding", k) for k in r.scan_iter(p + "B:*", count=1000)}
     assert encodings == {b"listpack"}
-    assert {r.object("encoding", k) for k in r.scan_iter(p + "W:*", count=1000)} == {b"intset"}
+    wide = list(r.scan_iter(p + "W:*", count=1000))
+    assert wide and {r.type(k) for k in wide} == {b"string"}, "wide blocks: one packed member string each"
+    assert {r.strlen(k) for k in wide} == {3 * 30}
     assert {r.object("encoding", k) for k in r.scan_iter(p + "I:*", count=1000)} == {b"intset"}
     assert r.object("encoding", p + "hname") == b"hashtable"
     assert store.lookup(H[:100])["h7"].matched == 100

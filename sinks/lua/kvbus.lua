@@ -13,13 +13,14 @@ Terms
   dec     the same hash as a signed 64-bit decimal string (member of the intset index)
 
 Keys (P = prefix)
-  P meta                 HASH  hid_next, tier_next, bL, bS (block table split state), blocks, entries
+  P meta                 HASH  hid_next, tier_next, bL, bS (block table split state), blocks, entries,
+                               layout (LAYOUT: the version of this key layout)
   P hid / P hname        HASH  holder name "<replica>#<dp>" <-> hid
   P rh                   HASH  replica -> space-separated hids of its dp ranks
   P tid / P tname / P trc  HASH  tier descriptor "<MEDIUM>|<ownership>|<group>" <-> code; code -> "1" if ref-counted
-  P B:<bucket>           HASH  block table: field raw (8 bytes) -> packed members (3 bytes each, big-endian),
-                               or "" when the block is "wide" (its members live in P W:<raw>)
-  P W:<raw>              SET   members of a wide block (intset)
+  P B:<bucket>           HASH  block table: field raw (8 bytes) -> packed members (3 bytes each, big-endian,
+                               sorted ascending), or "" when the block is "wide" (its members live in P W:<raw>)
+  P W:<raw>              STRING members of a wide block, packed and sorted the same way
   P H:<hid>              HASH  holder state: p:<topic> -> "epoch seq index" (applied position),
                                f -> reset floor epoch, t:<code> -> "n L S origin_topic" per tier held
   P I:<hid>:<code>:<b>   SET   per (holder, tier) index of its blocks, dec members (intset)
@@ -40,8 +41,11 @@ local BLOCK_LOAD = 16      -- block-table fields per bucket: short listpack scan
 local INDEX_LOAD = 160     -- index members per bucket (set-max-intset-entries >= 512)
 local WIDE = 60            -- packed value bytes beyond which a block becomes wide (hash-max-listpack-value >= 64)
 local TWO32 = 4294967296
+local LAYOUT = '2'         -- key layout version (meta field layout); 2: sorted member strings, wide = STRING
+local rcall -- redis.call, set by each entry point (redis.call is not reachable while the library loads)
+local byte, sub -- string.byte, string.sub, set likewise
 local PAD_LEN = 1100 -- > hash-max-listpack-value: see holder_id
-local function floor(x) return math.floor(x) end -- math is not reachable while the library loads
+local floor -- math.floor, set by each entry point (math is not reachable while the library loads)
 
 -- ---------------------------------------------------------------- hashes
 
@@ -90,6 +94,20 @@ local function dec_hilo(s)
   return hi, lo
 end
 
+-- low 32 bits of the two's complement of signed 64-bit decimal string s (what index splits need):
+-- |x| = q * 10^9 + r with q < 10^10, r < 10^9, computed in 16-bit pieces so every product is exact
+local function dec_lo32(s)
+  local neg = byte(s, 1) == 45
+  local d = neg and sub(s, 2) or s
+  local n = #d
+  local r, q = tonumber(sub(d, -9)), 0
+  if n > 9 then q = tonumber(sub(d, 1, n - 9)) % TWO32 end
+  local qlo = q % 65536
+  local lo = (qlo * 1000000000 + (((q - qlo) / 65536 * 1000000000) % 65536) * 65536 + r) % TWO32
+  if neg and lo ~= 0 then lo = TWO32 - lo end
+  return lo
+end
+
 local function dec_to_raw(s)
   local hi, lo = dec_hilo(s)
   return string.char(floor(hi / 16777216), floor(hi / 65536) % 256, floor(hi / 256) % 256, hi % 256,
@@ -113,22 +131,33 @@ local function pack3(m)
   return string.char(floor(m / 65536), floor(m / 256) % 256, m % 256)
 end
 
--- position of the 3-byte member code in packed string v (aligned), or nil
-local function find3(v, code)
-  local start = 1
-  while true do
-    local p = string.find(v, code, start, true)
-    if not p then return nil end
-    if (p - 1) % 3 == 0 then return p end
-    start = p + 1
+-- Member strings are sorted ascending (members are 3-byte big-endian integers), so one set of
+-- members has exactly one string: a lookup compares two blocks' member sets with one string compare.
+
+-- binary search for member m in sorted packed string v: (true, byte offset) if present, else
+-- (false, byte offset where it would be inserted)
+local function msearch(v, m)
+  local lo, hi = 0, #v / 3 -- in members, [lo, hi)
+  while lo < hi do
+    local mid = floor((lo + hi) / 2)
+    local p = 3 * mid + 1
+    local a, b, c = byte(v, p, p + 2)
+    local x = (a * 256 + b) * 256 + c
+    if x == m then return true, p end
+    if x < m then lo = mid + 1 else hi = mid end
   end
+  return false, 3 * lo + 1
 end
 
+-- the members of packed string v, ascending
 local function unpack3(v)
-  local out = {}
-  for j = 1, #v, 3 do
-    local a, b, c = string.byte(v, j, j + 2)
-    out[#out + 1] = (a * 256 + b) * 256 + c
+  local out, k = {}, 0
+  for j = 1, #v, 240 do
+    local bs = {byte(v, j, j + 239)}
+    for x = 1, #bs, 3 do
+      k = k + 1
+      out[k] = (bs[x] * 256 + bs[x + 1]) * 256 + bs[x + 2]
+    end
   end
   return out
 end
@@ -137,10 +166,13 @@ end
 
 -- Shared state of one call: prefix, block-table split state and counters (written back by ctx_save).
 local function ctx_load(P)
-  local m = redis.call('HMGET', P .. 'meta', 'bL', 'bS', 'blocks', 'entries')
+  local m = rcall('HMGET', P .. 'meta', 'bL', 'bS', 'blocks', 'entries', 'layout')
+  if m[3] and m[3] ~= '0' and m[5] ~= LAYOUT then
+    error('kvbus: the view under ' .. P .. ' was written with an older key layout; rebuild it (new prefix)')
+  end
   local c = {P = P, L = tonumber(m[1]) or 0, S = tonumber(m[2]) or 0, blocks = tonumber(m[3]) or 0,
     entries0 = tonumber(m[4]) or 0, entries = tonumber(m[4]) or 0, blocks0 = tonumber(m[3]) or 0,
-    L0 = tonumber(m[1]) or 0, S0 = tonumber(m[2]) or 0, tiers = {}, BP = P .. 'B:'}
+    L0 = tonumber(m[1]) or 0, S0 = tonumber(m[2]) or 0, tiers = {}, BP = P .. 'B:', WP = P .. 'W:'}
   c.m = 2 ^ c.L
   c.cap = BLOCK_LOAD * (c.m + c.S)
   return c
@@ -148,21 +180,24 @@ end
 
 local function ctx_save(c)
   if c.L ~= c.L0 or c.S ~= c.S0 or c.blocks ~= c.blocks0 or c.entries ~= c.entries0 then
-    redis.call('HSET', c.P .. 'meta', 'bL', c.L, 'bS', c.S, 'blocks', c.blocks, 'entries', c.entries)
+    rcall('HSET', c.P .. 'meta', 'bL', c.L, 'bS', c.S, 'blocks', c.blocks, 'entries', c.entries, 'layout', LAYOUT)
   end
 end
 
 -- ---------------------------------------------------------------- block table
 
-local function block_key(c, raw)
-  return c.BP .. lh_bucket(lo32(raw), c.m, c.S)
+local function block_key(c, x)
+  local m = c.m
+  local b = x % m
+  if b < c.S then b = x % (m * 2) end
+  return string.format('%s%d', c.BP, b)
 end
 
 local function split_block_bucket(c)
   local m = c.m
   local old = c.P .. 'B:' .. c.S
   local new = c.P .. 'B:' .. (c.S + m)
-  local all = redis.call('HGETALL', old)
+  local all = rcall('HGETALL', old)
   local set, del = {}, {}
   for k = 1, #all, 2 do
     if lo32(all[k]) % (m * 2) >= m then
@@ -170,58 +205,64 @@ local function split_block_bucket(c)
     end
   end
   if #del > 0 then
-    redis.call('HSET', new, unpack(set))
-    redis.call('HDEL', old, unpack(del))
+    rcall('HSET', new, unpack(set))
+    rcall('HDEL', old, unpack(del))
   end
   c.S = c.S + 1
   if c.S >= m then c.L = c.L + 1; c.S = 0; c.m = m * 2 end
   c.cap = BLOCK_LOAD * (c.m + c.S)
 end
 
--- add member m (packed: code) to block raw; true if it was not there
-local function block_add(c, raw, m, code)
-  local bkey = block_key(c, raw)
-  local v = redis.call('HGET', bkey, raw)
+-- add member m (packed: code) to block raw (x: its low 32 bits); true if it was not there
+local function block_add(c, raw, x, m, code)
+  local bkey = block_key(c, x)
+  local v = rcall('HGET', bkey, raw)
   if not v then
-    redis.call('HSET', bkey, raw, code)
+    rcall('HSET', bkey, raw, code)
     c.blocks = c.blocks + 1
     while c.blocks > c.cap do split_block_bucket(c) end
     return true
   end
-  if v == '' then return redis.call('SADD', c.P .. 'W:' .. raw, m) == 1 end
-  if find3(v, code) then return false end
-  if #v + 3 > WIDE then
-    local members = unpack3(v)
-    members[#members + 1] = m
-    redis.call('SADD', c.P .. 'W:' .. raw, unpack(members))
-    redis.call('HSET', bkey, raw, '')
+  if v == '' then
+    local wkey = c.WP .. raw
+    local w = rcall('GET', wkey)
+    local found, p = msearch(w, m)
+    if found then return false end
+    rcall('SET', wkey, sub(w, 1, p - 1) .. code .. sub(w, p))
+    return true
+  end
+  local found, p = msearch(v, m)
+  if found then return false end
+  v = sub(v, 1, p - 1) .. code .. sub(v, p)
+  if #v > WIDE then
+    rcall('SET', c.WP .. raw, v)
+    rcall('HSET', bkey, raw, '')
   else
-    redis.call('HSET', bkey, raw, v .. code)
+    rcall('HSET', bkey, raw, v)
   end
   return true
 end
 
--- remove member m (packed: code) from block raw; true if it was there
-local function block_rem(c, raw, m, code)
-  local bkey = block_key(c, raw)
-  local v = redis.call('HGET', bkey, raw)
+-- remove member m from block raw (x: its low 32 bits); true if it was there
+local function block_rem(c, raw, x, m)
+  local bkey = block_key(c, x)
+  local v = rcall('HGET', bkey, raw)
   if not v then return false end
+  local wkey = nil
   if v == '' then
-    local wkey = c.P .. 'W:' .. raw
-    if redis.call('SREM', wkey, m) == 0 then return false end
-    if redis.call('EXISTS', wkey) == 0 then
-      redis.call('HDEL', bkey, raw)
-      c.blocks = c.blocks - 1
-    end
-    return true
+    wkey = c.WP .. raw
+    v = rcall('GET', wkey)
   end
-  local p = find3(v, code)
-  if not p then return false end
+  local found, p = msearch(v, m)
+  if not found then return false end
   if #v == 3 then
-    redis.call('HDEL', bkey, raw)
+    if wkey then rcall('DEL', wkey) end
+    rcall('HDEL', bkey, raw)
     c.blocks = c.blocks - 1
+  elseif wkey then
+    rcall('SET', wkey, sub(v, 1, p - 1) .. sub(v, p + 3))
   else
-    redis.call('HSET', bkey, raw, string.sub(v, 1, p - 1) .. string.sub(v, p + 3))
+    rcall('HSET', bkey, raw, sub(v, 1, p - 1) .. sub(v, p + 3))
   end
   return true
 end
@@ -333,9 +374,8 @@ local function split_index_bucket(t)
   local m = t.m
   local old = t.IP .. t.S
   local moved = {}
-  for _, d in ipairs(redis.call('SMEMBERS', old)) do
-    local _, lo = dec_hilo(d)
-    if lo % (m * 2) >= m then moved[#moved + 1] = d end
+  for _, d in ipairs(rcall('SMEMBERS', old)) do
+    if dec_lo32(d) % (m * 2) >= m then moved[#moved + 1] = d end
   end
   if #moved > 0 then
     redis.call('SADD', t.IP .. (t.S + m), unpack(moved))
@@ -349,7 +389,7 @@ end
 local function index_key(t, raw)
   local b = lh_bucket(lo32(raw), t.m, t.S)
   local k = t.kc[b]
-  if not k then k = t.IP .. b; t.kc[b] = k end
+  if not k then k = string.format('%s%d', t.IP, b); t.kc[b] = k end
   return k
 end
 
@@ -394,13 +434,13 @@ local function clear_tier(c, h, code)
   local t = h.tiers[code]
   if not t then return 0 end
   local m = h.hid * K + code
-  local packed = pack3(m)
   local removed = 0
   for b = 0, t.m + t.S - 1 do
     local key = t.IP .. b
     local decs = redis.call('SMEMBERS', key)
     for _, d in ipairs(decs) do
-      if block_rem(c, dec_to_raw(d), m, packed) then removed = removed + 1 end
+      local raw = dec_to_raw(d)
+      if block_rem(c, raw, lo32(raw), m) then removed = removed + 1 end
     end
     if #decs > 0 then redis.call('UNLINK', key) end
   end
@@ -433,11 +473,12 @@ local function store(c, h, topic, desc, rc, hashes)
   local m, packed = t.member, t.packed
   local added = {}
   for j = 1, #hashes, 8 do
-    local raw = #hashes == 8 and hashes or string.sub(hashes, j, j + 7)
-    if block_add(c, raw, m, packed) then
+    local raw = #hashes == 8 and hashes or sub(hashes, j, j + 7)
+    local b5, b6, b7, b8 = byte(hashes, j + 4, j + 7)
+    if block_add(c, raw, ((b5 * 256 + b6) * 256 + b7) * 256 + b8, m, packed) then
       added[#added + 1] = raw
     elseif counted then
-      redis.call('HINCRBY', t.rkey, raw, 1)
+      rcall('HINCRBY', t.rkey, raw, 1)
     end
   end
   index_add(t, added)
@@ -449,14 +490,14 @@ local function remove(c, h, desc, hashes)
   local t = code and h.tiers[code]
   if not t then return end
   h.dirty[t.field] = true
-  local m, packed = t.member, t.packed
+  local m = t.member
   local gone = {}
   for j = 1, #hashes, 8 do
-    local raw = #hashes == 8 and hashes or string.sub(hashes, j, j + 7)
-    local extra = counted and redis.call('HGET', t.rkey, raw)
+    local raw = #hashes == 8 and hashes or sub(hashes, j, j + 7)
+    local extra = counted and rcall('HGET', t.rkey, raw)
     if extra then
-      if tonumber(extra) <= 1 then redis.call('HDEL', t.rkey, raw) else redis.call('HINCRBY', t.rkey, raw, -1) end
-    elseif block_rem(c, raw, m, packed) then
+      if tonumber(extra) <= 1 then rcall('HDEL', t.rkey, raw) else rcall('HINCRBY', t.rkey, raw, -1) end
+    elseif block_rem(c, raw, lo32(raw), m) then
       gone[#gone + 1] = raw
     end
   end
@@ -482,69 +523,82 @@ local function newer(e, s, i, p)
 end
 
 --[[
-kvbus_apply: apply a batch of consolidated events of ONE holder, exactly once.
-ARGV[1] prefix, ARGV[2] replica, ARGV[3] dp_rank,
-ARGV[4] nT, then nT topic names; then nD, then nD pairs (tier descriptor "<MEDIUM>|<ownership>|<group>",
+kvbus_apply: apply a batch of consolidated events of one or more holders, exactly once.
+ARGV[1] prefix, ARGV[2] nH, then nH pairs (replica, dp_rank);
+then nT, then nT topic names; then nD, then nD pairs (tier descriptor "<MEDIUM>|<ownership>|<group>",
 rc = "1" if that tier is reference-counted (used when the tier is first created) else "0");
-last ARGV: the events, in delivery order (each topic's events in partition order), each a 37-byte
-big-endian header followed by its hashes (sinks/redis_store.py: EVENT_HEADER):
-  kind (u8: 1 BlockStored, 2 BlockRemoved, 3 AllBlocksCleared, 4 Reset marker), topic (u16, 1-based
-  index into the topics), epoch, seq (doubles), index (u32), ts (double, engine seconds),
-  tier (u16, 1-based index into the descriptors, 0 if none), n (u32), then n 8-byte hashes.
-An event is applied only if its position (epoch, seq, index) is greater than the holder's stored
+last ARGV: the events, each holder's in delivery order (each topic's events in partition order), each
+a 39-byte big-endian header followed by its hashes (sinks/redis_store.py: EVENT_HEADER):
+  kind (u8: 1 BlockStored, 2 BlockRemoved, 3 AllBlocksCleared, 4 Reset marker), holder (u16, 1-based
+  index into the holders), topic (u16, 1-based index into the topics), epoch, seq (doubles), index (u32),
+  ts (double, engine seconds), tier (u16, 1-based index into the descriptors, 0 if none), n (u32),
+  then n 8-byte hashes.
+An event is applied only if its position (epoch, seq, index) is greater than its holder's stored
 position for its topic and its epoch is not below the holder's reset floor; the new positions are
 stored in the same call. AllBlocksCleared drops the holder's tiers that came from the same topic; a
 Reset marker drops those too, plus the tiers from other topics whose applied epoch is older than the
 marker's, and raises the floor to the marker's epoch.
-Returns {applied, skipped, entries_delta, resets, clears}.
+Returns {applied, skipped, entries_delta, resets, clears} (totals over all holders).
 ]]
-local HEADER = '>BHddI4dHI4'
-local HEADER_LEN = 37
+local HEADER = '>BHHddI4dHI4'
+local HEADER_LEN = 39
 
 local function apply(keys, args)
+  rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
   local c = ctx_load(args[1])
-  local replica = args[2]
-  local name = replica .. '#' .. args[3]
-  local nT = tonumber(args[4])
+  local nH = tonumber(args[2]) or 0
+  local replicas, names = {}, {}
+  for j = 1, nH do replicas[j] = args[1 + 2 * j]; names[j] = args[1 + 2 * j] .. '#' .. args[2 + 2 * j] end
+  local at = 3 + 2 * nH
+  local nT = tonumber(args[at]) or 0
   local topics = {}
-  for j = 1, nT do topics[j] = args[4 + j] end
-  local nD = tonumber(args[5 + nT])
+  for j = 1, nT do topics[j] = args[at + j] end
+  at = at + nT + 1
+  local nD = tonumber(args[at]) or 0
   local descs, rcs = {}, {}
-  for j = 1, nD do descs[j] = args[4 + nT + 2 * j]; rcs[j] = args[5 + nT + 2 * j] end
-  local blob = args[6 + nT + 2 * nD]
-  if not blob or #args ~= 6 + nT + 2 * nD then return redis.error_reply('kvbus: malformed arguments') end
-  local hid = holder_id(c, replica, name, true)
-  if not hid then return redis.error_reply('kvbus: holder table full') end
+  for j = 1, nD do descs[j] = args[at + 2 * j - 1]; rcs[j] = args[at + 2 * j] end
+  local blob = args[at + 2 * nD + 1]
+  if not blob or #args ~= at + 2 * nD + 1 then return redis.error_reply('kvbus: malformed arguments') end
   -- validate everything first: a function is not rolled back on error, so nothing may fail after
-  -- the first write; then decode again while applying (cheaper than keeping every event in a table)
+  -- the first write (creating a holder id or a tier code is harmless); then decode again while applying
   local pos, len = 1, #blob
+  local used = {}
   while pos <= len do
     if pos + HEADER_LEN - 1 > len then return redis.error_reply('kvbus: truncated event header') end
-    local kind, ti, _, _, _, _, di, n, nxt = struct.unpack(HEADER, blob, pos)
-    if nxt + 8 * n - 1 > len or not topics[ti] or kind < 1 or kind > 4 then
+    local kind, hi, ti, _, _, _, _, di, n, nxt = struct.unpack(HEADER, blob, pos)
+    if nxt + 8 * n - 1 > len or not topics[ti] or not names[hi] or kind < 1 or kind > 4 then
       return redis.error_reply('kvbus: malformed event at byte ' .. pos)
     end
     if kind <= 2 and not descs[di] then return redis.error_reply('kvbus: event without tier at byte ' .. pos) end
     if kind == 1 and n > 0 and not tier_code(c, descs[di], rcs[di], true) then
       return redis.error_reply('kvbus: tier table full (' .. K .. ' tiers), cannot add ' .. descs[di])
     end
+    used[hi] = true
     pos = nxt + 8 * n
   end
-  local h = holder_load(c, hid)
+  local hids = {}
+  for j = 1, nH do
+    if used[j] then
+      hids[j] = holder_id(c, replicas[j], names[j], true)
+      if not hids[j] then return redis.error_reply('kvbus: holder table full') end
+    end
+  end
+  local hs, order, maxts = {}, {}, {}
   local applied, skipped, resets, clears = 0, 0, 0, 0
-  local maxts = nil
   pos = 1
   while pos <= len do
-    local kind, ti, e, s, i, ts, di, n, nxt = struct.unpack(HEADER, blob, pos)
+    local kind, hi, ti, e, s, i, ts, di, n, nxt = struct.unpack(HEADER, blob, pos)
     pos = nxt + 8 * n
+    local h = hs[hi]
+    if not h then h = holder_load(c, hids[hi]); hs[hi] = h; order[#order + 1] = hi end
     local topic = topics[ti]
     if e < h.floor or not newer(e, s, i, h.pos[topic]) then
       skipped = skipped + 1
     else
       if kind == 1 then
-        store(c, h, topic, descs[di], rcs[di], string.sub(blob, nxt, pos - 1))
+        store(c, h, topic, descs[di], rcs[di], sub(blob, nxt, pos - 1))
       elseif kind == 2 then
-        remove(c, h, descs[di], string.sub(blob, nxt, pos - 1))
+        remove(c, h, descs[di], sub(blob, nxt, pos - 1))
       elseif kind == 3 then
         for code, t in pairs(h.tiers) do
           if t.o == topic then clear_tier(c, h, code) end
@@ -562,13 +616,15 @@ local function apply(keys, args)
       if p then p[1], p[2], p[3] = e, s, i else h.pos[topic] = {e, s, i} end
       h.ptouched[topic] = true
       applied = applied + 1
-      if not maxts or ts > maxts then maxts = ts end
+      if not maxts[hi] or ts > maxts[hi] then maxts[hi] = ts end
     end
   end
-  holder_save(h)
-  if maxts then
-    redis.call('ZADD', c.P .. 'seen', 'GT', string.format('%.6f', maxts), h.hid)
-    redis.call('ZREM', c.P .. 'stale', name)
+  for _, hi in ipairs(order) do
+    holder_save(hs[hi])
+    if maxts[hi] then
+      rcall('ZADD', c.P .. 'seen', 'GT', string.format('%.6f', maxts[hi]), hids[hi])
+      rcall('ZREM', c.P .. 'stale', names[hi])
+    end
   end
   local delta = c.entries - c.entries0
   ctx_save(c)
@@ -593,6 +649,7 @@ local P2 = {}
 for j = 0, 31 do P2[j] = 2 ^ j end
 
 local function lookup(keys, args)
+  rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
   local c = ctx_load(args[1])
   local chain = args[2]
   local weights = {}
@@ -622,91 +679,100 @@ local function lookup(keys, args)
   end
   -- Holders are tracked in groups with identical history (same tiers at every block so far), so
   -- the work per block is per group, plus per member only at blocks whose members change.
+  -- Member strings are canonical (sorted), so "same members as the previous block" is one string
+  -- compare (Lua strings are interned: a pointer compare).
   -- group: {m = matched, s = score, r = {code -> run}, bw = best weight at its last block, ext = codes extended}
   local G = {[0] = {m = 0, s = 0, r = {}}}
   local ngroups = 0
   local grp = {}       -- hid -> group id
   local fresh = {}     -- groups created at the last slow block (they extend on identical blocks)
-  local prev_v, prev_w, prev_card = nil, nil, 0
+  local prev = nil
   local pend = 0
-  local function flush()
-    if pend == 0 then return end
+  local BP, WP, bm, bS = c.BP, c.WP, c.m, c.S
+  for i = 1, #chain / 8 do
+    local o = 8 * i
+    local raw = sub(chain, o - 7, o)
+    local b5, b6, b7, b8 = byte(chain, o - 3, o)
+    local x = ((b5 * 256 + b6) * 256 + b7) * 256 + b8
+    local bk = x % bm
+    if bk < bS then bk = x % (bm * 2) end
+    local v = rcall('HGET', string.format('%s%d', BP, bk), raw)
+    if not v then break end
+    if v == '' then v = rcall('GET', WP .. raw) end
+    if v == prev then
+      pend = pend + 1 -- same members as the previous block: same holders extend the same tiers
+    else
+      if pend > 0 then
+        for _, g in ipairs(fresh) do
+          g.m = g.m + pend
+          g.s = g.s + g.bw * pend
+          for _, code in ipairs(g.ext) do g.r[code] = g.r[code] + pend end
+        end
+        pend = 0
+      end
+      local mem = unpack3(v) -- ascending: a holder's members (hid * K + code) are contiguous
+      local nm = #mem
+      local made = {} -- old group id -> lo -> hi -> new group id
+      local assign = {}
+      local k = 1
+      fresh = {}
+      while k <= nm do
+        local m = mem[k]
+        local code = m % K
+        local hid = (m - code) / K
+        local k2 = k + 1
+        local l, h = 0, 0
+        while true do
+          if code < 32 then l = l + P2[code] else h = h + P2[code - 32] end
+          if k2 > nm then break end
+          local m2 = mem[k2]
+          code = m2 % K
+          if (m2 - code) / K ~= hid then break end
+          k2 = k2 + 1
+        end
+        local og = grp[hid]
+        local ok
+        if i == 1 then ok = (not cand) or cand[hid]; og = 0 else ok = og and G[og].m == i - 1 end
+        if ok then
+          local t1 = made[og]
+          if not t1 then t1 = {}; made[og] = t1 end
+          local t2 = t1[l]
+          if not t2 then t2 = {}; t1[l] = t2 end
+          local ng = t2[h]
+          if not ng then
+            local old = G[og]
+            local g = {m = i, r = {}, ext = {}, bw = nil}
+            for cd, run in pairs(old.r) do g.r[cd] = run end
+            for y = k, k2 - 1 do
+              local cd = mem[y] % K
+              local w = tw[cd] or weight(cd)
+              if not g.bw or w > g.bw then g.bw = w end
+              if (g.r[cd] or 0) == i - 1 then g.r[cd] = i; g.ext[#g.ext + 1] = cd end
+            end
+            g.s = old.s + g.bw
+            ngroups = ngroups + 1
+            ng = ngroups
+            G[ng] = g
+            t2[h] = ng
+            fresh[#fresh + 1] = g
+          end
+          assign[#assign + 1] = hid
+          assign[#assign + 1] = ng
+        end
+        k = k2
+      end
+      if #assign == 0 then break end
+      for y = 1, #assign, 2 do grp[assign[y]] = assign[y + 1] end
+      prev = v
+    end
+  end
+  if pend > 0 then
     for _, g in ipairs(fresh) do
       g.m = g.m + pend
       g.s = g.s + g.bw * pend
       for _, code in ipairs(g.ext) do g.r[code] = g.r[code] + pend end
     end
-    pend = 0
   end
-  for i = 1, #chain / 8 do
-    local raw = string.sub(chain, 8 * i - 7, 8 * i)
-    local v = redis.call('HGET', block_key(c, raw), raw)
-    if not v then break end
-    local wkey, card = nil, 0
-    if v == '' then
-      wkey = c.P .. 'W:' .. raw
-      card = redis.call('SCARD', wkey)
-    end
-    if (v ~= '' and v == prev_v) or (wkey and prev_w and card == prev_card
-        and redis.call('SINTERCARD', 2, prev_w, wkey) == card) then
-      pend = pend + 1 -- same members as the previous block: same holders extend the same tiers
-    else
-      flush()
-      local members
-      if wkey then
-        members = redis.call('SMEMBERS', wkey)
-      else
-        members = unpack3(v)
-      end
-      local lo, hi, present = {}, {}, {}
-      for j = 1, #members do
-        local m = tonumber(members[j])
-        local code = m % K
-        local hid = (m - code) / K
-        local ok
-        if i == 1 then ok = (not cand) or cand[hid] else ok = grp[hid] and G[grp[hid]].m == i - 1 end
-        if ok then
-          if not lo[hid] then lo[hid] = 0; hi[hid] = 0; present[#present + 1] = hid end
-          if code < 32 then lo[hid] = lo[hid] + P2[code] else hi[hid] = hi[hid] + P2[code - 32] end
-        end
-      end
-      if #present == 0 then break end
-      fresh = {}
-      local made = {} -- old group id -> lo -> hi -> new group id
-      for _, hid in ipairs(present) do
-        local og = grp[hid] or 0
-        local l, h = lo[hid], hi[hid]
-        local t1 = made[og]
-        if not t1 then t1 = {}; made[og] = t1 end
-        local t2 = t1[l]
-        if not t2 then t2 = {}; t1[l] = t2 end
-        local ng = t2[h]
-        if not ng then
-          local old = G[og]
-          local g = {m = i, r = {}, ext = {}, bw = nil}
-          for code, run in pairs(old.r) do g.r[code] = run end
-          for code = 0, K - 1 do
-            local bit
-            if code < 32 then bit = floor(l / P2[code]) % 2 else bit = floor(h / P2[code - 32]) % 2 end
-            if bit == 1 then
-              local w = tw[code] or weight(code)
-              if not g.bw or w > g.bw then g.bw = w end
-              if (g.r[code] or 0) == i - 1 then g.r[code] = i; g.ext[#g.ext + 1] = code end
-            end
-          end
-          g.s = old.s + g.bw
-          ngroups = ngroups + 1
-          ng = ngroups
-          G[ng] = g
-          t2[h] = ng
-          fresh[#fresh + 1] = g
-        end
-        grp[hid] = ng
-      end
-      prev_v, prev_w, prev_card = v, wkey, card
-    end
-  end
-  flush()
   local members_of = {}
   for hid, g in pairs(grp) do
     local l = members_of[g]
@@ -753,6 +819,7 @@ applied positions are kept (a redelivered old event stays a duplicate).
 Returns the names expired.
 ]]
 local function expire(keys, args)
+  rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
   local c = ctx_load(args[1])
   local hids = redis.call('ZRANGEBYSCORE', c.P .. 'seen', '-inf', args[2], 'LIMIT', 0, tonumber(args[4]))
   local out = {}
@@ -766,6 +833,7 @@ kvbus_drop: forget one holder now (dead replica): drop its entries, list it as s
 ARGV[1] prefix, ARGV[2] holder name "<replica>#<dp>", ARGV[3] now. Returns entries removed.
 ]]
 local function drop(keys, args)
+  rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
   local c = ctx_load(args[1])
   local hid = redis.call('HGET', c.P .. 'hid', args[2])
   if not hid then return 0 end
@@ -780,6 +848,7 @@ kvbus_heartbeat: the holder is alive at ts (no events needed).
 ARGV[1] prefix, ARGV[2] replica, ARGV[3] dp_rank, ARGV[4] ts. Returns the holder id.
 ]]
 local function heartbeat(keys, args)
+  rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
   local c = ctx_load(args[1])
   local name = args[2] .. '#' .. args[3]
   local hid = holder_id(c, args[2], name, true)

@@ -1,0 +1,273 @@
+"""The shared fast Avro codec (schemas.fast_codec / fast_encode / fast_decode / event_scan)
+writes and reads exactly what schemas.serde.RecordSerde does, and hands every value it was
+not built for (other schema ids, non-canonical encodings, garbage) to RecordSerde."""
+from __future__ import annotations
+
+import io
+import json
+
+import msgspec
+import pytest
+from confluent_kafka.schema_registry import Schema
+from fastavro import parse_schema, schemaless_writer
+from hypothesis import HealthCheck, given, settings
+
+from schemas import avro_layout, fast_decode, fast_encode
+from schemas.avro import TO_AVRO, schema_str
+from schemas.event_scan import batch_scanner
+from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Incomplete, Reset
+from schemas.fast_codec import FastSerde
+from schemas.serde import RecordSerde, registry_client, value_schema_id
+from schemas.wire import confluent_header
+from schemas.wire_read import WireError
+from tests.strategies import batches, records
+
+KINDS = ("EventBatch", "BlockEvent", "Incomplete", "DeadLetter")
+REGISTRY = registry_client("mock://fast-codec")
+SLOW = {k: RecordSerde(REGISTRY, k) for k in KINDS}
+FAST = {k: FastSerde(REGISTRY, k) for k in KINDS}
+
+
+class SlowSpy:
+    """Stands in for a FastSerde's RecordSerde fallback and counts the values it decodes."""
+
+    def __init__(self, serde: RecordSerde):
+        self.serde = serde
+        self.loads_calls = 0
+
+    def loads(self, data: bytes, topic: str):
+        self.loads_calls += 1
+        return self.serde.loads(data, topic)
+
+
+def spied(serde: FastSerde) -> SlowSpy:
+    spy = serde.slow = SlowSpy(serde.slow)
+    return spy
+
+
+# -- byte equality and decoding --------------------------------------------------------
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records)
+def test_bytes_equal_record_serde_and_fast_decode_equals_record_serde(value):
+    kind = type(value).__name__
+    topic = f"codec.{kind}"
+    data = FAST[kind].dumps(value, topic)
+    assert data == SLOW[kind].dumps(value, topic)
+    fast = FastSerde(REGISTRY, kind)  # a reader that never wrote: learns the id from the registry
+    spy = spied(fast)
+    assert fast.loads(data, topic) == SLOW[kind].loads(data, topic) == value
+    assert spy.loads_calls == 0  # decoded by the fast path
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches)
+def test_batch_head_path_equals_whole_batch(batch):
+    """The producers' cached-head encoding of a batch is the whole-batch encoding."""
+    serde = FAST["EventBatch"]
+    head = serde.header("codec.raw") + fast_encode.batch_head(batch.replica, batch.dp_rank, batch.worker_rank,
+                                                              batch.workers, batch.engine)
+    value = fast_encode.batch_from_head(head, batch.epoch, batch.seq, batch.ts, batch.topic,
+                                        fast_encode.events(batch.events))
+    assert value == serde.dumps(batch, "codec.raw") == SLOW["EventBatch"].dumps(batch, "codec.raw")
+
+
+class Raw:
+    """A pre-encoded event as event_scan makes them (any object with ``avro``)."""
+
+    def __init__(self, avro, ownership, without_lora_name):
+        self.avro, self.ownership, self.without_lora_name = avro, ownership, without_lora_name
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches)
+def test_scanned_events_are_the_encoded_events_and_splice_back(batch):
+    data = SLOW["EventBatch"].dumps(batch, "codec.raw")
+    scanned = batch_scanner(Raw)(data, 5)
+    assert len(scanned.events) == len(batch.events)
+    for raw, ev in zip(scanned.events, batch.events):
+        if type(ev) in (BlockStored, BlockRemoved):
+            assert raw.avro == fast_encode.event(ev)
+            assert fast_decode.event(raw.avro) == ev
+            assert raw.ownership == ev.ownership
+            if type(ev) is BlockStored and ev.lora_name is not None:
+                assert raw.without_lora_name == fast_encode.event(msgspec.structs.replace(ev, lora_name=None))
+            else:
+                assert raw.without_lora_name is None
+        else:
+            assert raw == ev
+    # spliced back, the batch is written as it was read
+    assert SLOW["EventBatch"].dumps(batch, "codec.raw")[5:] == fast_encode.batch(scanned)
+    for raw, ev in zip(scanned.events, batch.events):
+        a = BlockEvent(replica="r", epoch=1, seq=2, index=3, ts=4.0, event=raw)
+        b = BlockEvent(replica="r", epoch=1, seq=2, index=3, ts=4.0, event=ev)
+        assert FAST["BlockEvent"].dumps(a, "codec.scan") == SLOW["BlockEvent"].dumps(b, "codec.scan")
+
+
+# -- the fallback ------------------------------------------------------------------------
+
+BAD_VALUES = [b"", b"\x00", b"garbage", b"\x00\x00\x00\x00\x01\xff\xff", b"\x00\x00\x0f\xff\xff\x02"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("data", BAD_VALUES)
+def test_bad_values_raise_what_record_serde_raises(kind, data):
+    topic = f"codec.{kind}"
+    FAST[kind].header(topic)  # schema id 1.. is ours: garbage after it reaches the fast decoder
+    with pytest.raises(Exception) as fast:
+        FAST[kind].loads(data, topic)
+    with pytest.raises(Exception) as slow:
+        SLOW[kind].loads(data, topic)
+    assert type(fast.value) is type(slow.value)
+
+
+def test_truncated_and_padded_values_never_decode_differently():
+    ev = BlockEvent(replica="r", epoch=1, seq=2, index=0, ts=1.0,
+                    event=BlockStored(block_hashes=[b"h" * 8], token_ids=list(range(40)), medium="GPU"))
+    data = SLOW["BlockEvent"].dumps(ev, "codec.t")
+    for cut in range(6, len(data)):
+        with pytest.raises(WireError):
+            fast_decode.block_event(data[:cut], 5)
+    with pytest.raises(WireError):
+        fast_decode.block_event(data + b"\x00", 5)
+
+
+def test_non_canonical_encoding_decodes_via_record_serde():
+    """Avro allows arrays in several blocks (fastavro never writes them): the fast decoder
+    declines, RecordSerde decodes."""
+    h1, h2 = b"1" * 8, b"2" * 8
+    ev = BlockEvent(replica="r", epoch=1, seq=2, index=0, ts=1.0, event=BlockRemoved(block_hashes=[h1, h2]))
+    canonical = FAST["BlockEvent"].dumps(ev, "codec.blocks")
+    assert b"\x04" + h1 + h2 + b"\x00" in canonical
+    two_blocks = canonical.replace(b"\x04" + h1 + h2 + b"\x00", b"\x02" + h1 + b"\x02" + h2 + b"\x00")
+    serde = FastSerde(REGISTRY, "BlockEvent")
+    spy = spied(serde)
+    assert serde.loads(two_blocks, "codec.blocks") == ev
+    assert spy.loads_calls == 1
+
+
+def _evolved(record: str, change) -> dict:
+    schema = json.loads(schema_str(record))
+    for node in _records(schema):
+        change(node)
+    return schema
+
+
+def _records(node):
+    if isinstance(node, dict):
+        if node.get("type") == "record":
+            yield node
+        for v in node.values():
+            yield from _records(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _records(v)
+
+
+def _drop_offload_fields(rec: dict) -> None:
+    """The schema before vLLM 0.26/0.29 added locality and ownership (an older version)."""
+    rec["fields"] = [f for f in rec["fields"] if f["name"] not in ("locality", "ownership")]
+
+
+def _add_fields(rec: dict) -> None:
+    """A newer version: one more field, with a default, in every record."""
+    rec["fields"] = rec["fields"] + [{"name": "shard", "type": ["null", "string"], "default": None}]
+
+
+def _write(schema: dict, topic: str, record: dict) -> bytes:
+    schema_id = REGISTRY.register_schema(f"{topic}-value", Schema(json.dumps(schema), "AVRO"))
+    buf = io.BytesIO()
+    schemaless_writer(buf, parse_schema(schema), record)
+    return confluent_header(schema_id) + buf.getvalue()
+
+
+@pytest.mark.parametrize("version", ["older", "newer"])
+def test_records_of_another_registered_schema_decode_via_record_serde(version):
+    topic = f"codec.evolution.{version}"
+    ev = BlockEvent(replica="r", epoch=5, seq=6, index=1, ts=2.5, dp_rank=1,
+                    event=BlockStored(block_hashes=[b"a" * 8], token_ids=list(range(32)), block_size=16,
+                                      medium="CPU", lora_name="sql"))
+    record = TO_AVRO["BlockEvent"](ev)
+    if version == "older":
+        schema = _evolved("BlockEvent", _drop_offload_fields)
+        for k in ("locality", "ownership"):
+            del record["event"][k]
+    else:
+        schema = _evolved("BlockEvent", _add_fields)
+        record["shard"] = "s1"
+        record["event"]["shard"] = "s2"
+    data = _write(schema, topic, record)
+
+    serde = FastSerde(REGISTRY, "BlockEvent", auto_register=False)
+    spy = spied(serde)
+    assert serde.loads(data, topic) == ev
+    assert serde.loads(data, topic) == ev
+    assert spy.loads_calls == 2  # never the fast decoder: the writer schema is not ours
+    assert serde.is_current(int.from_bytes(data[1:5], "big")) is False
+    # a record written with the current schema on the same subject takes the fast path
+    current = SLOW["BlockEvent"].dumps(ev, topic)
+    assert current[1:5] != data[1:5]
+    assert serde.loads(current, topic) == ev
+    assert spy.loads_calls == 2
+
+
+def test_schema_id_is_registered_once_per_topic_and_shared_with_record_serde(monkeypatch):
+    serde = FastSerde(REGISTRY, "Incomplete")
+    calls = []
+    real = REGISTRY.register_schema
+
+    def counting(subject, schema, normalize_schemas=False):
+        calls.append(subject)
+        return real(subject, schema, normalize_schemas)
+
+    monkeypatch.setattr(REGISTRY, "register_schema", counting)
+    ev = Incomplete(replica="r", epoch=1, seq=1, index=0, workers=2, reported=[0], missing=[1],
+                    event=AllBlocksCleared())
+    for _ in range(3):
+        data = serde.dumps(ev, "codec.once")
+    monkeypatch.undo()
+    assert calls == ["codec.once-value"]
+    assert serde.schema_id("codec.once") == value_schema_id(REGISTRY, "codec.once", "Incomplete")
+    assert data == SLOW["Incomplete"].dumps(ev, "codec.once")
+
+
+def test_lookup_only_serde_does_not_register():
+    serde = FastSerde(REGISTRY, "BlockEvent", auto_register=False)
+    with pytest.raises(Exception, match="Not Found"):
+        serde.dumps(BlockEvent(replica="r", epoch=1, seq=1, index=0, ts=0.0, event=AllBlocksCleared()), "codec.nobody")
+
+
+# -- guards ---------------------------------------------------------------------------------
+
+def test_block_hashes_must_be_8_bytes():
+    for hashes in ([b"short"], [b"short", b"12345678"]):
+        with pytest.raises(ValueError):
+            fast_encode.batch(EventBatch(replica="r", seq=0, ts=0.0, events=[BlockRemoved(block_hashes=hashes)]))
+    with pytest.raises(ValueError):
+        fast_encode.event(BlockStored(block_hashes=[b"12345678"], parent_block_hash=b"short"))
+    with pytest.raises(TypeError):
+        fast_encode.event("not an event")
+
+
+def test_layout_is_checked_against_the_avsc(monkeypatch):
+    avro_layout.check_layout()  # the current .avsc files match
+    real = avro_layout.parsed_schema
+
+    def changed(record):
+        schema = json.loads(json.dumps(real(record), default=str))
+        for rec in _records(schema):
+            if rec["name"] == "kvbus.BlockRemoved":
+                rec["fields"].insert(1, {"name": "tier", "type": "string"})
+        return schema
+
+    monkeypatch.setattr(avro_layout, "parsed_schema", changed)
+    with pytest.raises(avro_layout.LayoutError, match="kvbus.BlockRemoved"):
+        avro_layout.check_layout()
+
+
+def test_double_and_long_extremes_round_trip():
+    ev = BlockEvent(replica="é" * 70, epoch=-(2**63), seq=2**63 - 1, index=-(2**31), ts=float("inf"),
+                    event=Reset(reason="", missing_from=-1, missing_to=2**63 - 1), dp_rank=2**31 - 1)
+    data = FAST["BlockEvent"].dumps(ev, "codec.x")
+    assert data == SLOW["BlockEvent"].dumps(ev, "codec.x")
+    assert fast_decode.block_event(data, 5) == ev
