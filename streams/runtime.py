@@ -258,6 +258,13 @@ class Runtime:
         paused) and then relies on aiokafka's ``seek_to_committed``, which does nothing for a
         partition without a committed offset (or with offset 0): the dropped records would
         never be read again. Seen here when two workers of a new group start together.
+
+        The seeks go through ``seek_wait``, which runs them on the consumer's own thread.
+        ``consumer.seek`` would call aiokafka's ``seek`` from this (the event loop's) thread
+        while the consumer thread may be in ``Fetcher.fetched_records`` (changelog recovery
+        is fetching): both delete from the fetcher's ``_records`` and the consumer thread dies
+        with ``KeyError(TopicPartition(...))``, crashing the worker (seen after a SIGKILL
+        handover on a loaded machine).
         """
         if not tps:
             return
@@ -266,11 +273,13 @@ class Runtime:
         consumer = self.app.consumer
         missing = [tp for tp in tps if committed.get(tp.partition) is None]
         earliest = await consumer.earliest_offsets(*missing) if missing else {}
+        offsets = {}
         for tp in tps:
             offset = committed.get(tp.partition)
             if offset is None:
                 offset = earliest.get(tp, 0) or 0
-            await consumer.seek(tp, offset)
+            offsets[tp] = offset
+        await consumer.seek_wait(offsets)
         log.info("raw partitions rewound to committed offsets %s", {tp.partition: committed.get(tp.partition)
                                                                       for tp in tps})
 
