@@ -7,7 +7,7 @@ import re
 import time
 import urllib.request
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas.settings import Settings
@@ -63,11 +63,15 @@ class Progress:
         applied = scrape(self.sink_port, r"kvbus_sink_events_applied_total")
         return acked, consolidated, applied
 
-    def lags(self) -> tuple[int, int]:
-        """(raw records the worker has not committed, block events the sink has not committed)."""
+    def lags(self) -> tuple[int, int] | None:
+        """(raw records the worker has not committed, block events the sink has not committed);
+        None while Kafka cannot say (e.g. a group coordinator moving: transient)."""
         t = self.settings.topics
-        raw = group_lag(self.settings.bootstrap, self.worker_group, re.escape(t.raw))
-        blocks = group_lag(self.settings.bootstrap, self.sink_group, t.blocks_pattern()[1:])
+        try:
+            raw = group_lag(self.settings.bootstrap, self.worker_group, re.escape(t.raw))
+            blocks = group_lag(self.settings.bootstrap, self.sink_group, t.blocks_pattern()[1:])
+        except KafkaException:
+            return None
         return raw, blocks
 
     def line(self) -> str:
@@ -77,7 +81,8 @@ class Progress:
         t0, a0, c0, p0 = self._last
         dt = max(now - t0, 1e-6)
         self._last = (now, acked, consolidated, applied)
-        raw_lag, sink_lag = self.lags()
+        lags = self.lags()
+        raw_lag, sink_lag = lags if lags is not None else ("?", "?")
         return (f"in {(acked - a0) / dt:8.0f} ev/s | consolidated {(consolidated - c0) / dt:8.0f} ev/s | "
                 f"applied {(applied - p0) / dt:8.0f} ev/s | totals {acked:.0f}/{consolidated:.0f}/{applied:.0f} | "
                 f"lag raw {raw_lag} blocks {sink_lag}")
