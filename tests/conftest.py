@@ -43,8 +43,11 @@ def stack() -> Iterator[Settings]:
 
 
 @pytest.fixture
-def unique_topics(stack: Settings) -> Topics:
-    """Fresh topic names for one test, created with the stack's partition count."""
+def unique_topics(stack: Settings) -> Iterator[Topics]:
+    """Fresh topic names for one test, created with the stack's partition count, deleted
+    afterwards (with any tier topic the test made) so a developer's stack does not grow."""
+    from confluent_kafka.admin import AdminClient
+
     from infra.topics import ensure_topics
 
     suffix = uuid.uuid4().hex[:8]
@@ -55,7 +58,14 @@ def unique_topics(stack: Settings) -> Topics:
         dlq=f"t{suffix}.dlq",
     )
     ensure_topics(stack.bootstrap, [t.raw, t.blocks, t.incomplete, t.dlq], stack.partitions, 1)
-    return t
+    yield t
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+    ours = [name for name in admin.list_topics(timeout=10).topics if name.startswith(f"t{suffix}.")]
+    for future in admin.delete_topics(ours, operation_timeout=10).values():
+        try:
+            future.result(15)
+        except Exception:  # noqa: BLE001 - cleanup only; a leftover topic is harmless
+            pass
 
 
 @pytest.fixture
