@@ -34,15 +34,15 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def build_parser(load_options: bool = False) -> argparse.ArgumentParser:
-    """The argument parser; with ``load_options`` every subcommand's options too
-    (imports each stage's CLI module), else only the subcommand list."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser with every subcommand's name; only ``command``'s options are loaded,
+    so only that stage's CLI module is imported (a fast ``kvbus lookup``)."""
     parser = argparse.ArgumentParser(prog="kvbus", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, add_args, _run, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if load_options:
+        if name == command:
             _load(module, add_args)(p)
     return parser
 
@@ -54,7 +54,8 @@ def _load(module: str, attr: str) -> Callable:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvbus`` console script; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser_for(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -65,19 +66,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(_load(module, run)(args, Settings.from_env()) or 0)
     except KeyboardInterrupt:
         return 130
-
-
-def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
-    """A parser that imports only the chosen subcommand's module (fast ``kvbus lookup``)."""
-    command = next((a for a in argv if not a.startswith("-")), None)
-    if command not in SUBCOMMANDS:
-        return build_parser()
-    parser = argparse.ArgumentParser(prog="kvbus")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-    module, add_args, _run, help_text = SUBCOMMANDS[command]
-    _load(module, add_args)(sub.add_parser(command, help=help_text, description=help_text))
-    return parser
 
 
 if __name__ == "__main__":

@@ -83,11 +83,14 @@ def _register_schemas(settings: Settings) -> None:
 
 def _streams(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     """(replica, worker_rank, pub_port, replay_port) of every fleet stream (kvbus.fleet's port rule)."""
+    from kvbus.fleet import FleetConfig, stream_index
+
+    cfg = FleetConfig(replicas=args.replicas, workers=args.workers, base_port=args.base_port)
     out = []
     for i in range(args.replicas):
         for w in range(args.workers):
-            k = i * args.workers + w
-            out.append((f"replica-{i}", w, args.base_port + 2 * k, args.base_port + 2 * k + 1))
+            port = args.base_port + 2 * stream_index(cfg, i, 0, w)
+            out.append((f"{cfg.replica_prefix}{i}", w, port, port + 1))
     return out
 
 

@@ -31,12 +31,14 @@ class Children:
 
     log_dir: Path
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    log_prefix: str = "demo-"
+    """Log files are ``<log_dir>/<log_prefix><name>.log``."""
     started: list[Child] = field(default_factory=list)
 
     def start(self, name: str, *args: str) -> Child:
-        """Run ``python -m kvbus <args>`` in the background, output to ``<log_dir>/demo-<name>.log``."""
+        """Run ``python -m kvbus <args>`` in the background, output to ``<log_dir>/<log_prefix><name>.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        path = self.log_dir / f"demo-{name}.log"
+        path = self.log_dir / f"{self.log_prefix}{name}.log"
         out = open(path, "ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvbus", *args],

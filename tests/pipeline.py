@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kvbus.procs import Children
 from schemas.settings import Settings
 
 
@@ -31,51 +30,27 @@ def env_for(settings: Settings) -> dict[str, str]:
     }
 
 
-@dataclass
 class Pipeline:
-    """kvbus subcommands started as processes; ``stop()`` ends them all."""
+    """kvbus subcommands started as processes (``kvbus.procs.Children``, as the demo does);
+    ``stop()`` ends them all."""
 
-    settings: Settings
-    workdir: Path
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    def __init__(self, settings: Settings, workdir: Path) -> None:
+        self.settings = settings
+        self.children = Children(log_dir=workdir, env=env_for(settings), log_prefix="")
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str) -> None:
         """Start ``python -m kvbus <args>`` with output to ``<workdir>/<name>.log``."""
-        log = open(self.workdir / f"{name}.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", "kvbus", *args], stdout=log, stderr=subprocess.STDOUT,
-                             env=env_for(self.settings), start_new_session=True)
-        log.close()
-        self.procs[name] = p
-        return p
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to one process group and wait for it."""
-        p = self.procs.pop(name)
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        self.children.start(name, *args)
 
     def stop(self) -> None:
         """SIGTERM every process, SIGKILL what is left."""
-        for name in list(self.procs):
-            self.kill(name, signal.SIGTERM)
-
-    def log(self, name: str) -> str:
-        """What a process printed so far (for assertion messages)."""
-        path = self.workdir / f"{name}.log"
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+        self.children.stop_all()
 
     def check_alive(self) -> None:
         """Fail with the log of any process that exited."""
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                raise AssertionError(f"{name} exited with {p.returncode}:\n{self.log(name)}")
+        for child in self.children.dead():
+            log = child.log_path.read_text(errors="replace")[-4000:]
+            raise AssertionError(f"{child.name} exited with {child.proc.returncode}:\n{log}")
 
     def lookup_json(self, *args: str, check: bool = True) -> dict | str:
         """``kvbus lookup --json <args>`` as a process; its parsed output (with ``check=False``,
