@@ -14,9 +14,15 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from schemas.avro import FROM_AVRO, TO_AVRO, schema_str
 
 
-def registry_client(url: str) -> SchemaRegistryClient:
-    """A registry client for ``url`` (``mock://...`` gives confluent's in-process mock)."""
-    return SchemaRegistryClient.new_client({"url": url})
+REGISTRY_TIMEOUT_S = 10.0
+"""Seconds one registry HTTP request may take before the client gives up on it and retries
+(confluent-kafka's default is no timeout: a registry that stalls mid-request hangs the caller)."""
+
+
+def registry_client(url: str, timeout: float = REGISTRY_TIMEOUT_S) -> SchemaRegistryClient:
+    """A registry client for ``url`` (``mock://...`` gives confluent's in-process mock) whose
+    requests time out after ``timeout`` seconds and are retried (confluent's ``max.retries``)."""
+    return SchemaRegistryClient.new_client({"url": url, "timeout": timeout})
 
 
 def value_schema_id(registry: SchemaRegistryClient, topic: str, record: str, auto_register: bool = True) -> int:

@@ -54,7 +54,9 @@ class RawReader:
             "auto.offset.reset": "earliest", "enable.auto.commit": False,
         })
         self.consumer.subscribe([topic])
-        self.deser = AvroDeserializer(SchemaRegistryClient({"url": settings.registry_url}))
+        # A plain client as an analytics consumer would configure it (confluent's default
+        # subject-name strategy), with a request timeout so a registry stall is retried, not hung on.
+        self.deser = AvroDeserializer(SchemaRegistryClient({"url": settings.registry_url, "timeout": 10}))
         self.records: list[tuple[int, int, bytes, dict]] = []  # (partition, offset, key, value)
 
     def poll(self, seconds: float = 0.5) -> None:

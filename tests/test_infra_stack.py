@@ -78,7 +78,7 @@ def test_redis_pings(stack_info: dict[str, Any]) -> None:
 
 
 def test_registry_enforces_backward_compatibility(stack_info: dict[str, Any]) -> None:
-    sr = SchemaRegistryClient({"url": stack_info["registry_url"]})
+    sr = SchemaRegistryClient({"url": stack_info["registry_url"], "timeout": 10})
     assert isinstance(sr.get_subjects(), list)
     subject = f"kvbus-test-{uuid.uuid4().hex}-value"
     v1 = _record("Compat", [{"name": "id", "type": "long"}, {"name": "n", "type": "int"}])
@@ -102,7 +102,7 @@ def test_registry_enforces_backward_compatibility(stack_info: dict[str, Any]) ->
 
 
 def test_schema_ids_survive_registry_restart(stack_info: dict[str, Any]) -> None:
-    sr = SchemaRegistryClient({"url": stack_info["registry_url"]})
+    sr = SchemaRegistryClient({"url": stack_info["registry_url"], "timeout": 10})
     subject = f"kvbus-test-{uuid.uuid4().hex}-value"
     schema = _record("Persist", [{"name": "k", "type": "string"}, {"name": "v", "type": ["null", "bytes"], "default": None}])
     sid = sr.register_schema(subject, schema)
@@ -112,7 +112,7 @@ def test_schema_ids_survive_registry_restart(stack_info: dict[str, Any]) -> None
 
     after = _get_json(f"{stack_info['registry_url']}/schemas/ids/{sid}")
     assert json.loads(after["schema"]) == json.loads(before["schema"])
-    fresh = SchemaRegistryClient({"url": stack_info["registry_url"]})  # no client-side cache
+    fresh = SchemaRegistryClient({"url": stack_info["registry_url"], "timeout": 10})  # no client-side cache
     assert fresh.get_latest_version(subject).schema_id == sid
     assert fresh.register_schema(subject, schema) == sid  # same schema -> same id, no new version
     assert infra_stack.status()["services"]["registry"]["ready"]
