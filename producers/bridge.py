@@ -9,7 +9,10 @@ and hand what it releases, in order, to the sink:
 * gaps trigger a replay from the engine's ROUTER; live batches are held meanwhile;
 * reset markers become ``EventBatch(seq=-1, events=[Reset(...)])`` in the new epoch;
 * events of unknown type are skipped by the decoder, the batch's known events are
-  produced and its raw frames dead-lettered, so nothing disappears silently.
+  produced and its raw frames dead-lettered, so nothing disappears silently;
+* a batch too large for one Kafka record is split by the sink (:mod:`producers.split`); if the
+  bridge stopped between the parts of one, the restarted bridge produces the missing parts
+  (see :meth:`Bridge._same_as_resumed`).
 
 The sink is a seam: :class:`~producers.kafka_out.KafkaSink` in production, any
 object with the :class:`Sink` methods (or a plain callable, see :class:`CallbackSink`)
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import msgspec
 import zmq
 
 from producers.decode import DecodeError, decode_batch, parse_frames
@@ -140,6 +144,8 @@ class Bridge:
             fingerprint=_payload_fingerprint,
         )
         self._resume = resume
+        self._resume_tail: EventBatch | None = None
+        """Events of the resumed batch the last run did not produce (it stopped between parts)."""
         self.replay = ReplayClient(self.ctx, cfg.replay_endpoint, cfg.replay_timeout) if cfg.replay_endpoint else None
         self.sub: zmq.Socket | None = None
         self._poller = zmq.Poller()
@@ -150,18 +156,37 @@ class Bridge:
         self._last_gauges = 0.0
 
     def _same_as_resumed(self, item: Any) -> bool:
-        """Whether a replayed batch is the one this bridge produced last before its restart."""
+        """Whether a replayed batch is the one this bridge produced last before its restart.
+
+        The last record may be one part of a split batch (``first_index``): it is compared with
+        its slice of the engine's batch. If the engine's batch has events after that slice, the
+        last run stopped between parts; the rest is kept in ``_resume_tail`` and produced next,
+        before anything newer (:meth:`_on_reply`)."""
         assert self._resume is not None
         try:
             d = decode_batch(item[1], self.cfg.engine, skip_unknown=True)
         except DecodeError:
             return True  # cannot tell: assume the engine kept running
         rec = self._resume.record
-        same = d.ts == rec.ts and d.events == rec.events
+        end = rec.first_index + len(rec.events)
+        same = d.ts == rec.ts and d.events[rec.first_index:end] == rec.events
         if not same:
             log.warning("replayed seq %d differs from the last record produced (ts %s vs %s): the engine "
                         "restarted while the bridge was down", rec.seq, d.ts, rec.ts)
+        elif len(d.events) > end:
+            self._resume_tail = msgspec.structs.replace(rec, events=d.events[end:], first_index=end)
         return same
+
+    def _produce_resume_tail(self) -> None:
+        """Produce the parts of the resumed batch the last run did not (see :meth:`_same_as_resumed`)."""
+        tail, self._resume_tail = self._resume_tail, None
+        if tail is None:
+            return
+        log.warning("%s#%d worker %d: the last run stopped inside split batch epoch %d seq %d; producing its "
+                    "events %d..%d now", tail.replica, tail.dp_rank, tail.worker_rank, tail.epoch, tail.seq,
+                    tail.first_index, tail.first_index + len(tail.events) - 1)
+        self.metrics.events_in.inc(len(tail.events))
+        self.sink.produce_batch(tail)
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -259,8 +284,10 @@ class Bridge:
     def _on_reply(self, reply: Any) -> None:
         if isinstance(reply, Replayed):
             self.metrics.batches_in.inc()
-            self._apply(self.sequencer.on_replayed(reply.seq, (reply.topic, reply.payload, reply.frames,
-                                                                self.cfg.replay_endpoint)))
+            actions = self.sequencer.on_replayed(reply.seq, (reply.topic, reply.payload, reply.frames,
+                                                             self.cfg.replay_endpoint))
+            self._produce_resume_tail()  # only after the resume check, which produces nothing itself
+            self._apply(actions)
         elif isinstance(reply, ReplayEnd):
             self._apply(self.sequencer.on_replay_end(complete=True))
         elif isinstance(reply, ReplayBad):

@@ -46,6 +46,9 @@ def add_bridge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-recover", action="store_true", help="do not read the raw topic for the last position (start a new epoch)")
     p.add_argument("--max-backlog", type=int, default=DEFAULT_MAX_BACKLOG, help="records held beyond librdkafka's queue")
     p.add_argument("--max-backlog-mb", type=int, default=DEFAULT_MAX_BACKLOG_BYTES >> 20, help="MiB held beyond librdkafka's queue")
+    p.add_argument("--max-record-bytes", type=int, default=None,
+                   help="largest EventBatch value produced as one record; larger engine batches are split into "
+                        "several (default KVBUS_MAX_RECORD_BYTES, 900000)")
     p.add_argument("--serializer", default="fast", choices=("fast", "confluent"),
                    help="fast: direct Avro encoder with the registry's schema id; confluent: AvroSerializer")
     p.add_argument("--flush-timeout", type=float, default=30.0, help="seconds to deliver queued records on exit")
@@ -124,6 +127,7 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
         settings.bootstrap, topics.raw, topics.dlq, serialize_batch, lambda dl: dl_serde.dumps(dl, topics.dlq),
         metrics, _conf_pairs(args.producer_conf), max_backlog=args.max_backlog,
         max_backlog_bytes=args.max_backlog_mb << 20,
+        max_record_bytes=args.max_record_bytes or settings.max_record_bytes,
     )
     return Bridge(cfg, sink, metrics, resume=resume)
 

@@ -15,6 +15,10 @@ slowed, but drops what it reads, counting ``shed_batches``); it resumes once the
 backlog is down to half. Dropped live batches are not lost silently: the next
 accepted batch shows a sequence gap, which the bridge fills from the engine's
 replay buffer, or announces with a ``Reset(gap-unrecoverable)`` marker.
+
+A batch whose value exceeds ``max_record_bytes`` is produced as several records (parts, in
+order, consecutive ``first_index``); an event too large for any record is dead-lettered
+(:mod:`producers.split`).
 """
 from __future__ import annotations
 
@@ -24,10 +28,13 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+import msgspec
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from producers.metrics import BridgeMetrics
+from producers.split import DEFAULT_MAX_RECORD_BYTES, BatchRef, Splitter, record_limit
 from schemas.events import DeadLetter, EventBatch, holder_key
+from schemas.fast_encode import event as encode_event
 
 log = logging.getLogger("kvbus.producers.kafka")
 
@@ -88,6 +95,7 @@ class KafkaSink:
     ``serialize_batch(batch) -> bytes`` and ``serialize_dead_letter(dl) -> bytes``
     give the Confluent-wire-format values (built once by the caller from the registry).
     Call :meth:`service` on every loop pass (delivery callbacks, backlog drain).
+    ``max_record_bytes``: largest value produced as one record; larger batches are split.
     """
 
     def __init__(
@@ -101,6 +109,7 @@ class KafkaSink:
         *,
         max_backlog: int = DEFAULT_MAX_BACKLOG,
         max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         self.producer = producer
         self.raw_topic = raw_topic
@@ -117,6 +126,7 @@ class KafkaSink:
         """Records Kafka refused for good (delivery callback error)."""
         self._err_log = _RateLimitedLog()
         self._ack_cb = {}  # events-in-record -> bound delivery callback (few distinct sizes)
+        self.splitter = Splitter(max_record_bytes, metrics, "bridge")
 
     @classmethod
     def build(
@@ -128,25 +138,50 @@ class KafkaSink:
         serialize_dead_letter: Callable[[DeadLetter], bytes],
         metrics: BridgeMetrics,
         conf_overrides: dict[str, Any] | None = None,
+        *,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         **kw: Any,
     ) -> "KafkaSink":
-        """A sink with its own producer configured by :func:`producer_conf`."""
+        """A sink with its own producer configured by :func:`producer_conf`; ``max_record_bytes``
+        is lowered to what the producer's ``message.max.bytes`` takes (:func:`record_limit`)."""
         err_log = _RateLimitedLog()
 
         def on_error(err: KafkaError) -> None:
             err_log(logging.WARNING, "kafka: %s", err)
 
-        producer = Producer(producer_conf(bootstrap, conf_overrides, error_cb=on_error))
-        return cls(producer, raw_topic, dlq_topic, serialize_batch, serialize_dead_letter, metrics, **kw)
+        conf = producer_conf(bootstrap, conf_overrides, error_cb=on_error)
+        limit = record_limit(max_record_bytes, conf)
+        return cls(Producer(conf), raw_topic, dlq_topic, serialize_batch, serialize_dead_letter, metrics,
+                   max_record_bytes=limit, **kw)
 
     # -- produce --------------------------------------------------------------
     def produce_batch(self, batch: EventBatch) -> None:
-        """Queue one EventBatch, keyed ``<replica>#<dp_rank>``."""
+        """Queue one EventBatch, keyed ``<replica>#<dp_rank>``: as one record, or as several
+        (in order) when its value exceeds the record limit (:mod:`producers.split`)."""
         value = self._ser(batch)
-        self._send(self.raw_topic, holder_key(batch.replica, batch.dp_rank).encode(), value, len(batch.events))
+        key = holder_key(batch.replica, batch.dp_rank).encode()
+        if self.splitter.fits(len(value)):
+            self._send(self.raw_topic, key, value, len(batch.events))
+        else:
+            self._produce_split(batch, key, len(value))
+
+    def _produce_split(self, batch: EventBatch, key: bytes, value_size: int) -> None:
+        """Queue ``batch`` as parts under the record limit, each written by the batch serializer;
+        events that fit no record are dead-lettered."""
+
+        def produce_part(start: int, end: int) -> None:
+            part = msgspec.structs.replace(batch, events=batch.events[start:end],
+                                           first_index=batch.first_index + start)
+            self._send(self.raw_topic, key, self._ser(part), end - start)
+
+        ref = BatchRef(batch.replica, batch.dp_rank, batch.worker_rank, batch.epoch, batch.seq)
+        fixed = len(self._ser(msgspec.structs.replace(batch, events=[])))
+        self.splitter.split(ref, value_size, [encode_event(e) for e in batch.events], fixed, produce_part,
+                            self.produce_dead_letter, batch.first_index)
 
     def produce_raw(self, key: bytes, value: bytes, events: int) -> None:
-        """Queue an already serialized EventBatch value (fast paths)."""
+        """Queue an already serialized EventBatch value (fast paths); it is not split, so it
+        must fit the record limit (a larger one is refused by Kafka and counted as a delivery error)."""
         self._send(self.raw_topic, key, value, events)
 
     def produce_dead_letter(self, dl: DeadLetter) -> None:

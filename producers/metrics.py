@@ -1,4 +1,5 @@
-"""Prometheus metrics of the bridge and the in-process publisher.
+"""Prometheus metrics of the bridge and the in-process publisher (which counts only splits,
+oversized events and dead letters in them).
 
 Each :class:`BridgeMetrics` lives in its own ``CollectorRegistry`` (several bridges
 can run in one test process); :meth:`BridgeMetrics.serve` exposes it over HTTP.
@@ -26,6 +27,11 @@ class BridgeMetrics:
         self.batches_acked = Counter(p + "batches_acked", "EventBatch records acknowledged by Kafka", registry=r)
         self.events_acked = Counter(p + "events_acked", "Events in records acknowledged by Kafka", registry=r)
         self.delivery_errors = Counter(p + "delivery_errors", "Records Kafka failed to take (delivery callback error)", registry=r)
+        self.split_batches = Counter(p + "split_batches", "Engine batches too large for one record, produced as several",
+                                     registry=r)
+        self.split_parts = Counter(p + "split_parts", "Records produced for split engine batches", registry=r)
+        self.oversized_events = Counter(p + "oversized_events", "Events too large for any record on their own: "
+                                        "dead-lettered with a truncated payload, not produced", registry=r)
         self.delivery_latency = Histogram(p + "delivery_latency_seconds", "produce() to broker acknowledgement",
                                           buckets=_LATENCY_BUCKETS, registry=r)
         self.gaps = Counter(p + "gaps", "Sequence gaps detected on the live stream", registry=r)

@@ -4,7 +4,8 @@ Same constructor shape and ``publish``/``shutdown`` interface as vLLM's
 ``EventPublisher`` implementations (``shared/docs/kv-events-protocol.md`` §2), so a
 vLLM plugin (or any engine) can construct it like its ZMQ publisher. It writes the
 same Avro ``EventBatch`` records to the raw topic as the bridge does, with
-``engine="kvbus"``.
+``engine="kvbus"``; a batch too large for one record is produced as several
+(:mod:`producers.split`).
 
 Usage::
 
@@ -24,19 +25,30 @@ import msgspec
 from confluent_kafka import KafkaError, Producer
 
 from producers.kafka_out import producer_conf
+from producers.metrics import BridgeMetrics
 from producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
+from producers.split import BatchRef, Splitter, record_limit
 from schemas.events import (
     HASH_MASK,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    DeadLetter,
     Reset,
     holder_key,
 )
-from schemas.fast_encode import batch_from_head, batch_head, event as encode_event, events as encode_events, stored_tail
+from schemas.fast_codec import FastSerde
+from schemas.fast_encode import (
+    batch_from_head,
+    batch_head,
+    event as encode_event,
+    event_array,
+    events as encode_events,
+    stored_tail,
+)
 from schemas.serde import registry_client, value_schema_id
 from schemas.settings import Settings
-from schemas.wire import LONG, confluent_header, longs, opt_long, opt_str
+from schemas.wire import LONG, NULL, confluent_header, longs, opt_long, opt_str
 
 log = logging.getLogger("kvbus.producers.publisher")
 
@@ -245,6 +257,10 @@ class KafkaEventPublisher:
       0, 1, 2, ... (monotonic, per publisher) in ``epoch`` = this publisher's start time in
       ms; the idempotent producer keeps per-partition order. A consumer may see a record
       twice (retries across a producer restart) and tells by its (epoch, seq) position.
+    * **Large batches.** A batch whose value exceeds ``max_record_bytes`` (default
+      ``settings.max_record_bytes``) becomes several records of the same seq with consecutive
+      ``first_index``, in order; an event too large for any record is dead-lettered to
+      ``settings.topics.dlq`` (truncated; :mod:`producers.split`). ``metrics`` counts them.
     * **Never blocks the engine.** ``publish()`` encodes and queues; delivery is
       asynchronous. While Kafka is unreachable records wait in librdkafka's bounded queue
       (``hwm`` records) plus a backlog of ``max_queue_size`` records; beyond that batches
@@ -258,7 +274,8 @@ class KafkaEventPublisher:
 
     kvbus arguments: ``replica`` (required), ``settings`` (topics, registry; default from the
     environment), ``worker_rank``/``workers``, ``producer_overrides`` (librdkafka settings),
-    ``schema_id`` (skip the registry lookup), ``producer`` (an injected producer, tests).
+    ``schema_id`` (skip the registry lookup), ``producer`` (an injected producer, tests),
+    ``max_record_bytes``, ``metrics`` (a :class:`~producers.metrics.BridgeMetrics`).
 
     vLLM constructor arguments: ``endpoint`` is the Kafka bootstrap (default
     ``settings.bootstrap``); ``topic`` is carried as EventBatch.topic; ``hwm`` bounds
@@ -283,6 +300,8 @@ class KafkaEventPublisher:
         producer_overrides: dict[str, Any] | None = None,
         schema_id: int | None = None,
         producer: Any = None,
+        max_record_bytes: int | None = None,
+        metrics: BridgeMetrics | None = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
         self.dp_rank = data_parallel_rank
@@ -296,14 +315,20 @@ class KafkaEventPublisher:
             schema_id = value_schema_id(registry_client(self.settings.registry_url), self.kafka_topic, "EventBatch")
         self._header = confluent_header(schema_id)
         overrides = {"queue.buffering.max.messages": hwm, **(producer_overrides or {})}
+        conf = producer_conf(endpoint or self.settings.bootstrap, overrides, error_cb=self._on_error)
         if producer is None:
-            producer = Producer(producer_conf(endpoint or self.settings.bootstrap, overrides, error_cb=self._on_error))
+            producer = Producer(conf)
         self.producer = producer
+        self.metrics = metrics or BridgeMetrics()
+        self.splitter = Splitter(record_limit(max_record_bytes or self.settings.max_record_bytes, conf), self.metrics,
+                                 "publisher")
+        self._dead_letter_serde: FastSerde | None = None
         self.epoch = int(time.time() * 1000)
         self._seq = 0
         self._prefix: dict[int, bytes] = {}
         self._keys: dict[int, bytes] = {}
-        self._backlog: list[tuple[bytes, bytes]] = []
+        self._backlog: list[tuple[str, bytes, bytes]] = []
+        """(topic, key, value) waiting for room in librdkafka's queue, in order."""
         self._lost: tuple[int, int] | None = None
         self._closed = False
         self.acked = 0
@@ -362,27 +387,58 @@ class KafkaEventPublisher:
                 log.warning("kvbus publisher %s: batches %d..%d were dropped (Kafka unavailable); new epoch %d",
                             self.replica, lo, hi, self.epoch)
                 self._marker(REASON_GAP, lo, hi, dp)
-            value = batch_from_head(prefix, self.epoch, seq, float(batch.ts), self.topic, evs)
-            self._produce(key, value)
+            ts = float(batch.ts)
+            value = batch_from_head(prefix, self.epoch, seq, ts, self.topic, evs)
+            if self.splitter.fits(len(value)):
+                self._produce(key, value)
+            else:
+                self._produce_split(key, prefix, dp, seq, ts, batch.events, len(value))
+
+    def _produce_split(self, key: bytes, prefix: bytes, dp: int, seq: int, ts: float, events: Any,
+                       value_size: int) -> None:
+        """Queue one batch as parts under the record limit; dead-letter events that fit no record."""
+        encoded = [encode_engine_event(e) for e in events]
+
+        def produce_part(start: int, end: int) -> None:
+            self._produce(key, batch_from_head(prefix, self.epoch, seq, ts, self.topic,
+                                               event_array(encoded[start:end]), start))
+
+        ref = BatchRef(self.replica, dp, self.worker_rank, self.epoch, seq)
+        fixed = len(batch_from_head(prefix, self.epoch, seq, ts, self.topic, NULL))
+        self.splitter.split(ref, value_size, encoded, fixed, produce_part, self._produce_dead_letter)
+
+    def _produce_dead_letter(self, dl: DeadLetter) -> None:
+        """Queue a DeadLetter to the DLQ topic (its schema id is looked up on first use)."""
+        dlq = self.settings.topics.dlq
+        try:
+            if self._dead_letter_serde is None:
+                self._dead_letter_serde = FastSerde(registry_client(self.settings.registry_url), "DeadLetter")
+            value = self._dead_letter_serde.dumps(dl, dlq)
+        except Exception as exc:  # registry unreachable: the error log of the event is all that is left
+            log.error("kvbus publisher %s: dead letter for %s not written (%s: %s)", self.replica, dlq,
+                      type(exc).__name__, exc)
+            return
+        self._produce(dl.source.encode(), value, dlq)
 
     def _room(self) -> bool:
         return len(self._backlog) < self.max_backlog
 
-    def _produce(self, key: bytes, value: bytes) -> None:
+    def _produce(self, key: bytes, value: bytes, topic: str | None = None) -> None:
+        topic = topic or self.kafka_topic
         if self._backlog:
-            self._backlog.append((key, value))
+            self._backlog.append((topic, key, value))
             return
         try:
-            self.producer.produce(self.kafka_topic, value, key, on_delivery=self._delivered)
+            self.producer.produce(topic, value, key, on_delivery=self._delivered)
         except BufferError:
-            self._backlog.append((key, value))
+            self._backlog.append((topic, key, value))
 
     def _drain(self) -> None:
         with self._lock:
             n = 0
-            for key, value in self._backlog:
+            for topic, key, value in self._backlog:
                 try:
-                    self.producer.produce(self.kafka_topic, value, key, on_delivery=self._delivered)
+                    self.producer.produce(topic, value, key, on_delivery=self._delivered)
                 except BufferError:
                     break
                 n += 1

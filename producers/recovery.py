@@ -10,6 +10,18 @@ buffers is lost (see :mod:`producers.sequencer`).
 Records of other workers and other replicas share the partition; the scan walks
 back from the end in growing windows until it finds one of ours or gives up
 after ``max_scan`` records (then the stream starts fresh, in a new epoch).
+
+Split batches (:mod:`producers.split`): the parts of one engine batch share its seq, so
+the last record may be a part (``first_index`` and its event count say which events it
+holds). The bridge's start-up replay begins at that seq to check the engine did not
+restart; the check compares the part with its slice of the engine's copy, and when the
+copy has events after the slice (the bridge stopped between two parts) the bridge
+produces them first, as further parts of the same (epoch, seq) with their own
+``first_index``: nothing lost, nothing twice. Without the engine's copy of that batch
+(no replay endpoint, or its replay buffer no longer holds it) the bridge cannot tell a
+last part from a whole batch and continues after it; the events of the unfinished
+batch that never reached Kafka are then lost, like everything the engine published
+while the bridge was down when it cannot replay.
 """
 from __future__ import annotations
 
@@ -73,7 +85,7 @@ class Resume:
     """Last engine seq produced in that epoch; -1 when the epoch was just opened by an
     engine-restart marker (next is seq 0); None when unknown (bridge-start marker)."""
     record: EventBatch
-    """The last record itself."""
+    """The last record itself (maybe one part of a split batch: see ``first_index``)."""
     partition: int
     offset: int
 
@@ -136,8 +148,9 @@ def find_last_produced(
             scanned += end - start
             if found is not None:
                 batch, offset = found
-                log.info("recovered %s worker %d: epoch %d seq %d at %s[%d]@%d",
-                         key.decode(), worker_rank, batch.epoch, batch.seq, topic, partition, offset)
+                log.info("recovered %s worker %d: epoch %d seq %d (events %d..%d) at %s[%d]@%d",
+                         key.decode(), worker_rank, batch.epoch, batch.seq, batch.first_index,
+                         batch.first_index + len(batch.events) - 1, topic, partition, offset)
                 return Resume(batch.epoch, resume_point(batch), batch, partition, offset)
             end = start
             window *= 4

@@ -36,6 +36,7 @@ LAYOUT: dict[str, tuple[tuple[str, str], ...]] = {
     "kvbus.EventBatch": (
         ("replica", "string"), ("dp_rank", "int"), ("worker_rank", "int"), ("workers", "int"), ("engine", "string"),
         ("epoch", "long"), ("seq", "long"), ("ts", "double"), ("topic", "string"), ("events", f"array<{EVENT}>"),
+        ("first_index", "int"),
     ),
     "kvbus.BlockEvent": (
         ("replica", "string"), ("dp_rank", "int"), ("epoch", "long"), ("seq", "long"), ("index", "int"),

@@ -26,6 +26,7 @@ from schemas.wire_read import (
     WireError,
     end_array,
     read_count,
+    read_long,
     read_opt,
     read_str,
     skip_bytes,
@@ -109,8 +110,9 @@ def _scan(data: bytes, pos: int, raw: RawFactory) -> tuple[EventBatch, int]:
         append(ev)
     if count:
         pos = end_array(data, pos)
+    first_index, pos = read_long(data, pos)
     return EventBatch(replica=replica, seq=seq, ts=ts, events=evs, dp_rank=dp_rank, worker_rank=worker_rank,
-                      workers=workers, engine=engine, epoch=epoch, topic=topic), pos
+                      workers=workers, engine=engine, epoch=epoch, topic=topic, first_index=first_index), pos
 
 
 def batch_scanner(raw: RawFactory) -> Callable[[bytes, int], EventBatch]:

@@ -131,7 +131,11 @@ EVENT_TYPES: tuple[type, ...] = (BlockStored, BlockRemoved, AllBlocksCleared, Re
 
 
 class EventBatch(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """One engine batch as a bridge received it (topic ``kvbus.raw``)."""
+    """One engine batch as a bridge received it, or one part of it (topic ``kvbus.raw``).
+
+    A batch too large for one Kafka record is produced as several records sharing key, epoch and
+    seq, in order, each with a consecutive run of the events (``first_index``).
+    """
 
     replica: str
     """Engine replica id, unique in the fleet."""
@@ -140,7 +144,7 @@ class EventBatch(msgspec.Struct, omit_defaults=True, kw_only=True):
     ts: float
     """Engine wall-clock time of the batch, epoch seconds."""
     events: list[Event]
-    """Events in emission order."""
+    """Events in emission order; event i is event ``first_index + i`` of the engine batch."""
     dp_rank: int = 0
     """Data-parallel rank (0 when DP is off)."""
     worker_rank: int = 0
@@ -153,6 +157,9 @@ class EventBatch(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Publisher run id (ms timestamp when kvbus first saw this sequence stream)."""
     topic: str = ""
     """ZMQ topic frame."""
+    first_index: int = 0
+    """Index in the engine batch of this record's first event: the position of ``events[i]`` is
+    ``(epoch, seq, first_index + i)``. 0 for a whole batch (or its first part)."""
 
 
 class BlockEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -200,9 +207,10 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     """Input a stage could not process (topic ``kvbus.dlq``)."""
 
     stage: str
-    """bridge, streams or sink."""
+    """bridge, publisher, streams or sink."""
     source: str
-    """ZMQ endpoint, or topic[partition]@offset."""
+    """ZMQ endpoint, or topic[partition]@offset; ``<replica>#<dp_rank>`` for an event too large
+    for any record."""
     reason: str
     """Exception type and message."""
     payload: list[bytes]

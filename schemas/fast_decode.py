@@ -127,7 +127,7 @@ def _whole(read: Callable[[bytes, int], tuple[Any, int]]) -> Callable[[bytes, in
 
 def batch_fields(data: bytes, pos: int) -> tuple[str, int, int, int, str, int, int, float, str, int]:
     """EventBatch fields before ``events`` at ``pos``: (replica, dp_rank, worker_rank, workers,
-    engine, epoch, seq, ts, topic, position of the events array)."""
+    engine, epoch, seq, ts, topic, position of the events array). ``first_index`` follows the array."""
     replica, pos = read_str(data, pos)
     dp_rank, pos = read_long(data, pos)
     worker_rank, pos = read_long(data, pos)
@@ -150,8 +150,9 @@ def _batch(data: bytes, pos: int) -> tuple[EventBatch, int]:
         evs.append(ev)
     if count:
         pos = end_array(data, pos)
+    first_index, pos = read_long(data, pos)
     return EventBatch(replica=replica, seq=seq, ts=ts, events=evs, dp_rank=dp_rank, worker_rank=worker_rank,
-                      workers=workers, engine=engine, epoch=epoch, topic=topic), pos
+                      workers=workers, engine=engine, epoch=epoch, topic=topic, first_index=first_index), pos
 
 
 def _position(data: bytes, pos: int) -> tuple[str, int, int, int, int, int]:

@@ -13,7 +13,7 @@ event-union branch index followed by the record body (e.g. spliced out of a raw 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from schemas import avro_layout  # noqa: F401  (checks the layout at import)
 from schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, EventBatch,
@@ -143,22 +143,30 @@ def events(evs: list) -> bytes:
     return LONG[len(evs)] + b"".join(map(event, evs)) + NULL
 
 
+def event_array(encoded: Sequence[bytes]) -> bytes:
+    """The ``events`` array of already encoded events (each as :func:`event` writes it)."""
+    if not encoded:
+        return NULL
+    return LONG[len(encoded)] + b"".join(encoded) + NULL
+
+
 def batch_head(replica: str, dp_rank: int, worker_rank: int, workers: int, engine: str) -> bytes:
     """EventBatch fields replica..engine (constant for a publisher's stream: cache it)."""
     return STR[replica] + LONG[dp_rank] + LONG[worker_rank] + LONG[workers] + STR[engine]
 
 
-def batch_from_head(head: bytes, epoch: int, seq: int, ts: float, topic: str, events_avro: bytes) -> bytes:
+def batch_from_head(head: bytes, epoch: int, seq: int, ts: float, topic: str, events_avro: bytes,
+                    first_index: int = 0) -> bytes:
     """``head`` (:func:`batch_head`, maybe behind a wire header) followed by the remaining
     EventBatch fields; ``events_avro`` is the encoded events array (:func:`events`)."""
-    return b"".join((head, EPOCH[epoch], LONG[seq], DOUBLE(ts), STR[topic], events_avro))
+    return b"".join((head, EPOCH[epoch], LONG[seq], DOUBLE(ts), STR[topic], events_avro, LONG[first_index]))
 
 
 def batch(b: EventBatch) -> bytes:
     """Avro body of an EventBatch."""
     return b"".join((
         STR[b.replica], LONG[b.dp_rank], LONG[b.worker_rank], LONG[b.workers], STR[b.engine],
-        EPOCH[b.epoch], LONG[b.seq], DOUBLE(b.ts), STR[b.topic], events(b.events),
+        EPOCH[b.epoch], LONG[b.seq], DOUBLE(b.ts), STR[b.topic], events(b.events), LONG[b.first_index],
     ))
 
 

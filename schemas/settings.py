@@ -6,6 +6,7 @@
 | ``KVBUS_REGISTRY_URL`` | ``http://127.0.0.1:8081/apis/ccompat/v7`` | Confluent-compatible schema registry |
 | ``KVBUS_REDIS_URL`` | ``redis://127.0.0.1:6379/0`` | Redis holding the residency view |
 | ``KVBUS_PARTITIONS`` | ``4`` | partitions of kvbus topics (Faust needs them co-partitioned) |
+| ``KVBUS_MAX_RECORD_BYTES`` | ``900000`` | largest raw EventBatch value produced; larger engine batches are split |
 | ``KVBUS_TOPIC_*`` | see ``schemas.topics`` | topic names |
 """
 from __future__ import annotations
@@ -19,6 +20,10 @@ DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_REGISTRY_URL = "http://127.0.0.1:8081/apis/ccompat/v7"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PARTITIONS = 4
+DEFAULT_MAX_RECORD_BYTES = 900_000
+"""Largest EventBatch value the producers write as one Kafka record: a little under librdkafka's
+``message.max.bytes`` (1,000,000; not overridden by kvbus) and the broker's default
+``max.message.bytes`` (1,048,588), leaving room for the key and the record framing."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class Settings:
     """Partitions of every kvbus topic."""
     topics: Topics = field(default_factory=Topics)
     """Topic names."""
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    """Largest raw EventBatch value (bytes, Confluent header included) produced as one record;
+    an engine batch whose value is larger is produced as several records (``first_index``)."""
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -46,4 +54,5 @@ class Settings:
             redis_url=env.get("KVBUS_REDIS_URL", DEFAULT_REDIS_URL),
             partitions=int(env.get("KVBUS_PARTITIONS", DEFAULT_PARTITIONS)),
             topics=Topics.from_env(),
+            max_record_bytes=int(env.get("KVBUS_MAX_RECORD_BYTES", DEFAULT_MAX_RECORD_BYTES)),
         )

@@ -21,8 +21,10 @@ Rules (see docs/streams.md for the reasoning):
    event of the rank-0 report. A rank that reports an identity again while its report is still
    pending counts once for that aggregate; the later report opens the next aggregate of that
    identity (the k-th report of a rank pairs with the k-th report of the others).
-3. **Redelivery**: a batch whose ``(epoch, seq)`` is not above the last one seen from that
-   worker rank is a duplicate and ignored entirely.
+3. **Redelivery**: an event whose position ``(epoch, seq, index)`` is not above the last one
+   applied from that worker rank is a duplicate and ignored: a redelivered batch entirely, a
+   redelivered part of a split batch too (the parts of one batch share its ``(epoch, seq)``;
+   event ``i`` of a record has index ``first_index + i``), so parts behave as the whole batch.
 4. **Expiry**: an aggregate not completed ``window`` seconds (processing time) after its first
    report becomes an :class:`~schemas.events.Incomplete`.
 5. **Order**: consolidated positions only grow per holder; a completion that would go back
@@ -35,7 +37,9 @@ Rules (see docs/streams.md for the reasoning):
    aggregates; Resets of the other ranks within ``window`` after it belong to the same incident:
    they are not forwarded again and drop only the pending aggregates holding that rank's (old)
    reports. A forwarded Reset takes rank 0's position when rank 0 sent it, otherwise
-   ``(epoch0, seq0 + 1, -1)`` after rank 0's last batch, so positions still only grow.
+   ``(epoch0, seq0 + 1, -1)`` after rank 0's last batch, so positions still only grow. (If that
+   batch was split and its later parts arrive after the Reset, rank 0's reports in them are
+   dropped as the Reset would have dropped them pending: :meth:`Aggregator._void_before_reset`.)
 8. ``workers == 1`` passes straight through: no aggregation state, no dedup (consumers drop
    redeliveries by position).
 """
@@ -122,8 +126,10 @@ class HolderMeta(msgspec.Struct, array_like=True, omit_defaults=True):
     dp_rank: int
     partition: int
     """Kafka partition the holder's raw records come from (its state lives there too)."""
-    hwm: dict[int, tuple[int, int]] = {}
-    """Worker rank -> (epoch, seq) of the last batch applied: batches at or below are redeliveries."""
+    hwm: dict[int, tuple[int, ...]] = {}
+    """Worker rank -> ``(epoch, seq, end)`` of the last record applied, ``end`` being the index after
+    its last event: events at positions below are redeliveries. A state written before split batches
+    existed holds ``(epoch, seq)``, meaning the whole batch (:func:`applied_before`)."""
     last: Optional[tuple[int, int, int]] = None
     """Position of the last consolidated event or forwarded Reset."""
     tiers: list[str] = []
@@ -211,11 +217,44 @@ def check(batch: EventBatch, key: Optional[bytes] = None) -> Optional[str]:
         return f"invalid seq {batch.seq} < -1"
     if batch.epoch < 0:
         return f"invalid epoch {batch.epoch} < 0"
+    if batch.first_index < 0:
+        return f"invalid first_index {batch.first_index} < 0"
     if key is not None:
         expected = holder_key(batch.replica, batch.dp_rank).encode()
         if key != expected:
             return f"record key {key!r} is not holder_key {expected!r}"
     return None
+
+
+_WHOLE_BATCH = 1 << 62
+"""``end`` of a high-water mark written as ``(epoch, seq)``: every event of that batch was applied."""
+
+
+def _end(hwm: tuple[int, ...]) -> int:
+    """Index after the last event a high-water mark covers in its (epoch, seq)."""
+    return hwm[2] if len(hwm) > 2 else _WHOLE_BATCH
+
+
+def applied_before(hwm: Optional[tuple[int, ...]], batch: EventBatch) -> int:
+    """How many leading events of ``batch`` (a whole batch or one part) a rank whose high-water
+    mark is ``hwm`` (see :attr:`HolderMeta.hwm`) already applied: 0 for a new batch or part, all
+    of them for a redelivery; a part that overlaps what was applied (re-split differently by a
+    restarted producer) skips exactly the overlap."""
+    n = len(batch.events)
+    if hwm is None:
+        return 0
+    es, seen = (batch.epoch, batch.seq), (hwm[0], hwm[1])
+    if es != seen:
+        return n if es < seen else 0
+    return min(n, max(0, _end(hwm) - batch.first_index))
+
+
+def high_water(hwm: Optional[tuple[int, ...]], batch: EventBatch) -> tuple[int, int, int]:
+    """The rank's high-water mark after applying (what is new in) ``batch``."""
+    end = batch.first_index + len(batch.events)
+    if hwm is not None and (hwm[0], hwm[1]) == (batch.epoch, batch.seq):
+        end = max(end, _end(hwm))
+    return (batch.epoch, batch.seq, end)
 
 
 class Aggregator:
@@ -241,7 +280,8 @@ class Aggregator:
     # -- input ----------------------------------------------------------------
 
     def apply(self, batch: EventBatch, partition: int, now: float, out: list[Output]) -> None:
-        """Apply one worker's batch read from raw ``partition`` at processing time ``now``."""
+        """Apply one worker's batch (or one part of a split batch) read from raw ``partition`` at
+        processing time ``now``."""
         if batch.workers == 1:
             self._pass_through(batch, partition, out)
             return
@@ -249,22 +289,42 @@ class Aggregator:
         st = self._state(key, batch, partition)
         meta = st.meta
         rank = batch.worker_rank
-        es = (batch.epoch, batch.seq)
         seen = meta.hwm.get(rank)
-        if seen is not None and es <= seen:
-            self.stats.duplicates += len(batch.events)
+        skip = applied_before(seen, batch)
+        events = batch.events
+        if skip == len(events):  # a redelivery (or an empty record: nothing to apply either)
+            self.stats.duplicates += skip
             return
-        meta.hwm[rank] = es
+        if skip:
+            self.stats.duplicates += skip
+            events = events[skip:]
+        meta.hwm[rank] = high_water(seen, batch)
         meta.partition = partition
         st.meta_dirty = True
         epoch, seq, ts, workers = batch.epoch, batch.seq, batch.ts, batch.workers
         kbytes = key.encode()
-        self.stats.reports += len(batch.events)
-        for index, event in enumerate(batch.events):
+        self.stats.reports += len(events)
+        first = batch.first_index + skip
+        if rank == 0 and meta.last is not None and (epoch, seq, first) <= meta.last:
+            events, first = self._void_before_reset(meta.last, epoch, seq, events, first)
+        for index, event in enumerate(events, first):
             if type(event) is Reset:
                 self._reset(st, kbytes, rank, (epoch, seq, index), ts, event, now, out)
             else:
                 self._report(st, kbytes, rank, workers, (epoch, seq, index), ts, event, now, out)
+
+    def _void_before_reset(self, last: Position, epoch: int, seq: int, events: list,
+                           first: int) -> tuple[list, int]:
+        """Rank 0's reports positioned at or before ``last`` (the events left, their first index).
+
+        Rank 0 reports in order, so this only happens when a Reset of another rank was forwarded
+        between two parts of rank 0's split batch, positioned after that batch (rule 7). Had the
+        batch been one record, its reports would have preceded the Reset, which drops every pending
+        aggregate: these reports are dropped likewise (they must not pair with the other ranks'
+        reports of the new run)."""
+        drop = len(events) if (epoch, seq) < last[:2] else min(len(events), last[2] + 1 - first)
+        self.stats.dropped_by_reset += drop
+        return events[drop:], first + drop
 
     def _state(self, key: str, batch: EventBatch, partition: int) -> HolderState:
         st = self.holders.get(key)
@@ -290,7 +350,7 @@ class Aggregator:
         kbytes = key.encode()
         replica, dp_rank, epoch, seq, ts = batch.replica, batch.dp_rank, batch.epoch, batch.seq, batch.ts
         self.stats.reports += len(batch.events)
-        for index, event in enumerate(batch.events):
+        for index, event in enumerate(batch.events, batch.first_index):
             value = BlockEvent(replica=replica, epoch=epoch, seq=seq, index=index, ts=ts,
                                event=event, dp_rank=dp_rank)
             t = type(event)

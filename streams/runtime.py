@@ -15,7 +15,7 @@ Step 3 runs in a completion task, so the next batch is decoded while this one is
 producer (the changelog) before committing. Hence: a table entry never describes a record
 whose outputs could still be lost, and a committed record's state is in the changelog. After
 a crash the new owner restores the table and replays from the committed offset; what the
-state already contains is recognised by the per-worker (epoch, seq) high-water marks, and
+state already contains is recognised by the per-worker (epoch, seq, index) high-water marks, and
 everything else is applied again and re-emitted with its original position.
 """
 from __future__ import annotations

@@ -75,6 +75,6 @@ def expected(spec: TraceSpec, epoch_base: int = 1_700_000_000_000) -> dict[tuple
     out: dict[tuple[str, tuple[int, int, int]], object] = {}
     for b in batches(spec, epoch_base):
         if b.worker_rank == 0:
-            for i, e in enumerate(b.events):
+            for i, e in enumerate(b.events, b.first_index):
                 out[(holder_key(b.replica, b.dp_rank), (b.epoch, b.seq, i))] = e
     return out

@@ -23,6 +23,7 @@ def env_for(settings: Settings) -> dict[str, str]:
         "KVBUS_REGISTRY_URL": settings.registry_url,
         "KVBUS_REDIS_URL": settings.redis_url,
         "KVBUS_PARTITIONS": str(settings.partitions),
+        "KVBUS_MAX_RECORD_BYTES": str(settings.max_record_bytes),
         "KVBUS_TOPIC_RAW": t.raw,
         "KVBUS_TOPIC_BLOCKS": t.blocks,
         "KVBUS_TOPIC_INCOMPLETE": t.incomplete,

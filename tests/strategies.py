@@ -51,6 +51,7 @@ incompletes = st.builds(Incomplete, replica=text, epoch=longs, seq=longs, index=
 dead_letters = st.builds(DeadLetter, stage=text, source=text, reason=text,
                          payload=st.lists(st.binary(max_size=20), max_size=3), ts=floats)
 batches = st.builds(EventBatch, replica=text, seq=longs, ts=floats, events=st.lists(events, max_size=5),
-                    dp_rank=ints, worker_rank=ints, workers=ints, engine=text, epoch=longs, topic=text)
+                    dp_rank=ints, worker_rank=ints, workers=ints, engine=text, epoch=longs, topic=text,
+                    first_index=st.one_of(st.just(0), ints))
 records = st.one_of(batches, block_events, incompletes, dead_letters)
 """Any of the four top-level records."""

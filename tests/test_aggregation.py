@@ -110,9 +110,21 @@ def incompletes(out: list[Output]) -> list[Incomplete]:
     return [o.value for o in out if isinstance(o.value, Incomplete)]
 
 
+def split(b: EventBatch, cuts: list[int]) -> list[EventBatch]:
+    """``b`` as the parts a producer makes of it, cut before each index in ``cuts``."""
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(b.events))), len(b.events)]
+    return [msgspec.structs.replace(b, events=b.events[lo:hi], first_index=b.first_index + lo)
+            for lo, hi in zip(bounds, bounds[1:])]
+
+
 @st.composite
-def traces(draw, max_workers: int = 4):
-    """Steps of unique events; each rank drops some; batches per rank in seq order."""
+def traces(draw, max_workers: int = 4, split_batches: bool | None = False):
+    """Steps of unique events; each rank drops some; batches per rank in seq order.
+
+    ``split_batches``: each rank's batches are cut into parts at random points (as the producers
+    split a batch too large for one record; each rank's bridge splits its own way); None: drawn."""
+    if split_batches is None:
+        split_batches = draw(st.booleans())
     workers = draw(st.integers(2, max_workers))
     n_steps = draw(st.integers(1, 6))
     counter = 0
@@ -156,15 +168,22 @@ def traces(draw, max_workers: int = 4):
                 lst.append((s, batch(r, workers, seq, kept)))
                 seq += 1
         streams.append(lst)
+    records: list[list[EventBatch]] = []
+    for r in range(workers):
+        recs = []
+        for _, b in streams[r]:
+            cuts = draw(st.lists(st.integers(1, 3), max_size=3)) if split_batches else []
+            recs.extend(split(b, cuts))
+        records.append(recs)
     # random interleaving that keeps each rank's order, with redeliveries sprinkled in
     order = []
     cursors = [0] * workers
     delivered: list[EventBatch] = []
-    while any(cursors[r] < len(streams[r]) for r in range(workers)):
-        live = [r for r in range(workers) if cursors[r] < len(streams[r])]
+    while any(cursors[r] < len(records[r]) for r in range(workers)):
+        live = [r for r in range(workers) if cursors[r] < len(records[r])]
         r = draw(st.sampled_from(live))
-        order.append(streams[r][cursors[r]][1])
-        delivered.append(streams[r][cursors[r]][1])
+        order.append(records[r][cursors[r]])
+        delivered.append(records[r][cursors[r]])
         cursors[r] += 1
         if draw(st.integers(0, 5)) == 0:
             order.append(draw(st.sampled_from(delivered)))  # redelivery of an earlier batch
@@ -196,8 +215,10 @@ def expected_from_reference(workers, steps, per_rank_steps, streams):
 # -- properties ---------------------------------------------------------------
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(traces())
+@given(st.one_of(traces(), traces(split_batches=True)))
 def test_matches_vllm_counter_in_any_interleaving(trace):
+    """Whole batches, or batches split into parts (each rank its own way, parts of different ranks
+    interleaved, parts redelivered): the same consolidated events at the same positions."""
     workers, steps, per_rank_steps, streams, order = trace
     agg = Aggregator(TOPICS, window=WINDOW)
     out = run(agg, order, now=0.0)
@@ -414,6 +435,7 @@ def test_disordered_completion_is_not_emitted_backwards():
     (dict(dp_rank=-1), "dp_rank"),
     (dict(seq=-2), "seq"),
     (dict(replica=""), "replica"),
+    (dict(first_index=-1), "first_index"),
 ])
 def test_invariants(bad, reason):
     b = msgspec.structs.replace(batch(0, 1, 0, [stored(1)]), **bad)
@@ -422,10 +444,81 @@ def test_invariants(bad, reason):
     assert "key" in check(batch(0, 2, 0, [stored(1)]), b"other#0")
 
 
+# -- split batches (one engine batch as several raw records) -----------------
+
+def test_split_batch_from_two_workers_equals_the_unsplit_batch():
+    """Each worker's bridge split the same engine batch its own way; the parts interleave with
+    the other worker's, some arrive twice: the outputs are those of the two whole batches."""
+    evs = [stored(1), removed(2), stored(3, ownership="kvcr", medium="CPU"), stored(4), AllBlocksCleared(),
+           stored(5), removed(1)]
+    before, after = batch(0, 2, 2, [stored(9)]), batch(0, 2, 4, [removed(9)])
+    before1, after1 = batch(1, 2, 2, [stored(9)]), batch(1, 2, 4, [removed(9)])
+    whole0, whole1 = batch(0, 2, 3, evs), batch(1, 2, 3, evs)
+    unsplit = run(Aggregator(TOPICS, window=WINDOW), [before, before1, whole0, whole1, after, after1])
+
+    p0 = split(whole0, [2, 3, 6])  # [0,2) [2,3) [3,6) [6,7)
+    p1 = split(whole1, [4])  # [0,4) [4,7)
+    order = [before, p0[0], before1, p1[0], p0[1], p0[0], p0[2], p1[1], p1[0], p0[3], p0[3], after, after1]
+    agg = Aggregator(TOPICS, window=WINDOW)
+    out = run(agg, order)
+    assert [(o.topic, o.kind, o.value.position, o.value.event) for o in out] == \
+           [(o.topic, o.kind, o.value.position, o.value.event) for o in unsplit]
+    assert [b.position for b in blocks(out)][:8] == [(100, 2, 0)] + [(100, 3, i) for i in range(7)]
+    assert agg.stats.duplicates == len(p0[0].events) + len(p0[3].events) + len(p1[0].events)
+    assert agg.pending_count() == 0 and agg.holders["r1#0"].meta.hwm == {0: (100, 4, 1), 1: (101, 4, 1)}
+
+
+def test_single_worker_parts_pass_through_at_their_batch_positions():
+    evs = [stored(1), stored(2), removed(1)]
+    out = run(Aggregator(TOPICS, window=WINDOW), split(batch(0, 1, 6, evs, epoch=9), [1]))
+    assert [(o.value.position, o.value.event) for o in out] == [((9, 6, i), e) for i, e in enumerate(evs)]
+
+
+def test_part_overlapping_what_was_applied_skips_exactly_the_overlap():
+    """A restarted producer may cut the same batch elsewhere: only the new events count."""
+    evs = [stored(i) for i in range(1, 7)]
+    agg = Aggregator(TOPICS, window=WINDOW)
+    run(agg, split(batch(1, 2, 0, evs), [3])[:1])  # rank 1 applied events 0..2
+    run(agg, split(batch(1, 2, 0, evs), [2]))  # re-cut: [0,2) again, then [2,6) of which 2 was applied
+    assert agg.stats.duplicates == 3 and agg.stats.reports == 6
+    out = run(agg, [batch(0, 2, 0, evs)])
+    assert [b.position for b in blocks(out)] == [(100, 0, i) for i in range(6)]
+
+
+def test_high_water_marks_written_before_split_batches_still_drop_redeliveries():
+    """A state in the changelog from before first_index holds (epoch, seq) per rank: the whole batch."""
+    from streams.aggregation import HolderMeta, encode_meta, meta_key
+
+    legacy = encode_meta(HolderMeta(REPLICA, 0, 0, {0: (100, 3), 1: (101, 3)}))  # the old layout's bytes
+    agg = Aggregator(TOPICS, window=WINDOW, holders=load([(meta_key("r1#0"), legacy)]))
+    out = run(agg, [batch(0, 2, 3, [stored(1)]), batch(1, 2, 3, [stored(1)])])  # redelivered
+    assert out == [] and agg.stats.duplicates == 2
+    out = run(agg, [batch(0, 2, 4, [stored(2)]), batch(1, 2, 4, [stored(2)])])
+    assert [b.position for b in blocks(out)] == [(100, 4, 0)]
+    assert agg.holders["r1#0"].meta.hwm == {0: (100, 4, 1), 1: (101, 4, 1)}
+
+
+def test_reset_of_another_worker_between_two_parts_of_rank0_batch():
+    """Rank 1 resets while rank 0's batch is half delivered: the Reset goes after rank 0's batch
+    (as if it had been one record) and the late parts' reports, which the Reset would have dropped
+    pending, do not pair with rank 1's new run."""
+    agg = Aggregator(TOPICS, window=WINDOW)
+    p0 = split(batch(0, 2, 5, [stored(1), stored(2), stored(3)]), [1])
+    out = run(agg, [batch(1, 2, 5, [stored(1)]), p0[0]])
+    assert [b.position for b in blocks(out)] == [(100, 5, 0)]
+    out = run(agg, [batch(1, 2, -1, [Reset(reason="engine-restart")], epoch=900)], now=1.0)
+    assert [(o.kind, o.value.position) for o in out] == [("reset", (100, 6, -1))]
+    # rank 1's new run reports S2 again; rank 0's late part (old run) must not complete it
+    out = run(agg, [batch(1, 2, 0, [stored(2)], epoch=900), p0[1]], now=1.1)
+    assert out == [] and agg.stats.dropped_by_reset == 2
+    out = run(agg, [batch(0, 2, 6, [stored(2)])], now=1.2)  # rank 0's own later report pairs with it
+    assert [(o.kind, o.value.position) for o in out] == [("consolidated", (100, 6, 0))]
+
+
 # -- durable state: a crash between commit and the next flush ----------------
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(traces(max_workers=3), st.data())
+@given(traces(max_workers=3, split_batches=None), st.data())
 def test_restart_from_store_loses_nothing_and_keeps_positions(trace, data):
     """The store holds every flush up to record k; offsets were committed at c <= k. A new
     process loads the store and replays from c: together with what was delivered before the

@@ -211,6 +211,49 @@ def test_engine_restart_gives_reset_marker_and_new_epoch(harness_factory):
     assert hs.bridge.sequencer.stats.restarts == 1
 
 
+def _restart_after(hs: Harness, produced: int) -> tuple[Bridge, list[EventBatch], threading.Thread]:
+    """Stop ``hs``'s bridge and start another whose last record was the first ``produced`` events of
+    the last batch (the first run stopped between the parts of a split batch)."""
+    from producers.recovery import Resume
+
+    hs.bridge.stop()
+    hs._thread.join(timeout=5)
+    last = hs.data()[-1]
+    part = msgspec.structs.replace(last, events=last.events[:produced])
+    got: list[EventBatch] = []
+    bridge = Bridge(hs.cfg, CallbackSink(got.append), resume=Resume(last.epoch, last.seq, part, 0, 0))
+    thread = threading.Thread(target=bridge.run, kwargs={"poll_ms": 10}, daemon=True)
+    thread.start()
+    wait_for(lambda: bridge.sub is not None and not bridge.sequencer.replay_pending, what="start-up replay")
+    return bridge, got, thread
+
+
+@pytest.mark.parametrize("produced", [2, 5])
+def test_restart_between_parts_of_a_split_batch_produces_the_rest(harness_factory, produced):
+    """The start-up replay's copy of the last batch shows which of its events the last run did not
+    produce; they follow at once as a part with their own first_index, then the stream goes on."""
+    hs = harness_factory().start()
+    hs.connected()
+    hs.pub.publish([stored(1)], ts=1.0)
+    hs.pub.publish([stored(i) for i in range(2, 7)], ts=2.0)  # seq 1: 5 events
+    wait_for(lambda: len(hs.data()) == 2, what="2 batches")
+    whole = hs.data()[-1]
+    bridge, got, thread = _restart_after(hs, produced)
+    try:
+        hs.pub.publish([stored(9)], ts=3.0)
+        wait_for(lambda: any(b.seq == 2 for b in got), what="seq 2 from the restarted bridge")
+        data = [b for b in got if b.seq >= 0]
+        if produced < len(whole.events):
+            assert data[0] == msgspec.structs.replace(whole, events=whole.events[produced:], first_index=produced)
+            data = data[1:]
+        assert [(b.seq, b.epoch, b.first_index) for b in data] == [(2, whole.epoch, 0)]
+        assert [b for b in got if b.seq < 0] == []  # the engine did not restart: no reset
+    finally:
+        bridge.stop()
+        thread.join(timeout=5)
+        bridge.close(1)
+
+
 def test_bad_input_goes_to_dead_letters_and_the_bridge_continues(harness_factory):
     hs = harness_factory().start()
     hs.connected()

@@ -7,12 +7,18 @@ import io
 import json
 import uuid
 
+import msgspec
 import pytest
+from confluent_kafka.schema_registry import Schema
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
 from schemas.avro import batch_to_avro, schema_str
 from schemas.events import BlockRemoved, BlockStored, EventBatch
+from schemas.event_scan import batch_scanner
+from schemas.fast_codec import FastSerde
 from schemas.registry import check_schema, register_schema, set_compatibility
+from schemas.serde import RecordSerde, registry_client
+from schemas.wire import confluent_header
 
 NEW_FIELDS = {"locality", "ownership"}
 
@@ -20,10 +26,25 @@ NEW_FIELDS = {"locality", "ownership"}
 def _schema_without(fields: set[str]) -> dict:
     """EventBatch as it was before ``fields`` were added to the events (a 'v1')."""
     schema = json.loads(schema_str("EventBatch"))
-    for branch in schema["fields"][-1]["type"]["items"]:
+    events = next(f for f in schema["fields"] if f["name"] == "events")
+    for branch in events["type"]["items"]:
         if isinstance(branch, dict) and branch.get("type") == "record":
             branch["fields"] = [f for f in branch["fields"] if f["name"] not in fields]
     return schema
+
+
+def _schema_before_split_batches() -> dict:
+    """EventBatch as it was before ``first_index`` (one record per engine batch)."""
+    schema = json.loads(schema_str("EventBatch"))
+    assert schema["fields"][-1]["name"] == "first_index"  # added at the end, with a default
+    schema["fields"] = schema["fields"][:-1]
+    return schema
+
+
+def _old_record(batch: EventBatch) -> dict:
+    record = batch_to_avro(batch)
+    del record["first_index"]
+    return record
 
 
 def _batch(ownership: str | None) -> EventBatch:
@@ -108,3 +129,80 @@ def test_kvbus_schemas_check_reports_new_then_compatible(test_settings, capsys) 
     statuses = {r["subject"]: r["status"] for r in json.loads(capsys.readouterr().out)}
     assert statuses[f"{test_settings.topics.for_ownership('kvcr')}-value"] == "compatible"
     assert set(statuses.values()) == {"compatible"}
+
+
+# -- first_index (split batches) ----------------------------------------------------------
+
+def test_old_batches_without_first_index_read_as_first_index_0() -> None:
+    old, current = _schema_before_split_batches(), json.loads(schema_str("EventBatch"))
+    out = _read(old, current, _write(old, _old_record(_batch("kvcr"))))
+    assert out["first_index"] == 0 and out["seq"] == 1 and len(out["events"]) == 2
+
+
+def test_parts_read_with_the_old_schema_drop_first_index() -> None:
+    old, current = _schema_before_split_batches(), json.loads(schema_str("EventBatch"))
+    part = msgspec.structs.replace(_batch(None), first_index=7)
+    out = _read(current, old, _write(current, batch_to_avro(part)))
+    assert "first_index" not in out and out["seq"] == 1 and out["events"][0]["token_ids"] == list(range(16))
+
+
+def _confluent_value(registry, topic: str, schema: dict, record: dict) -> bytes:
+    schema_id = registry.register_schema(f"{topic}-value", Schema(json.dumps(schema), "AVRO"))
+    return confluent_header(schema_id) + _write(schema, record)
+
+
+def _old_and_current_values(registry, topic: str) -> tuple[EventBatch, bytes, bytes]:
+    batch = _batch("kvcr")
+    old = _confluent_value(registry, topic, _schema_before_split_batches(), _old_record(batch))
+    current = FastSerde(registry, "EventBatch").dumps(msgspec.structs.replace(batch, first_index=3), topic)
+    assert old[1:5] != current[1:5]
+    return batch, old, current
+
+
+@pytest.mark.parametrize("reader", ["fast", "scan", "record"])
+def test_kvbus_readers_decode_old_batches_with_first_index_0(reader) -> None:
+    """What the Faust worker (scanner), the sink-side fast codec and RecordSerde return for a record
+    written before first_index existed: the batch, first_index 0; the fast decoder is not used for it."""
+    registry = registry_client("mock://evolution-first-index")
+    topic = f"evo.{reader}.raw"
+    batch, old, current = _old_and_current_values(registry, topic)
+    if reader == "record":
+        serde = RecordSerde(registry, "EventBatch")
+        assert serde.loads(old, topic) == batch
+        assert serde.loads(current, topic).first_index == 3
+        return
+    serde = FastSerde(registry, "EventBatch", reader=batch_scanner(Raw) if reader == "scan" else None)
+    got = serde.loads(old, topic)
+    assert got.first_index == 0 and got.seq == batch.seq and len(got.events) == 2
+    assert serde.is_current(int.from_bytes(old[1:5], "big")) is False
+    if reader == "fast":
+        assert got == batch
+    assert serde.loads(current, topic).first_index == 3
+
+
+class Raw:
+    """A scanned block event (schemas.event_scan's ``raw`` factory)."""
+
+    def __init__(self, avro, ownership, without_lora_name):
+        self.avro = avro
+
+
+@pytest.mark.integration
+def test_registry_accepts_first_index_and_old_records_still_read(stack) -> None:
+    url = stack.registry_url
+    topic = f"evolution-{uuid.uuid4().hex[:8]}"
+    subject = f"{topic}-value"
+    set_compatibility(url, subject)  # FULL_TRANSITIVE, as kvbus schemas register sets
+    old_id = register_schema(url, subject, json.dumps(_schema_before_split_batches()))
+    assert check_schema(url, subject, schema_str("EventBatch"))[0] == "compatible"
+    new_id = register_schema(url, subject, schema_str("EventBatch"))
+    assert new_id != old_id
+    registry = registry_client(url)
+    batch = _batch(None)
+    old_value = confluent_header(old_id) + _write(_schema_before_split_batches(), _old_record(batch))
+    serde = FastSerde(registry, "EventBatch", auto_register=False)
+    assert serde.loads(old_value, topic) == batch  # first_index 0
+    part = msgspec.structs.replace(batch, first_index=5)
+    new_value = serde.dumps(part, topic)
+    assert new_value[1:5] == new_id.to_bytes(4, "big")
+    assert serde.loads(new_value, topic) == part
