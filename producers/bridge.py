@@ -154,6 +154,8 @@ class Bridge:
         self._topic = resume.record.topic if resume else cfg.topic
         self._stop = threading.Event()
         self._last_gauges = 0.0
+        self._shed = False
+        """Live batches were shed since the sink last accepted (a catch-up replay is due)."""
 
     def _same_as_resumed(self, item: Any) -> bool:
         """Whether a replayed batch is the one this bridge produced last before its restart.
@@ -244,6 +246,7 @@ class Bridge:
                 except zmq.Again:
                     break
                 self._on_live(frames)
+        self._catch_up_after_shedding()
         if replay is not None and replay.expired():
             log.warning("replay from %s seq>=%s timed out", replay.endpoint, replay.start_seq)
             replay.cancel()
@@ -267,6 +270,17 @@ class Bridge:
                 self._poller.register(sock, zmq.POLLIN)
             self._polled_replay = sock
 
+    def _catch_up_after_shedding(self) -> None:
+        """Once the sink accepts again after shedding live batches, ask the engine for what
+        followed the last batch produced: the next live batch would reveal the gap, but an
+        engine that went quiet sends none."""
+        if self._shed and self.sink.accepting():
+            self._shed = False
+            actions = self.sequencer.catch_up()
+            if actions.replay_from is not None:
+                log.info("shed batches after seq %s: asking the engine to replay them", self.sequencer.last)
+            self._apply(actions)
+
     # -- inputs ---------------------------------------------------------------------
     def _on_live(self, frames: list[bytes]) -> None:
         self.metrics.batches_in.inc()
@@ -276,8 +290,9 @@ class Bridge:
             self._dead(frames, exc, self.cfg.endpoint)
             return
         if not self.sink.accepting():
-            # backlog full: drop it now; the gap it leaves is replayed or reset later
+            # backlog full: drop it now; the gap it leaves is replayed (see _catch_up_after_shedding) or reset
             self.metrics.shed.inc()
+            self._shed = True
             return
         self._apply(self.sequencer.on_live(seq, (topic, payload, frames, self.cfg.endpoint)))
 

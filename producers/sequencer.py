@@ -209,6 +209,16 @@ class Sequencer:
             return Actions(replay_from=self._request(self.last + 1))
         return Actions()
 
+    def catch_up(self) -> Actions:
+        """Ask the engine for every batch after the last one produced, e.g. once live batches
+        were shed: if the engine has gone quiet, no later batch would reveal the gap.
+        Nothing happens without a replay endpoint, while a replay is in flight, or while the
+        position is unknown. The replay's batches are produced in order; an empty answer
+        changes nothing; what the engine no longer holds becomes a gap reset as usual."""
+        if not self.replay or self._pending is not None or self.epoch is None or self.last is None or self._fresh:
+            return Actions()
+        return Actions(replay_from=self._request(self.last + 1))
+
     # -- live ---------------------------------------------------------------
     def on_live(self, seq: int, item: Any) -> Actions:
         """A batch arrived on the live stream."""

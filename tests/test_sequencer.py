@@ -318,3 +318,44 @@ def test_restart_right_after_a_replay_is_still_detected_by_content():
     s.on_replay_end()
     outs = s.on_live(0, "new-run-0").out  # same seq as a replayed batch, other content
     assert isinstance(outs[0], ResetMarker) and outs[0].reason == REASON_ENGINE_RESTART
+
+
+def _streaming(last: int) -> Sequencer:
+    """A replaying sequencer that produced batches 0..last in order."""
+    s = seq_of(replay=True)
+    assert s.start().replay_from == 0
+    s.on_replayed(0, "b0")
+    s.on_replay_end()
+    for i in range(1, last + 1):
+        s.on_live(i, f"b{i}")
+    assert s.last == last
+    return s
+
+
+def test_catch_up_after_shedding_recovers_a_tail_no_later_batch_reveals():
+    s = _streaming(4)
+    a = s.catch_up()  # batches 5..7 were shed and the engine went quiet
+    assert a.replay_from == 5
+    outs = []
+    for i in (5, 6, 7):
+        outs += s.on_replayed(i, f"b{i}").out
+    outs += s.on_replay_end().out
+    assert outputs_seqs(outs) == [5, 6, 7]
+    assert s.stats.resets == 0
+    assert s.on_live(7, "b7").out == []  # the live copy arriving late is a duplicate
+    assert outputs_seqs(s.on_live(8, "b8").out) == [8]
+
+
+def test_catch_up_with_nothing_missing_changes_nothing():
+    s = _streaming(2)
+    assert s.catch_up().replay_from == 3
+    assert s.on_replay_end().out == []
+    assert s.stats.resets == 0 and s.last == 2
+    assert outputs_seqs(s.on_live(3, "b3").out) == [3]
+
+
+def test_catch_up_does_nothing_while_a_replay_runs_or_without_replay():
+    s = _streaming(2)
+    s.on_live(5, "b5")  # gap: a replay from 3 is in flight
+    assert s.replay_pending and s.catch_up().replay_from is None
+    assert seq_of(replay=False).catch_up().replay_from is None
