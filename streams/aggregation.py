@@ -37,7 +37,7 @@ Rules (see docs/streams.md for the reasoning):
    aggregates; Resets of the other ranks within ``window`` after it belong to the same incident:
    they are not forwarded again and drop only the pending aggregates holding that rank's (old)
    reports. A forwarded Reset takes rank 0's position when rank 0 sent it, otherwise
-   ``(epoch0, seq0 + 1, -1)`` after rank 0's last batch, so positions still only grow. (If that
+   ``(epoch0, seq0, AFTER_BATCH)`` after rank 0's last batch, so positions still only grow. (If that
    batch was split and its later parts arrive after the Reset, rank 0's reports in them are
    dropped as the Reset would have dropped them pending: :meth:`Aggregator._void_before_reset`.)
 8. ``workers == 1`` passes straight through: no aggregation state, no dedup (consumers drop
@@ -73,6 +73,11 @@ DEFAULT_WINDOW = 5.0
 """Seconds an aggregate may stay incomplete before it expires."""
 
 _ENCODER = msgspec.msgpack.Encoder()
+
+AFTER_BATCH = 2**31 - 1
+"""Index of a Reset forwarded on behalf of a rank other than 0: ``(epoch0, seq0, AFTER_BATCH)``
+sorts after every event of rank 0's batch ``seq0`` and before the first event of its next batch
+(Avro int maximum; positions stay non-negative, as consumers require)."""
 
 AnyEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, Reset, RawEvent]
 """An event as decoded (struct) or as scanned (:class:`RawEvent`)."""
@@ -454,14 +459,17 @@ class Aggregator:
             at = pos
         else:
             h0 = meta.hwm.get(0)
-            at = (h0[0], h0[1] + 1, -1) if h0 is not None else (0, -1, 0)
-        if meta.last is not None and at <= meta.last:
-            at = (meta.last[0], meta.last[1] + 1, -1)
+            at = (h0[0], h0[1], AFTER_BATCH) if h0 is not None else (0, -1, 0)
         self._drop(st, lambda agg: True)
         meta.era_ranks = [rank]
         meta.era_started = now
-        meta.last = at
         st.meta_dirty = True
+        if meta.last is not None and at <= meta.last:
+            # Nothing was consolidated since the last forwarded Reset, which sits at this very
+            # position: consumers already dropped this holder's residency there.
+            self.stats.resets_coalesced += 1
+            return
+        meta.last = at
         value = BlockEvent(replica=meta.replica, epoch=at[0], seq=at[1], index=at[2], ts=ts,
                            event=event, dp_rank=meta.dp_rank)
         self._fan_out_reset(st, kbytes, meta.partition, value, out)

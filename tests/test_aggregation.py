@@ -26,7 +26,7 @@ from schemas.events import (
     canonical_hash,
 )
 from schemas.topics import Topics
-from streams.aggregation import Aggregator, Output, check, identity, load
+from streams.aggregation import AFTER_BATCH, Aggregator, Output, check, identity, load
 
 TOPICS = Topics(raw="raw", blocks="blocks", incomplete="incomplete", dlq="dlq")
 WINDOW = 5.0
@@ -411,7 +411,7 @@ def test_reset_of_one_worker_forwards_marker_after_rank0_last_batch():
     # rank 1's bridge lost batches: its Reset (new epoch of rank 1) drops the partial S2
     out = run(agg, [batch(1, 2, -1, [Reset(reason="gap-unrecoverable", missing_from=8, missing_to=9)], epoch=900)],
               now=1.0)
-    assert [(o.kind, o.value.position) for o in out] == [("reset", (100, 6, -1))]
+    assert [(o.kind, o.value.position) for o in out] == [("reset", (100, 5, AFTER_BATCH))]
     assert agg.pending_count() == 0 and agg.stats.dropped_by_reset == 1
     out = run(agg, [batch(0, 2, 6, [stored(4)]), batch(1, 2, 0, [stored(4)], epoch=900)], now=1.5)
     assert [b.position for b in blocks(out)] == [(100, 6, 0)]
@@ -507,7 +507,7 @@ def test_reset_of_another_worker_between_two_parts_of_rank0_batch():
     out = run(agg, [batch(1, 2, 5, [stored(1)]), p0[0]])
     assert [b.position for b in blocks(out)] == [(100, 5, 0)]
     out = run(agg, [batch(1, 2, -1, [Reset(reason="engine-restart")], epoch=900)], now=1.0)
-    assert [(o.kind, o.value.position) for o in out] == [("reset", (100, 6, -1))]
+    assert [(o.kind, o.value.position) for o in out] == [("reset", (100, 5, AFTER_BATCH))]
     # rank 1's new run reports S2 again; rank 0's late part (old run) must not complete it
     out = run(agg, [batch(1, 2, 0, [stored(2)], epoch=900), p0[1]], now=1.1)
     assert out == [] and agg.stats.dropped_by_reset == 2

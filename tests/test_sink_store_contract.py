@@ -177,6 +177,21 @@ def test_reset_marker_drops_the_holder_and_makes_the_old_run_stale(store):
     assert view(store)["a#0"] == {"GPU": {H[20]: 1, H[21]: 1}}
 
 
+def test_reset_forwarded_for_another_worker_clears_the_holder_within_the_epoch(store):
+    """The streams stage forwards a Reset of TP rank > 0 at (epoch0, seq0, 2^31-1), right after rank
+    0's batch seq0: the holder's residency goes, and rank 0's next batch of the same epoch applies."""
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored(H[:4]))), (MAIN, a.ev(stored(H[4:6]), seq=1, index=0))])
+    marker = BlockEvent(replica="a", dp_rank=0, epoch=100, seq=1, index=2**31 - 1, ts=1001.0,
+                        event=Reset(reason="gap-unrecoverable"))
+    res = store.apply([(MAIN, marker)])
+    assert (res.applied, res.resets) == (1, 1)
+    assert view(store) == {}
+    res = store.apply([(MAIN, a.ev(stored(H[:1]), seq=1, index=0)), (MAIN, a.ev(stored(H[8:9]), seq=2))])
+    assert (res.applied, res.skipped) == (1, 1), "seq 1 is before the marker, seq 2 after it"
+    assert view(store) == {"a#0": {"GPU": {H[8]: 1}}}
+
+
 def test_reset_keeps_tiers_of_a_topic_already_in_the_new_run(store):
     a = Stream("a")
     store.apply([(MAIN, a.ev(stored(H[:4]))), (KVCR, a.ev(stored(H[:3], "CPU", "kvcr")))])
