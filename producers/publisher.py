@@ -275,7 +275,9 @@ class KafkaEventPublisher:
     kvbus arguments: ``replica`` (required), ``settings`` (topics, registry; default from the
     environment), ``worker_rank``/``workers``, ``producer_overrides`` (librdkafka settings),
     ``schema_id`` (skip the registry lookup), ``producer`` (an injected producer, tests),
-    ``max_record_bytes``, ``metrics`` (a :class:`~producers.metrics.BridgeMetrics`).
+    ``max_record_bytes``, ``metrics`` (a :class:`~producers.metrics.BridgeMetrics`; records out and
+    acknowledged, delivery errors, dropped batches, markers, queue and backlog depth),
+    ``metrics_port`` (serve those at ``http://0.0.0.0:<port>/metrics``; default: not served).
 
     vLLM constructor arguments: ``endpoint`` is the Kafka bootstrap (default
     ``settings.bootstrap``); ``topic`` is carried as EventBatch.topic; ``hwm`` bounds
@@ -302,6 +304,7 @@ class KafkaEventPublisher:
         producer: Any = None,
         max_record_bytes: int | None = None,
         metrics: BridgeMetrics | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
         self.dp_rank = data_parallel_rank
@@ -320,6 +323,9 @@ class KafkaEventPublisher:
             producer = Producer(conf)
         self.producer = producer
         self.metrics = metrics or BridgeMetrics()
+        if metrics_port:
+            self.metrics.serve(metrics_port)
+            log.info("kvbus publisher %s: metrics on :%d/metrics", replica, metrics_port)
         self.splitter = Splitter(record_limit(max_record_bytes or self.settings.max_record_bytes, conf), self.metrics,
                                  "publisher")
         self._dead_letter_serde: FastSerde | None = None
@@ -357,6 +363,7 @@ class KafkaEventPublisher:
         key, prefix = self._key_prefix(dp)
         value = batch_from_head(prefix, self.epoch, -1, time.time(), self.topic,
                                 encode_events([Reset(reason=reason, missing_from=missing_from, missing_to=missing_to)]))
+        self.metrics.resets.inc()
         self._produce(key, value)
 
     def publish(self, events: Any) -> None:
@@ -377,6 +384,7 @@ class KafkaEventPublisher:
             self._seq += 1
             if not self._room():
                 self.dropped += 1
+                self.metrics.shed.inc()
                 lo = self._lost[0] if self._lost else seq
                 self._lost = (lo, seq)
                 return
@@ -388,6 +396,7 @@ class KafkaEventPublisher:
                             self.replica, lo, hi, self.epoch)
                 self._marker(REASON_GAP, lo, hi, dp)
             ts = float(batch.ts)
+            self.metrics.events_in.inc(len(batch.events))
             value = batch_from_head(prefix, self.epoch, seq, ts, self.topic, evs)
             if self.splitter.fits(len(value)):
                 self._produce(key, value)
@@ -425,6 +434,8 @@ class KafkaEventPublisher:
 
     def _produce(self, key: bytes, value: bytes, topic: str | None = None) -> None:
         topic = topic or self.kafka_topic
+        if topic == self.kafka_topic:
+            self.metrics.batches_out.inc()
         if self._backlog:
             self._backlog.append((topic, key, value))
             return
@@ -448,8 +459,10 @@ class KafkaEventPublisher:
     def _delivered(self, err: KafkaError | None, msg: Any) -> None:
         if err is None:
             self.acked += 1
+            self.metrics.batches_acked.inc()
             return
         self.failed += 1
+        self.metrics.delivery_errors.inc()
         now = time.monotonic()
         if now - self._last_err > 5:
             self._last_err = now
@@ -466,6 +479,8 @@ class KafkaEventPublisher:
             self.producer.poll(0.05)
             if self._backlog:
                 self._drain()
+            self.metrics.queue_depth.set(len(self.producer))
+            self.metrics.backlog.set(len(self._backlog))
 
     # -- lifecycle ----------------------------------------------------------------------
     @property

@@ -496,3 +496,23 @@ def test_create_publisher_and_null_publisher():
     null.shutdown()
     with pytest.raises(ValueError):
         create_publisher("zmq")
+
+
+def test_publisher_metrics_count_records_drops_and_markers_and_are_served(publisher_factory):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pub, fake, _ = publisher_factory(max_queue_size=1, metrics_port=port)
+    m = pub.metrics
+    pub.publish(VllmBatch(ts=1.0, events=_vllm_events()[:2]))
+    assert (m.batches_out._value.get(), m.events_in._value.get(), m.resets._value.get()) == (2, 2, 1)
+    fake.full = True
+    for i in range(3):  # one waits in the backlog, two are dropped
+        pub.publish(VllmBatch(ts=2.0 + i, events=_vllm_events()[3:4]))
+    assert m.shed._value.get() == 2
+    wait_for(lambda: m.backlog._value.get() == 1, what="backlog gauge")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "kvbus_bridge_shed_batches_total 2.0" in body and "kvbus_bridge_backlog 1.0" in body
