@@ -24,6 +24,7 @@ from schemas.events import (
     Reset,
 )
 from schemas.serde import RecordSerde, registry_client
+from tests.recording_producer import RecordingProducer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -401,30 +402,6 @@ def test_publisher_encodes_vllm_objects_like_the_normalized_structs():
     assert encode_engine_events(events) == encode_events(converted)
     with pytest.raises(ValueError):
         to_kvbus_event(object())
-
-
-class RecordingProducer:
-    """Stands in for confluent_kafka.Producer: records produce() calls; ``full`` simulates
-    librdkafka's queue being full (Kafka unreachable)."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, bytes, bytes]] = []
-        self.full = False
-
-    def produce(self, topic, value, key, on_delivery=None):
-        if self.full:
-            raise BufferError("queue full")
-        self.records.append((topic, value, key))
-
-    def poll(self, timeout=0):
-        time.sleep(min(timeout, 0.01))
-        return 0
-
-    def flush(self, timeout=0):
-        return 0
-
-    def __len__(self):
-        return 0
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ are the batch.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace as dc_replace
 
 import msgspec
@@ -24,34 +23,12 @@ from schemas.fast_codec import FastSerde
 from schemas.serde import registry_client
 from schemas.settings import Settings
 from schemas.topics import Topics
+from tests.recording_producer import RecordingProducer
 
 REGISTRY = registry_client("mock://split-batches")
 BATCHES = FastSerde(REGISTRY, "EventBatch")
 DEAD = FastSerde(REGISTRY, "DeadLetter")
 TOPICS = Topics(raw="split.raw", blocks="split.blocks", incomplete="split.incomplete", dlq="split.dlq")
-
-
-class RecordingProducer:
-    """Stands in for confluent_kafka.Producer: records what is produced, in order."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, bytes, bytes]] = []
-
-    def produce(self, topic, value, key=None, on_delivery=None):
-        self.records.append((topic, value, key))
-
-    def poll(self, timeout=0):
-        time.sleep(min(timeout, 0.01))
-        return 0
-
-    def flush(self, timeout=0):
-        return 0
-
-    def __len__(self):
-        return 0
-
-    def on(self, topic: str) -> list[tuple[bytes, bytes]]:
-        return [(key, value) for t, value, key in self.records if t == topic]
 
 
 def stored(i: int, tokens: int) -> BlockStored:
