@@ -83,8 +83,7 @@ class RedisStore(ResidencyStore):
         self.max_events_per_call = max_events_per_call
         self.max_hashes_per_call = max_hashes_per_call
         self._rc: dict[tuple, tuple[str, str]] = {}
-        self._names: dict[int, tuple[str, int]] = {}
-        self._ranks: dict[str, int] = {}
+        self._names: dict[int, tuple[str, str, int, int]] = {}
         self._names_at = float("-inf")
         if load:
             functions.check_server(self.r)
@@ -261,19 +260,18 @@ class RedisStore(ResidencyStore):
         if time.monotonic() - self._names_at > NAMES_TTL:
             self._refresh_names()
         try:
-            return parse_lookup(reply, self._names, self._ranks)
+            return parse_lookup(reply, self._names)
         except KeyError:  # a holder created since the cache was read
             self._refresh_names()
-            return parse_lookup(reply, self._names, self._ranks)
+            return parse_lookup(reply, self._names)
 
     def _refresh_names(self) -> None:
-        names: dict[int, tuple[str, int]] = {}
+        split: dict[int, tuple[str, int]] = {}
         ranks: dict[str, int] = {}
         for hid, name in self._holders().items():
-            replica, dp = split_holder(name)
-            names[hid] = (replica, dp)
+            replica, dp = split[hid] = split_holder(name)
             ranks[replica] = ranks.get(replica, 0) + 1
-        self._names, self._ranks, self._names_at = names, ranks, time.monotonic()
+        self._names, self._names_at = holder_names(split, ranks), time.monotonic()
 
     def stale(self) -> dict[str, float]:
         return {_s(n): float(s) for n, s in self.r.zrange(self.prefix + "stale", 0, -1, withscores=True)}
@@ -364,10 +362,21 @@ class RedisStore(ResidencyStore):
         }
 
 
-def parse_lookup(reply: list, names: dict[int, tuple[str, int]], ranks: dict[str, int]) -> dict[str, HolderMatch]:
+def holder_names(split: dict[int, tuple[str, int]], ranks: dict[str, int]) -> dict[int, tuple[str, str, int, int]]:
+    """hid -> (display name, replica, dp_rank, dp ranks of the replica), from hid -> (replica, dp_rank)
+    and replica -> number of known dp ranks: what :func:`parse_lookup` needs per holder, computed once
+    per refresh of the names cache."""
+    out = {}
+    for hid, (replica, dp) in split.items():
+        nr = ranks.get(replica, 1)
+        out[hid] = (replica if nr <= 1 and dp == 0 else f"{replica}#{dp}", replica, dp, nr)  # HolderMatch.name
+    return out
+
+
+def parse_lookup(reply: list, names: dict[int, tuple[str, str, int, int]]) -> dict[str, HolderMatch]:
     """Turn ``kvbus_lookup``'s reply into ``{display name: HolderMatch}``.
 
-    ``names``: hid -> (replica, dp_rank); ``ranks``: replica -> number of known dp ranks.
+    ``names``: hid -> (display name, replica, dp_rank, dp ranks), see :func:`holder_names`.
     """
     head, blobs, descs = reply
     labels = {int(descs[i]): label(_s(descs[i + 1])) for i in range(0, len(descs), 2)}
@@ -378,8 +387,6 @@ def parse_lookup(reply: list, names: dict[int, tuple[str, int]], ranks: dict[str
         tiers = {labels[int(head[k + 3 + 2 * j])]: int(head[k + 4 + 2 * j]) for j in range(n)}
         k += 3 + 2 * n
         for hid in struct.unpack(f">{len(blob) // 4}I", blob):
-            replica, dp = names[hid]
-            nr = ranks.get(replica, 1)
-            out[replica if nr <= 1 and dp == 0 else f"{replica}#{dp}"] = HolderMatch(
-                replica, dp, matched, tiers.copy(), score, nr)  # key: HolderMatch.name, inlined
+            name, replica, dp, nr = names[hid]
+            out[name] = HolderMatch(replica, dp, matched, tiers.copy(), score, nr)
     return out

@@ -149,19 +149,6 @@ local function msearch(v, m)
   return false, 3 * lo + 1
 end
 
--- the members of packed string v, ascending
-local function unpack3(v)
-  local out, k = {}, 0
-  for j = 1, #v, 240 do
-    local bs = {byte(v, j, j + 239)}
-    for x = 1, #bs, 3 do
-      k = k + 1
-      out[k] = (bs[x] * 256 + bs[x + 1]) * 256 + bs[x + 2]
-    end
-  end
-  return out
-end
-
 -- ---------------------------------------------------------------- context
 
 -- Shared state of one call: prefix, block-table split state and counters (written back by ctx_save).
@@ -648,6 +635,13 @@ prompt). Returns {head, hids, descs}:
 local P2 = {}
 for j = 0, 31 do P2[j] = 2 ^ j end
 
+-- Block-table key pieces kept between lookups (the Lua state lives as long as the library): the key
+-- of bucket b >= 1000 is KEYQ[BP][(b - b % 1000) / 1000] .. D3[b % 1000], one concat of two cached
+-- strings instead of a string.format per block
+local D3 = nil     -- D3[n] = '000' .. '999' (built by the first lookup: string is not reachable at load)
+local KEYQ = {}    -- block-table key prefix BP -> {[q] = BP .. q}
+local nkeyq = 0
+
 local function lookup(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
   local c = ctx_load(args[1])
@@ -677,6 +671,19 @@ local function lookup(keys, args)
     tdesc[code] = d
     return w
   end
+  if not D3 then
+    D3 = {}
+    for j = 0, 999 do D3[j] = string.format('%03d', j) end
+  end
+  local BP, WP, bm, bS = c.BP, c.WP, c.m, c.S
+  local bm2 = bm * 2
+  local KQ = KEYQ[BP]
+  if not KQ then
+    if nkeyq >= 16 then KEYQ, nkeyq = {}, 0 end
+    KQ = {}
+    KEYQ[BP] = KQ
+    nkeyq = nkeyq + 1
+  end
   -- Holders are tracked in groups with identical history (same tiers at every block so far), so
   -- the work per block is per group, plus per member only at blocks whose members change.
   -- Member strings are canonical (sorted), so "same members as the previous block" is one string
@@ -684,97 +691,118 @@ local function lookup(keys, args)
   -- group: {m = matched, s = score, r = {code -> run}, bw = best weight at its last block, ext = codes extended}
   local G = {[0] = {m = 0, s = 0, r = {}}}
   local ngroups = 0
-  local grp = {}       -- hid -> group id
-  local fresh = {}     -- groups created at the last slow block (they extend on identical blocks)
+  local grp = {}             -- hid -> group id
+  local holders, nholders = {}, 0 -- the holders given a group at block 1 (ascending): all that can be in the answer
+  local cs = {}              -- tier codes of one holder at a slow block
+  local fresh, nfresh = {}, 0 -- groups created at the last slow block (they extend on identical blocks)
   local prev = nil
   local pend = 0
-  local BP, WP, bm, bS = c.BP, c.WP, c.m, c.S
   for i = 1, #chain / 8 do
     local o = 8 * i
-    local raw = sub(chain, o - 7, o)
     local b5, b6, b7, b8 = byte(chain, o - 3, o)
     local x = ((b5 * 256 + b6) * 256 + b7) * 256 + b8
     local bk = x % bm
-    if bk < bS then bk = x % (bm * 2) end
-    local v = rcall('HGET', string.format('%s%d', BP, bk), raw)
+    if bk < bS then bk = x % bm2 end
+    local key
+    if bk < 1000 then
+      key = BP .. bk
+    else
+      local lo = bk % 1000
+      local q = (bk - lo) / 1000
+      local kq = KQ[q]
+      if not kq then kq = BP .. q; KQ[q] = kq end
+      key = kq .. D3[lo]
+    end
+    local v = rcall('HGET', key, sub(chain, o - 7, o))
     if not v then break end
-    if v == '' then v = rcall('GET', WP .. raw) end
+    if v == '' then v = rcall('GET', WP .. sub(chain, o - 7, o)) end
     if v == prev then
       pend = pend + 1 -- same members as the previous block: same holders extend the same tiers
     else
       if pend > 0 then
-        for _, g in ipairs(fresh) do
+        for f = 1, nfresh do
+          local g = fresh[f]
           g.m = g.m + pend
           g.s = g.s + g.bw * pend
-          for _, code in ipairs(g.ext) do g.r[code] = g.r[code] + pend end
+          local r, ext = g.r, g.ext
+          for e = 1, #ext do local cd = ext[e]; r[cd] = r[cd] + pend end
         end
         pend = 0
       end
-      local mem = unpack3(v) -- ascending: a holder's members (hid * K + code) are contiguous
-      local nm = #mem
-      local made = {} -- old group id -> lo -> hi -> new group id
-      local assign = {}
-      local k = 1
-      fresh = {}
-      while k <= nm do
-        local m = mem[k]
-        local code = m % K
-        local hid = (m - code) / K
-        local k2 = k + 1
-        local l, h = 0, 0
-        while true do
-          if code < 32 then l = l + P2[code] else h = h + P2[code - 32] end
-          if k2 > nm then break end
-          local m2 = mem[k2]
-          code = m2 % K
-          if (m2 - code) / K ~= hid then break end
-          k2 = k2 + 1
-        end
-        local og = grp[hid]
-        local ok
-        if i == 1 then ok = (not cand) or cand[hid]; og = 0 else ok = og and G[og].m == i - 1 end
-        if ok then
-          local t1 = made[og]
-          if not t1 then t1 = {}; made[og] = t1 end
-          local t2 = t1[l]
-          if not t2 then t2 = {}; t1[l] = t2 end
-          local ng = t2[h]
-          if not ng then
-            local old = G[og]
-            local g = {m = i, r = {}, ext = {}, bw = nil}
-            for cd, run in pairs(old.r) do g.r[cd] = run end
-            for y = k, k2 - 1 do
-              local cd = mem[y] % K
-              local w = tw[cd] or weight(cd)
-              if not g.bw or w > g.bw then g.bw = w end
-              if (g.r[cd] or 0) == i - 1 then g.r[cd] = i; g.ext[#g.ext + 1] = cd end
+      -- Walk the members (3 bytes each, ascending: a holder's members are contiguous) holder by
+      -- holder, straight from the string (no table of members); a sentinel member of another
+      -- holder closes the last one.
+      local nv = #v
+      local vs = v .. ((byte(v, nv - 2) == 255 and byte(v, nv - 1) == 255 and byte(v, nv) >= 192)
+        and '\0\0\0' or '\255\255\255')
+      local made = {} -- old group id -> l -> h -> new group id
+      local nassigned = 0
+      fresh, nfresh = {}, 0
+      local cur, l, h, nc = -1, 0, 0, 0 -- current holder, its tier codes as bit sets (< 32, >= 32), count
+      for p = 1, nv + 1, 3 do
+        local b1, b2, b3 = byte(vs, p, p + 2)
+        local code = b3 % K
+        local hid = (b1 * 256 + b2) * 4 + (b3 - code) / K
+        if hid ~= cur then
+          if nc > 0 then -- holder cur, tier codes cs[1 .. nc]
+            local og
+            if i == 1 then
+              if not cand or cand[cur] then og = 0; nholders = nholders + 1; holders[nholders] = cur end
+            else
+              og = grp[cur]
+              if og and G[og].m ~= i - 1 then og = nil end
             end
-            g.s = old.s + g.bw
-            ngroups = ngroups + 1
-            ng = ngroups
-            G[ng] = g
-            t2[h] = ng
-            fresh[#fresh + 1] = g
+            if og then
+              local t1 = made[og]
+              if not t1 then t1 = {}; made[og] = t1 end
+              local t2 = t1[l]
+              if not t2 then t2 = {}; t1[l] = t2 end
+              local ng = t2[h]
+              if not ng then
+                local old = G[og]
+                local r, ext, bw, ne = {}, {}, nil, 0
+                for cd, run in pairs(old.r) do r[cd] = run end
+                for y = 1, nc do
+                  local cd = cs[y]
+                  local w = tw[cd] or weight(cd)
+                  if not bw or w > bw then bw = w end
+                  if (r[cd] or 0) == i - 1 then r[cd] = i; ne = ne + 1; ext[ne] = cd end
+                end
+                local g = {m = i, s = old.s + bw, r = r, ext = ext, bw = bw}
+                ngroups = ngroups + 1
+                ng = ngroups
+                G[ng] = g
+                t2[h] = ng
+                nfresh = nfresh + 1
+                fresh[nfresh] = g
+              end
+              grp[cur] = ng -- safe now: each holder appears once per block
+              nassigned = nassigned + 1
+            end
           end
-          assign[#assign + 1] = hid
-          assign[#assign + 1] = ng
+          cur, l, h, nc = hid, 0, 0, 0
         end
-        k = k2
+        if code < 32 then l = l + P2[code] else h = h + P2[code - 32] end
+        nc = nc + 1
+        cs[nc] = code
       end
-      if #assign == 0 then break end
-      for y = 1, #assign, 2 do grp[assign[y]] = assign[y + 1] end
+      if nassigned == 0 then break end
       prev = v
     end
   end
   if pend > 0 then
-    for _, g in ipairs(fresh) do
+    for f = 1, nfresh do
+      local g = fresh[f]
       g.m = g.m + pend
       g.s = g.s + g.bw * pend
-      for _, code in ipairs(g.ext) do g.r[code] = g.r[code] + pend end
+      local r, ext = g.r, g.ext
+      for e = 1, #ext do local cd = ext[e]; r[cd] = r[cd] + pend end
     end
   end
   local members_of = {}
-  for hid, g in pairs(grp) do
+  for j = 1, nholders do
+    local hid = holders[j]
+    local g = grp[hid]
     local l = members_of[g]
     if not l then l = {}; members_of[g] = l end
     l[#l + 1] = hid
@@ -798,6 +826,10 @@ local function lookup(keys, args)
   end
   local descs = {}
   for code, d in pairs(tdesc) do descs[#descs + 1] = code; descs[#descs + 1] = d end
+  -- Pay for this call's garbage now, a little each call: left to itself, Lua 5.1 lets the heap
+  -- double and then collects over a few consecutive calls, which made ~1 lookup in 6 slower by
+  -- 0.1-0.5 ms (docs/sinks-layout.md, "Where the time goes").
+  collectgarbage('step', 4)
   return {head, blobs, descs}
 end
 
