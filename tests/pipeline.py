@@ -10,7 +10,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from confluent_kafka import Producer
+
 from kvbus.procs import Children
+from schemas.events import EventBatch, holder_key
+from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings
 
 
@@ -77,3 +81,27 @@ def eventually(check: Callable[[], object], timeout: float, pipeline: Pipeline |
             return last
         time.sleep(interval)
     raise AssertionError(f"not reached in {timeout}s; last value: {last!r}")
+
+
+class RawProducer:
+    """Writes EventBatch records to the raw topic as a bridge would (keyed by holder), for tests
+    that need exact raw input."""
+
+    def __init__(self, settings: Settings):
+        self.topic = settings.topics.raw
+        self.serde = RecordSerde(registry_client(settings.registry_url), "EventBatch")
+        self.producer = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True,
+                                  "linger.ms": 5})
+
+    def send(self, b: EventBatch) -> None:
+        """Queue one batch."""
+        self.producer.produce(self.topic, self.serde.dumps(b, self.topic), holder_key(b.replica, b.dp_rank).encode())
+        self.producer.poll(0)
+
+    def send_raw(self, key: bytes, value: bytes) -> None:
+        """Queue raw bytes (bad input)."""
+        self.producer.produce(self.topic, value, key)
+
+    def flush(self) -> None:
+        """Wait until everything queued is acknowledged."""
+        assert self.producer.flush(30) == 0

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
 from schemas.events import (AllBlocksCleared, BlockEvent, BlockStored, EventBatch, Incomplete, Reset,
@@ -28,6 +28,7 @@ from schemas.events import (AllBlocksCleared, BlockEvent, BlockStored, EventBatc
 from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings
 from streams.trace import TraceSpec, batches, expected
+from tests.pipeline import RawProducer
 
 pytestmark = pytest.mark.integration
 
@@ -155,24 +156,6 @@ def collector(test_settings: Settings):
     c = Collector(test_settings)
     yield c
     c.close()
-
-
-class RawProducer:
-    def __init__(self, settings: Settings):
-        self.topic = settings.topics.raw
-        self.serde = RecordSerde(registry_client(settings.registry_url), "EventBatch")
-        self.producer = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True,
-                                  "linger.ms": 5})
-
-    def send(self, b: EventBatch) -> None:
-        self.producer.produce(self.topic, self.serde.dumps(b, self.topic), holder_key(b.replica, b.dp_rank).encode())
-        self.producer.poll(0)
-
-    def send_raw(self, key: bytes, value: bytes) -> None:
-        self.producer.produce(self.topic, value, key)
-
-    def flush(self) -> None:
-        assert self.producer.flush(30) == 0
 
 
 def eb(replica: str, rank: int, workers: int, seq: int, events: list, epoch: Optional[int] = None) -> EventBatch:
