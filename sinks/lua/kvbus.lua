@@ -642,6 +642,18 @@ local D3 = nil     -- D3[n] = '000' .. '999' (built by the first lookup: string 
 local KEYQ = {}    -- block-table key prefix BP -> {[q] = BP .. q}
 local nkeyq = 0
 
+-- Lookup: the groups created at the last block whose members changed (``fresh``, ``nfresh`` of them)
+-- extend by ``pend`` further blocks with the same members: matched blocks, score and each tier's run.
+local function extend_groups(fresh, nfresh, pend)
+  for f = 1, nfresh do
+    local g = fresh[f]
+    g.m = g.m + pend
+    g.s = g.s + g.bw * pend
+    local r, ext = g.r, g.ext
+    for e = 1, #ext do local cd = ext[e]; r[cd] = r[cd] + pend end
+  end
+end
+
 local function lookup(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
   local c = ctx_load(args[1])
@@ -720,13 +732,7 @@ local function lookup(keys, args)
       pend = pend + 1 -- same members as the previous block: same holders extend the same tiers
     else
       if pend > 0 then
-        for f = 1, nfresh do
-          local g = fresh[f]
-          g.m = g.m + pend
-          g.s = g.s + g.bw * pend
-          local r, ext = g.r, g.ext
-          for e = 1, #ext do local cd = ext[e]; r[cd] = r[cd] + pend end
-        end
+        extend_groups(fresh, nfresh, pend)
         pend = 0
       end
       -- Walk the members (3 bytes each, ascending: a holder's members are contiguous) holder by
@@ -790,15 +796,7 @@ local function lookup(keys, args)
       prev = v
     end
   end
-  if pend > 0 then
-    for f = 1, nfresh do
-      local g = fresh[f]
-      g.m = g.m + pend
-      g.s = g.s + g.bw * pend
-      local r, ext = g.r, g.ext
-      for e = 1, #ext do local cd = ext[e]; r[cd] = r[cd] + pend end
-    end
-  end
+  if pend > 0 then extend_groups(fresh, nfresh, pend) end
   local members_of = {}
   for j = 1, nholders do
     local hid = holders[j]
