@@ -179,11 +179,6 @@ class KafkaSink:
         self.splitter.split(ref, value_size, [encode_event(e) for e in batch.events], fixed, produce_part,
                             self.produce_dead_letter, batch.first_index)
 
-    def produce_raw(self, key: bytes, value: bytes, events: int) -> None:
-        """Queue an already serialized EventBatch value (fast paths); it is not split, so it
-        must fit the record limit (a larger one is refused by Kafka and counted as a delivery error)."""
-        self._send(self.raw_topic, key, value, events)
-
     def produce_dead_letter(self, dl: DeadLetter) -> None:
         """Queue one DeadLetter, keyed by its source."""
         self._send(self.dlq_topic, dl.source.encode(), self._ser_dl(dl), -1)
