@@ -46,14 +46,14 @@ MAX_HOLDERS_PER_CALL = 65535
 """Holders per FCALL (the event header's holder index is 16 bits)."""
 
 
-def signed_int(raw: bytes) -> int:
-    """A canonical 8-byte hash as the signed 64-bit integer the per-holder index stores."""
-    return int.from_bytes(raw, "big", signed=True)
-
-
-def raw_hash(value: int) -> bytes:
-    """Inverse of :func:`signed_int`."""
-    return value.to_bytes(8, "big", signed=True)
+def index_live(log: bytes) -> list[bytes]:
+    """Raws held according to one index bucket's toggle log (8-byte records; a raw occurring an odd
+    number of times is held), in order of first occurrence (kvbus.lua: index_live)."""
+    odd: dict[bytes, bool] = {}
+    for j in range(0, len(log), 8):
+        r = log[j:j + 8]
+        odd[r] = not odd.get(r, False)
+    return [r for r, held in odd.items() if held]
 
 
 def _s(v: Any) -> str:
@@ -307,8 +307,8 @@ class RedisStore(ResidencyStore):
         n, L, S = self._tiers_of(hid).get(code, (0, 0, 0))
         pipe = self.r.pipeline(transaction=False)
         for b in range(2**L + S):
-            pipe.smembers(f"{self.prefix}I:{hid}:{code}:{b}")
-        blocks = {raw_hash(int(d)): 1 for members in pipe.execute() for d in members}
+            pipe.get(f"{self.prefix}I:{hid}:{code}:{b}")
+        blocks = {raw: 1 for log in pipe.execute() for raw in index_live(log or b"")}
         for raw, extra in self.r.hgetall(f"{self.prefix}R:{hid}:{code}").items():
             blocks[raw] = blocks.get(raw, 1) + int(extra)
         return blocks
