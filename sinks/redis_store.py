@@ -60,6 +60,25 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+_pack_header = EVENT_HEADER.pack
+
+
+def _call_args(prefix: str, holders: dict, topics: dict, tiers: dict, rcs: list[str], blob: list[bytes]) -> list:
+    """``kvbus_apply``'s arguments (after the key count): ``holders`` (replica, dp_rank) -> index,
+    ``topics`` topic -> index, ``tiers`` descriptor -> index (each 1-based, in order of first use),
+    ``rcs`` per tier "1" if reference-counted, ``blob`` the event headers and hashes (kvbus.lua)."""
+    args: list = [prefix, len(holders)]
+    for replica, dp in holders:
+        args += (replica, dp)
+    args.append(len(topics))
+    args += topics
+    args.append(len(tiers))
+    for desc, rc in zip(tiers, rcs):
+        args += (desc, rc)
+    args.append(b"".join(blob))
+    return args
+
+
 class RedisStore(ResidencyStore):
     """The view in Redis under key prefix ``prefix``.
 
@@ -104,55 +123,14 @@ class RedisStore(ResidencyStore):
         """FCALL arguments of ``kvbus_apply`` for ``part`` (any holders; format: kvbus.lua).
 
         ``part`` keeps each holder's records in record order (other orders do not matter)."""
-        holders: dict[tuple[str, int], int] = {}
-        topics: dict[str, int] = {}
-        tiers: dict[str, int] = {}
-        rcs: list[str] = []
-        blob: list[bytes] = []
-        pack = EVENT_HEADER.pack
-        tier = self._tier
-        join = b"".join
-        for topic, ev in part:
-            hk = (ev.replica, ev.dp_rank)
-            hi = holders.get(hk)
-            if hi is None:
-                hi = holders[hk] = len(holders) + 1
-            ti = topics.get(topic)
-            if ti is None:
-                ti = topics[topic] = len(topics) + 1
-            e = ev.event
-            t = type(e)
-            if t is BlockStored or t is BlockRemoved:
-                desc, rc = tier(e)
-                di = tiers.get(desc)
-                if di is None:
-                    di = tiers[desc] = len(tiers) + 1
-                    rcs.append(rc)
-                hashes = e.block_hashes
-                joined = join(hashes)
-                if len(joined) != 8 * len(hashes):
-                    raise ValueError(f"block hashes of {ev.replica}#{ev.dp_rank} at {ev.position} are not 8 bytes each")
-                blob.append(pack(1 if t is BlockStored else 2, hi, ti, ev.epoch, ev.seq, ev.index, ev.ts, di,
-                                 len(hashes)))
-                blob.append(joined)
-            elif t is AllBlocksCleared or t is Reset:
-                blob.append(pack(3 if t is AllBlocksCleared else 4, hi, ti, ev.epoch, ev.seq, ev.index, ev.ts, 0, 0))
-            else:
-                raise TypeError(f"not a kvbus event: {t.__name__}")
-        args: list = [self.prefix, len(holders)]
-        for replica, dp in holders:
-            args.extend((replica, dp))
-        args.append(len(topics))
-        args.extend(topics)
-        args.append(len(tiers))
-        for desc, rc in zip(tiers, rcs):
-            args.extend((desc, rc))
-        args.append(join(blob))
-        return args
+        return self._calls(part, cut=False)[0][1]
 
-    def _calls(self, records: Iterable[tuple[str, BlockEvent]]) -> list[tuple[list[tuple[str, BlockEvent]], list]]:
+    def _calls(self, records: Iterable[tuple[str, BlockEvent]],
+               cut: bool = True) -> list[tuple[list[tuple[str, BlockEvent]], list]]:
         """(records, FCALL args) per call: every holder's records in record order, grouped by holder,
-        cut at the per-call limits (events, hashes, holders)."""
+        cut at the per-call limits (events, hashes, holders) unless ``cut`` is False.
+
+        One pass packs the headers while it cuts (this loop is the sink's per-record Python cost)."""
         groups: dict[tuple[str, int], list[tuple[str, BlockEvent]]] = {}
         for rec in records:
             ev = rec[1]
@@ -162,26 +140,56 @@ class RedisStore(ResidencyStore):
                 groups[k] = [rec]
             else:
                 g.append(rec)
-        calls = []
-        part: list[tuple[str, BlockEvent]] = []
-        nhashes = 0
-        nholders = 0
-        max_ev, max_h = self.max_events_per_call, self.max_hashes_per_call
-        for recs in groups.values():
-            if nholders >= MAX_HOLDERS_PER_CALL and part:
-                calls.append((part, self._pack(part)))
-                part, nhashes, nholders = [], 0, 0
-            nholders += 1
+        prefix, tier, pack, join = self.prefix, self._tier, _pack_header, b"".join
+        max_ev, max_h = (self.max_events_per_call, self.max_hashes_per_call) if cut else (1 << 62, 1 << 62)
+        calls: list = []
+        # the call being packed: its records, holders / topics / tiers -> 1-based index, rc flags, blob
+        part: list = []
+        holders: dict = {}
+        topics: dict = {}
+        tiers: dict = {}
+        rcs: list[str] = []
+        blob: list[bytes] = []
+        nh = 0  # its block hashes
+        for hk, recs in groups.items():
+            if len(holders) >= MAX_HOLDERS_PER_CALL:
+                calls.append((part, _call_args(prefix, holders, topics, tiers, rcs, blob)))
+                part, holders, topics, tiers, rcs, blob, nh = [], {}, {}, {}, [], [], 0
+            hi = 0  # its index in the call, given at its first record there
             for rec in recs:
-                e = rec[1].event
-                n = len(e.block_hashes) if type(e) is BlockStored or type(e) is BlockRemoved else 0
-                if part and (len(part) >= max_ev or nhashes + n > max_h):
-                    calls.append((part, self._pack(part)))
-                    part, nhashes, nholders = [], 0, 1
+                topic, ev = rec
+                e = ev.event
+                t = type(e)
+                hashed = t is BlockStored or t is BlockRemoved
+                n = len(e.block_hashes) if hashed else 0
+                if part and (len(part) >= max_ev or nh + n > max_h):
+                    calls.append((part, _call_args(prefix, holders, topics, tiers, rcs, blob)))
+                    part, holders, topics, tiers, rcs, blob, nh = [], {}, {}, {}, [], [], 0
+                    hi = 0
                 part.append(rec)
-                nhashes += n
+                if not hi:
+                    hi = holders[hk] = len(holders) + 1
+                ti = topics.get(topic)
+                if ti is None:
+                    ti = topics[topic] = len(topics) + 1
+                if hashed:
+                    desc, rc = tier(e)
+                    di = tiers.get(desc)
+                    if di is None:
+                        di = tiers[desc] = len(tiers) + 1
+                        rcs.append(rc)
+                    hashes = e.block_hashes
+                    joined = hashes[0] if n == 1 and type(hashes[0]) is bytes else join(hashes)
+                    if len(joined) != 8 * n:
+                        raise ValueError(f"block hashes of {ev.replica}#{ev.dp_rank} at {ev.position} are not 8 bytes each")
+                    blob += (pack(1 if t is BlockStored else 2, hi, ti, ev.epoch, ev.seq, ev.index, ev.ts, di, n), joined)
+                    nh += n
+                elif t is AllBlocksCleared or t is Reset:
+                    blob.append(pack(3 if t is AllBlocksCleared else 4, hi, ti, ev.epoch, ev.seq, ev.index, ev.ts, 0, 0))
+                else:
+                    raise TypeError(f"not a kvbus event: {t.__name__}")
         if part:
-            calls.append((part, self._pack(part)))
+            calls.append((part, _call_args(prefix, holders, topics, tiers, rcs, blob)))
         return calls
 
     def apply(self, records: Iterable[tuple[str, BlockEvent]]) -> ApplyResult:

@@ -94,6 +94,29 @@ local function msearch(v, m)
   return false, 3 * lo + 1
 end
 
+-- Block-table key pieces kept between calls (the Lua state lives as long as the library): the key
+-- of bucket b >= 1000 is KEYQ[BP][(b - b % 1000) / 1000] .. D3[b % 1000], one concat of two cached
+-- strings instead of a string.format per block (~0.1 us); KEYQ[BP][-1 - b] caches the keys of b < 1000
+local D3 = nil     -- D3[n] = '000' .. '999' (built by the first call: string is not reachable at load)
+local KEYQ = {}    -- block-table key prefix BP -> {[q] = BP .. q, [-1 - b] = BP .. b for b < 1000}
+local nkeyq = 0
+
+-- the key-piece cache of block-table prefix BP (at most 16 prefixes are kept)
+local function key_pieces(BP)
+  if not D3 then
+    D3 = {}
+    for j = 0, 999 do D3[j] = string.format('%03d', j) end
+  end
+  local KQ = KEYQ[BP]
+  if not KQ then
+    if nkeyq >= 16 then KEYQ, nkeyq = {}, 0 end
+    KQ = {}
+    KEYQ[BP] = KQ
+    nkeyq = nkeyq + 1
+  end
+  return KQ
+end
+
 -- ---------------------------------------------------------------- context
 
 -- Shared state of one call: prefix, block-table split state and counters (written back by ctx_save).
@@ -105,6 +128,7 @@ local function ctx_load(P)
   local c = {P = P, L = tonumber(m[1]) or 0, S = tonumber(m[2]) or 0, blocks = tonumber(m[3]) or 0,
     entries0 = tonumber(m[4]) or 0, entries = tonumber(m[4]) or 0, blocks0 = tonumber(m[3]) or 0,
     L0 = tonumber(m[1]) or 0, S0 = tonumber(m[2]) or 0, tiers = {}, BP = P .. 'B:', WP = P .. 'W:'}
+  c.KQ = key_pieces(c.BP)
   c.m = 2 ^ c.L
   c.cap = BLOCK_LOAD * (c.m + c.S)
   return c
@@ -118,17 +142,33 @@ end
 
 -- ---------------------------------------------------------------- block table
 
+-- key of block-table bucket b (c.KQ: key_pieces(c.BP))
+local function bucket_key(c, b)
+  local KQ = c.KQ
+  if b < 1000 then
+    local k = KQ[-1 - b]
+    if not k then k = c.BP .. b; KQ[-1 - b] = k end
+    return k
+  end
+  local lo = b % 1000
+  local q = (b - lo) / 1000
+  local kq = KQ[q]
+  if not kq then kq = c.BP .. q; KQ[q] = kq end
+  return kq .. D3[lo]
+end
+
+-- key of the block-table bucket of a hash whose low 32 bits are x
 local function block_key(c, x)
   local m = c.m
   local b = x % m
   if b < c.S then b = x % (m * 2) end
-  return string.format('%s%d', c.BP, b)
+  return bucket_key(c, b)
 end
 
 local function split_block_bucket(c)
   local m = c.m
-  local old = c.P .. 'B:' .. c.S
-  local new = c.P .. 'B:' .. (c.S + m)
+  local old = bucket_key(c, c.S)
+  local new = bucket_key(c, c.S + m)
   local all = rcall('HGETALL', old)
   local set, del = {}, {}
   for k = 1, #all, 2 do
@@ -145,26 +185,33 @@ local function split_block_bucket(c)
   c.cap = BLOCK_LOAD * (c.m + c.S)
 end
 
--- add member m (packed: code) to block raw (x: its low 32 bits); true if it was not there
-local function block_add(c, raw, x, m, code)
+-- add member m (packed: code) to block raw (x: its low 32 bits); returns added (it was not there),
+-- new (the block was not in the table). guess_new: try HSETNX first (one command when the block is
+-- new; one command more than HGET when it is not)
+local function block_add(c, raw, x, m, code, guess_new)
   local bkey = block_key(c, x)
-  local v = rcall('HGET', bkey, raw)
+  local v
+  if guess_new and rcall('HSETNX', bkey, raw, code) == 1 then
+    v = nil
+  else
+    v = rcall('HGET', bkey, raw)
+    if not v then rcall('HSET', bkey, raw, code) end
+  end
   if not v then
-    rcall('HSET', bkey, raw, code)
     c.blocks = c.blocks + 1
     while c.blocks > c.cap do split_block_bucket(c) end
-    return true
+    return true, true
   end
   if v == '' then
     local wkey = c.WP .. raw
     local w = rcall('GET', wkey)
     local found, p = msearch(w, m)
-    if found then return false end
+    if found then return false, false end
     rcall('SET', wkey, sub(w, 1, p - 1) .. code .. sub(w, p))
-    return true
+    return true, false
   end
   local found, p = msearch(v, m)
-  if found then return false end
+  if found then return false, false end
   v = sub(v, 1, p - 1) .. code .. sub(v, p)
   if #v > WIDE then
     rcall('SET', c.WP .. raw, v)
@@ -172,7 +219,7 @@ local function block_add(c, raw, x, m, code)
   else
     rcall('HSET', bkey, raw, v)
   end
-  return true
+  return true, false
 end
 
 -- remove member m from block raw (x: its low 32 bits); true if it was there
@@ -249,6 +296,7 @@ local function tier_init(c, hid, code, t)
   t.IP = c.P .. 'I:' .. hid .. ':' .. code .. ':'
   t.kc = {}                    -- bucket -> key, for this call
   t.pend = {}                  -- toggles (raws) of this call not yet appended to the index (index_flush)
+  t.fresh = true               -- whether its last stored block was new to the block table (block_add)
   t.field = 't:' .. code       -- its field in the holder state
   t.member = hid * K + code
   t.packed = pack3(t.member)
@@ -426,16 +474,21 @@ local function store(c, h, topic, desc, rc, blob, p0, n)
   h.dirty[t.field] = true
   local m, packed, pend = t.member, t.packed, t.pend
   local np, added = #pend, 0
+  local guess = t.fresh -- was the tier's last stored block new to the table? (a prefill's blocks are, a
+                        -- re-announcement's or an offload's are not): then try HSETNX first
   for j = p0, p0 + 8 * n - 1, 8 do
     local raw = sub(blob, j, j + 7)
     local b5, b6, b7, b8 = byte(blob, j + 4, j + 7)
-    if block_add(c, raw, ((b5 * 256 + b6) * 256 + b7) * 256 + b8, m, packed) then
+    local add
+    add, guess = block_add(c, raw, ((b5 * 256 + b6) * 256 + b7) * 256 + b8, m, packed, guess)
+    if add then
       added = added + 1
       pend[np + added] = raw
     elseif counted then
       rcall('HINCRBY', t.rkey, raw, 1)
     end
   end
+  t.fresh = guess
   t.n = t.n + added
   c.entries = c.entries + added
 end
@@ -470,6 +523,30 @@ local function hmget(key, fields)
     for _, v in ipairs(part) do out[#out + 1] = v end
   end
   return out
+end
+
+-- cmd key [opt] args... in chunks of 1000 arguments (an even count keeps ZADD pairs whole)
+local function call_chunks(cmd, key, opt, list)
+  for j = 1, #list, 1000 do
+    local last = math.min(j + 999, #list)
+    if opt then rcall(cmd, key, opt, unpack(list, j, last)) else rcall(cmd, key, unpack(list, j, last)) end
+  end
+end
+
+-- hids of the holders j = 1..nH with used[j] (one HMGET; unknown holders are created); nil if the
+-- holder table is full
+local function holder_ids(c, replicas, names, used, nH)
+  local want, at = {}, {}
+  for j = 1, nH do
+    if used[j] then want[#want + 1] = names[j]; at[#at + 1] = j end
+  end
+  local hids = {}
+  for k, hid in ipairs(hmget(c.P .. 'hid', want)) do
+    local j = at[k]
+    hids[j] = hid and tonumber(hid) or holder_id(c, replicas[j], names[j], true)
+    if not hids[j] then return nil end
+  end
+  return hids
 end
 
 local function newer(e, s, i, p)
@@ -533,13 +610,8 @@ local function apply(keys, args)
     used[hi] = true
     pos = nxt + 8 * n
   end
-  local hids = {}
-  for j = 1, nH do
-    if used[j] then
-      hids[j] = holder_id(c, replicas[j], names[j], true)
-      if not hids[j] then return redis.error_reply('kvbus: holder table full') end
-    end
-  end
+  local hids = holder_ids(c, replicas, names, used, nH)
+  if not hids then return redis.error_reply('kvbus: holder table full') end
   local hs, order, maxts = {}, {}, {}
   local applied, skipped, resets, clears = 0, 0, 0, 0
   pos = 1
@@ -576,14 +648,17 @@ local function apply(keys, args)
       if not maxts[hi] or ts > maxts[hi] then maxts[hi] = ts end
     end
   end
+  local seen, back = {}, {} -- ZADD arguments (ts, hid, ...); names of holders with applied events
   for _, hi in ipairs(order) do
     for _, t in pairs(hs[hi].tiers) do index_flush(t) end
     holder_save(hs[hi])
     if maxts[hi] then
-      rcall('ZADD', c.P .. 'seen', 'GT', string.format('%.6f', maxts[hi]), hids[hi])
-      rcall('ZREM', c.P .. 'stale', names[hi])
+      seen[#seen + 1] = string.format('%.6f', maxts[hi]); seen[#seen + 1] = hids[hi]
+      back[#back + 1] = names[hi]
     end
   end
+  call_chunks('ZADD', c.P .. 'seen', 'GT', seen)
+  if #back > 0 and rcall('EXISTS', c.P .. 'stale') == 1 then call_chunks('ZREM', c.P .. 'stale', nil, back) end
   local delta = c.entries - c.entries0
   ctx_save(c)
   return {applied, skipped, delta, resets, clears}
@@ -605,13 +680,6 @@ prompt). Returns {head, hids, descs}:
 ]]
 local P2 = {}
 for j = 0, 31 do P2[j] = 2 ^ j end
-
--- Block-table key pieces kept between lookups (the Lua state lives as long as the library): the key
--- of bucket b >= 1000 is KEYQ[BP][(b - b % 1000) / 1000] .. D3[b % 1000], one concat of two cached
--- strings instead of a string.format per block
-local D3 = nil     -- D3[n] = '000' .. '999' (built by the first lookup: string is not reachable at load)
-local KEYQ = {}    -- block-table key prefix BP -> {[q] = BP .. q}
-local nkeyq = 0
 
 -- Lookup: the groups created at the last block whose members changed (``fresh``, ``nfresh`` of them)
 -- extend by ``pend`` further blocks with the same members: matched blocks, score and each tier's run.
@@ -654,19 +722,9 @@ local function lookup(keys, args)
     tdesc[code] = d
     return w
   end
-  if not D3 then
-    D3 = {}
-    for j = 0, 999 do D3[j] = string.format('%03d', j) end
-  end
   local BP, WP, bm, bS = c.BP, c.WP, c.m, c.S
   local bm2 = bm * 2
-  local KQ = KEYQ[BP]
-  if not KQ then
-    if nkeyq >= 16 then KEYQ, nkeyq = {}, 0 end
-    KQ = {}
-    KEYQ[BP] = KQ
-    nkeyq = nkeyq + 1
-  end
+  local KQ = c.KQ
   -- Holders are tracked in groups with identical history (same tiers at every block so far), so
   -- the work per block is per group, plus per member only at blocks whose members change.
   -- Member strings are canonical (sorted), so "same members as the previous block" is one string
