@@ -13,17 +13,34 @@ Why a plain Table swept by a timer rather than a windowed table: see docs/stream
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
+
+import faust
+from faust.types import AppT, Message
 
 from streams.app import OPTIONS, SETTINGS, app
 from streams.runtime import Runtime
 
 log = logging.getLogger("kvbus.streams")
 
+
+
+class RawBytes(faust.Schema):
+    """Keys and values as the bytes Kafka delivered (what the "raw" serializer returns, without
+    the serializer registry's per-record lookups)."""
+
+    def loads_key(self, app: AppT, message: Message, **kwargs: Any) -> Optional[bytes]:
+        """The record key as is."""
+        return message.key
+
+    def loads_value(self, app: AppT, message: Message, **kwargs: Any) -> Optional[bytes]:
+        """The record value as is."""
+        return message.value
+
+
 RAW = app.topic(
     SETTINGS.topics.raw,
-    key_serializer="raw",
-    value_serializer="raw",
+    schema=RawBytes(key_serializer="raw", value_serializer="raw"),
     partitions=SETTINGS.partitions,
 )
 """Raw EventBatch records (Confluent-wire Avro), keyed ``<replica>#<dp_rank>``; pre-created by infra."""

@@ -21,6 +21,7 @@ everything else is applied again and re-emitted with its original position.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 import weakref
@@ -42,6 +43,19 @@ log = logging.getLogger("kvbus.streams")
 
 MAX_INFLIGHT = 4
 """Batches whose outputs may be awaiting delivery while the next one is processed."""
+
+GC_THRESHOLD = (50_000, 20, 100)
+"""``gc.set_threshold`` of a worker: the hot path allocates ~10 tracked objects per event, almost
+all freed by reference counting, so Python's default (700, 10, 10) ran a young collection every ~80
+events and full ones over Faust's whole heap (GC off halved the aggregation time in a micro-benchmark)."""
+
+
+def tune_gc() -> None:
+    """Move what start-up allocated (Faust, aiokafka, modules) out of the collector's sight
+    (``gc.freeze``) and collect less often (:data:`GC_THRESHOLD`); cycles are still collected."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
 
 
 class _PartitionEvent:
@@ -120,6 +134,7 @@ class Runtime:
         """Connect the producer, the registry and the metrics endpoint (idempotent)."""
         if self._producer is not None:
             return
+        tune_gc()
         s = self.settings
         self._codec = Codec(registry_client(s.registry_url))
         self._producer = Producer({
