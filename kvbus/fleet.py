@@ -455,6 +455,18 @@ class FleetConfig:
     buffer_steps: int = 10_000
     raw_hashes: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
+    schedule: tuple[tuple[float, float], ...] = ()
+    """Load ladder: (engine events/s of the whole fleet, seconds) rungs played in order; when set it
+    replaces ``rate`` and ``duration``. Steps are paced by the events they publish (a replica's
+    step publishes few events while its cache fills and more once evictions start). A rung of
+    rate 0 publishes nothing (probes still go out)."""
+    probe_every: float = 0.0
+    """Seconds between freshness probes (0 = none): a one-block BlockStored of a fresh random hash,
+    published to the next (replica, dp rank) in turn, on every worker stream, like any batch."""
+    probe_log: str | None = None
+    """Where probes and rung starts are written, one JSON object per line:
+    ``{"probe": "<hash hex>", "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>}``,
+    ``{"rung": i, "rate": r, "seconds": s, "t": ...}``, and ``{"end": true, "t": ...}`` at the end."""
 
 
 @dataclass(frozen=True)
@@ -515,8 +527,14 @@ class Fleet:
         self.worker_drops = 0
         self.worker_dups = 0
         self.steps = 0
+        """Steps published (:meth:`publish_step`)."""
+        self.events = 0
+        """Events those steps published (per replica, not per worker stream)."""
         self._stop = threading.Event()
         self._server: threading.Thread | None = None
+        self._probe_rng = random.Random(f"probe:{cfg.seed}:{time.time_ns()}")  # fresh hashes every run
+        self._probe_turn = 0
+        self._probe_out: Any = None
 
     # lifecycle
     def streams(self) -> list[StreamInfo]:
@@ -602,6 +620,7 @@ class Fleet:
                 self.publish_events(name, events, d, ts)
                 n += len(events)
         self.steps += 1
+        self.events += n
         return n
 
     def play(self, script: Iterable[ScriptBatch]) -> list[list[int]]:
@@ -638,27 +657,89 @@ class Fleet:
         tmp.write_text(json.dumps(self.manifest()))
         tmp.replace(p)
 
+    def publish_probe(self) -> tuple[bytes, str]:
+        """Publish one freshness probe (:attr:`FleetConfig.probe_every`); returns (hash, holder).
+
+        The probe is a BlockStored of one block with a fresh random hash on GPU, sent to the next
+        (replica, dp rank) in turn like any engine batch (every worker stream, no drop/dup), and
+        applied to the ground truth, so the view still equals the truth afterwards."""
+        keys = list(self.models)
+        name, d = keys[self._probe_turn % len(keys)]
+        self._probe_turn += 1
+        h = self._probe_rng.getrandbits(64).to_bytes(8, "big")
+        bs = self.cfg.block_size
+        event = BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[1] * bs, block_size=bs,
+                            medium="GPU" if "medium" in wire_format(self.cfg.format).stored else None)
+        for w in range(self.cfg.workers):
+            self.publishers[(name, d, w)].publish([event])
+        self.models[(name, d)].truth.apply(project(self.cfg.format, event, raw_hashes=self.cfg.raw_hashes))
+        holder = f"{name}#{d}"
+        self._note({"probe": h.hex(), "holder": holder})
+        return h, holder
+
+    def _note(self, record: dict[str, Any]) -> None:
+        """Append one line to the probe log (if any), stamped with ``time.monotonic()``."""
+        if self._probe_out is None:
+            return
+        record["t"] = time.monotonic()
+        self._probe_out.write(json.dumps(record) + "\n")
+        self._probe_out.flush()
+
+    def rungs(self) -> list[tuple[float, float, bool]]:
+        """(rate, seconds, per_event) of every rung to play: the schedule (events/s of the fleet),
+        or ``(rate, duration)`` (steps/s)."""
+        if self.cfg.schedule:
+            return [(rate, seconds, True) for rate, seconds in self.cfg.schedule]
+        return [(self.cfg.rate, self.cfg.duration, False)]
+
     def run(self, stop: threading.Event | None = None) -> None:
-        """Publish steps at ``rate`` per second until ``duration`` elapsed or ``stop`` is set."""
+        """Publish steps at each rung's rate (and probes every ``probe_every`` seconds) until the
+        rungs are played or ``stop`` is set; a rung of 0 seconds lasts until ``stop``."""
         stop = stop or self._stop
-        period = 1.0 / self.cfg.rate if self.cfg.rate > 0 else 0.0
+        if self.cfg.probe_log:
+            self._probe_out = open(self.cfg.probe_log, "a", encoding="utf-8")
+        last_manifest = time.monotonic()
+        next_probe = time.monotonic()
+        try:
+            for i, (rate, seconds, per_event) in enumerate(self.rungs()):
+                self._note({"rung": i, "rate": rate, "seconds": seconds})
+                next_probe, last_manifest = self._run_rung(stop, rate, seconds, per_event, next_probe, last_manifest)
+                if stop.is_set():
+                    break
+            self._note({"end": True})
+        finally:
+            if self._probe_out is not None:
+                self._probe_out.close()
+                self._probe_out = None
+        if self.cfg.manifest:
+            self.write_manifest(self.cfg.manifest)
+
+    def _run_rung(self, stop: threading.Event, rate: float, seconds: float, per_event: bool,
+                  next_probe: float, last_manifest: float) -> tuple[float, float]:
+        """One rung: ``rate`` steps/s (``per_event``: events/s) for ``seconds`` (0: until ``stop``);
+        returns (next probe time, last manifest time)."""
+        period = 1.0 / rate if rate > 0 else 0.0
+        probe_every = self.cfg.probe_every
         start = time.monotonic()
-        next_t = start
-        last_manifest = start
+        next_step = start if rate > 0 else float("inf")
         while not stop.is_set():
             now = time.monotonic()
-            if self.cfg.duration and now - start >= self.cfg.duration:
+            if seconds and now - start >= seconds:
                 break
-            if now < next_t:
-                stop.wait(min(next_t - now, 0.05))
-                continue
-            self.publish_step()
-            next_t = max(next_t + period, now - 1.0)  # catch up at most 1 s of lag
+            if probe_every and now >= next_probe:
+                self.publish_probe()
+                next_probe = max(next_probe + probe_every, now - 1.0)
+            if now >= next_step:
+                n = self.publish_step()
+                next_step = max(next_step + period * (max(n, 1) if per_event else 1), now - 1.0)  # catch up <= 1 s
             if self.cfg.manifest and now - last_manifest > 5.0:
                 self.write_manifest(self.cfg.manifest)
                 last_manifest = now
-        if self.cfg.manifest:
-            self.write_manifest(self.cfg.manifest)
+            wake = min(next_step, next_probe if probe_every else float("inf"))
+            now = time.monotonic()
+            if wake > now:
+                stop.wait(min(wake - now, 0.05))
+        return next_probe, last_manifest
 
 
 # -- CLI ----------------------------------------------------------------------------
@@ -688,6 +769,26 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvcr-rate", type=float, default=0.05, help="share of prompts stored in the kvcr tier (default 0.05)")
     p.add_argument("--clear-rate", type=float, default=0.0005, help="chance per step of AllBlocksCleared (default 0.0005)")
     p.add_argument("--raw-hashes", action="store_true", help="send digests as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
+    p.add_argument("--schedule", type=parse_schedule, default=(),
+                   help="load ladder EVENTS_PER_S:SECONDS,... (engine events/s of the whole fleet for so many "
+                        "seconds, in order); replaces --rate and --duration")
+    p.add_argument("--probe-every", type=float, default=0.0,
+                   help="seconds between freshness probes, one fresh block each (0 = none; default 0)")
+    p.add_argument("--probe-log", default=None, help="append probes and rung starts to this file as JSON lines")
+
+
+def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
+    """``"2000:10,0:5"`` -> ((2000.0, 10.0), (0.0, 5.0)): (fleet events/s, seconds) rungs."""
+    rungs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        rate, sep, seconds = part.partition(":")
+        try:
+            rungs.append((float(rate), float(seconds)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"rung {part!r} is not RATE:SECONDS") from None
+        if not sep or rungs[-1][0] < 0 or rungs[-1][1] <= 0:
+            raise argparse.ArgumentTypeError(f"rung {part!r}: RATE >= 0 and SECONDS > 0 required")
+    return tuple(rungs)
 
 
 def config_from_args(args: argparse.Namespace) -> FleetConfig:
@@ -700,6 +801,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         seed=args.seed, rate=args.rate, duration=args.duration, block_size=args.block_size,
         replica_prefix=args.replica_prefix, manifest=args.manifest, host=args.host, topic=args.topic,
         buffer_steps=args.buffer_steps, raw_hashes=args.raw_hashes, model=model,
+        schedule=args.schedule, probe_every=args.probe_every, probe_log=args.probe_log,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -88,3 +89,22 @@ def wait_for(predicate, timeout: float, interval: float = 0.5) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (all its threads), from
+    ``/proc/<pid>/stat``; 0.0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # after "(comm)": state is field 3, utime and stime are fields 14 and 15 of the full line
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

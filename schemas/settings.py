@@ -56,3 +56,19 @@ class Settings:
             topics=Topics.from_env(),
             max_record_bytes=int(env.get("KVBUS_MAX_RECORD_BYTES", DEFAULT_MAX_RECORD_BYTES)),
         )
+
+    def to_env(self) -> dict[str, str]:
+        """The ``KVBUS_*`` variables that make :meth:`from_env` in a child process return these
+        settings (lay them over ``os.environ`` when starting a kvbus subcommand)."""
+        t = self.topics
+        return {
+            "KVBUS_BOOTSTRAP": self.bootstrap,
+            "KVBUS_REGISTRY_URL": self.registry_url,
+            "KVBUS_REDIS_URL": self.redis_url,
+            "KVBUS_PARTITIONS": str(self.partitions),
+            "KVBUS_MAX_RECORD_BYTES": str(self.max_record_bytes),
+            "KVBUS_TOPIC_RAW": t.raw,
+            "KVBUS_TOPIC_BLOCKS": t.blocks,
+            "KVBUS_TOPIC_INCOMPLETE": t.incomplete,
+            "KVBUS_TOPIC_DLQ": t.dlq,
+        }

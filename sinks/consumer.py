@@ -110,7 +110,7 @@ class SinkConsumer:
         If the registry or Redis is unavailable, the batch is rewound (read again after
         ``RETRY_PAUSE``); what was applied of it is skipped then by the stored positions.
         """
-        msgs = self.consumer.consume(num_messages=self.batch, timeout=self.poll_timeout)
+        msgs = self._poll()
         try:
             return self._handle(msgs)
         except TransientError as e:
@@ -118,6 +118,18 @@ class SinkConsumer:
             self._rewind(msgs)
             time.sleep(RETRY_PAUSE)
             return 0
+
+    def _poll(self) -> list:
+        """Records ready now, up to ``batch``; waits up to ``poll_timeout`` only when none are.
+
+        ``consume(n, timeout)`` waits until it has ``n`` records or the timeout passed, so a
+        quiet stream would sit out the whole timeout before applying one record: wait for the
+        first record with ``poll``, then take what librdkafka has already fetched without waiting.
+        """
+        first = self.consumer.poll(self.poll_timeout)
+        if first is None:
+            return []
+        return [first, *self.consumer.consume(num_messages=self.batch - 1, timeout=0)] if self.batch > 1 else [first]
 
     def _rewind(self, msgs: list) -> None:
         first: dict[tuple[str, int], int] = {}

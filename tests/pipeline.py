@@ -20,19 +20,7 @@ from schemas.settings import Settings
 
 def env_for(settings: Settings) -> dict[str, str]:
     """Environment that points a kvbus process at ``settings`` (services and topic names)."""
-    t = settings.topics
-    return {
-        **os.environ,
-        "KVBUS_BOOTSTRAP": settings.bootstrap,
-        "KVBUS_REGISTRY_URL": settings.registry_url,
-        "KVBUS_REDIS_URL": settings.redis_url,
-        "KVBUS_PARTITIONS": str(settings.partitions),
-        "KVBUS_MAX_RECORD_BYTES": str(settings.max_record_bytes),
-        "KVBUS_TOPIC_RAW": t.raw,
-        "KVBUS_TOPIC_BLOCKS": t.blocks,
-        "KVBUS_TOPIC_INCOMPLETE": t.incomplete,
-        "KVBUS_TOPIC_DLQ": t.dlq,
-    }
+    return {**os.environ, **settings.to_env()}
 
 
 class Pipeline:

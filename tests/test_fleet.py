@@ -1,6 +1,7 @@
 """The synthetic engine fleet: content, ground truth, ports, replay protocol, workers, CLI."""
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import subprocess
@@ -18,6 +19,7 @@ from kvbus.fleet import (
     ModelConfig,
     Residency,
     ScriptBatch,
+    parse_schedule,
     stream_index,
 )
 from producers.decode import decode_batch, parse_frames, parse_replay_reply
@@ -233,3 +235,42 @@ def test_cli_runs_for_a_duration_and_writes_the_manifest(tmp_path):
     p = r0["prompts"][-1]
     assert p["resident_blocks"] <= p["blocks"] == len(p["tokens"]) // 16
     assert len(data["streams"]) == 2 and all(s["endpoint"].startswith("tcp://127.0.0.1:") for s in data["streams"])
+
+
+def test_probes_reach_every_worker_stream_and_the_truth_and_are_logged(tmp_path):
+    ctx = zmq.Context.instance()
+    log_path = tmp_path / "probes.jsonl"
+    cfg = FleetConfig(replicas=2, workers=2, base_port=0, schedule=((0.0, 0.3),), probe_every=0.05,
+                      probe_log=str(log_path))
+    with Fleet(cfg) as fleet:
+        subs = {(s.replica, s.worker_rank): _sub(ctx, s.endpoint) for s in fleet.streams()}
+        time.sleep(0.2)
+        fleet.run()
+        records = [json.loads(line) for line in log_path.read_text().splitlines()]
+        probes = [r for r in records if "probe" in r]
+        assert records[0]["rung"] == 0 and records[-1]["end"] is True
+        assert len(probes) >= 4 and {p["holder"] for p in probes} == {"replica-0#0", "replica-1#0"}
+        assert all(a["t"] <= b["t"] for a, b in zip(records, records[1:]))
+        for (replica, _w), sub in subs.items():  # every worker of the probed replica sends the probe
+            sent = [e for f in _recv_all(sub) for e in decode_batch(parse_frames(f)[2], "vllm").events]
+            want = [bytes.fromhex(p["probe"]) for p in probes if p["holder"] == f"{replica}#0"]
+            assert [e.block_hashes for e in sent] == [[h] for h in want]
+            assert all(fleet.truth(replica).holds(h) for h in want)
+            sub.close()
+
+
+def test_schedule_paces_steps_by_the_events_they_publish():
+    cfg = FleetConfig(replicas=2, base_port=0, schedule=((3000.0, 1.0), (0.0, 0.5)))
+    with Fleet(cfg) as fleet:
+        fleet.run()
+        steps_after_load = fleet.steps
+    # 1 s at 3,000 events/s, then 0.5 s at rate 0 (no steps); a step publishes 1-60 events
+    assert 2000 <= fleet.events <= 3100
+    assert fleet.steps == steps_after_load > 20
+
+
+def test_schedule_option_parses_rungs_and_rejects_bad_ones():
+    assert parse_schedule("2000:10, 0:2.5") == ((2000.0, 10.0), (0.0, 2.5))
+    for bad in ("2000", "x:1", "100:0", "-1:3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_schedule(bad)

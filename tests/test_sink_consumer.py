@@ -139,7 +139,7 @@ def test_sink_killed_mid_stream_and_restarted_leaves_the_exact_view(settings, to
         first.send_signal(signal.SIGKILL)
         first.wait(10)
     assert store.positions() != model.positions(), "killed before the end of the stream"
-    assert applied() > 0
+    assert applied() > 0, (store.size(), store.positions())
     second = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: store.positions() == model.positions(), 120, "the restarted sink to catch up")

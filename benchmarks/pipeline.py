@@ -1,0 +1,605 @@
+"""Whole-pipeline speed on the real stack: offered load, sustained capacity, freshness, CPU per process.
+
+    .venv/bin/python benchmarks/pipeline.py                          # TP=1, one worker, one sink
+    .venv/bin/python benchmarks/pipeline.py --tp 2 --rates 1000,5000,12500,25000
+    .venv/bin/python benchmarks/pipeline.py --workers-procs 2 --sinks 2
+
+Path, every part a real process: ``kvbus fleet`` (synthetic vLLM 0.33 replicas, ZMQ PUB + replay)
+-> one ``kvbus bridge`` per engine stream -> ``<run>.raw`` -> W ``kvbus worker`` processes (Faust)
+-> ``<run>.blocks*`` -> S ``kvbus sink`` processes -> Redis, under fresh topics, consumer groups and
+Redis prefix per run (all deleted at the end; ``--keep`` leaves them).
+
+**Load ladder.** The fleet plays a schedule: an idle rung, then each ``--rates`` rung (engine
+events/s offered by the whole fleet; the fleet paces its steps by the events they publish) for
+``--warmup + --window`` seconds, each followed by ``--gap`` idle seconds. Figures of a rung come
+from its steady window: offered events/s (bridge acknowledgements / TP), consolidated (worker)
+and applied (sink) events/s, consumer lag of both hops (committed offsets, sampled each second).
+A rung *sustains* its load when neither hop's lag grows by more than ``--lag-growth`` of the records
+written to that hop during the window, and freshness p99 stays under 1 s (lag that a growing
+backlog would hide in committed offsets shows here). The ladder stops after the first rung that
+does not (``--keep-going`` plays all). **Sustained capacity** = the highest offered rate sustained.
+
+**Freshness, in band.** The fleet publishes a probe every ``--probe-every`` seconds: a one-block
+``BlockStored`` of a fresh random hash, sent to the next replica in turn through the same ZMQ
+stream, bridge, topics, worker and sink as the load. This process polls ``RedisStore.lookup`` (one
+``FCALL_RO``, as a router calls it) for every outstanding probe, and a probe's freshness is the time
+from its publication (the fleet's ``time.monotonic()`` after sending; one clock for both processes)
+to the reply of the first lookup that finds it. Resolution: the polling period (~1 ms when few
+probes are outstanding) plus one lookup round trip.
+
+**CPU.** User + system seconds of every process over the window (``/proc/<pid>/stat``), per kind:
+fleet (the generator), bridge, worker, sink, kafka, registry, redis and bench (this process's
+probe lookups and sampling), given per 1,000 offered engine events. ``--workers-procs 2 --sinks 2`` also prints each
+process's share of records and CPU (on 2 cores this shows the work spread, not a speed-up).
+
+**Exactness.** After the last rung the pipeline drains and the view is compared, holder by holder
+and tier by tier, with the fleet's ground truth (its manifest): ``view_exact``.
+
+Each rung prints one line; the last line is one JSON object with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import redis  # noqa: E402
+
+from kvbus.procs import Children, cpu_seconds, free_port, wait_for  # noqa: E402
+from kvbus.progress import group_lag, scrape  # noqa: E402
+from schemas.settings import Settings  # noqa: E402
+from schemas.topics import Topics  # noqa: E402
+from sinks.redis_store import RedisStore  # noqa: E402
+
+log = logging.getLogger("kvbus.bench")
+
+KINDS = ("fleet", "bridge", "worker", "sink", "kafka", "registry", "redis", "bench")
+"""Process kinds whose CPU is reported (``bench``: this process, probe lookups and sampling)."""
+
+
+# -- options -----------------------------------------------------------------------------
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=8, help="engine replicas (default 8)")
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2, 4), help="tensor-parallel workers per replica (default 1)")
+    p.add_argument("--workers-procs", type=int, default=1, help="Faust worker processes W (default 1)")
+    p.add_argument("--sinks", type=int, default=1, help="sink processes S (default 1)")
+    p.add_argument("--rates", default="2000,5000,10000,20000,35000,50000",
+                   help="offered engine events/s of each rung, comma-separated (default 2000,...,50000)")
+    p.add_argument("--idle", type=float, default=6.0, help="seconds of the first, idle rung (probes only; default 6)")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds of each rung before its window (default 3)")
+    p.add_argument("--window", type=float, default=10.0, help="seconds of each rung's steady window (default 10)")
+    p.add_argument("--gap", type=float, default=4.0, help="idle seconds after each rung (default 4)")
+    p.add_argument("--probe-every", type=float, default=0.02, help="seconds between probes (default 0.02)")
+    p.add_argument("--lag-growth", type=float, default=0.05,
+                   help="largest lag growth, as a share of the window's records, that counts as bounded (default 0.05)")
+    p.add_argument("--keep-going", action="store_true", help="play every rung, even after one is not sustained")
+    p.add_argument("--partitions", type=int, default=None, help="partitions of the run's topics (default KVBUS_PARTITIONS)")
+    p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to wait for the pipeline to drain at the end")
+    p.add_argument("--keep", action="store_true", help="leave the run's topics and Redis keys (default: delete them)")
+    p.add_argument("--seed", type=int, default=11, help="fleet seed (default 11)")
+    return p.parse_args(argv)
+
+
+# -- the processes -------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One benchmark run: its names, its processes and where their metrics are."""
+
+    run_id: str
+    settings: Settings
+    prefix: str
+    children: Children
+    bridge_ports: list[int] = field(default_factory=list)
+    worker_ports: list[int] = field(default_factory=list)
+    sink_ports: list[int] = field(default_factory=list)
+    pids: dict[str, list[int]] = field(default_factory=dict)
+    """Process kind -> pids (see KINDS)."""
+
+    @property
+    def worker_group(self) -> str:
+        return f"{self.run_id}.streams"
+
+    @property
+    def sink_group(self) -> str:
+        return f"{self.run_id}.sink"
+
+
+def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
+    """Fresh names for topics, groups and the Redis prefix; topics created."""
+    from infra.topics import ensure_topics
+
+    run_id = f"bench{uuid.uuid4().hex[:8]}"
+    topics = Topics(raw=f"{run_id}.raw", blocks=f"{run_id}.blocks", incomplete=f"{run_id}.incomplete",
+                    dlq=f"{run_id}.dlq")
+    settings = replace(base, topics=topics, partitions=args.partitions or base.partitions)
+    ensure_topics(settings.bootstrap, [topics.raw, topics.blocks, topics.for_ownership("kvcr"), topics.incomplete, topics.dlq],
+                  settings.partitions, 1)
+    children = Children(log_dir=log_dir, env={**os.environ, **settings.to_env()}, log_prefix=f"{run_id}-")
+    return Run(run_id, settings, f"{run_id}:", children)
+
+
+def start_stages(run: Run, args: argparse.Namespace) -> None:
+    """Sinks, workers and bridges, then wait until both consumer groups are stable."""
+    workdir = run.children.log_dir / run.run_id
+    for i in range(args.sinks):
+        port = free_port()
+        run.sink_ports.append(port)
+        run.children.start(f"sink-{i}", "sink", "--group", run.sink_group, "--prefix", run.prefix,
+                           "--stale-after", "0", "--metrics-port", str(port))
+    for i in range(args.workers_procs):
+        port = free_port()
+        run.worker_ports.append(port)
+        run.children.start(f"worker-{i}", "worker", "--app-id", run.worker_group, "--metrics-port", str(port),
+                           "--workdir", str(workdir), "--datadir", str(workdir / f"worker-{i}"))
+    for i in range(args.replicas):
+        for w in range(args.tp):
+            port = free_port()
+            run.bridge_ports.append(port)
+            pub = args.base_port + 2 * (i * args.tp + w)  # kvbus.fleet's port rule (1 dp rank)
+            run.children.start(f"bridge-{i}-w{w}", "bridge", "--endpoint", f"tcp://127.0.0.1:{pub}",
+                               "--replay-endpoint", f"tcp://127.0.0.1:{pub + 1}", "--replica", f"replica-{i}",
+                               "--worker-rank", str(w), "--workers", str(args.tp), "--metrics-port", str(port))
+    for kind in ("sink", "worker", "bridge"):
+        run.pids[kind] = [c.proc.pid for c in run.children.started if c.name.startswith(kind)]
+    ok = wait_for(lambda: group_stable(run.settings.bootstrap, run.worker_group, args.workers_procs)
+                  and group_stable(run.settings.bootstrap, run.sink_group, args.sinks), 120, 1.0)
+    check_alive(run)
+    if not ok:
+        raise SystemExit("benchmark: the worker and sink consumer groups did not become stable in 120 s")
+
+
+def group_stable(bootstrap: str, group: str, members: int) -> bool:
+    """Whether consumer group ``group`` is Stable with ``members`` members, each with partitions."""
+    from confluent_kafka import ConsumerGroupState
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # held: the future dies with its client
+    try:
+        desc = admin.describe_consumer_groups([group])[group].result(10)
+    except Exception as e:  # noqa: BLE001 - not there yet
+        log.debug("group %s not described yet: %s", group, e)
+        return False
+    return (desc.state == ConsumerGroupState.STABLE and len(desc.members) == members
+            and all(m.assignment.topic_partitions for m in desc.members))
+
+
+def start_fleet(run: Run, args: argparse.Namespace, rungs: list[tuple[float, float]], probe_log: Path,
+                manifest: Path) -> None:
+    """The load generator, playing ``rungs`` ((fleet events/s, seconds)) with probes."""
+    schedule = ",".join(f"{r:g}:{s:g}" for r, s in rungs)
+    child = run.children.start("fleet", "fleet", "--replicas", str(args.replicas), "--workers", str(args.tp),
+                               "--base-port", str(args.base_port), "--schedule", schedule, "--seed", str(args.seed),
+                               "--clear-rate", "0", "--probe-every", str(args.probe_every),
+                               "--probe-log", str(probe_log), "--manifest", str(manifest))
+    run.pids["fleet"] = [child.proc.pid]
+
+
+def service_pids(redis_url: str) -> dict[str, list[int]]:
+    """Pids of the stack's Kafka brokers and registry (infra's pid files) and of Redis (INFO)."""
+    from infra.procs import read_pid
+    from infra.settings import Paths
+
+    run_dir = Paths().run
+    pids: dict[str, list[int]] = {"kafka": [], "registry": [], "redis": []}
+    for pf in sorted(run_dir.glob("*.pid")):
+        rec = read_pid(pf)
+        if rec is None:
+            continue
+        if pf.name.startswith("kafka"):
+            pids["kafka"].append(rec.pid)
+        elif pf.name.startswith("registry"):
+            pids["registry"].append(rec.pid)
+    pids["redis"] = [int(redis.Redis.from_url(redis_url).info("server")["process_id"])]
+    return pids
+
+
+def check_alive(run: Run) -> None:
+    dead = [c for c in run.children.dead() if c.name != "fleet"]
+    if dead:
+        tails = "\n".join(f"--- {c.name} (exit {c.proc.returncode}):\n{c.log_path.read_text(errors='replace')[-2000:]}"
+                          for c in dead)
+        raise SystemExit(f"benchmark: a stage stopped unexpectedly\n{tails}")
+
+
+def cleanup(run: Run) -> None:
+    """Delete the run's topics (changelog included) and Redis keys."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": run.settings.bootstrap})
+    ours = [t for t in admin.list_topics(timeout=10).topics if t.startswith(run.run_id)]
+    for fut in admin.delete_topics(ours, operation_timeout=30).values() if ours else ():
+        try:
+            fut.result(30)
+        except Exception:  # noqa: BLE001 - a leftover topic is harmless
+            pass
+    r = redis.Redis.from_url(run.settings.redis_url)
+    batch = []
+    for key in r.scan_iter(match=f"{run.prefix}*", count=1000):
+        batch.append(key)
+        if len(batch) >= 1000:
+            r.unlink(*batch)
+            batch.clear()
+    if batch:
+        r.unlink(*batch)
+
+
+# -- measuring --------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    """Counters at one instant (monotonic time ``t``)."""
+
+    t: float
+    acked: float
+    """Events in raw records Kafka acknowledged to the bridges (worker reports)."""
+    raw_records: float
+    """Raw records acknowledged."""
+    consolidated: float
+    applied: float
+    cpu: dict[str, float]
+    """Kind -> CPU seconds so far (sum over its processes)."""
+    per_proc: dict[str, tuple[float, float]]
+    """``worker-i`` -> (worker reports applied, CPU seconds); ``sink-i`` -> (records read, CPU seconds)."""
+    lag_raw: Optional[int] = None
+    lag_blocks: Optional[int] = None
+
+
+class Sampler(threading.Thread):
+    """Reads every stage's counters, consumer lag and CPU once a second."""
+
+    def __init__(self, run: Run, every: float = 1.0) -> None:
+        super().__init__(name="sampler", daemon=True)
+        self.run_ = run
+        self.every = every
+        self.samples: list[Sample] = []
+        self.stop = threading.Event()
+
+    def take(self) -> Sample:
+        run = self.run_
+        cpu = {kind: sum(cpu_seconds(p) for p in run.pids.get(kind, [])) for kind in KINDS if kind != "bench"}
+        cpu["bench"] = cpu_seconds(os.getpid())
+        per_proc = {}
+        for i, (port, pid) in enumerate(zip(run.worker_ports, run.pids.get("worker", []))):
+            per_proc[f"worker-{i}"] = (scrape(port, r"kvbus_streams_reports_total"), cpu_seconds(pid))
+        for i, (port, pid) in enumerate(zip(run.sink_ports, run.pids.get("sink", []))):
+            per_proc[f"sink-{i}"] = (scrape(port, r"kvbus_sink_records_total"), cpu_seconds(pid))
+        s = Sample(
+            t=time.monotonic(),
+            acked=sum(scrape(p, r"kvbus_bridge_events_acked_total") for p in run.bridge_ports),
+            raw_records=sum(scrape(p, r"kvbus_bridge_batches_acked_total") for p in run.bridge_ports),
+            consolidated=sum(scrape(p, r"kvbus_streams_(consolidated|passthrough)_total") for p in run.worker_ports),
+            applied=sum(scrape(p, r"kvbus_sink_events_applied_total") for p in run.sink_ports),
+            cpu=cpu, per_proc=per_proc,
+        )
+        t = run.settings.topics
+        try:
+            s.lag_raw = group_lag(run.settings.bootstrap, run.worker_group, re.escape(t.raw))
+            s.lag_blocks = group_lag(run.settings.bootstrap, run.sink_group, t.blocks_pattern()[1:])
+        except Exception:  # noqa: BLE001 - coordinator moving: this sample has no lag
+            pass
+        return s
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            self.samples.append(self.take())
+            self.stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
+
+    def between(self, t0: float, t1: float) -> list[Sample]:
+        return [s for s in self.samples if t0 <= s.t <= t1]
+
+
+class Prober:
+    """Follows the fleet's probe log and finds each probe in the view with lookups."""
+
+    def __init__(self, path: Path, store: RedisStore) -> None:
+        self.path = path
+        self.store = store
+        self.rungs: list[dict[str, Any]] = []
+        """Rung starts as the fleet logged them."""
+        self.ended = False
+        self.published: dict[bytes, float] = {}
+        """Probe hash -> publication time."""
+        self.seen: dict[bytes, float] = {}
+        """Probe hash -> time the first lookup that found it returned."""
+        self._outstanding: list[bytes] = []
+        self._offset = 0
+        self._partial = b""
+
+    def _read_log(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            rec = json.loads(line)
+            if "probe" in rec:
+                h = bytes.fromhex(rec["probe"])
+                self.published[h] = rec["t"]
+                self._outstanding.append(h)
+            elif "rung" in rec:
+                self.rungs.append(rec)
+            elif rec.get("end"):
+                self.ended = True
+
+    def poll(self, limit: int = 32) -> None:
+        """One pass: read new log lines, look up (at most ``limit`` of) the oldest outstanding probes."""
+        self._read_log()
+        for h in self._outstanding[:limit]:
+            if self.store.lookup([h]):
+                self.seen[h] = time.monotonic()
+        if self.seen:
+            self._outstanding = [h for h in self._outstanding if h not in self.seen]
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._outstanding)
+
+    def freshness(self, t0: float, t1: float, deadline: float) -> dict[str, Any]:
+        """Freshness (ms) of probes published in [t0, t1); probes not seen by ``deadline`` count as
+        at least ``deadline - publication``."""
+        values, unseen = [], 0
+        for h, tp in self.published.items():
+            if not t0 <= tp < t1:
+                continue
+            ts = self.seen.get(h)
+            if ts is None:
+                unseen += 1
+                ts = deadline
+            values.append((ts - tp) * 1000.0)
+        if not values:
+            return {"probes": 0}
+        values.sort()
+        return {"probes": len(values), "unseen": unseen, "p50_ms": round(quantile(values, 0.5), 1),
+                "p99_ms": round(quantile(values, 0.99), 1), "max_ms": round(values[-1], 1)}
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values (nearest rank)."""
+    i = min(len(sorted_values) - 1, max(0, int(round(q * len(sorted_values) + 0.5)) - 1))
+    return sorted_values[i]
+
+
+# -- one rung's figures -------------------------------------------------------------------
+
+def rung_figures(samples: list[Sample], fresh: dict[str, Any], tp: int, lag_growth: float) -> dict[str, Any]:
+    """Rates, lag, CPU per 1,000 events and the sustained verdict of one steady window."""
+    if len(samples) < 2:
+        return {"error": "fewer than 2 samples in the window"}
+    a, b = samples[0], samples[-1]
+    dt = b.t - a.t
+    offered = (b.acked - a.acked) / tp / dt
+    out: dict[str, Any] = {
+        "offered_ev_s": round(offered),
+        "reports_s": round((b.acked - a.acked) / dt),
+        "consolidated_ev_s": round((b.consolidated - a.consolidated) / dt),
+        "applied_ev_s": round((b.applied - a.applied) / dt),
+        "freshness": fresh,
+    }
+    bounded = True
+    for hop, written in (("raw", b.raw_records - a.raw_records), ("blocks", b.consolidated - a.consolidated)):
+        lags = [getattr(s, f"lag_{hop}") for s in samples if getattr(s, f"lag_{hop}") is not None]
+        if len(lags) < 3:
+            out[f"lag_{hop}"] = None
+            bounded = False
+            continue
+        third = max(1, len(lags) // 3)
+        first, last = statistics.mean(lags[:third]), statistics.mean(lags[-third:])
+        growth = (last - first) / max(written, 1.0)
+        out[f"lag_{hop}"] = {"start": round(first), "end": round(last), "max": max(lags), "growth": round(growth, 3)}
+        bounded = bounded and growth <= lag_growth
+    p99 = fresh.get("p99_ms")
+    out["sustained"] = bool(bounded and p99 is not None and p99 < 1000.0 and not fresh.get("unseen"))
+    events = max((b.acked - a.acked) / tp, 1.0)
+    out["cpu_s_per_1k_events"] = {k: round((b.cpu[k] - a.cpu[k]) / events * 1000.0, 4) for k in KINDS}
+    out["cpu_cores"] = {k: round((b.cpu[k] - a.cpu[k]) / dt, 3) for k in KINDS}
+    shares: dict[str, Any] = {}
+    for name in a.per_proc:
+        (r0, c0), (r1, c1) = a.per_proc[name], b.per_proc.get(name, a.per_proc[name])
+        shares[name] = {"records_s": round((r1 - r0) / dt), "cpu_cores": round((c1 - c0) / dt, 3)}
+    out["per_process"] = shares
+    return out
+
+
+def rung_line(name: str, fig: dict[str, Any]) -> str:
+    f = fig.get("freshness", {})
+    lr, lb = fig.get("lag_raw") or {}, fig.get("lag_blocks") or {}
+    cpu = fig.get("cpu_cores", {})
+    return (f"{name:>8} | offered {fig.get('offered_ev_s', 0):>7} ev/s | consolidated {fig.get('consolidated_ev_s', 0):>7}"
+            f" | applied {fig.get('applied_ev_s', 0):>7} | fresh p50/p99/max {f.get('p50_ms', '-')}/{f.get('p99_ms', '-')}"
+            f"/{f.get('max_ms', '-')} ms ({f.get('probes', 0)} probes, {f.get('unseen', 0)} unseen)"
+            f" | lag raw {lr.get('end', '?')} blocks {lb.get('end', '?')}"
+            f" | cores " + " ".join(f"{k}={v:.2f}" for k, v in cpu.items() if v >= 0.005)
+            + (" | SUSTAINED" if fig.get("sustained") else " | not sustained"))
+
+
+# -- exactness ------------------------------------------------------------------------------
+
+def view_matches_truth(store: RedisStore, manifest: Path) -> tuple[bool, list[str]]:
+    """Compare the view with the fleet's ground truth: (exact, differences)."""
+    data = json.loads(manifest.read_text())
+    want: dict[str, dict[str, int]] = {}
+    for holder, rep in data["replicas"].items():
+        name = holder[:-2] if holder.endswith("#0") else holder
+        tiers = {}
+        for key, n in rep["tiers"].items():
+            medium, owner = key.split("/", 1)
+            if n:
+                tiers[medium if owner == "None" else f"{medium}@{owner}"] = n
+        if tiers:
+            want[name] = tiers
+    got = {h: {t: n for t, n in tiers.items() if n} for h, tiers in store.summary().items()}
+    got = {h: t for h, t in got.items() if t}
+    diffs = [f"{h}: view {got.get(h)} truth {want.get(h)}" for h in sorted(set(want) | set(got))
+             if got.get(h) != want.get(h)]
+    return not diffs, diffs
+
+
+# -- main ----------------------------------------------------------------------------------
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    args.base_port = free_port_block(2 * args.replicas * args.tp)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from infra import stack
+
+    started_stack = not stack.status().get("ready")
+    if started_stack:
+        print("bringing the stack up ...", flush=True)
+        stack.up()
+    base = Settings.from_env()
+    state_dir = Path(os.environ.get("KVBUS_STATE_DIR", REPO / ".infra"))
+    run = new_run(args, base, state_dir / "logs")
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    rungs = [(0.0, args.idle)]
+    for r in rates:
+        rungs += [(r, args.warmup + args.window), (0.0, args.gap)]
+    probe_log = state_dir / "logs" / f"{run.run_id}-probes.jsonl"
+    manifest = state_dir / "logs" / f"{run.run_id}-manifest.json"
+    print(f"run {run.run_id}: {args.replicas} replicas x TP {args.tp}, {args.workers_procs} worker process(es), "
+          f"{args.sinks} sink process(es), {run.settings.partitions} partitions; logs {run.children.log_dir}/{run.run_id}-*",
+          flush=True)
+    result: dict[str, Any] = {"run": run.run_id, "replicas": args.replicas, "tp": args.tp,
+                              "workers_procs": args.workers_procs, "sinks": args.sinks,
+                              "partitions": run.settings.partitions, "window_s": args.window, "rungs": {}}
+    sampler: Optional[Sampler] = None
+    try:
+        from schemas.registry import register
+
+        register(run.settings.registry_url, run.settings.topics, ("kvcr",))
+        start_stages(run, args)
+        run.pids.update(service_pids(run.settings.redis_url))
+        time.sleep(2.0)  # bridges connected before the first batch (replay would cover the rest)
+        store = RedisStore(run.settings.redis_url, run.prefix, load=False)
+        prober = Prober(probe_log, store)
+        start_fleet(run, args, rungs, probe_log, manifest)
+        sampler = Sampler(run)
+        sampler.start()
+        capacity = play(run, args, rates, rungs, prober, sampler, result)
+        result["sustained_capacity_ev_s"] = capacity
+        drained = drain(run, args, prober, sampler)
+        exact, diffs = view_matches_truth(store, manifest) if manifest.exists() else (False, ["no manifest"])
+        result["drained"] = drained
+        result["view_exact"] = exact
+        print(f"drained: {drained}; view equals the fleet's ground truth: {exact}"
+              + ("" if exact else "\n  " + "\n  ".join(diffs[:10])), flush=True)
+        print(f"sustained capacity: {capacity} offered engine events/s (TP={args.tp}, W={args.workers_procs}, "
+              f"S={args.sinks})", flush=True)
+    finally:
+        if sampler is not None:
+            sampler.stop.set()
+        run.children.stop_all()
+        if not args.keep:
+            cleanup(run)
+        if started_stack:
+            stack.down()
+    print(json.dumps(result))
+    return 0
+
+
+def free_port_block(n: int) -> int:
+    """A base port with ``n`` consecutive free ports after it (the fleet binds base..base+n-1)."""
+    import socket
+
+    for base in range(21000, 60000, 500):
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise SystemExit(f"no {n} consecutive free ports")
+
+
+def play(run: Run, args: argparse.Namespace, rates: list[float], rungs: list[tuple[float, float]],
+         prober: Prober, sampler: Sampler, result: dict[str, Any]) -> Optional[int]:
+    """Follow the fleet through its rungs, probing all along; returns the sustained capacity."""
+    capacity: Optional[int] = None
+    done = 0  # rungs reported
+    fleet = next(c for c in run.children.started if c.name == "fleet")
+    last_check = 0.0
+    while done < len(rungs):
+        prober.poll()
+        now = time.monotonic()
+        if now - last_check > 1.0:
+            last_check = now
+            check_alive(run)
+            if fleet.proc.poll() is not None and not prober.ended:
+                raise SystemExit(f"benchmark: the fleet exited with {fleet.proc.returncode} (log {fleet.log_path})")
+        time.sleep(0.001 if prober.outstanding else 0.0005)
+        # a rung is reported once the next rung has started and its probes had the gap to show up
+        if done + 1 < len(prober.rungs) or (prober.ended and done < len(prober.rungs)):
+            start = prober.rungs[done]["t"]
+            rate, seconds = rungs[done]
+            end = start + seconds
+            settle = end + (args.gap if rate > 0 else 0.5)
+            if now < settle:
+                continue
+            is_idle = rate == 0
+            t0 = start if is_idle else start + args.warmup
+            name = "idle" if is_idle else f"{rates[(done - 1) // 2]:g}"
+            if is_idle and done > 0:
+                done += 1  # the gap after a rung: its probes belong to the rung before
+                continue
+            fresh = prober.freshness(t0, end, now)
+            fig = rung_figures(sampler.between(t0, end), fresh, args.tp, args.lag_growth)
+            fig["target_ev_s"] = 0 if is_idle else rates[(done - 1) // 2]
+            result["rungs"][name] = fig
+            print(rung_line(name, fig), flush=True)
+            if not is_idle:
+                if fig.get("sustained"):
+                    capacity = max(capacity or 0, fig["offered_ev_s"])
+                elif not args.keep_going:
+                    print("  not sustained: stopping the ladder (--keep-going plays every rung)", flush=True)
+                    run.children.stop(fleet)
+                    return capacity
+            done += 1
+    return capacity
+
+
+def drain(run: Run, args: argparse.Namespace, prober: Prober, sampler: Sampler) -> bool:
+    """Wait for the fleet's end and for both hops to commit everything; returns whether they did."""
+    fleet = next(c for c in run.children.started if c.name == "fleet")
+    try:
+        fleet.proc.wait(timeout=60)
+    except Exception:  # noqa: BLE001
+        run.children.stop(fleet)
+
+    def settled() -> bool:
+        check_alive(run)
+        recent = sampler.samples[-3:]
+        return (len(recent) == 3 and all(s.lag_raw == 0 and s.lag_blocks == 0 for s in recent)
+                and recent[0].applied == recent[-1].applied)
+
+    return wait_for(settled, args.drain_timeout, 1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
