@@ -78,3 +78,29 @@ def test_scanned_events_have_the_identity_and_bytes_of_decoded_ones(batch):
         b = BlockEvent(replica="r", epoch=1, seq=2, index=3, ts=4.0, event=ev)
         assert CODEC.encode(a, "codec.scan") == SERDES["BlockEvent"].dumps(b, "codec.scan")
         assert Codec(REGISTRY, fast=False).encode(a, "codec.scan") == SERDES["BlockEvent"].dumps(b, "codec.scan")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches, st.integers(2, 4), st.integers(0, 2**40))
+def test_other_workers_reports_decode_like_the_first(batch, workers, first_index):
+    """SharedScan: the records of all TP workers of one batch (same events, other header) decode
+    exactly as each would alone."""
+    serde = SERDES["EventBatch"]
+    codec = Codec(REGISTRY)
+    for rank in range(workers):
+        b = msgspec.structs.replace(batch, workers=workers, worker_rank=rank, epoch=(batch.epoch + rank) % 2**62,
+                                    first_index=first_index if rank else batch.first_index)
+        data = serde.dumps(b, "codec.raw")
+        assert codec.decode(data, "codec.raw") == CODEC.decode(data, "codec.raw")
+        assert serde.loads(data, "codec.raw") == b
+    # a record sharing the events bytes of a kept list but with a trailing byte decodes (or fails)
+    # as it does without any list kept
+    codec.decode(serde.dumps(msgspec.structs.replace(batch, workers=workers), "codec.raw"), "codec.raw")
+    odd = serde.dumps(msgspec.structs.replace(batch, workers=workers, worker_rank=workers - 1), "codec.raw") + b"\x00"
+    outcomes = []
+    for c in (codec, Codec(REGISTRY)):
+        try:
+            outcomes.append(c.decode(odd, "codec.raw"))
+        except Exception as exc:
+            outcomes.append(type(exc))
+    assert outcomes[0] == outcomes[1]
