@@ -20,8 +20,9 @@ Keys (P = prefix)
   P B:<bucket>           HASH  block table: field raw (8 bytes) -> packed members (3 bytes each, big-endian,
                                sorted ascending), or "" when the block is "wide" (its members live in P W:<raw>)
   P W:<raw>              STRING members of a wide block, packed and sorted the same way
-  P H:<hid>              HASH  holder state: p:<topic> -> "epoch seq index" (applied position),
-                               f -> reset floor epoch, t:<code> -> "n L S origin_topic" per tier held
+  P H:<hid>              HASH  holder state, binary values (struct formats POS, TSTATE, FLOOR below):
+                               p:<topic> -> epoch, seq, index (applied position), f -> reset floor epoch,
+                               t:<code> -> n, L, S of its index, then the origin topic, per tier held
   P I:<hid>:<code>:<b>   STRING per (holder, tier) index of its blocks: a toggle log of raws (8 bytes each);
                                a raw is in the index iff it occurs an odd number of times in its bucket
   P R:<hid>:<code>       HASH  extra reference counts (count - 1) of ref-counted tiers: raw -> n
@@ -51,7 +52,8 @@ local INDEX_LOAD = 1024    -- live index records per bucket on average (split th
 local INDEX_SLACK = 64     -- garbage records a bucket may carry beyond its expected live size
 local WIDE = 60            -- packed value bytes beyond which a block becomes wide (hash-max-listpack-value >= 64)
 local LAYOUT = '3'         -- key layout version (meta field layout); 2: sorted member strings, wide = STRING;
-                           -- 3: the per (holder, tier) index is a toggle log of raws in STRING buckets
+                           -- 3: the per (holder, tier) index is a toggle log of raws in STRING buckets,
+                           -- holder state values are binary (struct)
 local rcall -- redis.call, set by each entry point (redis.call is not reachable while the library loads)
 local byte, sub -- string.byte, string.sub, set likewise
 local PAD_LEN = 1100 -- > hash-max-listpack-value: see holder_id
@@ -63,13 +65,6 @@ local floor -- math.floor, set by each entry point (math is not reachable while 
 local function lo32(r)
   local b5, b6, b7, b8 = string.byte(r, 5, 8)
   return ((b5 * 256 + b6) * 256 + b7) * 256 + b8
-end
-
--- bucket of x in a linear-hashing table with m = 2^L and split pointer S
-local function lh_bucket(x, m, S)
-  local b = x % m
-  if b < S then b = x % (m * 2) end
-  return b
 end
 
 local function pack3(m)
@@ -171,8 +166,10 @@ local function split_block_bucket(c)
   local new = bucket_key(c, c.S + m)
   local all = rcall('HGETALL', old)
   local set, del = {}, {}
+  local m2 = m * 2
   for k = 1, #all, 2 do
-    if lo32(all[k]) % (m * 2) >= m then
+    local b5, b6, b7, b8 = byte(all[k], 5, 8)
+    if (((b5 * 256 + b6) * 256 + b7) * 256 + b8) % m2 >= m then
       set[#set + 1] = all[k]; set[#set + 1] = all[k + 1]; del[#del + 1] = all[k]
     end
   end
@@ -289,38 +286,76 @@ local function tier_code(c, desc, rc, create)
   return code, flag
 end
 
+-- Strings of a holder and of its (holder, tier) pairs, kept between calls (they depend only on the
+-- prefix and the ids; building them cost ~1.5 us per tier per call): NAMES[P][member] =
+-- {index key prefix, ref-count key, holder-state field, packed member, {bucket -> index bucket key}},
+-- NAMES[P][-1 - hid] = state key
+local NAMES, nnames = {}, 0
+
+-- the names cache of prefix P (all of it is dropped past 65536 entries: a bound, not a working set)
+local function names_of(P)
+  if nnames >= 65536 then NAMES, nnames = {}, 0 end
+  local byp = NAMES[P]
+  if not byp then
+    byp = {}
+    NAMES[P] = byp
+  end
+  return byp
+end
+
+local function holder_key(c, hid)
+  local byp = names_of(c.P)
+  local k = byp[-1 - hid]
+  if not k then k = c.P .. 'H:' .. hid; byp[-1 - hid] = k; nnames = nnames + 1 end
+  return k
+end
+
 -- derived fields of a (holder, tier) index state t: m = 2^L, split threshold, key prefix
 local function tier_init(c, hid, code, t)
+  local member = hid * K + code
+  local byp = names_of(c.P)
+  local nm = byp[member]
+  if not nm then
+    nm = {c.P .. 'I:' .. hid .. ':' .. code .. ':', c.P .. 'R:' .. hid .. ':' .. code, 't:' .. code, pack3(member), {}}
+    byp[member] = nm
+    nnames = nnames + 1
+  end
   t.m = 2 ^ t.L
   t.cap = INDEX_LOAD * (t.m + t.S)
-  t.IP = c.P .. 'I:' .. hid .. ':' .. code .. ':'
-  t.kc = {}                    -- bucket -> key, for this call
+  t.IP = nm[1]                 -- index bucket key prefix
+  t.rkey = nm[2]               -- its reference counts
+  t.field = nm[3]              -- its field in the holder state
+  t.packed = nm[4]             -- member, 3 bytes
+  t.member = member
+  t.kc = nm[5]                 -- bucket -> index bucket key
   t.pend = {}                  -- toggles (raws) of this call not yet appended to the index (index_flush)
   t.fresh = true               -- whether its last stored block was new to the block table (block_add)
-  t.field = 't:' .. code       -- its field in the holder state
-  t.member = hid * K + code
-  t.packed = pack3(t.member)
-  t.rkey = c.P .. 'R:' .. hid .. ':' .. code
   return t
 end
 
+local POS = '>ddd'    -- holder state p:<topic>: epoch, seq, index
+local TSTATE = '>dI4I4' -- holder state t:<code>: n, L, S, then the origin topic (after TSTATE_LEN bytes)
+local TSTATE_LEN = 16
+local FLOOR = '>d'    -- holder state f: the reset floor epoch
+
 -- Holder state: {hid, key, pos = {topic -> {e, s, i}}, floor, tiers = {code -> {n, L, S, origin}}, dirty, gone}
 local function holder_load(c, hid)
-  local h = {hid = hid, key = c.P .. 'H:' .. hid, pos = {}, floor = -1, tiers = {}, dirty = {}, gone = {},
+  local h = {hid = hid, key = holder_key(c, hid), pos = {}, floor = -1, tiers = {}, dirty = {}, gone = {},
     ptouched = {}}
-  local all = redis.call('HGETALL', h.key)
+  local all = rcall('HGETALL', h.key)
+  local unpack_ = struct.unpack
   for k = 1, #all, 2 do
     local f, v = all[k], all[k + 1]
-    local kind, rest = string.sub(f, 1, 2), string.sub(f, 3)
-    if kind == 'p:' then
-      local e, s, i = string.match(v, '^(%S+) (%S+) (%S+)$')
-      h.pos[rest] = {tonumber(e), tonumber(s), tonumber(i)}
-    elseif kind == 't:' then
-      local n, L, S, o = string.match(v, '^(%d+) (%d+) (%d+) (.*)$')
-      local code = tonumber(rest)
-      h.tiers[code] = tier_init(c, hid, code, {n = tonumber(n), L = tonumber(L), S = tonumber(S), o = o})
+    local kind = byte(f, 1)
+    if kind == 112 then -- p:<topic>
+      local e, s, i = unpack_(POS, v)
+      h.pos[sub(f, 3)] = {e, s, i}
+    elseif kind == 116 then -- t:<code>
+      local n, L, S = unpack_(TSTATE, v)
+      local code = tonumber(sub(f, 3))
+      h.tiers[code] = tier_init(c, hid, code, {n = n, L = L, S = S, o = sub(v, TSTATE_LEN + 1)})
     elseif f == 'f' then
-      h.floor = tonumber(v)
+      h.floor = unpack_(FLOOR, v)
     end
   end
   return h
@@ -330,17 +365,16 @@ local function holder_save(h)
   local set = {}
   for topic, _ in pairs(h.ptouched) do
     local p = h.pos[topic]
-    set[#set + 1] = 'p:' .. topic; set[#set + 1] = string.format('%.0f %.0f %.0f', p[1], p[2], p[3])
+    set[#set + 1] = 'p:' .. topic; set[#set + 1] = struct.pack(POS, p[1], p[2], p[3])
   end
   for f, _ in pairs(h.dirty) do
-    local kind, rest = string.sub(f, 1, 2), string.sub(f, 3)
-    if kind == 't:' then
-      local t = h.tiers[tonumber(rest)]
+    if f == 'f' then
+      set[#set + 1] = f; set[#set + 1] = struct.pack(FLOOR, h.floor)
+    else -- t:<code>
+      local t = h.tiers[tonumber(sub(f, 3))]
       if t then
-        set[#set + 1] = f; set[#set + 1] = string.format('%.0f %d %d %s', t.n, t.L, t.S, t.o)
+        set[#set + 1] = f; set[#set + 1] = struct.pack(TSTATE, t.n, t.L, t.S) .. t.o
       end
-    elseif f == 'f' then
-      set[#set + 1] = f; set[#set + 1] = string.format('%.0f', h.floor)
     end
   end
   if #set > 0 then redis.call('HSET', h.key, unpack(set)) end
@@ -372,26 +406,44 @@ local function index_write(key, list)
   if #list == 0 then rcall('DEL', key) else rcall('SET', key, table.concat(list)) end
 end
 
--- split bucket S of index t into S and S + m (compacting both)
-local function split_index_bucket(t)
-  local m = t.m
-  local old, new = t.IP .. t.S, t.IP .. (t.S + m)
+-- the records of toggle log s whose hash has bit L set (x mod 2m >= m), and the others: (moved, stay),
+-- cut in runs of consecutive records going the same way. All records of one raw go the same way, so
+-- both logs keep their parity (garbage moves along; index_append compacts it)
+local function index_partition(s, m)
   local stay, moved = {}, {}
-  for _, r in ipairs(index_live(rcall('GET', old) or '')) do
-    if lo32(r) % (m * 2) >= m then moved[#moved + 1] = r else stay[#stay + 1] = r end
+  local m2 = 2 * m
+  local j, n = 1, #s
+  while j <= n do
+    local b5, b6, b7, b8 = byte(s, j + 4, j + 7)
+    local up = (((b5 * 256 + b6) * 256 + b7) * 256 + b8) % m2 >= m
+    local k = j + 8
+    while k <= n do
+      b5, b6, b7, b8 = byte(s, k + 4, k + 7)
+      if ((((b5 * 256 + b6) * 256 + b7) * 256 + b8) % m2 >= m) ~= up then break end
+      k = k + 8
+    end
+    if up then moved[#moved + 1] = sub(s, j, k - 1) else stay[#stay + 1] = sub(s, j, k - 1) end
+    j = k
   end
-  index_write(old, stay)
-  if #moved > 0 then rcall('SET', new, table.concat(moved)) end
-  t.S = t.S + 1
-  if t.S >= m then t.L = t.L + 1; t.S = 0; t.m = m * 2 end
-  t.cap = INDEX_LOAD * (t.m + t.S)
-  t.kc = {}
+  return table.concat(moved), table.concat(stay)
 end
 
 local function index_key(t, b)
   local k = t.kc[b]
   if not k then k = t.IP .. b; t.kc[b] = k end
   return k
+end
+
+-- split bucket S of index t into S and S + m
+local function split_index_bucket(t)
+  local m = t.m
+  local old, new = index_key(t, t.S), index_key(t, t.S + m)
+  local moved, stay = index_partition(rcall('GET', old) or '', m)
+  if stay == '' then rcall('DEL', old) else rcall('SET', old, stay) end
+  if moved ~= '' then rcall('SET', new, moved) end
+  t.S = t.S + 1
+  if t.S >= m then t.L = t.L + 1; t.S = 0; t.m = m * 2 end
+  t.cap = INDEX_LOAD * (t.m + t.S)
 end
 
 -- records bucket b of index t may hold before it is compacted: twice its expected live count
@@ -418,9 +470,13 @@ local function index_flush(t)
   local m, S = t.m, t.S
   if m == 1 and S == 0 then index_append(t, 0, pend); return end
   local groups, order = {}, {}
+  local m2 = 2 * m
   for j = 1, np do
     local r = pend[j]
-    local b = lh_bucket(lo32(r), m, S)
+    local b5, b6, b7, b8 = byte(r, 5, 8)
+    local x = ((b5 * 256 + b6) * 256 + b7) * 256 + b8
+    local b = x % m
+    if b < S then b = x % m2 end
     local g = groups[b]
     if not g then g = {}; groups[b] = g; order[#order + 1] = b end
     g[#g + 1] = r
@@ -436,7 +492,7 @@ local function clear_tier(c, h, code)
   local m = h.hid * K + code
   local removed = 0
   for b = 0, t.m + t.S - 1 do
-    local key = t.IP .. b
+    local key = index_key(t, b)
     local s = rcall('GET', key)
     if s then
       for _, raw in ipairs(index_live(s)) do
