@@ -13,6 +13,11 @@ Needs the stack (``infra/stack status``). For each tensor-parallel degree it
    through a plain ``collections.Counter`` per engine step like vLLM's KVEventAggregator
    (the baseline), and reports faust/baseline as a ratio.
 
+With ``--latency N`` it then measures freshness at low load: a fresh worker, one engine step
+(every worker's record) every 50 ms for N steps, each produced at once (no linger); the latency
+of a step is from producing its last worker record to consuming its first consolidated event
+from ``kvbus.blocks`` (worker batch wait, aggregation, output linger and delivery included).
+
 The last line is one JSON object with all figures.
 """
 from __future__ import annotations
@@ -103,6 +108,12 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def ensure_topics(settings: Settings, names: list[str]) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -149,6 +160,7 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
             now = time.perf_counter()
             if first is None and reports > 0:
                 first = (now, reports)
+                cpu_first = cpu_seconds(proc.pid)
             if m.get("kvbus_streams_consolidated_total", 0.0) >= want:
                 break
             if proc.poll() is not None:
@@ -157,18 +169,97 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
         else:
             raise RuntimeError("timed out")
         end = time.perf_counter()
+        cpu = cpu_seconds(proc.pid) - cpu_first
         t_first, r_first = first
         elapsed = end - t_first
         # the scrape that saw the first reports missed up to one poll of work: count from there
         rate = (total_reports - r_first) / elapsed if elapsed > 0 else float("inf")
+        records = (total_reports - r_first) / (total_reports / len(trace))
         return {"reports": total_reports, "seconds": round(elapsed, 3), "reports_per_s": round(rate),
-                "consolidated": want}
+                "consolidated": want, "cpu_us_per_raw_record": round(1e6 * cpu / records, 1)}
     finally:
         proc.terminate()
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def start_worker(settings: Settings, topics: Topics, workdir: Path, suffix: str, port: int) -> subprocess.Popen:
+    """One ``python -m streams worker`` on ``topics`` with metrics on ``port``."""
+    s = settings
+    env = dict(os.environ, KVBUS_BOOTSTRAP=s.bootstrap, KVBUS_REGISTRY_URL=s.registry_url,
+               KVBUS_PARTITIONS=str(s.partitions), KVBUS_TOPIC_RAW=topics.raw, KVBUS_TOPIC_BLOCKS=topics.blocks,
+               KVBUS_TOPIC_INCOMPLETE=topics.incomplete, KVBUS_TOPIC_DLQ=topics.dlq,
+               KVBUS_STREAMS_APP_ID=f"bench-{suffix}", KVBUS_STREAMS_DATADIR=str(workdir / suffix),
+               KVBUS_STREAMS_WINDOW="600", KVBUS_STREAMS_METRICS_PORT=str(port))
+    log = open(workdir / f"worker-{suffix}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "streams", "worker", "-l", "info"], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def latency(settings: Settings, steps: int, workers: int, workdir: Path) -> dict:
+    """Freshness at low load (module doc): milliseconds from a step's last raw record to its
+    first consolidated event, as p50 / p90 / p99 / max over ``steps`` steps."""
+    from confluent_kafka import Consumer
+
+    suffix = uuid.uuid4().hex[:8]
+    topics = Topics(raw=f"lat{suffix}.raw", blocks=f"lat{suffix}.blocks",
+                    incomplete=f"lat{suffix}.incomplete", dlq=f"lat{suffix}.dlq")
+    ensure_topics(settings, [topics.raw, topics.blocks, topics.incomplete, topics.dlq])
+    spec = TraceSpec(replicas=1, workers=workers, steps=steps + 20, events_per_batch=8, tier=None,
+                     prefix=f"lat{suffix}", seed=1)
+    by_step: dict[int, list] = defaultdict(list)
+    for b in batches(spec):
+        by_step[b.seq].append(b)
+    registry = registry_client(settings.registry_url)
+    serde, out_serde = RecordSerde(registry, "EventBatch"), RecordSerde(registry, "BlockEvent")
+    producer = Producer({"bootstrap.servers": settings.bootstrap, "linger.ms": 0})
+    consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"lat-{suffix}",
+                         "auto.offset.reset": "earliest", "fetch.wait.max.ms": 5})
+    consumer.subscribe([topics.blocks])
+    port = free_port()
+    proc = start_worker(settings, topics, workdir, suffix, port)
+    sent: dict[int, float] = {}
+    seen: dict[int, float] = {}
+    try:
+        for warm in range(20):  # until the worker consolidates (group join, recovery)
+            for b in by_step[warm]:
+                producer.produce(topics.raw, serde.dumps(b, topics.raw), holder_key(b.replica, b.dp_rank).encode())
+            producer.flush()
+        deadline = time.time() + 120
+        while time.time() < deadline and scrape(port).get("kvbus_streams_consolidated_total", 0) < 8 * 20:
+            consumer.poll(0.1)
+        for step in range(20, steps + 20):
+            next_at = time.perf_counter() + 0.05
+            for b in by_step[step]:
+                producer.produce(topics.raw, serde.dumps(b, topics.raw), holder_key(b.replica, b.dp_rank).encode())
+            producer.poll(0)
+            sent[step] = time.perf_counter()
+            producer.flush()
+            while (left := next_at - time.perf_counter()) > 0:
+                msg = consumer.poll(left)
+                if msg is not None and msg.error() is None:
+                    seq = out_serde.loads(msg.value(), msg.topic()).seq
+                    seen.setdefault(seq, time.perf_counter())
+        end = time.time() + 5
+        while time.time() < end and not set(sent) <= set(seen):
+            msg = consumer.poll(0.1)
+            if msg is not None and msg.error() is None:
+                seen.setdefault(out_serde.loads(msg.value(), msg.topic()).seq, time.perf_counter())
+    finally:
+        consumer.close()
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    ms = sorted(1000 * (seen[k] - t) for k, t in sent.items() if k in seen)
+    if not ms:
+        raise RuntimeError("no consolidated event seen")
+    pick = lambda q: round(ms[min(len(ms) - 1, int(q * len(ms)))], 1)  # noqa: E731
+    return {"steps": len(sent), "seen": len(ms), "p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99),
+            "max_ms": round(ms[-1], 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events", type=int, default=8, help="events per engine step (per worker batch)")
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--workdir", help="keep worker logs and data here (default: a temporary directory)")
+    p.add_argument("--latency", type=int, default=0, metavar="STEPS",
+                   help="also measure freshness at low load over this many steps (TP of the first --tp)")
     args = p.parse_args(argv)
     settings = Settings.from_env()
     results: dict = {"target_reports_per_s": TARGET, "events_per_batch": args.events, "replicas": args.replicas,
@@ -200,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             r = {
                 "faust_worker_reports_per_s": f["reports_per_s"],
                 "faust_worker_seconds": f["seconds"],
+                "faust_worker_cpu_us_per_raw_record": f["cpu_us_per_raw_record"],
                 "aggregation_module_reports_per_s": round(reports / a_s),
                 "vllm_counter_reports_per_s": round(reports / c_s),
                 "faust_over_counter": round(f["reports_per_s"] / (reports / c_s), 4),
@@ -208,9 +302,15 @@ def main(argv: list[str] | None = None) -> int:
                 "meets_target": f["reports_per_s"] >= TARGET,
             }
             results[f"tp{tp}"] = r
-            print(f"  faust worker {r['faust_worker_reports_per_s']:,} reports/s; aggregation module alone "
+            print(f"  faust worker {r['faust_worker_reports_per_s']:,} reports/s "
+                  f"({r['faust_worker_cpu_us_per_raw_record']} CPU us per raw record); aggregation module alone "
                   f"{r['aggregation_module_reports_per_s']:,}/s; vLLM Counter {r['vllm_counter_reports_per_s']:,}/s; "
                   f"ratio faust/counter {r['faust_over_counter']}", flush=True)
+        if args.latency:
+            lat = latency(settings, args.latency, args.tp[0], Path(tmp))
+            results[f"latency_tp{args.tp[0]}"] = lat
+            print(f"  low load, TP={args.tp[0]}: last raw record -> first consolidated event p50 {lat['p50_ms']} ms, "
+                  f"p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms ({lat['seen']} of {lat['steps']} steps)", flush=True)
     results["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(results))
     return 0

@@ -572,6 +572,12 @@ def meta_key(holder: str) -> bytes:
     return holder.encode() + _SEP
 
 
+def is_meta_key(key: bytes) -> bool:
+    """Whether a store key is a holder's meta (:func:`meta_key`) rather than an aggregate entry
+    (holder names never contain NUL: :func:`check`)."""
+    return key.find(_SEP) == len(key) - 1
+
+
 def aggregate_key(holder: str, ident: bytes) -> bytes:
     """Store key of a holder's open aggregates of one identity: ``<holder>\\0<identity>``."""
     return holder.encode() + _SEP + ident

@@ -11,7 +11,8 @@ the metrics. Each batch of raw records (and each expiry sweep) goes through:
    write the snapshot to the Faust table (changelog), then ack the batch's raw records.
 
 Step 3 runs in a completion task, so the next batch is decoded while this one is delivered
-(at most ``MAX_INFLIGHT`` batches wait). Faust only commits acked offsets and flushes its
+(at most ``MAX_INFLIGHT`` batches wait); batches delivered by the same time are completed
+together, their state changes merged (the last value of each key: fewer table writes). Faust only commits acked offsets and flushes its
 producer (the changelog) before committing. Hence: a table entry never describes a record
 whose outputs could still be lost, and a committed record's state is in the changelog. After
 a crash the new owner restores the table and replays from the committed offset; what the
@@ -34,15 +35,22 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from schemas.events import DeadLetter, holder_key
 from schemas.serde import registry_client
 from schemas.settings import Settings
-from streams.aggregation import Aggregator, Output, check, load
+from streams.aggregation import Aggregator, Output, check, is_meta_key, load
 from streams.codec import Codec
 from streams.metrics import StreamsMetrics
 from streams.options import StreamsOptions
 
 log = logging.getLogger("kvbus.streams")
 
-MAX_INFLIGHT = 4
-"""Batches whose outputs may be awaiting delivery while the next one is processed."""
+MAX_INFLIGHT = 32
+"""Batches whose outputs may be awaiting delivery while the next one is processed (batches are
+small at low load: a few milliseconds of records each, so a delivery round trip spans several)."""
+
+PERSIST_EVERY = 0.02
+"""Seconds delivered batches may wait to be completed together: their state changes are merged
+(the last value of each key) into one set of table writes, then their raw records are acked.
+Outputs are not delayed (they were produced and acknowledged already); offsets are committed
+every second anyway, so this only bounds how many table writes a burst of small batches costs."""
 
 GC_THRESHOLD = (50_000, 20, 100)
 """``gc.set_threshold`` of a worker: the hot path allocates ~10 tracked objects per event, almost
@@ -124,6 +132,12 @@ class Runtime:
         self._partitions: dict[str, int] = {}
         self._contexts: dict[int, _PartitionEvent] = {}
         self._inflight: deque[_Batch] = deque()
+        self._delivered: list[_Batch] = []
+        """Batches whose outputs are all acknowledged, in order, not yet completed."""
+        self._complete_at = 0.0
+        """perf_counter time by which ``_delivered`` is to be completed."""
+        self._draining = False
+        """Complete delivered batches at once (a rebalance is waiting for them)."""
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
         self._completer: Optional[asyncio.Task] = None
@@ -364,37 +378,69 @@ class Runtime:
         producer = self._producer
         while True:
             producer.poll(0)
-            done = False
-            while self._inflight and self._inflight[0].remaining <= 0:
-                b = self._inflight[0]
-                if b.failed:
-                    failed, b.failed = b.failed, []
-                    log.error("%d output records failed (%s); retrying in %.1fs", len(failed), failed[0][4], delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                    b.remaining += len(failed)
-                    for topic, key, value, partition, _ in failed:
-                        self._produce(topic, key, value, partition, b.delivered)
-                    break
-                delay = 0.2
-                self._persist(b.items)
-                for event in b.events:
-                    event.ack()  # the reference the agent took: the final ack, offset committable
-                self._inflight.popleft()
-                done = True
+            done = self._delivered_batches()
             if done:
-                self._progress.set()
-            if not self._inflight:
+                delay = 0.2
+                if not self._delivered:
+                    self._complete_at = time.perf_counter() + PERSIST_EVERY
+                self._delivered.extend(done)
+                self._progress.set()  # fewer batches in flight: the agent may go on
+            if self._delivered and (self._draining or time.perf_counter() >= self._complete_at):
+                self._complete(self._delivered)
+                self._delivered = []
+            head = self._inflight[0] if self._inflight else None
+            if head is not None and head.remaining <= 0 and head.failed:
+                failed, head.failed = head.failed, []
+                log.error("%d output records failed (%s); retrying in %.1fs", len(failed), failed[0][4], delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                head.remaining += len(failed)
+                for topic, key, value, partition, _ in failed:
+                    self._produce(topic, key, value, partition, head.delivered)
+                continue
+            if self._inflight:
+                await asyncio.sleep(0.001)
+            elif self._delivered:
+                self._wake.clear()
+                await self._wait_wake(self._complete_at - time.perf_counter())
+            else:
                 self._wake.clear()
                 await self._wake.wait()
-            else:
-                await asyncio.sleep(0.001)
+
+    async def _wait_wake(self, timeout: float) -> None:
+        """Until the next batch is queued (or a drain starts), at most ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), max(0.0, timeout))
+        except asyncio.TimeoutError:
+            pass
+
+    def _complete(self, batches: list[_Batch]) -> None:
+        """Write the merged state changes of delivered batches, then ack their raw records."""
+        self._persist(merge_changes(batches))
+        for b in batches:
+            for event in b.events:
+                event.ack()  # the reference the agent took: the final ack, offset committable
+        self._progress.set()
+
+    def _delivered_batches(self) -> list[_Batch]:
+        """Take the leading in-flight batches whose records Kafka all acknowledged (in order,
+        up to the first one still waiting or with failed records)."""
+        done = []
+        inflight = self._inflight
+        while inflight and inflight[0].remaining <= 0 and not inflight[0].failed:
+            done.append(inflight.popleft())
+        return done
 
     async def _drain(self) -> None:
-        """Wait until every queued batch is complete."""
-        while self._inflight:
-            self._progress.clear()
-            await self._progress.wait()
+        """Wait until every queued batch is complete (delivered, state written, acked)."""
+        self._draining = True
+        try:
+            while self._inflight or self._delivered:
+                self._progress.clear()
+                self._wake.set()
+                await self._progress.wait()
+        finally:
+            self._draining = False
 
     def _ensure_topics(self, names: Iterable[str]) -> None:
         for name in names:
@@ -435,10 +481,10 @@ class Runtime:
             token = _set_current_event(self._context(partition))
             try:
                 for key, value in entries:
-                    if value is None:
-                        table.pop(key, None)
-                    else:
+                    if value is not None:
                         table[key] = value
+                    elif key in table:  # a merged batch may delete what it never wrote
+                        del table[key]
             finally:
                 _reset_current_event(token)
 
@@ -447,6 +493,17 @@ class Runtime:
         if ctx is None:
             ctx = self._contexts[partition] = _PartitionEvent(self.topics.raw, partition)
         return ctx
+
+
+def merge_changes(batches: Sequence[_Batch]) -> list[tuple[int, bytes, Optional[bytes]]]:
+    """The state changes of consecutive batches as one snapshot: the last value of each key, every
+    aggregate entry before every holder meta (the order each batch's own changes have)."""
+    aggregates: dict[bytes, tuple[int, Optional[bytes]]] = {}
+    metas: dict[bytes, tuple[int, Optional[bytes]]] = {}
+    for b in batches:
+        for partition, key, value in b.items:
+            (metas if is_meta_key(key) else aggregates)[key] = (partition, value)
+    return [(p, k, v) for k, (p, v) in aggregates.items()] + [(p, k, v) for k, (p, v) in metas.items()]
 
 
 def _set_current_event(event: _PartitionEvent) -> Any:

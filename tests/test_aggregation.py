@@ -566,3 +566,20 @@ def test_restart_from_store_loses_nothing_and_keeps_positions(trace, data):
     # after the restart, positions only grow
     pos = [o.value.position for o in replayed if o.kind == "consolidated"]
     assert pos == sorted(set(pos))
+
+
+def test_merged_state_changes_keep_last_values_and_write_metas_last():
+    """Runtime completes delivered batches together: one write per key (its last value), every
+    aggregate entry before every holder meta, as within one batch."""
+    from streams.aggregation import aggregate_key, is_meta_key, meta_key
+    from streams.runtime import _Batch, merge_changes
+
+    a, b = _Batch(()), _Batch(())
+    ident = b"\x00" * 15 + b"\x01"
+    a.items = [(0, aggregate_key("r#0", ident), b"v1"), (0, meta_key("r#0"), b"m1")]
+    b.items = [(1, aggregate_key("s#0", ident), b"w1"), (1, meta_key("s#0"), b"n1"),
+               (0, aggregate_key("r#0", ident), None), (0, meta_key("r#0"), b"m2")]
+    merged = merge_changes([a, b])
+    assert merged == [(0, aggregate_key("r#0", ident), None), (1, aggregate_key("s#0", ident), b"w1"),
+                      (0, meta_key("r#0"), b"m2"), (1, meta_key("s#0"), b"n1")]
+    assert [is_meta_key(k) for _, k, _ in merged] == [False, False, True, True]
