@@ -14,8 +14,11 @@ per batch for all replicas; exactly-once positions and the per-replica index inc
 inside Redis (``server_seconds``, from INFO commandstats) is reported next to the end-to-end time.
 llm-d: the same events as ``redis.go`` writes them: HSET <block> <PodEntry JSON> "" per stored hash;
 HDEL + its delete-if-empty Lua script per removed hash; pipelined per batch (no dedup, no positions,
-no per-pod index). Both timed end to end from the same Python client. Also reported: Avro decoding
-cost per record (``schemas.serde``), the other half of the sink's per-record work.
+no per-pod index). Both timed end to end from the same Python client. Also reported: memory per
+(replica, block, tier) entry after the run (``used_memory`` delta; the view has seen removes and
+re-adds, unlike benchmarks/lookup.py's bulk load), and Avro decoding cost per record
+(``schemas.fast_codec``, and confluent's ``schemas.serde`` path), the other half of the sink's
+per-record work.
 
 The last line printed is one JSON object with the figures.
 """
@@ -107,6 +110,11 @@ def apply_llmd(r, sha: str, batch: list[tuple[str, BlockEvent]]) -> None:
     pipe.execute()
 
 
+def used_memory(r) -> int:
+    """The server's ``used_memory`` in bytes."""
+    return int(r.info("memory")["used_memory"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=400_000)
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     with RedisServer(["--maxmemory", "4gb", "--maxmemory-policy", "noeviction"]) as srv:
         store = RedisStore(srv.client(), "kvbus:")
         store.r.config_resetstat()
+        mem0 = used_memory(store.r)
         t = time.perf_counter()
         applied = 0
         for b in batches:
@@ -132,10 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         secs = time.perf_counter() - t
         assert applied == len(events)
         fcall = store.r.info("commandstats").get("cmdstat_fcall", {})
+        mem1 = used_memory(store.r)
+        entries = store.size()["entries"]
         again = store.apply(batches[0])
         assert again.applied == 0 and again.skipped == len(batches[0])
         result["kvbus"] = {"events_per_s": round(len(events) / secs), "hashes_per_s": round(hashes / secs),
-                           "seconds": round(secs, 2), "entries_after": store.size()["entries"],
+                           "seconds": round(secs, 2), "entries_after": entries,
+                           # memory after this churn (removes, re-adds): used_memory delta per entry
+                           "bytes_per_entry": round((mem1 - mem0) / entries, 1),
                            # Redis-side share: time inside kvbus_apply (INFO commandstats), per event and per hash
                            "server_seconds": round(fcall.get("usec", 0) / 1e6, 2), "fcalls": fcall.get("calls", 0),
                            "server_us_per_hash": round(fcall.get("usec", 0) / hashes, 2)}
@@ -148,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             apply_llmd(r1, sha, b)
         secs = time.perf_counter() - t
         result["llmd"] = {"events_per_s": round(len(events) / secs), "hashes_per_s": round(hashes / secs),
-                          "seconds": round(secs, 2)}
+                          "seconds": round(secs, 2), "bytes_per_entry": round((used_memory(r1) - mem1) / entries, 1)}
         print(f"llm-d: {len(events) / secs:,.0f} events/s ({hashes / secs:,.0f} hashes/s), {secs:.1f}s", flush=True)
         result["ratio_kvbus_over_llmd"] = round(result["kvbus"]["events_per_s"] / result["llmd"]["events_per_s"], 2)
 
