@@ -92,6 +92,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to wait for the pipeline to drain at the end")
     p.add_argument("--keep", action="store_true", help="leave the run's topics and Redis keys (default: delete them)")
     p.add_argument("--seed", type=int, default=11, help="fleet seed (default 11)")
+    p.add_argument("--probes-out", type=Path, default=None,
+                   help="write every probe as a CSV line: published (s since the first), holder, freshness ms")
     return p.parse_args(argv)
 
 
@@ -316,6 +318,8 @@ class Prober:
         self.ended = False
         self.published: dict[bytes, float] = {}
         """Probe hash -> publication time."""
+        self.holders: dict[bytes, str] = {}
+        """Probe hash -> the holder it was sent to."""
         self.seen: dict[bytes, float] = {}
         """Probe hash -> time the first lookup that found it returned."""
         self._outstanding: list[bytes] = []
@@ -337,6 +341,7 @@ class Prober:
             if "probe" in rec:
                 h = bytes.fromhex(rec["probe"])
                 self.published[h] = rec["t"]
+                self.holders[h] = rec["holder"]
                 self._outstanding.append(h)
             elif "rung" in rec:
                 self.rungs.append(rec)
@@ -355,6 +360,16 @@ class Prober:
     @property
     def outstanding(self) -> int:
         return len(self._outstanding)
+
+    def write_csv(self, path: Path) -> None:
+        """Every probe: seconds since the first was published, holder, freshness in ms (empty: never seen)."""
+        first = min(self.published.values(), default=0.0)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("published_s,holder,freshness_ms\n")
+            for h, tp in sorted(self.published.items(), key=lambda kv: kv[1]):
+                ts = self.seen.get(h)
+                fresh = f"{(ts - tp) * 1000.0:.2f}" if ts is not None else ""
+                f.write(f"{tp - first:.4f},{self.holders.get(h, '')},{fresh}\n")
 
     def freshness(self, t0: float, t1: float, deadline: float) -> dict[str, Any]:
         """Freshness (ms) of probes published in [t0, t1); probes not seen by ``deadline`` count as
@@ -431,7 +446,7 @@ def rung_line(name: str, fig: dict[str, Any]) -> str:
             f"/{f.get('max_ms', '-')} ms ({f.get('probes', 0)} probes, {f.get('unseen', 0)} unseen)"
             f" | lag raw {lr.get('end', '?')} blocks {lb.get('end', '?')}"
             f" | cores " + " ".join(f"{k}={v:.2f}" for k, v in cpu.items() if v >= 0.005)
-            + (" | SUSTAINED" if fig.get("sustained") else " | not sustained"))
+            + {True: " | SUSTAINED", False: " | not sustained", None: ""}[fig.get("sustained")])
 
 
 # -- exactness ------------------------------------------------------------------------------
@@ -501,6 +516,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         drained = drain(run, args, prober, sampler)
         exact, diffs = view_matches_truth(store, manifest) if manifest.exists() else (False, ["no manifest"])
         result["drained"] = drained
+        if args.probes_out:
+            prober.write_csv(args.probes_out)
         result["view_exact"] = exact
         print(f"drained: {drained}; view equals the fleet's ground truth: {exact}"
               + ("" if exact else "\n  " + "\n  ".join(diffs[:10])), flush=True)
@@ -553,7 +570,7 @@ def play(run: Run, args: argparse.Namespace, rates: list[float], rungs: list[tup
             check_alive(run)
             if fleet.proc.poll() is not None and not prober.ended:
                 raise SystemExit(f"benchmark: the fleet exited with {fleet.proc.returncode} (log {fleet.log_path})")
-        time.sleep(0.001 if prober.outstanding else 0.0005)
+        time.sleep(0.001)  # the probes' resolution: about a millisecond plus one lookup
         # a rung is reported once the next rung has started and its probes had the gap to show up
         if done + 1 < len(prober.rungs) or (prober.ended and done < len(prober.rungs)):
             start = prober.rungs[done]["t"]
@@ -563,7 +580,7 @@ def play(run: Run, args: argparse.Namespace, rates: list[float], rungs: list[tup
             if now < settle:
                 continue
             is_idle = rate == 0
-            t0 = start if is_idle else start + args.warmup
+            t0 = start + min(args.warmup, seconds / 2)
             name = "idle" if is_idle else f"{rates[(done - 1) // 2]:g}"
             if is_idle and done > 0:
                 done += 1  # the gap after a rung: its probes belong to the rung before
@@ -571,6 +588,8 @@ def play(run: Run, args: argparse.Namespace, rates: list[float], rungs: list[tup
             fresh = prober.freshness(t0, end, now)
             fig = rung_figures(sampler.between(t0, end), fresh, args.tp, args.lag_growth)
             fig["target_ev_s"] = 0 if is_idle else rates[(done - 1) // 2]
+            if is_idle:
+                fig["sustained"] = None  # nothing offered: lag growth is noise on a handful of records
             result["rungs"][name] = fig
             print(rung_line(name, fig), flush=True)
             if not is_idle:

@@ -465,7 +465,7 @@ class FleetConfig:
     published to the next (replica, dp rank) in turn, on every worker stream, like any batch."""
     probe_log: str | None = None
     """Where probes and rung starts are written, one JSON object per line:
-    ``{"probe": "<hash hex>", "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>}``,
+    ``{"probe": "<hash hex>", "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>, "wall": <time.time()>}``,
     ``{"rung": i, "rate": r, "seconds": s, "t": ...}``, and ``{"end": true, "t": ...}`` at the end."""
 
 
@@ -682,6 +682,7 @@ class Fleet:
         if self._probe_out is None:
             return
         record["t"] = time.monotonic()
+        record["wall"] = time.time()
         self._probe_out.write(json.dumps(record) + "\n")
         self._probe_out.flush()
 
