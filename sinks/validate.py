@@ -24,8 +24,11 @@ def problem(topic: str, key: bytes | None, ev: BlockEvent, topics: Topics) -> st
     e = ev.event
     # A Reset sits at any position: a bridge's opens its new epoch at (epoch, -1, 0); the streams
     # stage forwards one of another TP worker right after rank 0's batch, (epoch0, seq0, 2^31-1).
-    # (block hashes need no check: the schema makes each a fixed of 8 bytes)
     if isinstance(e, (BlockStored, BlockRemoved)):
+        hashes = e.block_hashes
+        if len(b"".join(hashes)) != 8 * len(hashes):  # one C call: this check ran per hash in Python
+            bad = next(h for h in hashes if len(h) != 8)
+            return f"block hash of {len(bad)} bytes (canonical hashes have 8)"
         expected = topics.for_ownership(e.ownership)
         if topic != expected:
             return f"{type(e).__name__} of ownership {e.ownership!r} on topic {topic!r} (belongs on {expected!r})"
