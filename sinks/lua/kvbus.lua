@@ -288,8 +288,7 @@ end
 
 -- Strings of a holder and of its (holder, tier) pairs, kept between calls (they depend only on the
 -- prefix and the ids; building them cost ~1.5 us per tier per call): NAMES[P][member] =
--- {index key prefix, ref-count key, holder-state field, packed member, {bucket -> index bucket key}},
--- NAMES[P][-1 - hid] = state key
+-- {index key prefix, ref-count key, holder-state field, packed member}, NAMES[P][-1 - hid] = state key
 local NAMES, nnames = {}, 0
 
 -- the names cache of prefix P (all of it is dropped past 65536 entries: a bound, not a working set)
@@ -316,7 +315,7 @@ local function tier_init(c, hid, code, t)
   local byp = names_of(c.P)
   local nm = byp[member]
   if not nm then
-    nm = {c.P .. 'I:' .. hid .. ':' .. code .. ':', c.P .. 'R:' .. hid .. ':' .. code, 't:' .. code, pack3(member), {}}
+    nm = {c.P .. 'I:' .. hid .. ':' .. code .. ':', c.P .. 'R:' .. hid .. ':' .. code, 't:' .. code, pack3(member)}
     byp[member] = nm
     nnames = nnames + 1
   end
@@ -327,7 +326,8 @@ local function tier_init(c, hid, code, t)
   t.field = nm[3]              -- its field in the holder state
   t.packed = nm[4]             -- member, 3 bytes
   t.member = member
-  t.kc = nm[5]                 -- bucket -> index bucket key
+  t.kc = {}                    -- bucket -> index bucket key, for this call (kept between calls, the
+                               -- keys of a large view made the Lua heap ~1.5 MB instead of ~0.2)
   t.pend = {}                  -- toggles (raws) of this call not yet appended to the index (index_flush)
   t.fresh = true               -- whether its last stored block was new to the block table (block_add)
   return t
