@@ -59,7 +59,7 @@ sys.path.insert(0, str(REPO))
 import redis  # noqa: E402
 
 from kvbus.procs import Children, cpu_seconds, free_port, wait_for  # noqa: E402
-from kvbus.progress import group_lag, scrape  # noqa: E402
+from kvbus.progress import GroupLag, scrape  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
@@ -92,6 +92,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to wait for the pipeline to drain at the end")
     p.add_argument("--keep", action="store_true", help="leave the run's topics and Redis keys (default: delete them)")
     p.add_argument("--seed", type=int, default=11, help="fleet seed (default 11)")
+    p.add_argument("--hops", action="store_true",
+                   help="after the run, split each probe's freshness into hops by the Kafka timestamps of its raw "
+                        "and consolidated records (reads both topics back)")
     p.add_argument("--probes-out", type=Path, default=None,
                    help="write every probe as a CSV line: published (s since the first), holder, freshness ms")
     return p.parse_args(argv)
@@ -271,6 +274,9 @@ class Sampler(threading.Thread):
         self.every = every
         self.samples: list[Sample] = []
         self.stop = threading.Event()
+        t = run.settings.topics
+        self.raw_lag = GroupLag(run.settings.bootstrap, run.worker_group, re.escape(t.raw))
+        self.blocks_lag = GroupLag(run.settings.bootstrap, run.sink_group, t.blocks_pattern()[1:])
 
     def take(self) -> Sample:
         run = self.run_
@@ -289,19 +295,22 @@ class Sampler(threading.Thread):
             applied=sum(scrape(p, r"kvbus_sink_events_applied_total") for p in run.sink_ports),
             cpu=cpu, per_proc=per_proc,
         )
-        t = run.settings.topics
         try:
-            s.lag_raw = group_lag(run.settings.bootstrap, run.worker_group, re.escape(t.raw))
-            s.lag_blocks = group_lag(run.settings.bootstrap, run.sink_group, t.blocks_pattern()[1:])
+            s.lag_raw = self.raw_lag.lag()
+            s.lag_blocks = self.blocks_lag.lag()
         except Exception:  # noqa: BLE001 - coordinator moving: this sample has no lag
             pass
         return s
 
     def run(self) -> None:
-        while not self.stop.is_set():
-            t0 = time.monotonic()
-            self.samples.append(self.take())
-            self.stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
+        try:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                self.samples.append(self.take())
+                self.stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
+        finally:
+            self.raw_lag.close()
+            self.blocks_lag.close()
 
     def between(self, t0: float, t1: float) -> list[Sample]:
         return [s for s in self.samples if t0 <= s.t <= t1]
@@ -320,6 +329,8 @@ class Prober:
         """Probe hash -> publication time."""
         self.holders: dict[bytes, str] = {}
         """Probe hash -> the holder it was sent to."""
+        self.wall: dict[bytes, float] = {}
+        """Probe hash -> publication time, ``time.time()`` (to compare with Kafka timestamps)."""
         self.seen: dict[bytes, float] = {}
         """Probe hash -> time the first lookup that found it returned."""
         self._outstanding: list[bytes] = []
@@ -342,6 +353,7 @@ class Prober:
                 h = bytes.fromhex(rec["probe"])
                 self.published[h] = rec["t"]
                 self.holders[h] = rec["holder"]
+                self.wall[h] = rec["wall"]
                 self._outstanding.append(h)
             elif "rung" in rec:
                 self.rungs.append(rec)
@@ -449,6 +461,72 @@ def rung_line(name: str, fig: dict[str, Any]) -> str:
             + {True: " | SUSTAINED", False: " | not sustained", None: ""}[fig.get("sustained")])
 
 
+# -- hops -------------------------------------------------------------------------------------
+
+HOPS = ("bridge", "kafka_worker", "kafka_sink_lookup")
+"""The parts of a probe's freshness, split by Kafka's record timestamps (CreateTime, ms, set when
+the producer is called): engine -> raw record produced (bridge: ZMQ, decode, encode); raw produced
+-> consolidated record produced (linger, Kafka, the worker's fetch, batch wait and processing);
+consolidated produced -> visible (linger, Kafka, the sink's poll, decode and apply, the lookup)."""
+
+
+def probe_timestamps(settings: Settings, topic: str, kind: str, probes: set[bytes]) -> dict[bytes, float]:
+    """Probe hash -> Kafka timestamp (s) of the first record of ``topic`` (``kind``: EventBatch or
+    BlockEvent) that carries it as a one-block BlockStored."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from schemas.fast_codec import FastSerde
+    from schemas.serde import registry_client
+
+    serde = FastSerde(registry_client(settings.registry_url), kind, auto_register=False)
+    c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"hops-{uuid.uuid4().hex}",
+                  "enable.auto.commit": False})
+    out: dict[bytes, float] = {}
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        tps = [TopicPartition(topic, p, 0) for p in parts]
+        ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
+        c.assign(tps)
+        done = {p for p, end in ends.items() if end == 0}
+        while len(done) < len(parts):
+            for m in c.consume(5000, 1.0):
+                if m.error():
+                    continue
+                if m.offset() + 1 >= ends[m.partition()]:
+                    done.add(m.partition())
+                v = serde.loads(m.value(), topic)
+                for e in (v.events if kind == "EventBatch" else [v.event]):
+                    hs = getattr(e, "block_hashes", None)
+                    if hs is not None and len(hs) == 1 and hs[0] in probes and hs[0] not in out:
+                        out[hs[0]] = m.timestamp()[1] / 1000.0
+    finally:
+        c.close()
+    return out
+
+
+def hop_figures(run: Run, prober: Prober, windows: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Per rung: p50 / p90 / p99 ms of each hop (HOPS) over the probes published in its window."""
+    probes = set(prober.seen)
+    raw = probe_timestamps(run.settings, run.settings.topics.raw, "EventBatch", probes)
+    blocks = probe_timestamps(run.settings, run.settings.topics.blocks, "BlockEvent", probes)
+    out: dict[str, Any] = {}
+    for name, (t0, t1) in windows.items():
+        parts: dict[str, list[float]] = {h: [] for h in HOPS}
+        for h in probes:
+            tp = prober.published[h]
+            if not t0 <= tp < t1 or h not in raw or h not in blocks:
+                continue
+            pub, total = prober.wall[h], prober.seen[h] - tp
+            parts["bridge"].append(raw[h] - pub)
+            parts["kafka_worker"].append(blocks[h] - raw[h])
+            parts["kafka_sink_lookup"].append(total - (blocks[h] - pub))
+        out[name] = {hop: {f"p{int(q * 100)}_ms": round(quantile(sorted(v), q) * 1000, 1) for q in (0.5, 0.9, 0.99)}
+                     for hop, v in parts.items() if v}
+        print(f"{name:>8} hops (ms, p50/p90/p99): " + " | ".join(
+            f"{hop} " + "/".join(str(x) for x in fig.values()) for hop, fig in out[name].items()), flush=True)
+    return out
+
+
 # -- exactness ------------------------------------------------------------------------------
 
 def view_matches_truth(store: RedisStore, manifest: Path) -> tuple[bool, list[str]]:
@@ -511,13 +589,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         start_fleet(run, args, rungs, probe_log, manifest)
         sampler = Sampler(run)
         sampler.start()
-        capacity = play(run, args, rates, rungs, prober, sampler, result)
+        windows: dict[str, tuple[float, float]] = {}
+        capacity = play(run, args, rates, rungs, prober, sampler, result, windows)
         result["sustained_capacity_ev_s"] = capacity
         drained = drain(run, args, prober, sampler)
         exact, diffs = view_matches_truth(store, manifest) if manifest.exists() else (False, ["no manifest"])
         result["drained"] = drained
         if args.probes_out:
             prober.write_csv(args.probes_out)
+        if args.hops:
+            result["hops"] = hop_figures(run, prober, windows)
         result["view_exact"] = exact
         print(f"drained: {drained}; view equals the fleet's ground truth: {exact}"
               + ("" if exact else "\n  " + "\n  ".join(diffs[:10])), flush=True)
@@ -556,8 +637,10 @@ def free_port_block(n: int) -> int:
 
 
 def play(run: Run, args: argparse.Namespace, rates: list[float], rungs: list[tuple[float, float]],
-         prober: Prober, sampler: Sampler, result: dict[str, Any]) -> Optional[int]:
-    """Follow the fleet through its rungs, probing all along; returns the sustained capacity."""
+         prober: Prober, sampler: Sampler, result: dict[str, Any],
+         windows: dict[str, tuple[float, float]]) -> Optional[int]:
+    """Follow the fleet through its rungs, probing all along; returns the sustained capacity and
+    fills ``windows`` (rung name -> steady window)."""
     capacity: Optional[int] = None
     done = 0  # rungs reported
     fleet = next(c for c in run.children.started if c.name == "fleet")
@@ -588,6 +671,7 @@ def play(run: Run, args: argparse.Namespace, rates: list[float], rungs: list[tup
             fresh = prober.freshness(t0, end, now)
             fig = rung_figures(sampler.between(t0, end), fresh, args.tp, args.lag_growth)
             fig["target_ev_s"] = 0 if is_idle else rates[(done - 1) // 2]
+            windows[name] = (t0, end)
             if is_idle:
                 fig["sustained"] = None  # nothing offered: lag growth is noise on a handful of records
             result["rungs"][name] = fig

@@ -26,21 +26,30 @@ def scrape(port: int, pattern: str) -> float:
     )
 
 
-def group_lag(bootstrap: str, group: str, topic_regex: str) -> int:
-    """Records in topics matching ``topic_regex`` not yet committed by consumer ``group``."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
-    try:
+class GroupLag:
+    """Records in topics matching ``topic_regex`` that consumer ``group`` has not committed yet.
+
+    Keeps one consumer (never subscribed: it only reads ``group``'s committed offsets and the
+    watermarks), so a caller asking every second does not connect anew each time."""
+
+    def __init__(self, bootstrap: str, group: str, topic_regex: str) -> None:
+        self.rx = re.compile(topic_regex)
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+
+    def lag(self) -> int:
+        """The lag now; raises KafkaException while Kafka cannot say (e.g. a coordinator moving)."""
+        c = self.consumer
         md = c.list_topics(timeout=5)
-        rx = re.compile(topic_regex)
-        tps = [TopicPartition(t, p) for t, tm in md.topics.items() if rx.fullmatch(t) for p in tm.partitions]
+        tps = [TopicPartition(t, p) for t, tm in md.topics.items() if self.rx.fullmatch(t) for p in tm.partitions]
         lag = 0
-        for tp in c.committed(tps, timeout=5):
+        for tp in c.committed(tps, timeout=5) if tps else ():
             low, high = c.get_watermark_offsets(tp, timeout=5, cached=False)
             done = tp.offset if tp.offset >= 0 else low
             lag += max(0, high - done)
         return lag
-    finally:
-        c.close()
+
+    def close(self) -> None:
+        self.consumer.close()
 
 
 class Progress:
@@ -55,6 +64,9 @@ class Progress:
         self.worker_group = worker_group
         self.sink_group = sink_group
         self._last = (time.monotonic(), 0.0, 0.0, 0.0)
+        t = settings.topics
+        self._raw_lag = GroupLag(settings.bootstrap, worker_group, re.escape(t.raw))
+        self._blocks_lag = GroupLag(settings.bootstrap, sink_group, t.blocks_pattern()[1:])
 
     def counts(self) -> tuple[float, float, float]:
         """(events acknowledged by Kafka from all bridges, events consolidated, events applied to Redis)."""
@@ -66,13 +78,10 @@ class Progress:
     def lags(self) -> tuple[int, int] | None:
         """(raw records the worker has not committed, block events the sink has not committed);
         None while Kafka cannot say (e.g. a group coordinator moving: transient)."""
-        t = self.settings.topics
         try:
-            raw = group_lag(self.settings.bootstrap, self.worker_group, re.escape(t.raw))
-            blocks = group_lag(self.settings.bootstrap, self.sink_group, t.blocks_pattern()[1:])
+            return self._raw_lag.lag(), self._blocks_lag.lag()
         except KafkaException:
             return None
-        return raw, blocks
 
     def line(self) -> str:
         """One progress line; rates are per second since the previous line."""

@@ -18,7 +18,7 @@ flags are written to these variables before the app is imported.
 | ``KVBUS_STREAMS_STANDBY_REPLICAS`` | ``0`` | Faust standby replicas of the table |
 | ``KVBUS_STREAMS_SESSION_TIMEOUT`` | ``10`` | seconds before a dead worker's partitions move |
 | ``KVBUS_STREAMS_BATCH`` | ``2000`` | raw records taken per processing batch |
-| ``KVBUS_STREAMS_BATCH_WITHIN`` | ``0.005`` | seconds to wait for a batch to fill (an idle record waits up to this long) |
+| ``KVBUS_STREAMS_BATCH_WITHIN`` | ``0.002`` | seconds to wait for a batch to fill (an idle record waits up to this long) |
 | ``KVBUS_STREAMS_COMMIT_INTERVAL`` | ``1.0`` | seconds between offset commits |
 """
 from __future__ import annotations
@@ -57,10 +57,12 @@ class StreamsOptions:
     """Consumer-group session timeout: how fast a killed worker's partitions move."""
     batch: int = 2000
     """Maximum raw records per processing batch."""
-    batch_within: float = 0.005
+    batch_within: float = 0.002
     """Seconds to wait for a batch to fill before processing what arrived: the latency an idle
     worker adds (Faust's take_events waits this long, then processes what is buffered). 0.02 cost
-    no less CPU per record than 0.005 in benchmarks/streams.py; 0.002 cost ~10% more."""
+    no less CPU per record than 0.005 in benchmarks/streams.py; 0.002 cost ~10% more there, and
+    with the bridge's linger 5 -> 2 ms took the pipeline's freshness p99 at 2k events/s from ~28
+    to ~20 ms (benchmarks/pipeline.py, docs/performance.md)."""
     commit_interval: float = 1.0
     """Seconds between offset commits (replay after a crash is at most about this long)."""
 
