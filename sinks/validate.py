@@ -5,8 +5,16 @@ tier does not belong to, or has an impossible position): it goes to the dead-let
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from schemas.events import BlockEvent, BlockRemoved, BlockStored, holder_key
 from schemas.topics import Topics
+
+
+@lru_cache(maxsize=1 << 16)
+def _key_of(replica: str, dp_rank: int) -> bytes:
+    """The Kafka key bytes of a holder's records (cached: checked for every record)."""
+    return holder_key(replica, dp_rank).encode()
 
 
 def problem(topic: str, key: bytes | None, ev: BlockEvent, topics: Topics) -> str | None:
@@ -17,7 +25,7 @@ def problem(topic: str, key: bytes | None, ev: BlockEvent, topics: Topics) -> st
         return "empty replica id"
     if ev.dp_rank < 0:
         return f"negative dp_rank {ev.dp_rank}"
-    if key is not None and key.decode("utf-8", "replace") != holder_key(ev.replica, ev.dp_rank):
+    if key is not None and key != _key_of(ev.replica, ev.dp_rank):
         return f"record key {key!r} does not name the event's holder {holder_key(ev.replica, ev.dp_rank)!r}"
     if ev.epoch < 0 or ev.seq < -1 or ev.index < 0:
         return f"impossible position {ev.position}"
