@@ -43,7 +43,7 @@ DEFAULT_PRODUCER_CONF: dict[str, Any] = {
     "acks": "all",
     # a record waits at most this long for others to share its request: the view's freshness
     # budget is tens of ms end to end; under load librdkafka batches while requests are in flight
-    "linger.ms": 2,
+    "linger.ms": 5,
     "compression.type": "lz4",
     "batch.size": 1_000_000,
     "batch.num.messages": 10_000,

@@ -3,9 +3,10 @@
 Loop (``SinkConsumer.step``): poll a batch from every block topic (regex subscription, so new tier
 topics ``kvbus.blocks.<ownership>`` are picked up), decode and check each record (failures go to
 the dead-letter topic), apply the batch to the store (one FCALL per holder, pipelined; positions are
-stored with the change, so redelivery is harmless), flush dead letters, then commit the offsets.
-Offsets are only a resume hint: a sink killed anywhere re-reads at most one batch, which the stored
-positions turn into duplicates. Every ``expire_every`` seconds, when caught up, holders silent for
+stored with the change, so redelivery is harmless), flush dead letters, then commit the offsets
+(every ``commit_every`` seconds while records keep coming, at once when the stream goes quiet).
+Offsets are only a resume hint: a sink killed anywhere re-reads at most about ``commit_every``
+seconds of records, which the stored positions turn into duplicates. Every ``expire_every`` seconds, when caught up, holders silent for
 ``stale_after`` seconds are expired.
 """
 from __future__ import annotations
@@ -54,7 +55,11 @@ class SinkConsumer:
 
     ``settings``: where Kafka and the registry are; ``store``: the view; ``topics``: topic names
     (default ``settings.topics``); ``group``: consumer group; ``stale_after``: seconds without events
-    or heartbeat after which a holder is expired (0 = never); ``batch``: records per poll.
+    or heartbeat after which a holder is expired (0 = never); ``batch``: records per poll;
+    ``commit_every``: seconds between offset commits while records keep coming (they are committed
+    at once when the stream goes quiet). Offsets are only a resume hint, so committing after every
+    small batch would buy nothing but an OffsetCommit request per batch (a write to Kafka's
+    ``__consumer_offsets``): a sink restarted after a crash re-reads at most about this long.
     """
 
     def __init__(
@@ -68,6 +73,7 @@ class SinkConsumer:
         expire_every: float = 5.0,
         batch: int = 2000,
         poll_timeout: float = 0.5,
+        commit_every: float = 0.5,
         metrics: SinkMetrics | None = None,
         consumer_conf: dict[str, Any] | None = None,
     ):
@@ -78,6 +84,9 @@ class SinkConsumer:
         self.expire_every = expire_every
         self.batch = batch
         self.poll_timeout = poll_timeout
+        self.commit_every = commit_every
+        self._last_commit = 0.0
+        self._uncommitted = False
         self.metrics = metrics or SinkMetrics()
         registry = registry_client(settings.registry_url)
         # hand-written Avro decoding for records of the current schema (~4-12 µs instead of ~60);
@@ -111,6 +120,8 @@ class SinkConsumer:
         ``RETRY_PAUSE``); what was applied of it is skipped then by the stored positions.
         """
         msgs = self._poll()
+        if not msgs:
+            self._commit()  # quiet: what was applied is committed now
         try:
             return self._handle(msgs)
         except TransientError as e:
@@ -184,10 +195,19 @@ class SinkConsumer:
         if dead:
             self._flush_dead()
         if msgs:
-            self.consumer.commit(asynchronous=True)
+            self._uncommitted = True
+            if time.monotonic() - self._last_commit >= self.commit_every:
+                self._commit()
         self._caught_up = len(msgs) < self.batch
         self._maybe_expire()
         return len(msgs)
+
+    def _commit(self) -> None:
+        """Commit the positions after the records handled so far (asynchronously), if any are new."""
+        if self._uncommitted:
+            self.consumer.commit(asynchronous=True)
+            self._uncommitted = False
+            self._last_commit = time.monotonic()
 
     def _dead(self, msg: Any, source: str, reason: str, kind: str) -> None:
         log.warning("dead letter %s: %s", source, reason)
