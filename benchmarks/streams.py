@@ -34,6 +34,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,17 +139,9 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
     print(f"  produced {len(trace)} raw records in {time.perf_counter() - t0:.1f}s", flush=True)
 
     port = free_port()
-    s = settings
-    env = dict(os.environ, KVBUS_BOOTSTRAP=s.bootstrap, KVBUS_REGISTRY_URL=s.registry_url,
-               KVBUS_PARTITIONS=str(s.partitions), KVBUS_TOPIC_RAW=topics.raw, KVBUS_TOPIC_BLOCKS=topics.blocks,
-               KVBUS_TOPIC_INCOMPLETE=topics.incomplete, KVBUS_TOPIC_DLQ=topics.dlq,
-               KVBUS_STREAMS_APP_ID=f"bench-{suffix}", KVBUS_STREAMS_DATADIR=str(workdir / suffix),
-               KVBUS_STREAMS_WINDOW="600", KVBUS_STREAMS_METRICS_PORT=str(port))
-    log = open(workdir / f"worker-{suffix}.log", "w")
     profile = os.environ.get("KVBUS_BENCH_PROFILE")  # write a cProfile of the worker there
-    prefix = [sys.executable] + (["-m", "cProfile", "-o", f"{profile}.tp{spec.workers}"] if profile else [])
-    proc = subprocess.Popen(prefix + ["-m", "streams", "worker", "-l", "info"], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = start_worker(settings, topics, workdir, suffix, port,
+                        profile=f"{profile}.tp{spec.workers}" if profile else None)
     total_reports = sum(len(b.events) for b in trace)
     want = total_reports // spec.workers
     first = None
@@ -185,16 +178,16 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
             proc.kill()
 
 
-def start_worker(settings: Settings, topics: Topics, workdir: Path, suffix: str, port: int) -> subprocess.Popen:
-    """One ``python -m streams worker`` on ``topics`` with metrics on ``port``."""
-    s = settings
-    env = dict(os.environ, KVBUS_BOOTSTRAP=s.bootstrap, KVBUS_REGISTRY_URL=s.registry_url,
-               KVBUS_PARTITIONS=str(s.partitions), KVBUS_TOPIC_RAW=topics.raw, KVBUS_TOPIC_BLOCKS=topics.blocks,
-               KVBUS_TOPIC_INCOMPLETE=topics.incomplete, KVBUS_TOPIC_DLQ=topics.dlq,
-               KVBUS_STREAMS_APP_ID=f"bench-{suffix}", KVBUS_STREAMS_DATADIR=str(workdir / suffix),
-               KVBUS_STREAMS_WINDOW="600", KVBUS_STREAMS_METRICS_PORT=str(port))
+def start_worker(settings: Settings, topics: Topics, workdir: Path, suffix: str, port: int,
+                 profile: str | None = None) -> subprocess.Popen:
+    """One ``python -m streams worker`` on ``topics`` with metrics on ``port`` (``profile``: write a
+    cProfile of it to this path)."""
+    env = {**os.environ, **replace(settings, topics=topics).to_env(),
+           "KVBUS_STREAMS_APP_ID": f"bench-{suffix}", "KVBUS_STREAMS_DATADIR": str(workdir / suffix),
+           "KVBUS_STREAMS_WINDOW": "600", "KVBUS_STREAMS_METRICS_PORT": str(port)}
     log = open(workdir / f"worker-{suffix}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "streams", "worker", "-l", "info"], cwd=REPO, env=env,
+    prefix = [sys.executable] + (["-m", "cProfile", "-o", profile] if profile else [])
+    return subprocess.Popen(prefix + ["-m", "streams", "worker", "-l", "info"], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
 
 
