@@ -6,8 +6,10 @@ the dead-letter topic), apply the batch to the store (one FCALL per holder, pipe
 stored with the change, so redelivery is harmless), flush dead letters, then commit the offsets
 (every ``commit_every`` seconds while records keep coming, at once when the stream goes quiet).
 Offsets are only a resume hint: a sink killed anywhere re-reads at most about ``commit_every``
-seconds of records, which the stored positions turn into duplicates. Every ``expire_every`` seconds, when caught up, holders silent for
-``stale_after`` seconds are expired.
+seconds of records, which the stored positions turn into duplicates. Every ``expire_every``
+seconds, when caught up, holders silent for ``stale_after`` seconds are expired; "silent" is
+measured by the records' arrival (their Kafka timestamps, :func:`arrival_time`), not by the
+engines' clocks.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 from typing import Any
 
 import redis
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from schemas.events import BlockEvent, DeadLetter
@@ -35,6 +37,17 @@ log = logging.getLogger("kvbus.sinks")
 STAGE = "sink"
 RETRY_PAUSE = 1.0
 """Seconds to wait before re-reading a batch after a transient failure (registry or Redis down)."""
+
+
+def arrival_time(msg: Any) -> float:
+    """When a record reached kvbus, in epoch seconds: its Kafka timestamp (CreateTime, set by the
+    streams worker that produced it, or LogAppendTime if the topic says so), else the sink's clock.
+
+    The view measures staleness with it rather than with the engine's ``ts``: an engine whose clock
+    is off (or a replayed trace from another day) must neither be expired while it publishes nor be
+    kept alive after it stops; and a record re-read after a restart keeps the time it first arrived."""
+    kind, ms = msg.timestamp()
+    return ms / 1000.0 if kind != TIMESTAMP_NOT_AVAILABLE and ms > 0 else time.time()
 
 
 class TransientError(Exception):
@@ -177,6 +190,7 @@ class SinkConsumer:
                 self._dead(msg, source, why, "invalid")
                 dead += 1
                 continue
+            ev.ts = arrival_time(msg)  # the view's clock (staleness); Kafka keeps the engine's ts
             records.append((msg.topic(), ev))
             sources.append((msg, source))
         self.metrics.records.inc(len(msgs))

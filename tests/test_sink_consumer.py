@@ -157,8 +157,16 @@ def test_sink_picks_up_new_tier_topics_and_expires_silent_replicas(settings, top
     def ev(replica, seq, event, ts):
         return BlockEvent(replica=replica, epoch=1, seq=seq, index=0, ts=ts, event=event)
 
-    produce(settings, [(topics.blocks, ev("old", 0, BlockStored(block_hashes=[canonical_hash(1)], medium="GPU"), now - 900)),
-                       (topics.blocks, ev("new", 0, BlockStored(block_hashes=[canonical_hash(1)], medium="GPU"), now))])
+    # Staleness goes by arrival (the record's Kafka timestamp), not by the engine's clock: "old"
+    # arrived 15 min ago with a correct engine clock, "new" arrives now from an engine whose clock
+    # is a day behind (it must not be expired while it publishes).
+    serde = RecordSerde(registry_client(settings.registry_url), "BlockEvent")
+    p = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True})
+    for replica, engine_ts, arrived in (("old", now - 900, now - 900), ("new", now - 86_400, now)):
+        event = ev(replica, 0, BlockStored(block_hashes=[canonical_hash(1)], medium="GPU"), engine_ts)
+        p.produce(topics.blocks, key=holder_key(replica, 0), value=serde.dumps(event, topics.blocks),
+                  timestamp=int(arrived * 1000))
+    assert p.flush(30) == 0
     store = RedisStore(redis_server.client(), f"e{uuid.uuid4().hex[:8]}:")
     sink = SinkConsumer(settings, store, topics=topics, group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=600,
                         expire_every=0.0, poll_timeout=0.2, consumer_conf={"topic.metadata.refresh.interval.ms": 1000})
@@ -172,7 +180,7 @@ def test_sink_picks_up_new_tier_topics_and_expires_silent_replicas(settings, top
             f.result(30)
         try:
             produce(settings, [(late, ev("new", 1, BlockStored(block_hashes=[canonical_hash(2)], medium="CPU",
-                                                               ownership="lmcache"), now))])
+                                                               ownership="lmcache"), now - 86_400))])
             wait_for(lambda: store.summary().get("new", {}).get("CPU@lmcache") == 1, 60,
                      "a tier topic created after the sink started", step=sink.step)
         finally:
