@@ -116,7 +116,11 @@ def test_sink_applies_events_and_dead_letters_bad_records(settings, topics, redi
 
 def test_sink_killed_mid_stream_and_restarted_leaves_the_exact_view(settings, topics, redis_server):
     records = random_streams(23, topics, holders=6, batches=1500, pool=60, max_chain=10)
-    produce(settings, records)
+    # The stream is produced in two halves so the kill lands mid-stream however fast the sink is:
+    # the first sink is killed once it has applied something of the first half, before the second
+    # half exists (it once got through the whole stream before the kill: flaky).
+    half = len(records) // 2
+    produce(settings, records[:half])
     model = InMemoryStore()
     model.apply(records)
     prefix = f"k{uuid.uuid4().hex[:8]}:"
@@ -132,14 +136,14 @@ def test_sink_killed_mid_stream_and_restarted_leaves_the_exact_view(settings, to
 
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        # killed as soon as it applies: it gets through the whole stream in under a second
-        wait_for(lambda: store.size()["entries"] > 0, 60, "the first sink to start applying",
-                 step=lambda: time.sleep(0.01))
+        wait_for(lambda: applied() > 0, 60, "the first sink to start applying", step=lambda: time.sleep(0.01))
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(10)
-    assert store.positions() != model.positions(), "killed before the end of the stream"
-    assert applied() > 0, (store.size(), store.positions())
+    killed_at = store.positions()
+    assert killed_at != model.positions(), "killed before the end of the stream"
+    assert sum(p[1] >= 0 for p in killed_at.values()) > 0
+    produce(settings, records[half:])
     second = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: store.positions() == model.positions(), 120, "the restarted sink to catch up")
