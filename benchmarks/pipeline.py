@@ -215,11 +215,9 @@ def service_pids(redis_url: str) -> dict[str, list[int]]:
 
 
 def check_alive(run: Run) -> None:
-    dead = [c for c in run.children.dead() if c.name != "fleet"]
-    if dead:
-        tails = "\n".join(f"--- {c.name} (exit {c.proc.returncode}):\n{c.log_path.read_text(errors='replace')[-2000:]}"
-                          for c in dead)
-        raise SystemExit(f"benchmark: a stage stopped unexpectedly\n{tails}")
+    report = run.children.stopped_report(ignore=("fleet",), tail=2000)
+    if report:
+        raise SystemExit(f"benchmark: a stage stopped unexpectedly\n{report}")
 
 
 def cleanup(run: Run) -> None:
@@ -368,10 +366,6 @@ class Prober:
                 self.seen[h] = time.monotonic()
         if self.seen:
             self._outstanding = [h for h in self._outstanding if h not in self.seen]
-
-    @property
-    def outstanding(self) -> int:
-        return len(self._outstanding)
 
     def write_csv(self, path: Path) -> None:
         """Every probe: seconds since the first was published, holder, freshness in ms (empty: never seen)."""

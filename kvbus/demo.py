@@ -136,10 +136,9 @@ def _stream(children: Children, args: argparse.Namespace, settings: Settings, ma
 
 
 def _check_alive(children: Children) -> None:
-    dead = [c for c in children.dead() if c.name != "fleet"]
-    if dead:
-        names = ", ".join(f"{c.name} (exit {c.proc.returncode}, log {c.log_path})" for c in dead)
-        raise SystemExit(f"demo: a stage stopped unexpectedly: {names}")
+    report = children.stopped_report(ignore=("fleet",))
+    if report:
+        raise SystemExit(f"demo: a stage stopped unexpectedly: {report}")
 
 
 def _report(settings: Settings, manifest: Path) -> bool:

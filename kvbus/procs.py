@@ -55,6 +55,18 @@ class Children:
         """Children that exited on their own."""
         return [c for c in self.started if c.proc.poll() is not None]
 
+    def stopped_report(self, *, ignore: tuple[str, ...] = (), tail: int = 0) -> str | None:
+        """None while every child (but those named in ``ignore``) runs; else one line per child that
+        exited: name, exit code and log path, followed by the last ``tail`` characters of its log."""
+        lines = []
+        for c in self.dead():
+            if c.name in ignore:
+                continue
+            lines.append(f"{c.name} exited with {c.proc.returncode} (log {c.log_path})")
+            if tail:
+                lines.append(c.log_path.read_text(errors="replace")[-tail:])
+        return "\n".join(lines) or None
+
     def stop(self, child: Child, timeout: float = 15.0) -> None:
         """SIGTERM one child's process group, SIGKILL after ``timeout`` seconds."""
         if child.proc.poll() is None:

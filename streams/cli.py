@@ -36,16 +36,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 def _export(settings: Settings) -> None:
     """Make the module-level Faust app see ``settings`` (it reads the environment at import)."""
-    env = os.environ
-    env["KVBUS_BOOTSTRAP"] = settings.bootstrap
-    env["KVBUS_REGISTRY_URL"] = settings.registry_url
-    env["KVBUS_REDIS_URL"] = settings.redis_url
-    env["KVBUS_PARTITIONS"] = str(settings.partitions)
-    t = settings.topics
-    env["KVBUS_TOPIC_RAW"] = t.raw
-    env["KVBUS_TOPIC_BLOCKS"] = t.blocks
-    env["KVBUS_TOPIC_INCOMPLETE"] = t.incomplete
-    env["KVBUS_TOPIC_DLQ"] = t.dlq
+    os.environ.update(settings.to_env())
 
 
 def run_worker(args: argparse.Namespace, settings: Settings) -> int:

@@ -41,9 +41,9 @@ class Pipeline:
 
     def check_alive(self) -> None:
         """Fail with the log of any process that exited."""
-        for child in self.children.dead():
-            log = child.log_path.read_text(errors="replace")[-4000:]
-            raise AssertionError(f"{child.name} exited with {child.proc.returncode}:\n{log}")
+        report = self.children.stopped_report(tail=4000)
+        if report:
+            raise AssertionError(report)
 
     def lookup_json(self, *args: str, check: bool = True) -> dict | str:
         """``kvbus lookup --json <args>`` as a process; its parsed output (with ``check=False``,
