@@ -33,6 +33,7 @@ import msgspec
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvbus.procs import free_port  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 
@@ -152,12 +153,6 @@ def engine_main(argv: list[str]) -> int:
     return 0
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dict[str, Any]:

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from confluent_kafka import Producer  # noqa: E402
 from schemas.events import BlockRemoved, BlockStored, holder_key  # noqa: E402
 from schemas.serde import RecordSerde, registry_client  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
+from kvbus.procs import free_port  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from streams.aggregation import Aggregator  # noqa: E402
 from streams.trace import TraceSpec, batches  # noqa: E402
@@ -90,10 +90,6 @@ def aggregator_only(trace: list, topics: Topics) -> tuple[float, int]:
     return time.perf_counter() - t0, len(out)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

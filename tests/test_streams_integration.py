@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from confluent_kafka.admin import AdminClient
 from schemas.events import (AllBlocksCleared, BlockEvent, BlockStored, EventBatch, Incomplete, Reset,
                             canonical_hash, holder_key)
 from schemas.serde import RecordSerde, registry_client
+from kvbus.procs import free_port
 from schemas.settings import Settings
 from streams.trace import TraceSpec, batches, expected
 from tests.pipeline import RawProducer
@@ -37,10 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 # -- helpers ------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(settings: Settings, app_id: str, datadir: Path, window: float, **extra: str) -> dict[str, str]:
