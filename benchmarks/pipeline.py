@@ -133,20 +133,39 @@ def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
     topics = Topics(raw=f"{run_id}.raw", blocks=f"{run_id}.blocks", incomplete=f"{run_id}.incomplete",
                     dlq=f"{run_id}.dlq")
     settings = replace(base, topics=topics, partitions=args.partitions or base.partitions)
+    replication = cluster_replication(settings.bootstrap)
     ensure_topics(settings.bootstrap, [topics.raw, topics.blocks, topics.for_ownership("kvcr"), topics.incomplete, topics.dlq],
-                  settings.partitions, 1)
-    children = Children(log_dir=log_dir, env={**os.environ, **settings.to_env()}, log_prefix=f"{run_id}-")
+                  settings.partitions, replication)
+    # the worker creates its changelog and tier topics with KVBUS_REPLICATION
+    env = {**os.environ, **settings.to_env(), "KVBUS_REPLICATION": str(replication)}
+    children = Children(log_dir=log_dir, env=env, log_prefix=f"{run_id}-")
     return Run(run_id, settings, f"{run_id}:", children)
 
 
-def start_stages(run: Run, args: argparse.Namespace) -> None:
-    """Sinks, workers and bridges, then wait until both consumer groups are stable."""
+def cluster_replication(bootstrap: str) -> int:
+    """Replication factor of a run's topics: 3 on a cluster of three or more brokers (min ISR 2,
+    infra.topics.default_min_insync), else the number of brokers."""
+    from infra.topics import admin_client
+
+    return min(3, len(admin_client(bootstrap).list_topics(timeout=10).brokers))
+
+
+SINK_WITH_CONF = REPO / "benchmarks" / "sink_with_conf.py"
+
+
+def start_stages(run: Run, args: argparse.Namespace, sink_conf: Optional[dict[str, str]] = None) -> None:
+    """Sinks, workers and bridges, then wait until both consumer groups are stable. ``sink_conf``:
+    extra librdkafka settings of the sinks' consumers (``{i}`` in a value: the sink's number),
+    through ``benchmarks/sink_with_conf.py``."""
     workdir = run.children.log_dir / run.run_id
     for i in range(args.sinks):
         port = free_port()
         run.sink_ports.append(port)
+        launcher: tuple[str, ...] = ("-m", "kvbus")
+        if sink_conf:
+            launcher = (str(SINK_WITH_CONF), *(f"--conf={k}={v.format(i=i)}" for k, v in sink_conf.items()), "--")
         run.children.start(f"sink-{i}", "sink", "--group", run.sink_group, "--prefix", run.prefix,
-                           "--stale-after", "0", "--metrics-port", str(port))
+                           "--stale-after", "0", "--metrics-port", str(port), launcher=launcher)
     for i in range(args.workers_procs):
         port = free_port()
         run.worker_ports.append(port)
@@ -331,6 +350,8 @@ class Prober:
         """Probe hash -> publication time, ``time.time()`` (to compare with Kafka timestamps)."""
         self.seen: dict[bytes, float] = {}
         """Probe hash -> time the first lookup that found it returned."""
+        self.events: list[tuple[float, int]] = []
+        """(time, engine events the fleet had published by then), one per log line."""
         self._outstanding: list[bytes] = []
         self._offset = 0
         self._partial = b""
@@ -347,6 +368,8 @@ class Prober:
         self._partial = lines.pop()
         for line in lines:
             rec = json.loads(line)
+            if "events" in rec:
+                self.events.append((rec["t"], rec["events"]))
             if "probe" in rec:
                 h = bytes.fromhex(rec["probe"])
                 self.published[h] = rec["t"]
@@ -361,9 +384,12 @@ class Prober:
     def poll(self, limit: int = 32) -> None:
         """One pass: read new log lines, look up (at most ``limit`` of) the oldest outstanding probes."""
         self._read_log()
-        for h in self._outstanding[:limit]:
-            if self.store.lookup([h]):
-                self.seen[h] = time.monotonic()
+        try:
+            for h in self._outstanding[:limit]:
+                if self.store.lookup([h]):
+                    self.seen[h] = time.monotonic()
+        except (redis.RedisError, RuntimeError) as e:  # Redis down or restarted without the functions
+            log.debug("probe lookups failed: %s", e)
         if self.seen:
             self._outstanding = [h for h in self._outstanding if h not in self.seen]
 

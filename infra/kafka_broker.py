@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import shutil
 import subprocess
@@ -84,7 +85,17 @@ def plan(paths: Paths, brokers: int) -> list[Node]:
     if brokers < 1:
         raise ValueError("brokers must be >= 1")
     ports = broker_ports(brokers)
-    return [Node(i + 1, p, p + 1, brokers, paths) for i, p in enumerate(ports)]
+    nodes = [Node(i + 1, p, p + 1, brokers, paths) for i, p in enumerate(ports)]
+    taken: dict[int, str] = {}
+    for n in nodes:
+        for port, what in ((n.port, "broker"), (n.controller_port, "controller")):
+            if port in taken:
+                raise ValueError(
+                    f"{n.name}: {what} port {port} is also {taken[port]}'s; each controller listens on its broker "
+                    f"port + 1, so KVBUS_BOOTSTRAP ports must be at least 2 apart (e.g. :29092,:29094,:29096)"
+                )
+            taken[port] = f"{n.name} {what}"
+    return nodes
 
 
 def bootstrap(nodes: list[Node]) -> str:
@@ -260,13 +271,15 @@ def running(nodes: list[Node]) -> dict[str, PidRecord]:
     return out
 
 
-def start(paths: Paths, nodes: list[Node]) -> list[PidRecord]:
-    """Start every node that is not already running (ours). Returns the new records.
+def start(paths: Paths, nodes: list[Node], only: set[int] | None = None) -> list[PidRecord]:
+    """Start every node that is not already running (ours); ``only``: just these node ids (the
+    configs of all ``nodes`` are written, so a restarted node gets the same quorum). Returns the
+    new records.
 
     Raises if a node's port is taken by a process we did not start.
     """
     live = running(nodes)
-    todo = [n for n in nodes if n.name not in live]
+    todo = [n for n in nodes if n.name not in live and (only is None or n.node_id in only)]
     for n in todo:
         for port in (n.port, n.controller_port):
             if port_open(LOOPBACK, port):
@@ -283,6 +296,22 @@ def start(paths: Paths, nodes: list[Node]) -> list[PidRecord]:
         argv = java_argv(paths, n.brokers, "kafka.Kafka", [str(n.props_path)], server=True)
         started.append(start_process(n.name, argv, pid_path=n.pid_path, log_path=n.log_path, marker=str(n.props_path), cwd=n.mode_dir))
     return started
+
+
+def active_controller(nodes: list[Node]) -> int | None:
+    """Node id of the active KRaft controller (the quorum leader), from the ``quorum-state`` file
+    each node keeps in its metadata log directory: the leader of the highest epoch any node knows.
+    ``None`` while no node knows one (an election is under way)."""
+    best: tuple[int, int] | None = None
+    for n in nodes:
+        try:
+            st = json.loads((n.data_dir / "__cluster_metadata-0" / "quorum-state").read_text())
+        except (OSError, ValueError):
+            continue
+        leader, epoch = int(st.get("leaderId", -1)), int(st.get("leaderEpoch", -1))
+        if leader >= 0 and (best is None or epoch > best[0]):
+            best = (epoch, leader)
+    return best[1] if best else None
 
 
 def metadata_brokers(bootstrap_servers: str, timeout: float = 2.0) -> set[int]:

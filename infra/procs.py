@@ -153,12 +153,18 @@ def start_process(
             start_new_session=True,
             close_fds=True,
         )
+    # wait for the exec, not just the fork: until then /proc shows this Python's command line, and
+    # a check in that window (e.g. up's running() right after start) took a starting node for a
+    # stale pid file and deleted it (seen with three JVMs starting at once on a busy box)
     st = None
-    for _ in range(50):
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and proc.poll() is None:
         st = proc_starttime(proc.pid)
-        if st is not None or proc.poll() is not None:
+        if st is not None and marker in proc_cmdline(proc.pid):
             break
         time.sleep(0.01)
+    if st is None:
+        st = proc_starttime(proc.pid)
     rec = PidRecord(
         name=name,
         pid=proc.pid,

@@ -76,6 +76,15 @@ def marker(rs: RedisSettings) -> str:
     return f"{rs.host}:{rs.port}"
 
 
+def server_argv(rs: RedisSettings, data: Path, *, aof: str | None = None) -> list[str]:
+    """Command line of a redis-server on ``rs``'s host and port, files in ``data``: no persistence
+    (the stack's view is rebuilt from Kafka), or ``aof`` = an ``appendfsync`` policy (``everysec``,
+    ``always``, ``no``) for an append-only file that a restart reloads (fault tests)."""
+    persistence = ["--appendonly", "no"] if aof is None else ["--appendonly", "yes", "--appendfsync", aof]
+    return [binary(), "--port", str(rs.port), "--bind", rs.host, "--daemonize", "no", "--save", "",
+            *persistence, "--dir", str(data), "--logfile", ""]
+
+
 def start(paths: Paths, rs: RedisSettings) -> tuple[PidRecord | None, bool]:
     """Start our redis-server unless ours runs or a foreign one answers PING.
 
@@ -90,23 +99,7 @@ def start(paths: Paths, rs: RedisSettings) -> tuple[PidRecord | None, bool]:
         raise ServiceError(f"{NAME}: port {rs.port} is in use but does not answer Redis PING; free it or change KVBUS_REDIS_URL")
     data = paths.data / "redis"
     data.mkdir(parents=True, exist_ok=True)
-    argv = [
-        binary(),
-        "--port",
-        str(rs.port),
-        "--bind",
-        rs.host,
-        "--daemonize",
-        "no",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(data),
-        "--logfile",
-        "",
-    ]
+    argv = server_argv(rs, data)
     rec = start_process(NAME, argv, pid_path=pid_path(paths), log_path=log_path(paths), marker=marker(rs), cwd=data)
     return rec, False
 

@@ -235,26 +235,82 @@ def down(timeout: float = 30.0) -> dict[str, str]:
     return results
 
 
-def restart_registry(timeout: float | None = None) -> dict[str, Any]:
-    """Stop and start only the registry (Kafka keeps running). For persistence tests.
+def stop_registry() -> str:
+    """Stop only the registry (Kafka and Redis keep running): ``"stopped"``, ``"killed"`` or
+    ``"not running"``. ``start_registry`` brings it back (schemas survive in KafkaSQL)."""
+    paths = Paths().ensure()
+    with _locked(paths):
+        rec = registry.running(paths)
+        if rec is None:
+            return "not running"
+        res = stop_process(rec, pid_path=registry.pid_path(paths))
+        reg = registry_settings()
+        wait_until("registry (port release)", lambda: not port_open(reg.host, reg.port), timeout=30)
+        return res
 
-    Returns ``{"pid", "seconds"}``.
+
+def start_registry(timeout: float | None = None) -> dict[str, Any]:
+    """Start the registry of a stack that is up (no-op if it runs) and wait until it is ready.
+
+    Returns ``{"pid", "seconds"}`` (pid None if it was already running).
     """
     paths = Paths().ensure()
     with _locked(paths):
         state = _load_state(paths)
         if not state:
             raise StackError("the stack is not up (no state file); run `infra/stack up` first")
-        rec = registry.running(paths)
-        if rec is not None:
-            stop_process(rec, pid_path=registry.pid_path(paths))
         reg = registry_settings()
-        wait_until("registry (port release)", lambda: not port_open(reg.host, reg.port), timeout=30)
         t = time.monotonic()
         new = registry.start(paths, reg, state["bootstrap"], int(state.get("replication", 1)))
-        recs = [new] if new is not None else []
+        recs = [new] if new is not None else [r for r in [registry.running(paths)] if r is not None]
         wait_until("registry", lambda: registry.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs, log=registry.log_path(paths))
         return {"pid": new.pid if new else None, "seconds": round(time.monotonic() - t, 2)}
+
+
+def restart_registry(timeout: float | None = None) -> dict[str, Any]:
+    """Stop and start only the registry (Kafka keeps running). For persistence tests.
+
+    Returns ``{"pid", "seconds"}``.
+    """
+    if not _load_state(Paths()):
+        raise StackError("the stack is not up (no state file); run `infra/stack up` first")
+    stop_registry()
+    return start_registry(timeout)
+
+
+def _cluster_nodes(paths: Paths) -> list[kafka_broker.Node]:
+    state = _load_state(paths)
+    if not state:
+        raise StackError("the stack is not up (no state file); run `infra/stack up` first")
+    return kafka_broker.plan(paths, int(state.get("brokers", 1)))
+
+
+def restart_broker(node_id: int, timeout: float | None = None) -> dict[str, Any]:
+    """Start Kafka node ``node_id`` (1-based) of the running stack again: stopped first if it runs,
+    then started with the cluster's config and data, and waited for until every node is in the
+    cluster metadata. For fault tests (a broker killed with SIGKILL comes back with its log).
+
+    Returns ``{"node", "pid", "stopped", "seconds"}``.
+    """
+    paths = Paths().ensure()
+    with _locked(paths):
+        nodes = _cluster_nodes(paths)
+        node = next((n for n in nodes if n.node_id == node_id), None)
+        if node is None:
+            raise StackError(f"no Kafka node {node_id} in this {len(nodes)}-node stack (nodes are 1..{len(nodes)})")
+        rec = kafka_broker.running(nodes).get(node.name)
+        stopped = stop_process(rec, pid_path=node.pid_path) if rec is not None else "not running"
+        t = time.monotonic()
+        new = kafka_broker.start(paths, nodes, only={node_id})
+        wait_until(f"{node.name} (restart)", kafka_broker.Readiness(nodes), timeout=timeout or KAFKA_TIMEOUT,
+                   records=new, log=node.log_path)
+        return {"node": node_id, "pid": new[0].pid if new else None, "stopped": stopped,
+                "seconds": round(time.monotonic() - t, 2)}
+
+
+def controller() -> int | None:
+    """Node id of the active KRaft controller of the running stack (``None`` during an election)."""
+    return kafka_broker.active_controller(_cluster_nodes(Paths()))
 
 
 # ---------------------------------------------------------------------------- status
@@ -353,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     p_st = sub.add_parser("status", help="show services; exit 0 if all ready, 3 otherwise")
     p_st.add_argument("--json", action="store_true", help="print the status as JSON")
     sub.add_parser("restart-registry", help="restart only the registry")
+    sub.add_parser("stop-registry", help="stop only the registry (start-registry brings it back)")
+    sub.add_parser("start-registry", help="start the registry of a stack that is up, wait until ready")
+    p_rb = sub.add_parser("restart-broker", help="start Kafka node N again (stopped first if it runs)")
+    p_rb.add_argument("node", type=int, help="node id, 1..brokers")
+    sub.add_parser("controller", help="print the node id of the active KRaft controller")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="infra: %(message)s", stream=sys.stderr)
 
@@ -399,6 +460,22 @@ def main(argv: list[str] | None = None) -> int:
             res = restart_registry()
             log.info("registry restarted (pid %s) in %.1fs", res["pid"], res["seconds"])
             return 0
+        if args.cmd == "stop-registry":
+            log.info("registry: %s", stop_registry())
+            return 0
+        if args.cmd == "start-registry":
+            res = start_registry()
+            log.info("registry ready (pid %s) in %.1fs", res["pid"] or "already running", res["seconds"])
+            return 0
+        if args.cmd == "restart-broker":
+            res = restart_broker(args.node)
+            log.info("kafka node %d (%s before) running again (pid %s), cluster ready in %.1fs",
+                     res["node"], res["stopped"], res["pid"], res["seconds"])
+            return 0
+        if args.cmd == "controller":
+            ctl = controller()
+            print(ctl if ctl is not None else "none")
+            return 0 if ctl is not None else EXIT_NOT_READY
     except ServiceError as exc:
         log.error("%s", exc)
         return 1

@@ -118,6 +118,8 @@ class EnginePublisher:
         self.dropped_live = 0
         """Batches kept for replay but not sent live (simulated network loss)."""
         self.replays_served = 0
+        self.last_events = 0
+        """Events of the last batch :meth:`publish` sent."""
 
     def bind(self) -> None:
         """Bind the PUB and replay ROUTER sockets."""
@@ -163,7 +165,14 @@ class EnginePublisher:
     def publish(self, events: list[Event], ts: float | None = None, *, send_live: bool = True) -> int:
         """Encode and publish one batch; returns its seq. ``send_live=False`` keeps it in the
         replay buffer only (a message lost on the way)."""
-        return self.publish_payload(self.encode(events, ts), send_live=send_live)
+        seq = self.publish_payload(self.encode(events, ts), send_live=send_live)
+        self.last_events = len(events)
+        return seq
+
+    def published(self) -> dict[str, int]:
+        """``batches`` published, the ``last_seq`` and its ``last_events`` (-1 / 0 before the first):
+        a consumer that applied everything holds position (epoch, last_seq, last_events - 1)."""
+        return {"batches": self.next_seq, "last_seq": self.next_seq - 1, "last_events": self.last_events}
 
     def publish_payload(self, payload: bytes, *, send_live: bool = True) -> int:
         """Publish an already encoded (or deliberately malformed) payload; returns its seq."""
@@ -645,7 +654,8 @@ class Fleet:
             "hash_algo": self.cfg.model.hash_algo,
             "streams": [s.__dict__ for s in self.streams()],
             "replicas": {
-                f"{name}#{d}": {"replica": name, "dp_rank": d, **m.manifest()}
+                f"{name}#{d}": {"replica": name, "dp_rank": d, **m.manifest(),
+                                "published": self.publishers[(name, d, 0)].published()}
                 for (name, d), m in self.models.items()
             },
         }
@@ -683,6 +693,7 @@ class Fleet:
             return
         record["t"] = time.monotonic()
         record["wall"] = time.time()
+        record["events"] = self.events  # engine events published so far (probes not counted)
         self._probe_out.write(json.dumps(record) + "\n")
         self._probe_out.flush()
 

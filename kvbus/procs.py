@@ -24,6 +24,10 @@ class Child:
     """The process (leader of its own session, so its children stop with it)."""
     log_path: Path
     """Where its stdout/stderr go."""
+    args: tuple[str, ...] = ()
+    """Its ``kvbus`` arguments (what :meth:`Children.start` was given)."""
+    launcher: tuple[str, ...] = ("-m", "kvbus")
+    """What runs them: ``python <launcher> <args>``."""
 
 
 @dataclass
@@ -36,17 +40,18 @@ class Children:
     """Log files are ``<log_dir>/<log_prefix><name>.log``."""
     started: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, *args: str) -> Child:
-        """Run ``python -m kvbus <args>`` in the background, output to ``<log_dir>/<log_prefix><name>.log``."""
+    def start(self, name: str, *args: str, launcher: tuple[str, ...] = ("-m", "kvbus")) -> Child:
+        """Run ``python -m kvbus <args>`` (``launcher``: ``python <launcher> <args>``, e.g. a script
+        that wraps the kvbus CLI) in the background, output to ``<log_dir>/<log_prefix><name>.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{self.log_prefix}{name}.log"
         out = open(path, "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbus", *args],
+            [sys.executable, *launcher, *args],
             stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
         )
         out.close()
-        child = Child(name, proc, path)
+        child = Child(name, proc, path, tuple(args), tuple(launcher))
         self.started.append(child)
         log.info("started %s (pid %d, log %s)", name, proc.pid, path)
         return child

@@ -1,0 +1,741 @@
+"""Fault suite on a three-broker cluster: one fault at a time under steady load, the view checked after each.
+
+    .venv/bin/python benchmarks/faults.py                       # every fault
+    .venv/bin/python benchmarks/faults.py --list                # the faults and what each does
+    .venv/bin/python benchmarks/faults.py --faults sink,bridge --repeat 3
+
+**The cluster.** Its own state directory and ports, never the dev stack's: ``infra/stack`` with
+``KVBUS_STATE_DIR=/tmp/kvbus-faults``, brokers on ``127.0.0.1:29092,:29094,:29096`` (each KRaft
+controller on its broker port + 1), registry ``:28081`` (management ``:29001``), Redis ``:26379``
+(CLUSTER_ENV; ``--use-env`` takes the caller's ``KVBUS_*`` instead). It is brought up with
+``--brokers 3`` (topics replication 3, min ISR 2) if it is not running, and stopped at the end if
+this run started it (``--keep-cluster`` leaves it); the command that stops it is printed either way.
+
+**One fault.** Fresh topics (replication 3), consumer groups and Redis prefix (``pipeline.new_run``),
+then the real processes of ``benchmarks/pipeline.py``: ``kvbus sink``, W ``kvbus worker``, one
+``kvbus bridge`` per engine and ``kvbus fleet`` publishing ``--rate`` engine events/s with a
+freshness probe every ``--probe-every`` s. After ``--before`` s of steady flow the fault function
+runs (kill -9 / stop, hold ``--down-for`` s, restart), the benchmark follows until the view is
+fresh again, stops the fleet, waits for both hops to drain and compares the view with the fleet's
+ground truth (``pipeline.view_matches_truth``: every holder, every tier) and every holder's stored
+position with the last batch the fleet published (nothing acknowledged missing, nothing past it).
+Everything is deleted afterwards, so faults do not see each other's records.
+
+**Figures per fault.**
+- ``in_flight``: engine events the fleet published between the fault and the restart.
+- re-read: ``worker_dups`` (reports the Faust worker ignored as redelivered,
+  ``kvbus_streams_duplicates_total``), ``sink_dups`` (events the sink skipped as already applied,
+  ``kvbus_sink_duplicates_skipped_total``), ``sink_reread`` (records the sink read minus records in
+  its topics), ``bridge_recovered`` (batches a bridge recovered through the engine's replay);
+  each summed over every incarnation of the process (a killed one is scraped just before the kill).
+- ``converge``: from the fault (and from the restart) until the view is fresh again: the moment
+  the last *late* probe (published after the fault, not visible within ``--late-ms``) became
+  visible; from then on every probe was visible in time. ``max_stale_ms``: the worst probe's
+  freshness (what a router saw). ``lag_back_s``: from the restart until both hops' consumer lag is
+  back within its pre-fault range.
+- ``view_exact`` / ``positions_ok`` after draining; ``ok`` = both, drained, and no stage died.
+
+Each fault prints its line; then a table of all, a README-ready markdown table, and as the last
+line one JSON object with every figure. A fault is one registered function (``@fault``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+CLUSTER_ENV = {
+    "KVBUS_STATE_DIR": "/tmp/kvbus-faults",
+    "KVBUS_BOOTSTRAP": "127.0.0.1:29092,127.0.0.1:29094,127.0.0.1:29096",
+    "KVBUS_REGISTRY_URL": "http://127.0.0.1:28081/apis/ccompat/v7",
+    "KVBUS_REGISTRY_MANAGEMENT_PORT": "29001",
+    "KVBUS_REDIS_URL": "redis://127.0.0.1:26379/0",
+}
+"""The fault cluster's settings (controllers on each broker port + 1, hence ports 2 apart)."""
+
+if "--use-env" not in sys.argv:
+    os.environ.update(CLUSTER_ENV)
+
+import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, probes, lag, the truth check)
+
+import redis  # noqa: E402
+
+from kvbus.procs import Child, free_port  # noqa: E402
+from kvbus.progress import scrape  # noqa: E402
+from schemas.settings import Settings  # noqa: E402
+from sinks.redis_store import RedisStore  # noqa: E402
+
+log = logging.getLogger("kvbus.faults")
+
+
+# -- the fault table -------------------------------------------------------------------
+
+@dataclass
+class Fault:
+    name: str
+    run: Callable[["Ctx"], None]
+    doc: str
+    workers: int = 1
+    """Faust worker processes of the run."""
+    redis: Optional[str] = None
+    """None: the cluster's Redis; "aof" / "none": a redis-server of the benchmark's own with an
+    append-only file (appendfsync everysec) / with no persistence at all."""
+    sink_conf: Optional[dict[str, str]] = None
+    """Extra librdkafka settings of the sink's consumer (pipeline.start_stages)."""
+
+
+FAULTS: dict[str, Fault] = {}
+
+
+def fault(name: str, **kw: Any) -> Callable[[Callable[["Ctx"], None]], Callable[["Ctx"], None]]:
+    """Register ``fn`` as fault ``name`` (its docstring's first line is its description)."""
+    def deco(fn: Callable[["Ctx"], None]) -> Callable[["Ctx"], None]:
+        FAULTS[name] = Fault(name, fn, (fn.__doc__ or "").strip().splitlines()[0], **kw)
+        return fn
+    return deco
+
+
+@fault("broker-leader")
+def broker_leader(ctx: "Ctx") -> None:
+    """kill -9 the broker leading most of the run's raw/blocks partitions (not the active controller), restart it."""
+    from infra import stack
+
+    leaders = ctx.partition_leaders()
+    ctl = stack.controller()
+    ranked = sorted(leaders, key=lambda b: (b == ctl, -len(leaders[b])))
+    node = ranked[0]
+    ctx.notes.update(broker=node, leads=sorted(leaders[node]), controller=ctl)
+    ctx.kill_broker(node)
+    ctx.follow(ctx.args.down_for)
+    ctx.restart_broker(node)
+
+
+@fault("controller")
+def controller(ctx: "Ctx") -> None:
+    """kill -9 the active KRaft controller (combined mode: a broker too), restart it."""
+    from infra import stack
+
+    node = stack.controller()
+    ctx.notes.update(controller=node, leads=sorted(ctx.partition_leaders().get(node, [])))
+    ctx.kill_broker(node)
+    t0 = time.monotonic()
+    ctx.follow(ctx.args.down_for, until=lambda: stack.controller() not in (None, node))
+    new = stack.controller()
+    ctx.notes.update(new_controller=new, elected_s=round(time.monotonic() - t0, 2) if new != node else None)
+    ctx.follow(ctx.args.down_for - (time.monotonic() - t0))
+    ctx.restart_broker(node)
+
+
+@fault("worker-of-two", workers=2)
+def worker_of_two(ctx: "Ctx") -> None:
+    """kill -9 one of two Faust workers (the other takes its partitions), restart it."""
+    ctx.kill_restart("worker-1")
+
+
+@fault("worker-only")
+def worker_only(ctx: "Ctx") -> None:
+    """kill -9 the only Faust worker, restart it."""
+    ctx.kill_restart("worker-0")
+
+
+@fault("sink")
+def sink(ctx: "Ctx") -> None:
+    """kill -9 the sink, restart it (same consumer group)."""
+    ctx.kill_restart("sink-0")
+
+
+@fault("sink-static", sink_conf={"group.instance.id": "sink-{i}"})
+def sink_static(ctx: "Ctx") -> None:
+    """kill -9 the sink, restart it; static group membership (group.instance.id): no session timeout wait."""
+    ctx.kill_restart("sink-0")
+
+
+@fault("bridge")
+def bridge(ctx: "Ctx") -> None:
+    """kill -9 one bridge, restart it (it resumes its epoch from Kafka and replays the gap)."""
+    ctx.kill_restart("bridge-0-w0")
+
+
+@fault("registry")
+def registry(ctx: "Ctx") -> None:
+    """stop the schema registry for --registry-down s (20), start it again."""
+    from infra import stack
+
+    ctx.mark("fault")
+    ctx.during(stack.stop_registry)
+    ctx.follow(ctx.args.registry_down - (time.monotonic() - ctx.marks["fault"]))
+    ctx.mark("restart")
+    ctx.notes["start_s"] = ctx.during(stack.start_registry)["seconds"]
+
+
+@fault("redis-aof", redis="aof")
+def redis_aof(ctx: "Ctx") -> None:
+    """kill -9 Redis (appendonly, appendfsync everysec), restart it on its AOF."""
+    ctx.kill_redis()
+    ctx.follow(ctx.args.down_for)
+    ctx.restart_redis()
+
+
+@fault("redis-lost", redis="none")
+def redis_lost(ctx: "Ctx") -> None:
+    """kill -9 Redis without persistence, restart it empty (the whole view and its functions lost)."""
+    ctx.kill_redis()
+    ctx.follow(ctx.args.down_for)
+    ctx.restart_redis()
+
+
+# -- what a fault function works with ----------------------------------------------------
+
+COUNTERS: dict[str, dict[str, str]] = {
+    "sink": {"records": "kvbus_sink_records_total", "dups": "kvbus_sink_duplicates_skipped_total"},
+    "worker": {"dups": "kvbus_streams_duplicates_total"},
+    "bridge": {"recovered": "kvbus_bridge_recovered_total", "resets": "kvbus_bridge_resets_total",
+               "lost": "kvbus_bridge_lost_batches_total"},
+}
+"""Counters summed over every incarnation of a process kind (re-read figures)."""
+
+
+class StageDied(RuntimeError):
+    """A process the fault did not kill exited."""
+
+
+class OwnRedis:
+    """A redis-server of the benchmark's own (pid file in the cluster's run directory, so
+    ``infra/stack down`` stops a leftover), with an AOF (``aof``: appendfsync policy) or none."""
+
+    def __init__(self, run_dir: Path, log_dir: Path, data_dir: Path, aof: Optional[str]) -> None:
+        from infra import redis_server
+        from infra.settings import RedisSettings
+
+        port = free_port()
+        self.rs = RedisSettings(f"redis://127.0.0.1:{port}/0", "127.0.0.1", port)
+        self.url = self.rs.url
+        self.data = data_dir
+        self.argv = redis_server.server_argv(self.rs, data_dir, aof=aof)
+        self.pid_path = run_dir / f"redis-faults-{port}.pid"
+        self.log_path = log_dir / f"redis-faults-{port}.log"
+        self.rec: Any = None
+        self.start()
+
+    def start(self) -> None:
+        from infra import redis_server
+        from infra.procs import start_process, wait_until
+
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.rec = start_process("redis-faults", self.argv, pid_path=self.pid_path, log_path=self.log_path,
+                                 marker=redis_server.marker(self.rs), cwd=self.data)
+        wait_until("redis (faults)", lambda: redis_server.ping(self.rs), timeout=30, records=[self.rec],
+                   log=self.log_path, interval=0.05)
+
+    def kill(self) -> None:
+        os.kill(self.rec.pid, signal.SIGKILL)
+        try:
+            os.waitpid(self.rec.pid, 0)  # our child: reaped, so the port is free for the restart
+        except ChildProcessError:
+            pass
+
+    def stop(self) -> None:
+        from infra.procs import stop_process
+
+        if self.rec is not None:
+            stop_process(self.rec, pid_path=self.pid_path, timeout=10)
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+@dataclass
+class Ctx:
+    """One fault's run: its processes (``run``), probes, samples, marks and notes."""
+
+    args: argparse.Namespace
+    run: pl.Run
+    prober: pl.Prober
+    sampler: pl.Sampler
+    ports: dict[str, int]
+    """Child name -> its metrics port."""
+    own_redis: Optional[OwnRedis] = None
+    marks: dict[str, float] = field(default_factory=dict)
+    """fault / restart -> time.monotonic()."""
+    notes: dict[str, Any] = field(default_factory=dict)
+    carried: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Kind -> counter -> sum over the incarnations that were killed."""
+
+    def mark(self, what: str) -> None:
+        self.marks[what] = time.monotonic()
+        log.info("%s at +%.1f s", what, self.marks[what] - self.marks.get("start", self.marks[what]))
+
+    def check(self) -> None:
+        report = self.run.children.stopped_report(ignore=("fleet",), tail=1500)
+        if report:
+            raise StageDied(report)
+
+    def follow(self, seconds: float, until: Optional[Callable[[], bool]] = None) -> None:
+        """Poll the probes for ``seconds`` (or until ``until()``), checking the processes."""
+        end = time.monotonic() + max(0.0, seconds)
+        last_check = 0.0
+        while time.monotonic() < end:
+            self.prober.poll()
+            now = time.monotonic()
+            if now - last_check > 0.5:
+                last_check = now
+                self.check()
+                if until is not None and until():
+                    return
+            time.sleep(0.002)
+
+    def during(self, fn: Callable[[], Any]) -> Any:
+        """Run a blocking call (an infra restart) in a thread while following the probes."""
+        box: dict[str, Any] = {}
+
+        def go() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                box["error"] = e
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        while t.is_alive():
+            self.follow(0.05)
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    # processes of the run
+    def child(self, name: str) -> Child:
+        return next(c for c in self.run.children.started if c.name == name)
+
+    def kill(self, name: str) -> Child:
+        """kill -9 child ``name`` (its counters scraped just before), forget it."""
+        c = self.child(name)
+        kind = name.split("-")[0]
+        for key, metric in COUNTERS.get(kind, {}).items():
+            self.carried.setdefault(kind, {}).setdefault(key, 0.0)
+            self.carried[kind][key] += scrape(self.ports[name], metric)
+        os.killpg(c.proc.pid, signal.SIGKILL)
+        c.proc.wait()
+        self.run.children.started.remove(c)
+        self.mark("fault")
+        return c
+
+    def restart(self, old: Child) -> Child:
+        """Start ``old``'s command again (same name, options and metrics port)."""
+        new = self.run.children.start(old.name, *old.args, launcher=old.launcher)
+        kind = old.name.split("-")[0]
+        pids = self.run.pids.get(kind, [])
+        self.run.pids[kind] = [new.proc.pid if p == old.proc.pid else p for p in pids]
+        self.mark("restart")
+        return new
+
+    def kill_restart(self, name: str) -> None:
+        old = self.kill(name)
+        self.follow(self.args.down_for)
+        self.restart(old)
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Kind -> counter -> total over every incarnation (live ones scraped now)."""
+        out = {k: dict(v) for k, v in self.carried.items()}
+        for c in self.run.children.started:
+            kind = c.name.split("-")[0]
+            for key, metric in COUNTERS.get(kind, {}).items():
+                out.setdefault(kind, {}).setdefault(key, 0.0)
+                out[kind][key] += scrape(self.ports[c.name], metric)
+        return out
+
+    # Kafka
+    def partition_leaders(self) -> dict[int, list[str]]:
+        """Broker id -> the run's raw and blocks partitions it leads."""
+        from infra.topics import admin_client
+
+        t = self.run.settings.topics
+        md = admin_client(self.run.settings.bootstrap).list_topics(timeout=10)
+        out: dict[int, list[str]] = {}
+        for topic in (t.raw, t.blocks):
+            for p, pm in md.topics[topic].partitions.items():
+                out.setdefault(pm.leader, []).append(f"{topic.split('.', 1)[1]}-{p}")
+        return out
+
+    def kill_broker(self, node_id: int) -> None:
+        from infra import kafka_broker
+        from infra.procs import alive_record
+        from infra.settings import Paths
+
+        node = next(n for n in kafka_broker.plan(Paths(), 3) if n.node_id == node_id)
+        rec = alive_record(node.pid_path)
+        if rec is None:
+            raise RuntimeError(f"kafka node {node_id} is not running")
+        os.kill(rec.pid, signal.SIGKILL)
+        self.mark("fault")
+
+    def restart_broker(self, node_id: int) -> None:
+        from infra import stack
+
+        self.mark("restart")
+        res = self.during(lambda: stack.restart_broker(node_id))
+        self.notes["restart_ready_s"] = res["seconds"]
+
+    # Redis
+    def kill_redis(self) -> None:
+        assert self.own_redis is not None
+        self.own_redis.kill()
+        self.mark("fault")
+
+    def restart_redis(self) -> None:
+        assert self.own_redis is not None
+        self.mark("restart")
+        self.during(self.own_redis.start)
+
+
+# -- one fault -------------------------------------------------------------------------
+
+def stage_args(args: argparse.Namespace, f: Fault) -> argparse.Namespace:
+    """The options pipeline.py's helpers read (new_run, start_stages, start_fleet, drain)."""
+    return argparse.Namespace(replicas=args.replicas, tp=1, workers_procs=f.workers, sinks=1,
+                              partitions=args.partitions, seed=args.seed, probe_every=args.probe_every,
+                              base_port=pl.free_port_block(2 * args.replicas), drain_timeout=args.drain_timeout)
+
+
+def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str, Any]:
+    """Run fault ``f`` on a fresh run; returns its figures."""
+    from schemas.registry import register
+
+    t_start = time.monotonic()
+    out: dict[str, Any] = {"fault": f.name, "ok": False}
+    own = None
+    if f.redis is not None:
+        own = OwnRedis(state_dir / "run", state_dir / "logs", state_dir / "data" / f"redis-faults-{os.getpid()}",
+                       aof=None if f.redis == "none" else "everysec")
+        base = replace(base, redis_url=own.url)
+    pargs = stage_args(args, f)
+    run = pl.new_run(pargs, base, state_dir / "logs")
+    out["run"] = run.run_id
+    sampler: Optional[pl.Sampler] = None
+    ctx: Optional[Ctx] = None
+    try:
+        register(run.settings.registry_url, run.settings.topics, ("kvcr",))
+        pl.start_stages(run, pargs, sink_conf=f.sink_conf)
+        run.pids.update(pl.service_pids(run.settings.redis_url))
+        ports = {f"sink-{i}": p for i, p in enumerate(run.sink_ports)}
+        ports.update({f"worker-{i}": p for i, p in enumerate(run.worker_ports)})
+        ports.update({f"bridge-{i}-w0": p for i, p in enumerate(run.bridge_ports)})
+        time.sleep(1.0)  # bridges connected before the first batch
+        logs = state_dir / "logs"
+        probe_log, manifest = logs / f"{run.run_id}-probes.jsonl", logs / f"{run.run_id}-manifest.json"
+        store = RedisStore(run.settings.redis_url, run.prefix, load=False)
+        prober = pl.Prober(probe_log, store)
+        pl.start_fleet(run, pargs, [(args.rate, 24 * 3600.0)], probe_log, manifest)
+        sampler = pl.Sampler(run)
+        sampler.start()
+        ctx = Ctx(args, run, prober, sampler, ports, own)
+        ctx.mark("start")
+        ctx.follow(args.before)
+        ctx.mark("steady_end")
+        f.run(ctx)
+        out["notes"] = ctx.notes
+        converged = settle(ctx)
+        out["settled"] = converged
+        fleet = ctx.child("fleet")
+        run.children.stop(fleet)  # SIGTERM: the fleet writes its final manifest
+        ctx.mark("fleet_stopped")
+        try:
+            drained = pl.drain(run, pargs, prober, sampler)
+        except SystemExit as e:  # pipeline.check_alive: a stage exited
+            raise StageDied(str(e)) from None
+        out["drained"] = drained
+        out["drain_s"] = round(time.monotonic() - ctx.marks["fleet_stopped"], 1)
+        exact, diffs = pl.view_matches_truth(store, manifest) if manifest.exists() else (False, ["no manifest"])
+        pos_ok, pos_diffs = positions_match(store, manifest) if manifest.exists() else (False, ["no manifest"])
+        out.update(view_exact=exact, view_diffs=diffs[:5], positions_ok=pos_ok, position_diffs=pos_diffs[:5])
+        out["ok"] = bool(drained and exact and pos_ok)
+    except Exception as e:  # noqa: BLE001 - one fault failing must not stop the suite
+        out["error"] = f"{type(e).__name__}: {e}"[:3000]
+        log.warning("fault %s failed: %s", f.name, out["error"])
+    finally:
+        if ctx is not None:
+            out.update(figures(ctx))
+            ctx.prober.write_csv(state_dir / "logs" / f"{run.run_id}-probes.csv")
+        if sampler is not None:
+            sampler.stop.set()
+        run.children.stop_all()
+        if not args.keep:
+            try:
+                pl.cleanup(run)
+            except Exception as e:  # noqa: BLE001 - Redis of a failed fault may be gone
+                log.warning("cleanup of %s: %s", run.run_id, e)
+        if own is not None:
+            own.stop()
+    out["duration_s"] = round(time.monotonic() - t_start, 1)
+    return out
+
+
+def late_probes(prober: pl.Prober, since: float, now: float, late_s: float) -> tuple[list[bytes], int]:
+    """Probes published since ``since`` that were (or, unseen, already are) late: (seen late ones,
+    outstanding late ones)."""
+    seen_late, outstanding = [], 0
+    for h, tp in prober.published.items():
+        if tp < since:
+            continue
+        ts = prober.seen.get(h)
+        if ts is None:
+            outstanding += now - tp > late_s
+        elif ts - tp > late_s:
+            seen_late.append(h)
+    return seen_late, outstanding
+
+
+def settle(ctx: Ctx) -> bool:
+    """Follow the flow after the restart until every probe is visible in time again and has been for
+    ``--settle`` s (at most ``--converge-timeout`` s); returns whether it got there."""
+    args = ctx.args
+    t_fault, t_restart = ctx.marks["fault"], ctx.marks.get("restart", ctx.marks["fault"])
+    late_s = args.late_ms / 1000.0
+    deadline = t_restart + args.converge_timeout
+    while time.monotonic() < deadline:
+        ctx.follow(0.25)
+        now = time.monotonic()
+        seen_late, outstanding = late_probes(ctx.prober, t_fault, now, late_s)
+        last = max((ctx.prober.seen[h] for h in seen_late), default=t_restart)
+        if not outstanding and now - max(last, t_restart) >= args.settle:
+            return True
+    return False
+
+
+def figures(ctx: Ctx) -> dict[str, Any]:
+    """The fault's figures from the marks, the probes, the samples and the counters."""
+    m, p = ctx.marks, ctx.prober
+    out: dict[str, Any] = {}
+    if "fault" not in m:
+        return out
+    t_fault, t_restart = m["fault"], m.get("restart", m["fault"])
+    out["fault_window_s"] = round(t_restart - t_fault, 1)
+    out["in_flight"] = events_between(p.events, t_fault, t_restart)
+    late_s = ctx.args.late_ms / 1000.0
+    end = m.get("fleet_stopped", time.monotonic())
+    seen_late, outstanding = late_probes(p, t_fault, end, late_s)
+    fresh = [(p.seen[h] - tp) * 1000.0 for h, tp in p.published.items() if tp >= t_fault and h in p.seen]
+    out["late_probes"] = len(seen_late) + outstanding
+    out["max_stale_ms"] = round(max(fresh, default=0.0)) if not outstanding else None
+    if outstanding:
+        out["converge_from_fault_s"] = out["converge_from_restart_s"] = None
+    else:
+        done = max((p.seen[h] for h in seen_late), default=t_fault)
+        out["converge_from_fault_s"] = round(done - t_fault, 2)
+        out["converge_from_restart_s"] = round(max(0.0, done - t_restart), 2)
+    steady = [s for s in ctx.sampler.samples if m["start"] + 2 <= s.t <= t_fault]
+    base_p = [(p.seen[h] - tp) * 1000.0 for h, tp in p.published.items()
+              if m["start"] + 2 <= tp < t_fault and h in p.seen]
+    out["steady_fresh_p50_ms"] = round(statistics.median(base_p), 1) if base_p else None
+    out["lag_back_s"] = lag_back(steady, ctx.sampler.samples, t_restart)
+    c = ctx.counters()
+    sink_c, worker_c, bridge_c = c.get("sink", {}), c.get("worker", {}), c.get("bridge", {})
+    out["worker_dups"] = int(worker_c.get("dups", 0))
+    out["sink_dups"] = int(sink_c.get("dups", 0))
+    try:
+        out["sink_reread"] = int(sink_c.get("records", 0)) - topic_records(ctx)
+    except Exception:  # noqa: BLE001 - Kafka unreachable: no figure
+        out["sink_reread"] = None
+    out["bridge_recovered"] = int(bridge_c.get("recovered", 0))
+    out["bridge_resets"] = int(bridge_c.get("resets", 0))
+    out["bridge_lost"] = int(bridge_c.get("lost", 0))
+    return out
+
+
+def events_between(events: list[tuple[float, int]], t0: float, t1: float) -> Optional[int]:
+    """Engine events the fleet published in [t0, t1], from its log's (time, total) pairs."""
+    before = [n for t, n in events if t <= t0]
+    upto = [n for t, n in events if t <= t1]
+    if not upto:
+        return None
+    return upto[-1] - (before[-1] if before else 0)
+
+
+def lag_back(steady: list[pl.Sample], samples: list[pl.Sample], since: float) -> Optional[float]:
+    """Seconds from ``since`` until both hops' lag are within their range before the fault."""
+    def top(hop: str) -> int:
+        return max([getattr(s, hop) for s in steady if getattr(s, hop) is not None], default=0)
+
+    lim_raw, lim_blocks = top("lag_raw"), top("lag_blocks")
+    for s in samples:
+        if s.t >= since and s.lag_raw is not None and s.lag_blocks is not None \
+                and s.lag_raw <= lim_raw and s.lag_blocks <= lim_blocks:
+            return round(s.t - since, 1)
+    return None
+
+
+def topic_records(ctx: Ctx) -> int:
+    """Records in the run's blocks topics (fresh topics: their end offsets)."""
+    import re
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    rx = re.compile(ctx.run.settings.topics.blocks_pattern()[1:])
+    c = Consumer({"bootstrap.servers": ctx.run.settings.bootstrap, "group.id": f"{ctx.run.run_id}.count"})
+    try:
+        md = c.list_topics(timeout=10)
+        total = 0
+        for t, tm in md.topics.items():
+            if rx.fullmatch(t):
+                for p in tm.partitions:
+                    low, high = c.get_watermark_offsets(TopicPartition(t, p), timeout=10)
+                    total += high - low
+        return total
+    finally:
+        c.close()
+
+
+def positions_match(store: RedisStore, manifest: Path) -> tuple[bool, list[str]]:
+    """Every holder's last applied position (the highest over its topics) against the last batch the
+    fleet published to it: (seq, index) = (last_seq, last_events - 1). Lower: acknowledged events
+    missing; higher: something applied that was not published."""
+    data = json.loads(manifest.read_text())
+    best: dict[str, tuple[int, int, int]] = {}
+    for (holder, _topic), pos in store.positions().items():
+        name = holder[:-2] if holder.endswith("#0") else holder
+        best[name] = max(best.get(name, pos), pos)
+    diffs = []
+    for holder, rep in data["replicas"].items():
+        name = holder[:-2] if holder.endswith("#0") else holder
+        pub = rep["published"]
+        want = (pub["last_seq"], pub["last_events"] - 1)
+        got = best.get(name)
+        if got is None or (got[1], got[2]) != want:
+            diffs.append(f"{name}: applied up to {got and (got[1], got[2])} (epoch {got and got[0]}), "
+                         f"published up to {want}")
+    return not diffs, diffs
+
+
+# -- output ----------------------------------------------------------------------------
+
+COLUMNS = (
+    ("fault", "fault"), ("ok", "ok"), ("in_flight", "in flight"), ("fault_window_s", "window s"),
+    ("worker_dups", "worker dups"), ("sink_dups", "sink dups"), ("sink_reread", "sink re-read"),
+    ("bridge_recovered", "bridge replayed"), ("max_stale_ms", "max stale ms"),
+    ("converge_from_fault_s", "converge (fault) s"), ("converge_from_restart_s", "converge (restart) s"),
+    ("lag_back_s", "lag back s"), ("view_exact", "view == truth"), ("positions_ok", "positions"),
+)
+
+
+def cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    return str(v)
+
+
+def text_table(rows: list[dict[str, Any]]) -> str:
+    cols = [(k, h) for k, h in COLUMNS]
+    cells = [[cell(r.get(k)) for k, _ in cols] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h) in enumerate(cols)]
+    lines = [" | ".join(h.ljust(w) for (_, h), w in zip(cols, widths))]
+    lines.append("-+-".join("-" * w for w in widths))
+    lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r.get(k)) for k, _ in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# -- main ------------------------------------------------------------------------------
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--list", action="store_true", help="list the faults and exit")
+    p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated faults to run, in order (default all)")
+    p.add_argument("--repeat", type=int, default=1, help="run the selection this many times in a row (default 1)")
+    p.add_argument("--rate", type=float, default=1500.0, help="engine events/s the fleet publishes (default 1500)")
+    p.add_argument("--replicas", type=int, default=4, help="engine replicas = bridges (default 4)")
+    p.add_argument("--partitions", type=int, default=None, help="partitions of the run's topics (default KVBUS_PARTITIONS)")
+    p.add_argument("--probe-every", type=float, default=0.05, help="seconds between freshness probes (default 0.05)")
+    p.add_argument("--before", type=float, default=8.0, help="seconds of steady flow before the fault (default 8)")
+    p.add_argument("--down-for", type=float, default=10.0, help="seconds a killed process stays down (default 10)")
+    p.add_argument("--registry-down", type=float, default=20.0, help="seconds the registry stays stopped (default 20)")
+    p.add_argument("--late-ms", type=float, default=500.0,
+                   help="a probe not visible within this many ms is late (default 500)")
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="seconds every probe must be in time before the fault counts as over (default 3)")
+    p.add_argument("--converge-timeout", type=float, default=120.0,
+                   help="seconds after the restart to wait for the view to be fresh again (default 120)")
+    p.add_argument("--drain-timeout", type=float, default=90.0, help="seconds to wait for the pipeline to drain (default 90)")
+    p.add_argument("--seed", type=int, default=11, help="fleet seed (default 11)")
+    p.add_argument("--keep", action="store_true", help="leave each fault's topics and Redis keys")
+    p.add_argument("--keep-cluster", action="store_true", help="leave the cluster up even if this run started it")
+    p.add_argument("--use-env", action="store_true",
+                   help="use the caller's KVBUS_* settings instead of the fault cluster's (CLUSTER_ENV)")
+    return p.parse_args(argv)
+
+
+def teardown_command() -> str:
+    env = " ".join(f"{k}={os.environ[k]}" for k in CLUSTER_ENV if k in os.environ)
+    return f"{env} infra/stack down"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for f in FAULTS.values():
+            extra = f" [{f.workers} workers]" if f.workers > 1 else ""
+            extra += f" [own Redis: {'AOF everysec' if f.redis == 'aof' else 'no persistence'}]" if f.redis else ""
+            print(f"{f.name:<14} {f.doc}{extra}")
+        return 0
+    names = [n.strip() for n in args.faults.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise SystemExit(f"unknown faults {unknown}; --list shows them")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvbus.bench").setLevel(logging.WARNING)
+    from infra import stack
+
+    st = stack.status()
+    started = not st.get("ready")
+    if started:
+        print(f"bringing the fault cluster up (3 brokers, state {os.environ.get('KVBUS_STATE_DIR')}) ...", flush=True)
+    info = stack.up(3)
+    print(f"cluster: {info['bootstrap']} (replication {info['replication']}), registry {info['registry_url']}, "
+          f"redis {info['redis_url']}; tear down: {teardown_command()}", flush=True)
+    state_dir = Path(info["state_dir"])
+    base = Settings.from_env()
+    results: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    try:
+        for rep in range(args.repeat):
+            for name in names:
+                print(f"== {name}{f' (round {rep + 1})' if args.repeat > 1 else ''}: {FAULTS[name].doc}", flush=True)
+                r = run_fault(FAULTS[name], args, base, state_dir)
+                r["round"] = rep + 1
+                results.append(r)
+                print(text_table([r]), flush=True)
+                for k in ("error", "view_diffs", "position_diffs"):
+                    if r.get(k):
+                        print(f"  {k}: {r[k]}", flush=True)
+                if r.get("notes"):
+                    print(f"  notes: {r['notes']}", flush=True)
+    finally:
+        print(f"\n== all faults ({time.monotonic() - t0:.0f} s)\n{text_table(results)}\n", flush=True)
+        print(markdown_table(results) + "\n", flush=True)
+        if started and not args.keep_cluster:
+            stack.down()
+            print("fault cluster stopped", flush=True)
+        else:
+            print(f"fault cluster left up; tear down: {teardown_command()}", flush=True)
+    summary = {"cluster": info["bootstrap"], "rate_ev_s": args.rate, "replicas": args.replicas,
+               "down_for_s": args.down_for, "late_ms": args.late_ms, "total_s": round(time.monotonic() - t0, 1),
+               "all_ok": all(r.get("ok") for r in results), "faults": results}
+    print(json.dumps(summary, default=str))
+    return 0 if summary["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
