@@ -26,12 +26,13 @@ from schemas.events import (
     EventBatch,
     Incomplete,
     Reset,
+    ViewSnapshot,
 )
 
 SCHEMA_DIR = Path(__file__).parent / "avro"
 
 #: Top-level record schemas, one per topic family.
-RECORDS = ("EventBatch", "BlockEvent", "Incomplete", "DeadLetter")
+RECORDS = ("EventBatch", "BlockEvent", "Incomplete", "DeadLetter", "ViewSnapshot")
 
 _EVENT_BY_NAME: dict[str, type] = {
     "kvbus.BlockStored": BlockStored,
@@ -139,15 +140,27 @@ def dead_letter_from_avro(d: dict, ctx: Any = None) -> DeadLetter:
     return DeadLetter(**d)
 
 
+def view_snapshot_to_avro(obj: ViewSnapshot, ctx: Any = None) -> dict:
+    """ViewSnapshot -> Avro dict (nested records included)."""
+    return msgspec.to_builtins(obj, builtin_types=(bytes,))
+
+
+def view_snapshot_from_avro(d: dict, ctx: Any = None) -> ViewSnapshot:
+    """Avro dict -> ViewSnapshot."""
+    return msgspec.convert(d, ViewSnapshot)
+
+
 TO_AVRO: dict[str, Callable[[Any, Any], dict]] = {
     "EventBatch": batch_to_avro,
     "BlockEvent": block_event_to_avro,
     "Incomplete": incomplete_to_avro,
     "DeadLetter": dead_letter_to_avro,
+    "ViewSnapshot": view_snapshot_to_avro,
 }
 FROM_AVRO: dict[str, Callable[[dict, Any], Any]] = {
     "EventBatch": batch_from_avro,
     "BlockEvent": block_event_from_avro,
     "Incomplete": incomplete_from_avro,
     "DeadLetter": dead_letter_from_avro,
+    "ViewSnapshot": view_snapshot_from_avro,
 }

@@ -219,6 +219,59 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     """When it was rejected, epoch seconds."""
 
 
+class ViewPosition(msgspec.Struct, kw_only=True):
+    """A holder's applied position on one topic (in a :class:`ViewSnapshot`)."""
+
+    topic: str
+    epoch: int
+    seq: int
+    index: int
+
+
+class ViewTier(msgspec.Struct, kw_only=True):
+    """The blocks a holder holds on one tier (in a :class:`ViewSnapshot`)."""
+
+    descriptor: str
+    """``<MEDIUM>|<ownership>|<group>``."""
+    refcounted: bool
+    """Whether repeated stores are counted on this tier."""
+    origin: str
+    """Topic the tier's events come from."""
+    blocks: bytes
+    """Block hashes held, 8 bytes each."""
+    extra: bytes = b""
+    """Hashes held more than once: once more per extra count."""
+
+
+class ViewOffset(msgspec.Struct, kw_only=True):
+    """Where a snapshot's replay starts on one partition: the next offset to apply."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+class ViewSnapshot(msgspec.Struct, kw_only=True):
+    """A record of topic ``kvbus.snapshots``: one holder's saved state (``holder`` set), or the manifest
+    of a snapshot (``holder`` None: ``offsets`` and ``holders`` set). See kvbus.ViewSnapshot.avsc."""
+
+    snapshot: int
+    """Snapshot id: epoch milliseconds when it began."""
+    taken: float
+    """When this record was read from the view, epoch seconds."""
+    holder: str | None = None
+    replica: str = ""
+    dp_rank: int = 0
+    seen: float | None = None
+    """Staleness clock of the holder (epoch s); None if expired."""
+    floor: float | None = None
+    """Reset floor epoch; None if none."""
+    positions: list[ViewPosition] = []
+    tiers: list[ViewTier] = []
+    offsets: list[ViewOffset] = []
+    holders: list[str] = []
+
+
 def holder_key(replica: str, dp_rank: int) -> str:
     """Kafka key and display name of a (replica, dp_rank): ``"<replica>#<dp_rank>"``."""
     return f"{replica}#{dp_rank}"

@@ -37,6 +37,7 @@ def subjects(topics: Topics, ownerships: list[str] | tuple[str, ...] = ()) -> di
         f"{topics.blocks}-value": "BlockEvent",
         f"{topics.incomplete}-value": "Incomplete",
         f"{topics.dlq}-value": "DeadLetter",
+        f"{topics.snapshots}-value": "ViewSnapshot",
     }
     for o in ownerships:
         out[f"{topics.for_ownership(o)}-value"] = "BlockEvent"

@@ -71,4 +71,5 @@ class Settings:
             "KVBUS_TOPIC_BLOCKS": t.blocks,
             "KVBUS_TOPIC_INCOMPLETE": t.incomplete,
             "KVBUS_TOPIC_DLQ": t.dlq,
+            "KVBUS_TOPIC_SNAPSHOTS": t.snapshots,
         }

@@ -7,9 +7,10 @@
 | ``kvbus.blocks.<ownership>`` | consolidated BlockEvent of one secondary tier | same |
 | ``kvbus.incomplete`` | Incomplete: events not all workers reported in time | same |
 | ``kvbus.dlq`` | DeadLetter: input a stage rejected | source |
+| ``kvbus.snapshots`` | ViewSnapshot: the residency view saved by the sinks (compacted) | holder, ``""`` for a manifest |
 
 Each name can be overridden by ``KVBUS_TOPIC_RAW``, ``KVBUS_TOPIC_BLOCKS``,
-``KVBUS_TOPIC_INCOMPLETE``, ``KVBUS_TOPIC_DLQ``.
+``KVBUS_TOPIC_INCOMPLETE``, ``KVBUS_TOPIC_DLQ``, ``KVBUS_TOPIC_SNAPSHOTS``.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class Topics:
     """Events that not every worker reported within the window."""
     dlq: str = "kvbus.dlq"
     """Dead letters of every stage."""
+    snapshots: str = "kvbus.snapshots"
+    """Snapshots of the residency view (compacted; the sinks write and read it)."""
 
     @classmethod
     def from_env(cls) -> "Topics":
@@ -42,6 +45,7 @@ class Topics:
             blocks=env.get("KVBUS_TOPIC_BLOCKS", cls.blocks),
             incomplete=env.get("KVBUS_TOPIC_INCOMPLETE", cls.incomplete),
             dlq=env.get("KVBUS_TOPIC_DLQ", cls.dlq),
+            snapshots=env.get("KVBUS_TOPIC_SNAPSHOTS", cls.snapshots),
         )
 
     def for_ownership(self, ownership: str | None) -> str:

@@ -1,6 +1,7 @@
 """``kvbus sink`` and ``kvbus lookup``: argparse wiring for the lead's ``kvbus`` command.
 
     kvbus sink [--group G] [--prefix kvbus:] [--stale-after SEC] [--metrics-port P] [--batch N]
+               [--snapshot-every SEC]
     kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16] [--algo sha256|sha256_cbor])
                  [--replicas a,b#1] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -34,6 +36,11 @@ def add_sink_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expire-every", type=float, default=5.0, help="seconds between staleness checks (default 5)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     p.add_argument("--batch", type=int, default=2000, help="records per poll/apply batch (default 2000)")
+    p.add_argument("--snapshot-every", type=float,
+                   default=float(os.environ.get("KVBUS_SINK_SNAPSHOT_EVERY", "300")),
+                   help="seconds between snapshots of the view to the snapshot topic, taken by one sink "
+                        "of the group; 0 = none (default $KVBUS_SINK_SNAPSHOT_EVERY or 300). The block "
+                        "topics must retain more than this for a lost view to be rebuilt exactly")
 
 
 def run_sink(args: argparse.Namespace, settings: Settings) -> int:
@@ -55,7 +62,18 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     sink = SinkConsumer(settings, store, group=args.group, stale_after=args.stale_after,
                         expire_every=args.expire_every, batch=args.batch, metrics=metrics)
     log.info("sink writing the view to %s under prefix %r", settings.redis_url, args.prefix)
-    sink.run(stop)
+    snapshotter = None
+    if args.snapshot_every > 0:
+        from sinks.snapshot import Snapshotter
+
+        snapshotter = Snapshotter(settings, RedisStore(settings.redis_url, args.prefix, load=False),
+                                  args.snapshot_every, metrics)
+        snapshotter.start()
+    try:
+        sink.run(stop)
+    finally:
+        if snapshotter is not None:
+            snapshotter.stop.set()
     return 0
 
 
@@ -81,6 +99,7 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
 def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dict]:
     """The ``--json`` answer of ``kvbus lookup``: holders by display name, best first."""
     from sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
+    from sinks.rebuild import view_status
     from sinks.redis_store import RedisStore
     from sinks.tiers import Weights
 
@@ -91,6 +110,10 @@ def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dic
     candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
     store = RedisStore(settings.redis_url, args.prefix, load=False)
     found = store.lookup(chain, weights=Weights.parse(args.weights), candidates=candidates)
+    status = view_status(store)
+    if status["state"] != "ready":
+        print(f"kvbus lookup: warning: the view is {status['state']} since {status.get('since', '?')} "
+              f"({status.get('phase', 'no view yet')}): the answer may miss blocks", file=sys.stderr)
     ranked = sorted(found.items(), key=lambda kv: (-kv[1].score, -kv[1].matched, kv[0]))
     return {name: m.to_json() for name, m in ranked}
 

@@ -2,24 +2,41 @@
 
 Loop (``SinkConsumer.step``): poll a batch from every block topic (regex subscription, so new tier
 topics ``kvbus.blocks.<ownership>`` are picked up), decode and check each record (failures go to
-the dead-letter topic), apply the batch to the store (one FCALL per holder, pipelined; positions are
-stored with the change, so redelivery is harmless), flush dead letters, then commit the offsets
-(every ``commit_every`` seconds while records keep coming, at once when the stream goes quiet).
-Offsets are only a resume hint: a sink killed anywhere re-reads at most about ``commit_every``
-seconds of records, which the stored positions turn into duplicates. Every ``expire_every``
-seconds, when caught up, holders silent for ``stale_after`` seconds are expired; "silent" is
-measured by the records' arrival (their Kafka timestamps, :func:`arrival_time`), not by the
-engines' clocks.
+the dead-letter topic), apply the batch to the store (FCALLs, pipelined; positions are stored with
+the change, so redelivery is harmless), flush dead letters, then commit the offsets to Kafka.
+
+Where the sink resumes is the view's business, the way Kafka Connect sinks keep their offsets in
+their target: each batch's last FCALL stores the batch's Kafka offsets in the view (``P off``),
+atomically with its changes, and the sink seeks to those offsets when it gets partitions and after
+any Redis failure. So a view that rolled back (Redis killed with AOF ``everysec``, failover to a
+lagging replica) is replayed forward from exactly where it stands, and a view that is gone is
+rebuilt from the latest snapshot in Kafka (sinks/rebuild.py, sinks/snapshot.py) and replayed from
+the snapshot's offsets. Every apply names the view's id: an apply to a view that was lost or
+rebuilt meanwhile is refused and the sink resynchronises. Offsets committed to Kafka only serve
+lag monitoring. Every ``expire_every`` seconds, when caught up, holders silent for ``stale_after``
+seconds are expired; "silent" is measured by the records' arrival (their Kafka timestamps,
+:func:`arrival_time`), not by the engines' clocks.
 """
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import redis
-from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    TIMESTAMP_NOT_AVAILABLE,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, OffsetSpec
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from schemas.events import BlockEvent, DeadLetter
@@ -29,7 +46,9 @@ from schemas.settings import Settings
 from schemas.topics import Topics
 
 from sinks.metrics import SinkMetrics
-from sinks.store import ResidencyStore
+from sinks.rebuild import ensure_view, mark_ready_if_caught_up
+from sinks.redis_store import RedisStore, ViewChanged
+from sinks.snapshot import SnapshotReader
 from sinks.validate import problem
 
 log = logging.getLogger("kvbus.sinks")
@@ -37,6 +56,11 @@ log = logging.getLogger("kvbus.sinks")
 STAGE = "sink"
 RETRY_PAUSE = 1.0
 """Seconds to wait before re-reading a batch after a transient failure (registry or Redis down)."""
+SYNC_TIMEOUT = 120.0
+"""Seconds a sink given partitions waits for Redis to find where to resume before it gives up."""
+VIEW_CHECK_EVERY = 1.0
+"""Seconds between checks that the view is where the sink left it, and whether a rebuilt view has
+caught up (then it is marked ready)."""
 
 
 def arrival_time(msg: Any) -> float:
@@ -78,7 +102,7 @@ class SinkConsumer:
     def __init__(
         self,
         settings: Settings,
-        store: ResidencyStore,
+        store: RedisStore,
         *,
         topics: Topics | None = None,
         group: str = "kvbus-sink",
@@ -118,7 +142,13 @@ class SinkConsumer:
         self.consumer = Consumer(conf)
         self.producer = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True,
                                   "acks": "all", "linger.ms": 5})
-        self.consumer.subscribe([self.topics.blocks_pattern()])
+        self.reader = SnapshotReader(replace(settings, topics=self.topics), store.prefix)
+        self.view_id: str | None = None
+        self._resync = False
+        self._view_checked = 0.0
+        self._expected: dict[tuple[str, int], int | None] = {}
+        """(topic, partition) -> the offset this sink last read or wrote in ``P off`` (None: none)."""
+        self.consumer.subscribe([self.topics.blocks_pattern()], on_assign=self._on_assign)
         self._last_expire = 0.0
         self._caught_up = False
         self._dlq_errors: list[str] = []
@@ -126,20 +156,91 @@ class SinkConsumer:
 
     # -- one batch ------------------------------------------------------------
 
+    # -- where to resume: the view's offsets ------------------------------------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Start the partitions given to this sink at the view's stored offsets (the start of the
+        partition for one the view has none of), rebuilding the view first if it is gone."""
+        deadline = time.monotonic() + SYNC_TIMEOUT
+        while True:
+            try:
+                off = self._sync_view()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("Redis unavailable (%s): waiting to know where to resume", e)
+                time.sleep(RETRY_PAUSE)
+        self._expected = {(tp.topic, tp.partition): off.get((tp.topic, tp.partition)) for tp in partitions}
+        for tp in partitions:
+            tp.offset = off.get((tp.topic, tp.partition), OFFSET_BEGINNING)
+        consumer.assign(partitions)
+        log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in partitions))
+
+    def _sync_view(self) -> dict[tuple[str, int], int]:
+        """Make sure there is a view (rebuild it if it is gone); its id and stored offsets."""
+        self.view_id = ensure_view(self.store, self.reader, self._end_offsets, self.metrics)
+        return self.store.offsets()
+
+    def _end_offsets(self) -> dict[tuple[str, int], int]:
+        """End offset of every partition of the block topics now (what a rebuilt view must reach).
+        Asked through an admin client in one ListOffsets request: the consumer's own connections
+        would queue the request behind its long-polling fetches (~0.5 s per partition)."""
+        admin = AdminClient({"bootstrap.servers": self.settings.bootstrap})
+        rx = re.compile(self.topics.blocks_pattern())
+        parts = [TopicPartition(name, p) for name, t in admin.list_topics(timeout=10).topics.items()
+                 if rx.match(name) for p in t.partitions]
+        if not parts:
+            return {}
+        futures = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts}, request_timeout=10)
+        return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+
+    def _resync_now(self) -> None:
+        """Seek every assigned partition to the view's stored offset (after a Redis failure, or when
+        the view was rebuilt): what the view lost is read again, nothing it has is applied twice."""
+        off = self._sync_view()
+        self._expected = {(tp.topic, tp.partition): off.get((tp.topic, tp.partition)) for tp in self.consumer.assignment()}
+        for tp in self.consumer.assignment():
+            target = TopicPartition(tp.topic, tp.partition, off.get((tp.topic, tp.partition), OFFSET_BEGINNING))
+            try:
+                self.consumer.seek(target)
+            except KafkaException:  # not fetching yet: (re)assigning sets the start offset
+                self.consumer.assign([TopicPartition(t.topic, t.partition, off.get((t.topic, t.partition), OFFSET_BEGINNING))
+                                      for t in self.consumer.assignment()])
+                break
+        self._resync = False
+        self.metrics.resyncs.inc()
+        log.warning("resynchronised with view %s: reading again from its stored offsets", self.view_id)
+
     def step(self) -> int:
         """Poll one batch, apply it, commit; returns the number of records read.
 
-        If the registry or Redis is unavailable, the batch is rewound (read again after
-        ``RETRY_PAUSE``); what was applied of it is skipped then by the stored positions.
+        If the registry is unavailable, the batch is rewound (read again after ``RETRY_PAUSE``).
+        After a Redis failure, or when the view was rebuilt meanwhile, every partition is read again
+        from the view's stored offsets (:meth:`_resync_now`) once Redis answers.
         """
+        if self._resync:
+            try:
+                self._resync_now()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("Redis unavailable (%s): resync retried in %.0f s", e, RETRY_PAUSE)
+                time.sleep(RETRY_PAUSE)
+                return 0
         msgs = self._poll()
         if not msgs:
             self._commit()  # quiet: what was applied is committed now
         try:
             return self._handle(msgs)
+        except ViewChanged as e:
+            log.warning("%s", e)
+            self._resync = True
+            return 0
         except TransientError as e:
             log.warning("%s: batch of %d records will be read again", e, len(msgs))
-            self._rewind(msgs)
+            if isinstance(e.__cause__, redis.RedisError):
+                self._resync = True  # the view may have rolled back: resume from its own offsets
+            else:
+                self._rewind(msgs)
             time.sleep(RETRY_PAUSE)
             return 0
 
@@ -194,12 +295,17 @@ class SinkConsumer:
             records.append((msg.topic(), ev))
             sources.append((msg, source))
         self.metrics.records.inc(len(msgs))
+        offsets = {}
+        for msg in msgs:
+            if msg.error() is None:
+                offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
         if records:
             t0 = time.perf_counter()
             try:
-                res = self.store.apply(records)
+                res = self.store.apply(records, view_id=self.view_id, offsets=offsets, expected=self._expected)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 raise TransientError(f"Redis unavailable ({e})") from e
+            self._expected.update(offsets)
             self.metrics.apply_seconds.observe(time.perf_counter() - t0)
             self.metrics.observe(res)
             for topic, ev, reason in res.failed:
@@ -208,13 +314,40 @@ class SinkConsumer:
                 dead += 1
         if dead:
             self._flush_dead()
+        if offsets and not records:  # only dead letters: the view's offsets move on all the same
+            try:
+                self.store.set_offsets(offsets, self.view_id, self._expected)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                raise TransientError(f"Redis unavailable ({e})") from e
+            self._expected.update(offsets)
         if msgs:
             self._uncommitted = True
             if time.monotonic() - self._last_commit >= self.commit_every:
                 self._commit()
         self._caught_up = len(msgs) < self.batch
         self._maybe_expire()
+        self._check_view()
         return len(msgs)
+
+    def _check_view(self) -> None:
+        """Every ``VIEW_CHECK_EVERY`` s, also while no records come: resync if the view is not where
+        this sink left it (lost, rebuilt, rolled back by a Redis restart), and mark a rebuilt view
+        ready once it caught up."""
+        now = time.monotonic()
+        if now - self._view_checked < VIEW_CHECK_EVERY:
+            return
+        self._view_checked = now
+        try:
+            off = self.store.offsets()
+            if self.store.view_id() != self.view_id or any(off.get(k) != v for k, v in self._expected.items()):
+                log.warning("the view is not where this sink left it (lost, rebuilt or rolled back): resync")
+                self._resync = True
+                return
+            ready = mark_ready_if_caught_up(self.store, self.metrics)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._resync = True
+            return
+        self.metrics.rebuilding.set(0 if ready else 1)
 
     def _commit(self) -> None:
         """Commit the positions after the records handled so far (asynchronously), if any are new."""

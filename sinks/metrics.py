@@ -29,6 +29,25 @@ class SinkMetrics:
             "kvbus_sink_apply_seconds", "Latency of one batch write to Redis",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
 
+        self.resyncs = Counter("kvbus_sink_resyncs",
+                               "Times the sink re-read the block topics from the view's stored offsets "
+                               "(Redis failure or restart, view rebuilt)", registry=r)
+        self.rebuilding = Gauge("kvbus_sink_view_rebuilding",
+                                "1 while this sink rebuilds the view or replays after a rebuild", registry=r)
+        self.rebuilds = Counter("kvbus_sink_view_rebuilds", "Views rebuilt from a snapshot by this sink", registry=r)
+        self.rebuild_seconds = Gauge("kvbus_sink_view_rebuild_seconds",
+                                     "Seconds the last rebuild took, restore and replay", registry=r)
+        self.snapshots = Counter("kvbus_sink_snapshots", "Snapshots of the view written to Kafka", registry=r)
+        self.snapshot_seconds = Gauge("kvbus_sink_snapshot_seconds", "Seconds the last snapshot took", registry=r)
+        self.snapshot_time = Gauge("kvbus_sink_snapshot_timestamp_seconds",
+                                   "When the last snapshot began (epoch s): alert when it gets old", registry=r)
+
+    def snapshot_taken(self, seconds: float, began: float) -> None:
+        """Count one snapshot written."""
+        self.snapshots.inc()
+        self.snapshot_seconds.set(seconds)
+        self.snapshot_time.set(began)
+
     def observe(self, res: ApplyResult) -> None:
         """Count what one apply did."""
         self.applied.inc(res.applied)

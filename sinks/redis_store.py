@@ -7,10 +7,12 @@ trip; every lookup is one FCALL_RO.
 from __future__ import annotations
 
 import logging
+import re
 import struct
 import time
 from collections import OrderedDict
-from typing import Any, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import redis
 
@@ -83,6 +85,69 @@ def _call_args(prefix: str, holders: dict, topics: dict, tiers: dict, rcs: list[
         args += (desc, rc)
     args.append(b"".join(blob))
     return args
+
+
+VIEW_CHANGED = "view changed"
+"""What ``kvbus_apply`` answers when the view is not the one the caller expects."""
+LAYOUT = "3"
+"""The key layout version (kvbus.lua: LAYOUT)."""
+
+
+class ViewChanged(RuntimeError):
+    """The view the sink was applying to is gone or was rebuilt (Redis restarted empty, FLUSHALL,
+    another sink rebuilt it): nothing of the batch was written; resynchronise first."""
+
+
+Offsets = Mapping[tuple[str, int], int]
+"""(topic, partition) -> Kafka offset."""
+
+
+def _offsets_arg(expected: Mapping[tuple[str, int], int | None] | None, new: Offsets | None) -> str:
+    """``kvbus_apply``'s offsets argument: a line "<topic>:<partition>\\t<expected>\\t<new>" per
+    partition of ``expected`` and ``new``; expected "" = absent, "*" = not checked (``expected``
+    None); new "" = not written."""
+    new = new or {}
+    keys = dict.fromkeys([*(expected or {}), *new])
+
+    def s(v: int | None) -> str:
+        return "" if v is None else str(v)
+
+    want = (lambda k: s(expected.get(k))) if expected is not None else (lambda k: "*")
+    return "\n".join(f"{t}:{p}\t{want((t, p))}\t{s(new.get((t, p)))}" for t, p in keys)
+
+
+def _with_extra(calls: Iterator[tuple[list, list]], view_id: str | None, offsets: Offsets | None,
+                expected: Mapping[tuple[str, int], int | None] | None) -> Iterator[tuple[list, list]]:
+    """The calls with ``kvbus_apply``'s optional view id and offsets appended: to each the id and the
+    offset checks, to the last also the new offsets (one call is looked ahead to know it is the last).
+    A partition of ``offsets`` missing from ``expected`` is expected absent."""
+    if view_id is None and not offsets and expected is None:
+        yield from calls
+        return
+    want = None if expected is None else {k: expected.get(k) for k in [*expected, *(offsets or {})]}
+    check = _offsets_arg(want, None) if want else ""
+    prev = None
+    for call in calls:
+        if prev is not None:
+            yield prev[0], prev[1] + [view_id or "", check]
+        prev = call
+    if prev is not None:
+        yield prev[0], prev[1] + [view_id or "", _offsets_arg(want, offsets)]
+
+
+@dataclass
+class HolderDump:
+    """One holder's state as :meth:`RedisStore.dump_holder` reads it and
+    :meth:`RedisStore.restore_holder` writes it."""
+
+    seen: float | None = None
+    """Staleness clock (P seen), epoch s; None if expired."""
+    floor: float | None = None
+    """Reset floor epoch; None if none."""
+    positions: list[tuple[str, int, int, int]] = field(default_factory=list)
+    """(topic, epoch, seq, index) applied per topic."""
+    tiers: list[tuple[str, bool, str, bytes, bytes]] = field(default_factory=list)
+    """(descriptor, ref-counted, origin topic, raws held, raws once more per extra count) per tier."""
 
 
 class RedisStore(ResidencyStore):
@@ -200,28 +265,41 @@ class RedisStore(ResidencyStore):
         if part:
             yield part, _call_args(prefix, holders, topics, tiers, rcs, blob)
 
-    def apply(self, records: Iterable[tuple[str, BlockEvent]]) -> ApplyResult:
+    def apply(self, records: Iterable[tuple[str, BlockEvent]], *, view_id: str | None = None,
+              offsets: Offsets | None = None,
+              expected: Mapping[tuple[str, int], int | None] | None = None) -> ApplyResult:
         """Apply records: one FCALL for the whole batch (more when it exceeds the per-call limits), all
         on one connection, each written as soon as it is packed and the replies read at the end (one
         round trip; Redis runs a call while the next is packed); each holder's records are applied in
         record order.
+
+        ``view_id``: every call fails with :class:`ViewChanged`, before writing, unless the view's id
+        (:meth:`view_id`) is this one. ``offsets``: (topic, partition) -> next Kafka offset, stored in
+        ``P off`` by the batch's last call, atomically with it (:meth:`offsets`). ``expected``: what
+        ``P off`` holds for each partition of ``offsets`` (None: nothing) as far as the caller knows
+        (what it last wrote or read); every call fails with :class:`ViewChanged` if it does not.
 
         A group the functions refuse (e.g. tier table full) is retried event by event; the events
         still refused are returned in ``failed`` and the rest is applied.
         """
         res = ApplyResult()
         calls: list = []
-        replies = self._stream(self._iter_calls(records), calls)
+        replies = self._stream(_with_extra(self._iter_calls(records), view_id, offsets, expected), calls)
         if not calls:
             return res
         if any(functions.is_missing(x) for x in replies if isinstance(x, Exception)):
             functions.load_library(self.r)
             replies = self._pipeline(calls)
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError) and VIEW_CHANGED in str(reply):
+                raise ViewChanged(f"the view under {self.prefix!r} is not view {view_id!r} any more: {reply}")
         for (part, args), reply in zip(calls, replies):
             if isinstance(reply, Exception):
-                self._apply_one_by_one(part, args, reply, res)
+                self._apply_one_by_one(part, args, reply, res, view_id)
             else:
                 self._add_reply(res, reply)
+        if offsets and isinstance(replies[-1], Exception):  # the call that stores them was refused
+            self.set_offsets(offsets, view_id, expected)
         return res
 
     def _pipeline(self, calls: list) -> list:
@@ -261,10 +339,12 @@ class RedisStore(ResidencyStore):
         finally:
             pool.release(conn)
 
-    def _apply_one_by_one(self, part, args, err: Exception, res: ApplyResult) -> None:
+    def _apply_one_by_one(self, part, args, err: Exception, res: ApplyResult, view_id: str | None) -> None:
         log.warning("apply refused for %d holders (%s): retrying event by event", args[1], err)
         for topic, ev in part:
             one = self._pack([(topic, ev)])
+            if view_id is not None:
+                one += [view_id, ""]
             try:
                 self._add_reply(res, functions.call(self.r, "kvbus_apply", *one))
             except redis.ResponseError as e:
@@ -274,6 +354,110 @@ class RedisStore(ResidencyStore):
     def _add_reply(res: ApplyResult, reply: list) -> None:
         applied, skipped, delta, resets, clears = (int(x) for x in reply)
         res.add(ApplyResult(applied, skipped, delta, resets, clears))
+
+    # -- the view's identity, offsets and recovery (sinks/rebuild.py, sinks/snapshot.py) ----------
+
+    def view_id(self) -> str | None:
+        """The view's id (``P meta vid``), set when it is created or rebuilt; None: no view (never
+        created, or lost: Redis restarted without persistence, FLUSHALL, a new server)."""
+        v = self.r.hget(self.prefix + "meta", "vid")
+        return _s(v) if v is not None else None
+
+    def set_view_id(self, view_id: str) -> None:
+        """Mark the view under this prefix as view ``view_id`` (complete, ready to be applied to)."""
+        self.r.hset(self.prefix + "meta", mapping={"vid": view_id, "layout": LAYOUT})
+
+    def offsets(self) -> dict[tuple[str, int], int]:
+        """(topic, partition) -> next Kafka offset to apply, as stored with the applies."""
+        out = {}
+        for k, v in self.r.hgetall(self.prefix + "off").items():
+            topic, _, part = _s(k).rpartition(":")
+            out[(topic, int(part))] = int(v)
+        return out
+
+    def set_offsets(self, offsets: Offsets, view_id: str | None = None,
+                    expected: Mapping[tuple[str, int], int | None] | None = None) -> None:
+        """Store offsets without events (a batch of dead letters only, a rebuilt view's replay start):
+        a ``kvbus_apply`` of no events, so it fails with :class:`ViewChanged` like an apply would."""
+        if not offsets:
+            return
+        want = {k: expected.get(k) for k in offsets} if expected is not None else None
+        try:
+            functions.call(self.r, "kvbus_apply", self.prefix, 0, 0, 0, b"", view_id or "", _offsets_arg(want, offsets))
+        except redis.ResponseError as e:
+            if VIEW_CHANGED in str(e):
+                raise ViewChanged(f"the view under {self.prefix!r} is not view {view_id!r} any more: {e}") from e
+            raise
+
+    def status(self) -> dict[str, str]:
+        """``P status``: ``state`` "ready" or "rebuilding" (answers may be partial), ``since`` (epoch s),
+        and what the rebuild started from; {} for a view that never had one written."""
+        return {_s(k): _s(v) for k, v in self.r.hgetall(self.prefix + "status").items()}
+
+    def set_status(self, **fields: Any) -> None:
+        """Replace ``P status`` with ``fields`` (values as strings)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.prefix + "status")
+        pipe.hset(self.prefix + "status", mapping={k: str(v) for k, v in fields.items()})
+        pipe.execute()
+
+    def wipe(self, keep: Sequence[str] = ("status", "lock")) -> int:
+        """Delete every key of the view (SCAN + UNLINK) but ``P <keep>``; returns the keys deleted."""
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"
+        spared = {(self.prefix + k).encode() for k in keep}
+        n = 0
+        batch: list[bytes] = []
+        for key in self.r.scan_iter(match=pattern, count=1000):
+            if key not in spared:
+                batch.append(key)
+            if len(batch) >= 1000:
+                n += self.r.unlink(*batch)
+                batch = []
+        if batch:
+            n += self.r.unlink(*batch)
+        return n
+
+    def holder_ids(self) -> dict[int, str]:
+        """hid -> holder name "<replica>#<dp_rank>" of every holder the view knows."""
+        return self._holders()
+
+    def dump_holder(self, hid: int) -> HolderDump:
+        """One holder's state, read atomically (``kvbus_dump``)."""
+        state, seen, tiers = functions.call(self.r, "kvbus_dump", self.prefix, hid, readonly=True)
+        fields = {_s(state[j]): state[j + 1] for j in range(0, len(state), 2)}
+        out = HolderDump(seen=float(seen) if seen is not None else None)
+        f = fields.get("f")
+        out.floor = struct.unpack(">d", f)[0] if f is not None else None
+        for name, v in fields.items():
+            if name.startswith("p:"):
+                e, sq, i = (int(x) for x in STATE_POS.unpack(v))
+                out.positions.append((name[2:], e, sq, i))
+        for code, desc, rc, raws, extra in tiers:
+            origin = _s(fields[f"t:{int(code)}"][STATE_TIER.size:])
+            more = b"".join(extra[j] * int(extra[j + 1]) for j in range(0, len(extra), 2))
+            out.tiers.append((_s(desc), _s(rc) == "1", origin, raws, more))
+        return out
+
+    def restore_holder(self, replica: str, dp_rank: int, state: HolderDump, max_hashes: int = 16384) -> int:
+        """Write one holder from a snapshot (``kvbus_restore``), in calls of at most ``max_hashes``
+        hashes per tier piece (Redis stays responsive: ~40 ms per call). Returns the entries added."""
+        head = [self.prefix, replica, dp_rank, "" if state.seen is None else repr(state.seen),
+                "" if state.floor is None else repr(state.floor), len(state.positions)]
+        for topic, e, sq, i in state.positions:
+            head += (topic, e, sq, i)
+        added = 0
+        step = 8 * max_hashes
+        pieces: list[tuple[str, str, str, bytes, bytes]] = []
+        for desc, rc, origin, raws, extra in state.tiers:
+            for j in range(0, max(len(raws), len(extra), 1), step):
+                pieces.append((desc, "1" if rc else "0", origin, raws[j:j + step], extra[j:j + step]))
+        for j in range(0, max(len(pieces), 1), 1):
+            part = pieces[j:j + 1]
+            args = head + [len(part)]
+            for piece in part:
+                args += piece
+            added += int(functions.call(self.r, "kvbus_restore", *args))
+        return added
 
     def heartbeat(self, replica: str, dp_rank: int, ts: float) -> None:
         functions.call(self.r, "kvbus_heartbeat", self.prefix, replica, dp_rank, repr(ts))

@@ -64,6 +64,13 @@ class RedisServer:
                     raise RuntimeError(f"redis-server did not start: {cmd}")
                 time.sleep(0.05)
 
+    def kill(self) -> None:
+        """SIGKILL the server, keeping its directory (``start`` again restarts it on the same port,
+        loading whatever it persisted there: an RDB saved with SAVE, an AOF)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()

@@ -28,6 +28,10 @@ Keys (P = prefix)
   P R:<hid>:<code>       HASH  extra reference counts (count - 1) of ref-counted tiers: raw -> n
   P seen                 ZSET  hid -> last event ts (epoch seconds)
   P stale                ZSET  holder name -> when it was expired (epoch seconds)
+  P off                  HASH  "<topic>:<partition>" -> next Kafka offset to apply, written by kvbus_apply
+                               with the batch it ends (where a sink resumes; sinks/consumer.py)
+  P status               HASH  state ("ready" | "rebuilding"), since, ...: written by the sinks (sinks/rebuild.py)
+P meta also holds vid: the view's id, set when a view is created or rebuilt (kvbus_apply checks it).
 
 The block table and each (holder, tier) index are linear-hashing tables: bucket of x (low 32 bits
 of the hash) = x mod 2^L, or x mod 2^(L+1) if that is < S; a bucket is split when the table holds
@@ -628,6 +632,13 @@ position for its topic and its epoch is not below the holder's reset floor; the 
 stored in the same call. AllBlocksCleared drops the holder's tiers that came from the same topic; a
 Reset marker drops those too, plus the tiers from other topics whose applied epoch is older than the
 marker's, and raises the floor to the marker's epoch.
+Optional last two ARGV (both or neither): the view id (P meta vid) the caller expects, "" to not
+check; then the Kafka offsets, one line "<topic>:<partition>\t<expected>\t<new>" per partition of
+the batch: P off must hold <expected> ("" = none, "*" = anything) for it, and <new> ("" = leave it) is stored with
+this call's changes, atomically. Either check failing (the view was flushed, lost, rebuilt, rolled
+back, or another sink took the partition) fails the call with "view changed" before any write. The
+sink resumes from P off, so a view that rolled back (AOF everysec, failover) is replayed forward
+from exactly where it stands.
 Returns {applied, skipped, entries_delta, resets, clears} (totals over all holders).
 ]]
 local HEADER = '>BHHddI4dHI4'
@@ -648,7 +659,23 @@ local function apply(keys, args)
   local descs, rcs = {}, {}
   for j = 1, nD do descs[j] = args[at + 2 * j - 1]; rcs[j] = args[at + 2 * j] end
   local blob = args[at + 2 * nD + 1]
-  if not blob or #args ~= at + 2 * nD + 1 then return redis.error_reply('kvbus: malformed arguments') end
+  local last = at + 2 * nD + 1
+  if not blob or (#args ~= last and #args ~= last + 2) then return redis.error_reply('kvbus: malformed arguments') end
+  local vid, offsets = args[last + 1], args[last + 2]
+  if vid and vid ~= '' and rcall('HGET', args[1] .. 'meta', 'vid') ~= vid then
+    return redis.error_reply('kvbus: view changed (expected view ' .. vid .. '): resync')
+  end
+  local off = {} -- HSET arguments: the new offsets
+  if offsets and offsets ~= '' then
+    for line in string.gmatch(offsets, '[^\n]+') do
+      local f, want, new = string.match(line, '^(.*)\t(.*)\t(.*)$')
+      if not f then return redis.error_reply('kvbus: malformed offsets') end
+      if want ~= '*' and (rcall('HGET', args[1] .. 'off', f) or '') ~= want then
+        return redis.error_reply('kvbus: view changed (' .. f .. ' is not at offset ' .. want .. '): resync')
+      end
+      if new ~= '' then off[#off + 1] = f; off[#off + 1] = new end
+    end
+  end
   -- validate everything first: a function is not rolled back on error, so nothing may fail after
   -- the first write (creating a holder id or a tier code is harmless); then decode again while applying
   local pos, len = 1, #blob
@@ -717,6 +744,7 @@ local function apply(keys, args)
   if #back > 0 and rcall('EXISTS', c.P .. 'stale') == 1 then call_chunks('ZREM', c.P .. 'stale', nil, back) end
   local delta = c.entries - c.entries0
   ctx_save(c)
+  call_chunks('HSET', c.P .. 'off', nil, off)
   return {applied, skipped, delta, resets, clears}
 end
 
@@ -972,6 +1000,76 @@ local function heartbeat(keys, args)
   return hid
 end
 
+--[[
+kvbus_dump (read-only): one holder's whole state, read atomically (view snapshots, sinks/snapshot.py).
+ARGV[1] prefix, ARGV[2] hid. Returns {state, seen, tiers}: state = the flat HGETALL of P H:<hid>
+(p:<topic>, f, t:<code> fields, binary as documented above), seen = its P seen score or false,
+tiers = per tier held {code, descriptor, rc flag, raws held (8 bytes each, concatenated),
+flat HGETALL of its extra reference counts}.
+]]
+local function dump(keys, args)
+  rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
+  local c = ctx_load(args[1])
+  local hid = tonumber(args[2])
+  local h = holder_load(c, hid)
+  local tiers = {}
+  for code, t in pairs(h.tiers) do
+    local live = {}
+    for b = 0, t.m + t.S - 1 do
+      local s = rcall('GET', index_key(t, b))
+      if s then
+        for _, raw in ipairs(index_live(s)) do live[#live + 1] = raw end
+      end
+    end
+    tiers[#tiers + 1] = {code, rcall('HGET', c.P .. 'tname', code) or '', rcall('HGET', c.P .. 'trc', code) or '0',
+      table.concat(live), rcall('HGETALL', t.rkey)}
+  end
+  return {rcall('HGETALL', h.key), rcall('ZSCORE', c.P .. 'seen', hid), tiers}
+end
+
+--[[
+kvbus_restore: write one holder's state from a snapshot into a view being rebuilt (sinks/rebuild.py).
+ARGV[1] prefix, ARGV[2] replica, ARGV[3] dp_rank, ARGV[4] seen (epoch s, "" for none), ARGV[5] reset
+floor epoch ("" for none), ARGV[6] nP, then nP quadruples (topic, epoch, seq, index): applied
+positions; then nD, then nD quintuples (tier descriptor, rc "1"/"0", origin topic, raws held (8 bytes
+each), raws once more per extra reference count). A large holder may come in several calls (its
+tiers' raws split between them, positions repeated): each call adds. Returns entries added.
+]]
+local function restore(keys, args)
+  rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
+  local c = ctx_load(args[1])
+  local nP = tonumber(args[6]) or -1
+  local at = 7 + 4 * nP
+  local nD = tonumber(args[at]) or -1
+  if nP < 0 or nD < 0 or #args ~= at + 5 * nD then return redis.error_reply('kvbus: malformed arguments') end
+  for j = 0, nD - 1 do
+    local k = at + 1 + 5 * j
+    if #args[k + 3] % 8 ~= 0 or #args[k + 4] % 8 ~= 0 then return redis.error_reply('kvbus: raws are not 8 bytes each') end
+    if not tier_code(c, args[k], args[k + 1], true) then return redis.error_reply('kvbus: tier table full') end
+  end
+  local name = args[2] .. '#' .. args[3]
+  local hid = holder_id(c, args[2], name, true)
+  if not hid then return redis.error_reply('kvbus: holder table full') end
+  local h = holder_load(c, hid)
+  local before = c.entries
+  for j = 0, nD - 1 do
+    local k = at + 1 + 5 * j
+    store(c, h, args[k + 2], args[k], args[k + 1], args[k + 3], 1, #args[k + 3] / 8)
+    store(c, h, args[k + 2], args[k], args[k + 1], args[k + 4], 1, #args[k + 4] / 8)
+  end
+  for j = 0, nP - 1 do
+    local k = 7 + 4 * j
+    h.pos[args[k]] = {tonumber(args[k + 1]), tonumber(args[k + 2]), tonumber(args[k + 3])}
+    h.ptouched[args[k]] = true
+  end
+  if args[5] ~= '' and tonumber(args[5]) > h.floor then h.floor = tonumber(args[5]); h.dirty['f'] = true end
+  for _, t in pairs(h.tiers) do index_flush(t) end
+  holder_save(h)
+  if args[4] ~= '' then rcall('ZADD', c.P .. 'seen', 'GT', args[4], hid) end
+  ctx_save(c)
+  return c.entries - before
+end
+
 -- kvbus_version (read-only): the library version, to detect a stale or missing library.
 local function version(keys, args) return VERSION end
 
@@ -980,4 +1078,6 @@ redis.register_function('kvbus_expire', expire)
 redis.register_function('kvbus_drop', drop)
 redis.register_function('kvbus_heartbeat', heartbeat)
 redis.register_function{function_name = 'kvbus_lookup', callback = lookup, flags = {'no-writes'}}
+redis.register_function('kvbus_restore', restore)
+redis.register_function{function_name = 'kvbus_dump', callback = dump, flags = {'no-writes'}}
 redis.register_function{function_name = 'kvbus_version', callback = version, flags = {'no-writes'}}

@@ -1,0 +1,129 @@
+"""Rebuilding a lost view, and telling routers while it happens.
+
+A view is identified by its id (``P meta vid``). A view without one was never created or is lost
+(Redis restarted without persistence, ``FLUSHALL``, a new or failed-over server that never had it):
+the first sink to see that takes the rebuild lock (``P lock``) and
+
+1. writes ``P status`` state ``rebuilding`` (routers read it: :func:`view_status`);
+2. deletes what is left under the prefix (a partial view);
+3. restores every holder of the latest complete snapshot (sinks/snapshot.py) and stores the
+   snapshot's offsets in ``P off``; with no snapshot the view starts empty and the offsets at the
+   start of the block topics;
+4. gives the view a new id.
+
+The sinks then replay the block topics from ``P off`` (sinks/consumer.py); the stored positions
+skip what the snapshot already contains. The view is ``ready`` again once ``P off`` has reached the
+end offsets the block topics had when the rebuild began (``target`` in ``P status``): any sink that
+sees this marks it (:func:`mark_ready_if_caught_up`). Other sinks wait for the new id.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Callable
+
+from sinks.redis_store import RedisStore
+from sinks.snapshot import SnapshotReader, holder_dump
+
+log = logging.getLogger("kvbus.sinks")
+
+LOCK_TTL_MS = 600_000
+"""How long the rebuild lock is held at most (a sink killed while rebuilding frees it then)."""
+READY = "ready"
+REBUILDING = "rebuilding"
+MISSING = "missing"
+
+
+def ensure_view(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[], dict[tuple[str, int], int]],
+                metrics=None, poll: float = 0.2) -> str:
+    """The id of the view under ``store``'s prefix, rebuilding the view first if it has none.
+
+    ``end_offsets``: the block topics' end offsets now, (topic, partition) -> offset (the target of
+    the replay that follows a rebuild)."""
+    token = uuid.uuid4().hex
+    while True:
+        vid = store.view_id()
+        if vid is not None:
+            return vid
+        if store.r.set(store.prefix + "lock", token, nx=True, px=LOCK_TTL_MS):
+            try:
+                return rebuild(store, reader, end_offsets, metrics)
+            finally:
+                if store.r.get(store.prefix + "lock") == token.encode():
+                    store.r.delete(store.prefix + "lock")
+        time.sleep(poll)  # another sink is rebuilding
+
+
+def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[], dict[tuple[str, int], int]],
+            metrics=None) -> str:
+    """Rebuild the view from the latest snapshot (see the module docstring); returns its new id."""
+    t0, began = time.monotonic(), time.time()
+    store.set_status(state=REBUILDING, since=began, phase="restoring")
+    if metrics is not None:
+        metrics.rebuilding.set(1)
+    target = {f"{t}:{p}": o for (t, p), o in end_offsets().items() if o > 0}
+    t1 = time.monotonic()
+    wiped = store.wipe()
+    t2 = time.monotonic()
+    manifest, holders = reader.read()
+    read_in = time.monotonic() - t2
+    log.info("rebuild: end offsets in %.3f s, wipe in %.3f s, snapshot read in %.3f s", t1 - t0, t2 - t1, read_in)
+    restored = entries = 0
+    if manifest is not None:
+        for name in manifest.holders:
+            rec = holders.get(name)
+            if rec is None or rec.snapshot < manifest.snapshot:
+                log.error("snapshot %d: holder %s has no record of this snapshot; it will be rebuilt by replay only",
+                          manifest.snapshot, name)
+                continue
+            entries += store.restore_holder(rec.replica, rec.dp_rank, holder_dump(rec))
+            restored += 1
+        store.set_offsets({(o.topic, o.partition): o.offset for o in manifest.offsets})
+    vid = uuid.uuid4().hex
+    store.set_view_id(vid)
+    took = time.monotonic() - t0
+    store.set_status(state=REBUILDING, since=began, phase="replaying", snapshot=manifest.snapshot if manifest else "",
+                     holders=restored, entries=entries, restored_in=f"{took:.3f}", read_in=f"{read_in:.3f}", target=json.dumps(target))
+    if manifest is not None:
+        log.warning("view %s rebuilt from snapshot %d: %d holders, %d entries restored in %.1f s (snapshot read "
+                    "in %.1f s; %d keys of a partial view deleted); replaying the block topics from the "
+                    "snapshot's offsets", vid, manifest.snapshot, restored, entries, took, read_in, wiped)
+    else:
+        log.warning("view %s created (no snapshot: the block topics are read from their start; %d keys of a "
+                    "partial view deleted)", vid, wiped)
+    if metrics is not None:
+        metrics.rebuilds.inc()
+    return vid
+
+
+def mark_ready_if_caught_up(store: RedisStore, metrics=None) -> bool:
+    """If the view is rebuilding and its offsets reached the target, mark it ready; returns whether
+    the view is ready."""
+    st = store.status()
+    if st.get("state", READY) != REBUILDING:
+        return True
+    if st.get("phase") != "replaying":
+        return False
+    target = json.loads(st.get("target") or "{}")
+    off = {f"{t}:{p}": o for (t, p), o in store.offsets().items()}
+    if any(off.get(k, 0) < o for k, o in target.items()):
+        return False
+    took = time.time() - float(st.get("since", time.time()))
+    store.set_status(state=READY, since=time.time(), rebuilt_in=f"{took:.3f}", snapshot=st.get("snapshot", ""))
+    log.warning("view ready again: rebuilt and replayed in %.1f s", took)
+    if metrics is not None:
+        metrics.rebuilding.set(0)
+        metrics.rebuild_seconds.set(took)
+    return True
+
+
+def view_status(store: RedisStore) -> dict[str, str]:
+    """What a router should know before trusting an answer: ``state`` "ready", "rebuilding" (answers
+    may miss blocks) or "missing" (no view at all: Redis lost it and no sink has started rebuilding
+    it yet), ``since``, and for a rebuild its ``phase`` (restoring, replaying) and ``snapshot``. A view
+    written without a sink (tests, benchmarks) has no status and counts as ready."""
+    st = store.status()
+    st.setdefault("state", READY if store.r.exists(store.prefix + "meta") else MISSING)
+    return st

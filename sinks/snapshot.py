@@ -1,0 +1,256 @@
+"""Snapshots of the residency view to Kafka (topic ``kvbus.snapshots``), and reading them back.
+
+Why: the view must be rebuildable without waiting for engines, and without needing the block
+topics' whole history (the blocks a replica holds now may have been stored days ago, beyond
+``retention.ms``). A snapshot saves the view in Kafka itself, the way Kafka Streams backs a state
+store with a compacted changelog topic:
+
+* it reads the view's stored offsets ``O`` first (``P off``: where the view stands in each block
+  topic partition, written atomically with the applies), then each holder's whole state, atomically
+  per holder (``kvbus_dump``: positions, reset floor, blocks per tier, reference counts);
+* it writes one record per holder (key: the view's prefix and block topic, ``<replica>#<dp_rank>``;
+  :func:`record_key`), then a manifest (the same key without a holder) with ``O`` and the holders'
+  names;
+* the topic is compacted: it keeps the latest record per key, so it holds one snapshot, however long
+  the service runs.
+
+Every holder state was read after ``O``, so it contains everything up to ``O`` and maybe more; a view
+rebuilt from the manifest's holders and replayed from ``O`` is exact: the stored positions skip
+what a holder state already contains (sinks/rebuild.py). A snapshot is abandoned (no manifest) if
+the view changed identity or Redis restarted while it was read. The block topics then only need
+to retain more than one snapshot period.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from schemas.events import ViewOffset, ViewPosition, ViewSnapshot, ViewTier
+from schemas.serde import RecordSerde, registry_client
+from schemas.settings import Settings
+
+from sinks.redis_store import HolderDump, RedisStore
+
+log = logging.getLogger("kvbus.sinks")
+
+def record_key(prefix: str, blocks: str, holder: str | None) -> bytes:
+    """Key of a snapshot record in ``kvbus.snapshots``: the view's Redis key prefix, NUL, its block
+    topic, NUL, then the holder name (``<replica>#<dp_rank>``), or nothing for the manifest. Several
+    views (prefixes, deployments with other topic names) can share the topic."""
+    return f"{prefix}\0{blocks}\0{holder or ''}".encode()
+MAX_RECORD_BYTES = 64 << 20
+"""Largest snapshot record: one holder's state (8 bytes per block and tier: 8 M blocks)."""
+
+
+def ensure_snapshot_topic(bootstrap: str, topic: str) -> None:
+    """Create the snapshot topic if it is missing: one partition (one ordered log), compacted,
+    records up to :data:`MAX_RECORD_BYTES`, replicated like the cluster allows (RF 3, min ISR 2)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    md = admin.list_topics(timeout=10)
+    if topic in md.topics:
+        return
+    rf = min(3, len(md.brokers))
+    config = {"cleanup.policy": "compact", "max.message.bytes": str(MAX_RECORD_BYTES + 65536),
+              "min.insync.replicas": "2" if rf >= 3 else "1"}
+    fut = admin.create_topics([NewTopic(topic, 1, rf, config=config)], operation_timeout=30)[topic]
+    try:
+        fut.result(30)
+        log.info("created snapshot topic %s (compacted, RF %d)", topic, rf)
+    except KafkaException as e:
+        if "TOPIC_ALREADY_EXISTS" not in str(e):
+            raise
+
+
+def holder_record(snapshot: int, name: str, dump: HolderDump) -> ViewSnapshot:
+    """The snapshot record of one holder."""
+    replica, _, dp = name.rpartition("#")
+    return ViewSnapshot(
+        snapshot=snapshot, taken=time.time(), holder=name, replica=replica, dp_rank=int(dp), seen=dump.seen,
+        floor=dump.floor,
+        positions=[ViewPosition(topic=t, epoch=e, seq=s, index=i) for t, e, s, i in dump.positions],
+        tiers=[ViewTier(descriptor=d, refcounted=rc, origin=o, blocks=raws, extra=extra)
+               for d, rc, o, raws, extra in dump.tiers],
+    )
+
+
+def holder_dump(rec: ViewSnapshot) -> HolderDump:
+    """The state a holder record saved, as :meth:`RedisStore.restore_holder` takes it."""
+    return HolderDump(seen=rec.seen, floor=rec.floor,
+                      positions=[(p.topic, p.epoch, p.seq, p.index) for p in rec.positions],
+                      tiers=[(t.descriptor, t.refcounted, t.origin, t.blocks, t.extra) for t in rec.tiers])
+
+
+@dataclass
+class SnapshotStats:
+    """What one snapshot wrote."""
+
+    snapshot: int
+    """Its id (epoch ms when it began)."""
+    holders: int
+    entries: int
+    """(holder, block, tier) entries saved (reference counts not counted)."""
+    bytes: int
+    """Record bytes written."""
+    seconds: float
+
+
+class SnapshotAbandoned(RuntimeError):
+    """The view changed while it was read: no manifest was written; the previous snapshot stands."""
+
+
+class SnapshotWriter:
+    """Writes snapshots of ``store`` to ``settings.topics.snapshots``."""
+
+    def __init__(self, settings: Settings, store: RedisStore):
+        self.store = store
+        self.topic = settings.topics.snapshots
+        self.blocks = settings.topics.blocks
+        ensure_snapshot_topic(settings.bootstrap, self.topic)
+        self.serde = RecordSerde(registry_client(settings.registry_url), "ViewSnapshot")
+        self.producer = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True,
+                                  "acks": "all", "linger.ms": 20, "message.max.bytes": MAX_RECORD_BYTES + 65536,
+                                  "compression.type": "lz4"})
+        self._errors: list[str] = []
+        self._previous: set[str] = set()
+
+    def _identity(self) -> tuple[str | None, str]:
+        """(view id, Redis run id): a snapshot read across a change of either is not consistent."""
+        return self.store.view_id(), str(self.store.r.info("server").get("run_id", ""))
+
+    def take(self) -> SnapshotStats:
+        """Write one snapshot; :class:`SnapshotAbandoned` if the view changed meanwhile."""
+        t0 = time.monotonic()
+        sid = int(time.time() * 1000)
+        before = self._identity()
+        if before[0] is None:
+            raise SnapshotAbandoned("no view to snapshot (it is being rebuilt)")
+        offsets = self.store.offsets()
+        names, entries, size = [], 0, 0
+        for hid, name in sorted(self.store.holder_ids().items()):
+            rec = holder_record(sid, name, self.store.dump_holder(hid))
+            value = self.serde.dumps(rec, self.topic)
+            self._produce(record_key(self.store.prefix, self.blocks, name), value)
+            names.append(name)
+            entries += sum(len(t.blocks) // 8 for t in rec.tiers)
+            size += len(value)
+        self._flush()
+        if self._identity() != before:
+            raise SnapshotAbandoned("the view was rebuilt or Redis restarted while the snapshot was read")
+        manifest = ViewSnapshot(snapshot=sid, taken=time.time(), holders=names,
+                                offsets=[ViewOffset(topic=t, partition=p, offset=o) for (t, p), o in sorted(offsets.items())])
+        self._produce(record_key(self.store.prefix, self.blocks, None), self.serde.dumps(manifest, self.topic))
+        for gone in self._previous - set(names):
+            self._produce(record_key(self.store.prefix, self.blocks, gone), None)  # tombstone: compaction forgets the holder
+        self._flush()
+        self._previous = set(names)
+        return SnapshotStats(sid, len(names), entries, size, time.monotonic() - t0)
+
+    def _produce(self, key: bytes, value: bytes | None) -> None:
+        while True:
+            try:
+                self.producer.produce(self.topic, key=key, value=value, on_delivery=self._delivered)
+                self.producer.poll(0)
+                return
+            except BufferError:
+                self.producer.poll(0.1)
+
+    def _delivered(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            self._errors.append(str(err))
+
+    def _flush(self) -> None:
+        remaining = self.producer.flush(60)
+        if remaining or self._errors:
+            errors, self._errors = self._errors, []
+            raise KafkaException(f"snapshot records not delivered ({remaining} pending, errors: {errors[:3]})")
+
+
+class Snapshotter(threading.Thread):
+    """Takes a snapshot every ``every`` seconds, in the background of a sink.
+
+    Every sink runs one; a Redis lock (``P snaplock``, held for ``every`` seconds) lets one of them
+    take each snapshot. ``metrics``: the sink's (``kvbus_sink_snapshot*``)."""
+
+    def __init__(self, settings: Settings, store: RedisStore, every: float, metrics: Any = None):
+        super().__init__(name="kvbus-snapshotter", daemon=True)
+        self.settings, self.store, self.every, self.metrics = settings, store, every, metrics
+        self.stop = threading.Event()
+        self._token = uuid.uuid4().hex
+
+    def run(self) -> None:
+        writer = None
+        while not self.stop.wait(self.every):
+            try:
+                if not self.store.r.set(self.store.prefix + "snaplock", self._token, nx=True, px=int(self.every * 1000)):
+                    continue
+                writer = writer or SnapshotWriter(self.settings, self.store)
+                stats = writer.take()
+                log.info("snapshot %d: %d holders, %d entries, %.1f MB in %.1f s", stats.snapshot, stats.holders,
+                         stats.entries, stats.bytes / 1e6, stats.seconds)
+                if self.metrics is not None:
+                    self.metrics.snapshot_taken(stats.seconds, stats.snapshot / 1000)
+            except SnapshotAbandoned as e:
+                log.warning("snapshot abandoned: %s", e)
+            except (redis.RedisError, KafkaException, OSError) as e:
+                log.warning("snapshot failed, retried in %.0f s: %s", self.every, e)
+            except Exception:  # a snapshot must never stop the sink
+                log.exception("snapshot failed")
+
+
+class SnapshotReader:
+    """Reads the latest complete snapshot of the view under ``prefix`` from ``settings.topics.snapshots``."""
+
+    def __init__(self, settings: Settings, prefix: str):
+        self.settings = settings
+        self.topic = settings.topics.snapshots
+        self.prefix = prefix
+
+    def read(self, timeout: float = 120.0) -> tuple[ViewSnapshot | None, dict[str, ViewSnapshot]]:
+        """(the latest manifest or None, holder name -> its latest record): the topic read from its
+        start to its end as it is now, later records replacing earlier ones (as compaction will)."""
+        conf = {"bootstrap.servers": self.settings.bootstrap, "group.id": f"kvbus-rebuild-{uuid.uuid4().hex}",
+                "enable.auto.commit": False, "enable.partition.eof": True,
+                "receive.message.max.bytes": 2 * MAX_RECORD_BYTES, "fetch.max.bytes": MAX_RECORD_BYTES + 65536}
+        c = Consumer(conf)
+        try:
+            md = c.list_topics(self.topic, timeout=10)
+            tmeta = md.topics.get(self.topic)
+            if tmeta is None or tmeta.error is not None or not tmeta.partitions:
+                return None, {}
+            low, high = c.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=10)
+            if high <= low:
+                return None, {}
+            serde = RecordSerde(registry_client(self.settings.registry_url), "ViewSnapshot", auto_register=False)
+            c.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+            latest: dict[bytes, bytes | None] = {}  # holder name (b"": the manifest) -> value
+            mine = record_key(self.prefix, self.settings.topics.blocks, None)
+            deadline = time.monotonic() + timeout
+            done = False
+            while not done:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"reading {self.topic} took more than {timeout:.0f} s")
+                first = c.poll(1.0)  # consume(n, t) would wait t whenever fewer than n records are left
+                for m in ([first, *c.consume(1000, 0)] if first is not None else []):
+                    if m.error() is not None:
+                        if m.error().code() == KafkaError._PARTITION_EOF:
+                            done = True
+                            continue
+                        raise KafkaException(m.error())
+                    key = m.key() or b""
+                    if key.startswith(mine):
+                        latest[key[len(mine):]] = m.value()
+                    if m.offset() >= high - 1:
+                        done = True
+        finally:
+            c.close()
+        manifest = latest.pop(b"", None)
+        holders = {k.decode(): serde.loads(v, self.topic) for k, v in latest.items() if v is not None}
+        return (serde.loads(manifest, self.topic) if manifest is not None else None), holders

@@ -1,0 +1,202 @@
+"""The view recovers from Kafka (issue 9, part 1): its Kafka offsets are stored with the applies,
+a view that rolled back is replayed forward from them, and a view that is gone is rebuilt from the
+latest snapshot in ``kvbus.snapshots`` and replayed from the snapshot's offsets: exact each time.
+
+The first tests need only a private Redis; the last ones run the sink against the real Kafka and
+registry, and kill or restart its Redis."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from schemas.topics import Topics
+from sinks.memory_store import InMemoryStore
+from sinks.redis_store import RedisStore, ViewChanged
+from sinks.testing import RedisServer, random_streams
+
+TOPICS = Topics(blocks="rt.blocks")
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as srv:
+        yield srv
+
+
+def fresh(redis_server, **kw) -> RedisStore:
+    return RedisStore(redis_server.client(), f"v{uuid.uuid4().hex[:8]}:", **kw)
+
+
+def copy_view(src: RedisStore, dst: RedisStore) -> None:
+    """What a snapshot + rebuild does, without Kafka: every holder dumped from ``src``, restored into ``dst``."""
+    for hid, name in src.holder_ids().items():
+        replica, _, dp = name.rpartition("#")
+        dst.restore_holder(replica, int(dp), src.dump_holder(hid), max_hashes=5)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 6])
+def test_restored_view_replayed_from_an_earlier_point_is_exact(redis_server, seed):
+    """A holder state read after offset O, replayed from O: the stored positions skip what it has.
+    (The overlap is what a snapshot has: its offsets are read before its holders.)"""
+    records = random_streams(seed, TOPICS, holders=5, batches=300, pool=25)
+    n = len(records)
+    replay_from, dumped_at = n // 3, 2 * n // 3
+    live, rebuilt, model = fresh(redis_server), fresh(redis_server), InMemoryStore()
+    live.apply(records[:dumped_at])
+    copy_view(live, rebuilt)  # tiers split in 5-hash pieces: several kvbus_restore calls per holder
+    assert rebuilt.snapshot() == live.snapshot() and rebuilt.positions() == live.positions()
+    res = rebuilt.apply(records[replay_from:])
+    assert res.skipped >= dumped_at - replay_from  # the overlap is skipped, not applied twice
+    model.apply(records)
+    assert rebuilt.snapshot() == model.snapshot()
+    assert rebuilt.positions() == model.positions()
+    assert rebuilt.size()["entries"] == model.size()["entries"]
+
+
+def test_apply_stores_offsets_with_the_last_call_and_refuses_another_view(redis_server):
+    records = random_streams(7, TOPICS, holders=3, batches=60, pool=20)
+    store = fresh(redis_server, max_events_per_call=4)  # the batch takes many calls
+    store.set_view_id("one")
+    store.apply(records[:30], view_id="one", offsets={("rt.blocks", 0): 30, ("rt.blocks.kvcr", 1): 7})
+    assert store.offsets() == {("rt.blocks", 0): 30, ("rt.blocks.kvcr", 1): 7}
+    before = (store.snapshot(), store.positions(), store.offsets())
+    with pytest.raises(ViewChanged):
+        store.apply(records[30:], view_id="two", offsets={("rt.blocks", 0): 99})
+    with pytest.raises(ViewChanged):
+        store.set_offsets({("rt.blocks", 0): 99}, "two")
+    assert (store.snapshot(), store.positions(), store.offsets()) == before  # nothing written
+    store.r.delete(store.prefix + "meta")  # the view is gone (FLUSHALL, restart without persistence)
+    assert store.view_id() is None
+    with pytest.raises(ViewChanged):
+        store.apply(records[30:], view_id="one")
+
+
+def test_wipe_deletes_the_view_and_nothing_else(redis_server):
+    a, b = fresh(redis_server), fresh(redis_server)
+    records = random_streams(8, TOPICS, holders=3, batches=40, pool=20)
+    a.apply(records)
+    b.apply(records)
+    a.set_status(state="rebuilding")
+    assert a.wipe() > 0
+    assert {k.decode() for k in a.r.scan_iter(match=a.prefix + "*")} == {a.prefix + "status"}
+    model = InMemoryStore()
+    model.apply(records)
+    assert b.snapshot() == model.snapshot()
+
+
+# ------------------------------------------------------------------ with the real Kafka and registry
+
+import dataclasses  # noqa: E402
+
+from confluent_kafka import TopicPartition  # noqa: E402
+from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
+
+from sinks.consumer import SinkConsumer  # noqa: E402
+from sinks.snapshot import SnapshotWriter  # noqa: E402
+from tests.test_sink_consumer import produce, wait_for  # noqa: E402
+
+
+@pytest.fixture
+def topics(stack) -> Topics:
+    tag = uuid.uuid4().hex[:10]
+    t = Topics(blocks=f"kvbustest-{tag}.blocks", dlq=f"kvbustest-{tag}.dlq", snapshots=f"kvbustest-{tag}.snapshots")
+    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+    names = [t.blocks, t.for_ownership("kvcr"), t.dlq]
+    for f in admin.create_topics([NewTopic(n, num_partitions=2, replication_factor=1) for n in names]).values():
+        f.result(30)
+    yield t
+    admin.delete_topics(names + [t.snapshots])
+
+
+def model_of(records) -> InMemoryStore:
+    m = InMemoryStore()
+    m.apply(records)
+    return m
+
+
+def sink_for(stack, topics, store) -> SinkConsumer:
+    return SinkConsumer(stack, store, topics=topics, group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
+                        poll_timeout=0.2)
+
+
+def catch_up(sink: SinkConsumer, store: RedisStore, records, what: str, each=None) -> None:
+    want = model_of(records).positions()
+
+    def step() -> None:
+        sink.step()
+        if each:
+            each()
+    wait_for(lambda: store.positions() == want, 90, what, step=step)
+
+
+@pytest.mark.integration
+def test_a_view_that_rolled_back_is_replayed_forward_from_its_own_offsets(stack, topics):
+    """Redis restarts from an older persisted state (what AOF everysec or a lagging replica loses):
+    the view's stored offsets roll back with it, and the sink reads again from them."""
+    records = random_streams(41, topics, holders=5, batches=600, pool=40)
+    a, b = len(records) // 3, 2 * len(records) // 3
+    with RedisServer() as srv:
+        store = RedisStore(srv.client(), "kvbus:")
+        sink = sink_for(stack, topics, store)
+        try:
+            produce(stack, records[:a])
+            catch_up(sink, store, records[:a], "the first third")
+            srv.client().save()  # the state Redis will come back with
+            produce(stack, records[a:b])
+            catch_up(sink, store, records[:b], "the second third")
+            srv.kill()
+            srv.start()
+            assert store.positions() == model_of(records[:a]).positions(), "Redis came back rolled back"
+            produce(stack, records[b:])
+            catch_up(sink, store, records, "the rolled-back view to be replayed forward")
+            assert store.snapshot() == model_of(records).snapshot()
+            assert sink.metrics.resyncs._value.get() >= 1
+        finally:
+            sink.close()
+
+
+@pytest.mark.integration
+def test_a_lost_view_is_rebuilt_from_the_snapshot_beyond_the_topics_retention(stack, topics):
+    """Redis restarts empty: the sink rebuilds the view from the snapshot and replays from the
+    snapshot's offsets; the records before them were deleted from the block topics (retention), so
+    only the snapshot has them. Routers see the view rebuilding, then ready."""
+    records = random_streams(43, topics, holders=6, batches=600, pool=40)
+    half = len(records) // 2
+    settings = dataclasses.replace(stack, topics=topics)
+    with RedisServer() as srv:
+        store = RedisStore(srv.client(), "kvbus:")
+        sink = sink_for(stack, topics, store)
+        try:
+            produce(stack, records[:half])
+            catch_up(sink, store, records[:half], "the first half")
+            stats = SnapshotWriter(settings, store).take()
+            assert stats.holders == 6 and stats.entries == store.size()["entries"] > 0
+            saved = store.offsets()
+            admin = AdminClient({"bootstrap.servers": stack.bootstrap})
+            for f in admin.delete_records([TopicPartition(t, p, o) for (t, p), o in saved.items()]).values():
+                f.result(30)  # retention: the first half is gone from Kafka
+            produce(stack, records[half:])
+            catch_up(sink, store, records, "the second half")
+            read_before = sink.metrics.records._value.get()
+            rebuilds_before = sink.metrics.rebuilds._value.get()
+            srv.kill()
+            srv.start()  # no persistence: the view is gone
+            assert store.size()["entries"] == 0
+            states: list[str] = []
+
+            def note() -> None:
+                st = store.status().get("state")
+                if st and (not states or states[-1] != st):
+                    states.append(st)
+            catch_up(sink, store, records, "the view to be rebuilt", each=note)
+            wait_for(lambda: store.status().get("state") == "ready", 30, "the rebuilt view to be ready",
+                     step=lambda: (sink.step(), note()))
+            assert states[0] == "rebuilding" and states[-1] == "ready"
+            assert store.snapshot() == model_of(records).snapshot()
+            assert store.size() == model_of(records).size()
+            re_read = sink.metrics.records._value.get() - read_before
+            assert re_read <= len(records) - half, "replayed from the snapshot's offsets, not from the start"
+            assert sink.metrics.rebuilds._value.get() == rebuilds_before + 1
+        finally:
+            sink.close()
