@@ -79,6 +79,7 @@ __all__ = [
     "MAX_HASHES_PER_EVENT",
     "MAX_TOKENS_PER_EVENT",
     "MAX_DIGEST_BYTES",
+    "MAX_SEQ",
 ]
 
 ENGINE_FORMATS: tuple[str, ...] = (
@@ -249,6 +250,17 @@ def decode_batch(payload: bytes, engine: str = "auto", *, skip_unknown: bool = F
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    try:
+        return _decode_batch(payload, engine, skip_unknown)
+    except RecursionError:
+        # msgspec raises RecursionError (not a MsgspecError) for nesting deeper than the
+        # interpreter's recursion limit, e.g. ``[[[[...]]]]`` 2,000 levels deep as an event or an
+        # extra_keys value (issue 9, part 4: it escaped the bridge's DecodeError handling and
+        # killed the bridge process). No engine nests that deep: reject the batch.
+        raise DecodeError("payload is nested too deeply to decode") from None
+
+
+def _decode_batch(payload: bytes, engine: str, skip_unknown: bool) -> DecodedBatch:
     for layout in ("map", "sglang" if engine == "sglang" else "vllm"):
         try:
             env = ENVELOPE_DECODERS[layout].decode(payload)
@@ -410,15 +422,30 @@ def _topic(frame: Any) -> str:
         raise DecodeError(f"topic frame is not UTF-8: {e}") from None
 
 
+MAX_SEQ = 2**63 - 1
+"""Largest sequence number kvbus can carry (``EventBatch.seq`` is an Avro long)."""
+
+
+def _in_range(seq: int) -> int:
+    # A seq frame of 2^63 or more (e.g. ff*8 on the live socket) was sequenced and then written
+    # by the fast encoder as a varint no Avro reader decodes to the same number (fast reader
+    # -2^64, fastavro -2^63): an invalid record on kvbus.raw (issue 9, part 4). No engine counts
+    # that far; reject the frame set instead.
+    if seq > MAX_SEQ:
+        raise DecodeError(f"sequence number {seq} is beyond the int64 range EventBatch.seq can hold")
+    return seq
+
+
 def parse_frames(frames: list[bytes]) -> tuple[str, int, bytes]:
     """A live PUB message ``[topic, seq8, payload]`` -> ``(topic, seq, payload)``.
 
-    Raises :class:`DecodeError` on a frame count other than 3 or a seq frame not 8 bytes.
+    Raises :class:`DecodeError` on a frame count other than 3, a seq frame not 8 bytes or a seq
+    above :data:`MAX_SEQ`.
     """
     if len(frames) != 3:
         raise DecodeError(f"live message must have 3 frames [topic, seq, payload], got {len(frames)}")
     topic, seq, payload = frames
-    return _topic(topic), _seq(seq), _b(payload)
+    return _topic(topic), _in_range(_seq(seq)), _b(payload)
 
 
 def parse_replay_reply(frames: list[bytes]) -> tuple[str, int, bytes] | None:
@@ -439,4 +466,4 @@ def parse_replay_reply(frames: list[bytes]) -> tuple[str, int, bytes] | None:
         topic, seq, payload = "", _seq(frames[1]), _b(frames[2])
     if seq == 0xFFFF_FFFF_FFFF_FFFF or not payload:
         return None
-    return topic, seq, payload
+    return topic, _in_range(seq), payload

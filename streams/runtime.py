@@ -46,6 +46,9 @@ MAX_INFLIGHT = 32
 """Batches whose outputs may be awaiting delivery while the next one is processed (batches are
 small at low load: a few milliseconds of records each, so a delivery round trip spans several)."""
 
+DLQ_PAYLOAD_BYTES = 64 * 1024
+"""Bytes of a rejected raw value kept in its DeadLetter (as the bridge does)."""
+
 PERSIST_EVERY = 0.02
 """Seconds delivered batches may wait to be completed together: their state changes are merged
 (the last value of each key) into one set of table writes, then their raw records are acked.
@@ -230,7 +233,14 @@ class Runtime:
         log.warning("dead letter %s: %s", source, reason)
         self.metrics.dead_letters.labels(kind).inc()
         value = msg.value if isinstance(msg.value, (bytes, bytearray)) else b""
-        return DeadLetter(stage="streams", source=source, reason=f"{kind}: {reason}",
+        reason = f"{kind}: {reason}"
+        if len(value) > DLQ_PAYLOAD_BYTES:
+            # A raw record of up to the topic's max.message.bytes (~1 MB) made a DeadLetter larger
+            # than the output producer's message.max.bytes: produce() raised, the batch failed and the
+            # worker crashed on every replay of it (issue 9, part 4). Keep its first 64 KiB.
+            reason += f" (payload truncated to its first {DLQ_PAYLOAD_BYTES} of {len(value)} bytes)"
+            value = value[:DLQ_PAYLOAD_BYTES]
+        return DeadLetter(stage="streams", source=source, reason=reason,
                           payload=[bytes(value)], ts=time.time())
 
     # -- the timer ------------------------------------------------------------
