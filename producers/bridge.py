@@ -34,8 +34,7 @@ from producers.metrics import BridgeMetrics
 from producers.recovery import Resume
 from producers.replay import DEFAULT_TIMEOUT, ReplayBad, ReplayClient, Replayed, ReplayEnd
 from producers.sequencer import Actions, Emit, ResetMarker, Sequencer
-from producers.split import DLQ_PAYLOAD_BYTES
-from schemas.events import DeadLetter, EventBatch, Reset
+from schemas.events import DeadLetter, EventBatch, Reset, dead_letter
 
 log = logging.getLogger("kvbus.producers.bridge")
 
@@ -370,18 +369,6 @@ class Bridge:
     def _dead(self, frames: list[bytes], exc: Exception, source: str) -> None:
         log.warning("dead letter from %s: %s: %s", source, type(exc).__name__, exc)
         self.metrics.dlq.inc()
-        # The frames are kept up to DLQ_PAYLOAD_BYTES in all (as for an oversized event): a rejected
-        # payload of ~1 MB (e.g. 1,000,001 hashes) made a DeadLetter larger than a Kafka record may
-        # be, which the producer refused, so the dead letter was lost (issue 9, part 4).
-        payload, budget, cut = [], DLQ_PAYLOAD_BYTES, 0
-        for f in frames:
-            b = bytes(f)
-            payload.append(b[:budget])
-            cut += len(b) - len(payload[-1])
-            budget -= len(payload[-1])
-        reason = f"{type(exc).__name__}: {exc}"
-        if cut:
-            reason += f" (frames truncated to their first {DLQ_PAYLOAD_BYTES} bytes, {cut} bytes cut)"
-        self.sink.produce_dead_letter(DeadLetter(
-            stage="bridge", source=source, reason=reason, payload=payload, ts=time.time(),
-        ))
+        # the frames are kept up to DLQ_PAYLOAD_BYTES in all: a rejected ~1 MB payload (e.g. 1,000,001
+        # hashes) made a DeadLetter larger than a record may be, and it was lost (issue 9, part 4)
+        self.sink.produce_dead_letter(dead_letter("bridge", source, f"{type(exc).__name__}: {exc}", frames, time.time()))

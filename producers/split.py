@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from producers.metrics import BridgeMetrics
-from schemas.events import DeadLetter, holder_key
+from schemas.events import DLQ_PAYLOAD_BYTES, DeadLetter, holder_key
 from schemas.settings import DEFAULT_MAX_RECORD_BYTES
 
 log = logging.getLogger("kvbus.producers.split")
@@ -41,8 +41,6 @@ RECORD_MARGIN = 4096
 """Bytes kept free below ``message.max.bytes`` for the key and the record framing."""
 MIN_RECORD_BYTES = 1024
 """Smallest limit accepted (the fixed fields of a batch must fit with room for events)."""
-DLQ_PAYLOAD_BYTES = 64 * 1024
-"""Bytes of an oversized event's Avro encoding kept in its dead letter."""
 _COUNTS_SLACK = 16
 """Room for the varints that grow with a part: its event count and its first_index."""
 _EVENT_TYPES = {0: "BlockStored", 2: "BlockRemoved", 4: "AllBlocksCleared", 6: "Reset"}

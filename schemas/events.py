@@ -219,6 +219,26 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     """When it was rejected, epoch seconds."""
 
 
+DLQ_PAYLOAD_BYTES = 64 * 1024
+"""Bytes of rejected input a DeadLetter keeps at most: an input near Kafka's record size limit (~1 MB)
+would make a DeadLetter larger than a record may be, which the producer refuses (the letter lost,
+or the stage crashed on it again at every restart)."""
+
+
+def dead_letter(stage: str, source: str, reason: str, frames: list[bytes], ts: float) -> DeadLetter:
+    """A DeadLetter keeping the first :data:`DLQ_PAYLOAD_BYTES` of ``frames`` in all; the reason
+    says how much was cut, if anything."""
+    payload, budget, cut = [], DLQ_PAYLOAD_BYTES, 0
+    for f in frames:
+        b = bytes(f)
+        payload.append(b[:budget])
+        cut += len(b) - len(payload[-1])
+        budget -= len(payload[-1])
+    if cut:
+        reason += f" (payload truncated to its first {DLQ_PAYLOAD_BYTES} bytes, {cut} bytes cut)"
+    return DeadLetter(stage=stage, source=source, reason=reason, payload=payload, ts=ts)
+
+
 class ViewPosition(msgspec.Struct, kw_only=True):
     """A holder's applied position on one topic (in a :class:`ViewSnapshot`)."""
 

@@ -39,7 +39,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from schemas.events import BlockEvent, DeadLetter
+from schemas.events import BlockEvent, dead_letter
 from schemas.fast_codec import FastSerde
 from schemas.serde import registry_client
 from schemas.settings import Settings
@@ -358,7 +358,9 @@ class SinkConsumer:
 
     def _dead(self, msg: Any, source: str, reason: str, kind: str) -> None:
         log.warning("dead letter %s: %s", source, reason)
-        letter = DeadLetter(stage=STAGE, source=source, reason=reason, payload=[msg.value() or b""], ts=time.time())
+        # the payload is cut (dead_letter): a record near the topic's size limit made a DeadLetter
+        # the producer refused, which stopped the sink on that record at every restart
+        letter = dead_letter(STAGE, source, reason, [msg.value() or b""], time.time())
         self.producer.produce(self.topics.dlq, key=source.encode(), value=self.dlq_serde.dumps(letter, self.topics.dlq),
                               on_delivery=self._on_dlq_delivery)
         self.metrics.dead_letters.labels(kind).inc()

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional, Sequence
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from schemas.events import DeadLetter, holder_key
+from schemas.events import DeadLetter, dead_letter, holder_key
 from schemas.serde import registry_client
 from schemas.settings import Settings
 from streams.aggregation import Aggregator, Output, check, is_meta_key, load
@@ -45,9 +45,6 @@ log = logging.getLogger("kvbus.streams")
 MAX_INFLIGHT = 32
 """Batches whose outputs may be awaiting delivery while the next one is processed (batches are
 small at low load: a few milliseconds of records each, so a delivery round trip spans several)."""
-
-DLQ_PAYLOAD_BYTES = 64 * 1024
-"""Bytes of a rejected raw value kept in its DeadLetter (as the bridge does)."""
 
 PERSIST_EVERY = 0.02
 """Seconds delivered batches may wait to be completed together: their state changes are merged
@@ -233,15 +230,9 @@ class Runtime:
         log.warning("dead letter %s: %s", source, reason)
         self.metrics.dead_letters.labels(kind).inc()
         value = msg.value if isinstance(msg.value, (bytes, bytearray)) else b""
-        reason = f"{kind}: {reason}"
-        if len(value) > DLQ_PAYLOAD_BYTES:
-            # A raw record of up to the topic's max.message.bytes (~1 MB) made a DeadLetter larger
-            # than the output producer's message.max.bytes: produce() raised, the batch failed and the
-            # worker crashed on every replay of it (issue 9, part 4). Keep its first 64 KiB.
-            reason += f" (payload truncated to its first {DLQ_PAYLOAD_BYTES} of {len(value)} bytes)"
-            value = value[:DLQ_PAYLOAD_BYTES]
-        return DeadLetter(stage="streams", source=source, reason=reason,
-                          payload=[bytes(value)], ts=time.time())
+        # the payload is cut to DLQ_PAYLOAD_BYTES: a ~1 MB raw value made a DeadLetter larger than a
+        # record may be, produce() raised and the worker crashed on every replay (issue 9, part 4)
+        return dead_letter("streams", source, f"{kind}: {reason}", [value], time.time())
 
     # -- the timer ------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import pytest
 from kvbus.engine_wire import project
 from kvbus.fleet import Fleet, FleetConfig
 from producers.publisher import KafkaEventPublisher
-from producers.split import DLQ_PAYLOAD_BYTES
+from schemas.events import DLQ_PAYLOAD_BYTES
 from schemas import fast_encode
 from schemas.events import BlockRemoved, BlockStored, Reset
 from tests.pipeline import Pipeline

@@ -44,7 +44,7 @@ import pytest
 
 from kvbus.fleet import Fleet, FleetConfig
 from producers.decode import DecodeError, decode_batch, parse_frames
-from producers.split import DLQ_PAYLOAD_BYTES
+from schemas.events import DLQ_PAYLOAD_BYTES
 from schemas.events import EventBatch, Reset
 from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings
@@ -175,7 +175,7 @@ def test_bridge_survives_10000_hostile_messages(test_settings: Settings, tmp_pat
         kind = dead_kind[tuple(d.payload)]
         assert d.reason.startswith("DecodeError: "), d.reason
         assert ("of unknown type skipped" in d.reason) == (kind == PARTIAL), d.reason
-        assert ("frames truncated" in d.reason) == (sum(map(len, d.payload)) == DLQ_PAYLOAD_BYTES), d.reason
+        assert ("payload truncated" in d.reason) == (sum(map(len, d.payload)) == DLQ_PAYLOAD_BYTES), d.reason
     reasons = collections.Counter(_reason_class(d.reason) for d in letters)
 
     batches: list[EventBatch] = reader.values(t.raw)

@@ -27,7 +27,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from producers.recovery import partition_for
-from schemas.events import BlockEvent, BlockStored, DeadLetter, EventBatch, holder_key
+from schemas.events import DLQ_PAYLOAD_BYTES, BlockEvent, BlockStored, DeadLetter, EventBatch, holder_key
 from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings
 from schemas.topics import Topics
@@ -69,6 +69,9 @@ def _inputs(seed: int, n: int, t: Topics, serde: RecordSerde, other_id: int):
         replica = f"s{i % 6}"
         key = holder_key(replica, 0).encode()
         r = rng.random()
+        if i % 2000 == 1:  # near the record size limit: its dead letter keeps the first 64 KiB
+            yield REJECT, "huge garbage", t.blocks, key, rng.randbytes(999_900), None
+            continue
         if r < 0.4:
             seqs[replica] += 1
             e = ev(replica, seqs[replica], goods)
@@ -168,6 +171,8 @@ def test_sink_survives_10000_hostile_records(stack: Settings, topics: Topics):
     assert len(letters) == n_dead and {d.stage for d in letters} == {"sink"}
     reasons = collections.Counter("decode" if d.reason.startswith("decode:") else "invalid" for d in letters)
     assert reasons == {"decode": n_dead - rejected["invalid"], "invalid": rejected["invalid"]}
+    truncated = [d for d in letters if "payload truncated" in d.reason]
+    assert len(truncated) == len(range(1, N, 2000)) and all(len(d.payload[0]) == DLQ_PAYLOAD_BYTES for d in truncated)
     assert rss_after - rss_before < 150, (rss_before, rss_after)
     applied = expected.applied
     print(f"\nsink fuzz: sent {N} ({dict(kinds)}), dead-lettered {len(letters)} ({dict(rejected)}), "

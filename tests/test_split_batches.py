@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from producers.kafka_out import KafkaSink
 from producers.metrics import BridgeMetrics
-from producers.split import DLQ_PAYLOAD_BYTES, MIN_RECORD_BYTES, RECORD_MARGIN, plan_split, record_limit
+from producers.split import MIN_RECORD_BYTES, RECORD_MARGIN, plan_split, record_limit
 from schemas import fast_encode
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from schemas.events import DLQ_PAYLOAD_BYTES, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from schemas.fast_codec import FastSerde
 from schemas.serde import registry_client
 from schemas.settings import Settings
