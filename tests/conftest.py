@@ -5,7 +5,7 @@ test session through ``infra.stack`` (the same code as ``infra/stack up``) and
 stopped at the end if this session started them. A stack that does not come up
 is an error, never a skip: integration tests must run in CI.
 ``unique_topics``: topic names of one test (uuid suffix), created with explicit
-partition counts.
+partition counts; ``sink_topics``: the same for a sink test (blocks, a tier topic, dlq).
 """
 from __future__ import annotations
 
@@ -46,8 +46,6 @@ def stack() -> Iterator[Settings]:
 def unique_topics(stack: Settings) -> Iterator[Topics]:
     """Fresh topic names for one test, created with the stack's partition count, deleted
     afterwards (with any tier topic the test made) so a developer's stack does not grow."""
-    from confluent_kafka.admin import AdminClient
-
     from infra.topics import ensure_topics
 
     suffix = uuid.uuid4().hex[:8]
@@ -56,11 +54,36 @@ def unique_topics(stack: Settings) -> Iterator[Topics]:
         blocks=f"t{suffix}.blocks",
         incomplete=f"t{suffix}.incomplete",
         dlq=f"t{suffix}.dlq",
+        snapshots=f"t{suffix}.snapshots",
     )
     ensure_topics(stack.bootstrap, [t.raw, t.blocks, t.incomplete, t.dlq], stack.partitions, 1)
     yield t
+    _delete_topics(stack, f"t{suffix}.")
+
+
+@pytest.fixture
+def sink_topics(stack: Settings) -> Iterator[Topics]:
+    """Fresh topics for a sink test: the block topic and its ``kvcr`` tier topic (2 partitions
+    each, so records of several holders interleave), a dead-letter topic, and a snapshot topic
+    name (the sink creates it); all deleted afterwards."""
+    from infra.topics import ensure_topics
+
+    suffix = uuid.uuid4().hex[:8]
+    t = Topics(blocks=f"s{suffix}.blocks", dlq=f"s{suffix}.dlq", snapshots=f"s{suffix}.snapshots")
+    ensure_topics(stack.bootstrap, [t.blocks, t.for_ownership("kvcr"), t.dlq], 2, 1)
+    yield t
+    _delete_topics(stack, f"s{suffix}.")
+
+
+def _delete_topics(stack: Settings, prefix: str) -> None:
+    """Delete every topic whose name starts with ``prefix`` (a test's, with any tier topic it made)
+    so a developer's stack does not grow."""
+    from confluent_kafka.admin import AdminClient
+
     admin = AdminClient({"bootstrap.servers": stack.bootstrap})
-    ours = [name for name in admin.list_topics(timeout=10).topics if name.startswith(f"t{suffix}.")]
+    ours = [name for name in admin.list_topics(timeout=10).topics if name.startswith(prefix)]
+    if not ours:
+        return
     for future in admin.delete_topics(ours, operation_timeout=10).values():
         try:
             future.result(15)

@@ -24,7 +24,6 @@ import uuid
 
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
 
 from producers.recovery import partition_for
 from schemas.events import DLQ_PAYLOAD_BYTES, BlockEvent, BlockStored, DeadLetter, EventBatch, holder_key
@@ -44,15 +43,8 @@ N = 10_000
 
 
 @pytest.fixture
-def topics(stack: Settings):
-    sfx = uuid.uuid4().hex[:10]
-    t = Topics(blocks=f"fz{sfx}.blocks", dlq=f"fz{sfx}.dlq")
-    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
-    names = [t.blocks, t.for_ownership("kvcr"), t.dlq]
-    for f in admin.create_topics([NewTopic(n, num_partitions=2, replication_factor=1) for n in names]).values():
-        f.result(30)
-    yield t
-    admin.delete_topics(names)
+def topics(sink_topics):
+    return sink_topics
 
 
 def _inputs(seed: int, n: int, t: Topics, serde: RecordSerde, other_id: int):

@@ -39,14 +39,8 @@ def redis_server():
 
 
 @pytest.fixture
-def topics(settings) -> Topics:
-    t = Topics(blocks=f"kvbustest-{uuid.uuid4().hex[:10]}.blocks", dlq=f"kvbustest-{uuid.uuid4().hex[:10]}.dlq")
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap})
-    names = [t.blocks, t.for_ownership("kvcr"), t.dlq]
-    for f in admin.create_topics([NewTopic(n, num_partitions=2, replication_factor=1) for n in names]).values():
-        f.result(30)
-    yield t
-    admin.delete_topics(names)
+def topics(sink_topics) -> Topics:
+    return sink_topics
 
 
 def produce(settings: Settings, records, extra=()) -> None:

@@ -90,7 +90,7 @@ def test_wipe_deletes_the_view_and_nothing_else(redis_server):
 import dataclasses  # noqa: E402
 
 from confluent_kafka import TopicPartition  # noqa: E402
-from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
+from confluent_kafka.admin import AdminClient  # noqa: E402
 
 from sinks.consumer import SinkConsumer  # noqa: E402
 from sinks.snapshot import SnapshotWriter  # noqa: E402
@@ -98,15 +98,8 @@ from tests.test_sink_consumer import produce, wait_for  # noqa: E402
 
 
 @pytest.fixture
-def topics(stack) -> Topics:
-    tag = uuid.uuid4().hex[:10]
-    t = Topics(blocks=f"kvbustest-{tag}.blocks", dlq=f"kvbustest-{tag}.dlq", snapshots=f"kvbustest-{tag}.snapshots")
-    admin = AdminClient({"bootstrap.servers": stack.bootstrap})
-    names = [t.blocks, t.for_ownership("kvcr"), t.dlq]
-    for f in admin.create_topics([NewTopic(n, num_partitions=2, replication_factor=1) for n in names]).values():
-        f.result(30)
-    yield t
-    admin.delete_topics(names + [t.snapshots])
+def topics(sink_topics) -> Topics:
+    return sink_topics
 
 
 def model_of(records) -> InMemoryStore:
