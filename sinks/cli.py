@@ -1,7 +1,7 @@
 """``kvbus sink`` and ``kvbus lookup``: argparse wiring for the lead's ``kvbus`` command.
 
     kvbus sink [--group G] [--prefix kvbus:] [--stale-after SEC] [--metrics-port P] [--batch N]
-               [--snapshot-every SEC]
+               [--session-timeout SEC] [--snapshot-every SEC]     (defaults: KVBUS_SINK_*, sinks/config.py)
     kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16] [--algo sha256|sha256_cbor])
                  [--replicas a,b#1] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
 
@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 
 from schemas.settings import Settings
 
+from sinks.config import SinkConfig
 from sinks.redis_store import DEFAULT_PREFIX
 
 log = logging.getLogger("kvbus.sinks")
@@ -28,19 +29,33 @@ log = logging.getLogger("kvbus.sinks")
 
 
 def add_sink_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``kvbus sink``."""
-    p.add_argument("--group", default="kvbus-sink", help="Kafka consumer group (default kvbus-sink)")
-    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="Redis key prefix of the view (default kvbus:)")
-    p.add_argument("--stale-after", type=float, default=300.0,
-                   help="expire holders with no event or heartbeat for SEC seconds; 0 = never (default 300)")
-    p.add_argument("--expire-every", type=float, default=5.0, help="seconds between staleness checks (default 5)")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
-    p.add_argument("--batch", type=int, default=2000, help="records per poll/apply batch (default 2000)")
-    p.add_argument("--snapshot-every", type=float,
-                   default=float(os.environ.get("KVBUS_SINK_SNAPSHOT_EVERY", "300")),
+    """Options of ``kvbus sink``; each defaults to its ``KVBUS_SINK_*`` variable (:mod:`sinks.config`)."""
+    d = SinkConfig.from_env()
+    p.add_argument("--group", default=d.group, help=f"Kafka consumer group (KVBUS_SINK_GROUP; now {d.group})")
+    p.add_argument("--prefix", default=d.prefix, help=f"Redis key prefix of the view (KVBUS_SINK_PREFIX; now {d.prefix})")
+    p.add_argument("--stale-after", type=float, default=d.stale_after,
+                   help="expire holders with no event or heartbeat for SEC seconds; 0 = never "
+                        f"(KVBUS_SINK_STALE_AFTER; now {d.stale_after:g})")
+    p.add_argument("--expire-every", type=float, default=d.expire_every,
+                   help=f"seconds between staleness checks (KVBUS_SINK_EXPIRE_EVERY; now {d.expire_every:g})")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help=f"serve Prometheus metrics on this port, 0 = off (KVBUS_SINK_METRICS_PORT; now {d.metrics_port})")
+    p.add_argument("--batch", type=int, default=d.batch,
+                   help=f"records per poll/apply batch (KVBUS_SINK_BATCH; now {d.batch})")
+    p.add_argument("--session-timeout", type=float, default=d.session_timeout,
+                   help="seconds before a dead sink's partitions move to another sink "
+                        f"(KVBUS_SINK_SESSION_TIMEOUT; now {d.session_timeout:g})")
+    p.add_argument("--snapshot-every", type=float, default=d.snapshot_every,
                    help="seconds between snapshots of the view to the snapshot topic, taken by one sink "
-                        "of the group; 0 = none (default $KVBUS_SINK_SNAPSHOT_EVERY or 300). The block "
-                        "topics must retain more than this for a lost view to be rebuilt exactly")
+                        "of the group; 0 = none. The block topics must retain more than this for a lost "
+                        f"view to be rebuilt exactly (KVBUS_SINK_SNAPSHOT_EVERY; now {d.snapshot_every:g})")
+
+
+def sink_config(args: argparse.Namespace) -> SinkConfig:
+    """The SinkConfig of ``kvbus sink``'s flags."""
+    return replace(SinkConfig.from_env(), group=args.group, prefix=args.prefix, stale_after=args.stale_after,
+                   expire_every=args.expire_every, batch=args.batch, session_timeout=args.session_timeout,
+                   snapshot_every=args.snapshot_every, metrics_port=args.metrics_port)
 
 
 def run_sink(args: argparse.Namespace, settings: Settings) -> int:
@@ -51,23 +66,23 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     from sinks.metrics import SinkMetrics
     from sinks.redis_store import RedisStore
 
-    store = RedisStore(settings.redis_url, args.prefix)
+    config = sink_config(args)
+    store = RedisStore(settings.redis_url, config.prefix)
     metrics = SinkMetrics()
-    if args.metrics_port:
-        start_http_server(args.metrics_port, registry=metrics.registry)
-        log.info("metrics on :%d/metrics", args.metrics_port)
+    if config.metrics_port:
+        start_http_server(config.metrics_port, registry=metrics.registry)
+        log.info("metrics on :%d/metrics", config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    sink = SinkConsumer(settings, store, group=args.group, stale_after=args.stale_after,
-                        expire_every=args.expire_every, batch=args.batch, metrics=metrics)
-    log.info("sink writing the view to %s under prefix %r", settings.redis_url, args.prefix)
+    sink = SinkConsumer(settings, store, config, metrics=metrics)
+    log.info("sink writing the view to %s under prefix %r", settings.redis_url, config.prefix)
     snapshotter = None
-    if args.snapshot_every > 0:
+    if config.snapshot_every > 0:
         from sinks.snapshot import Snapshotter
 
-        snapshotter = Snapshotter(settings, RedisStore(settings.redis_url, args.prefix, load=False),
-                                  args.snapshot_every, metrics)
+        snapshotter = Snapshotter(settings, RedisStore(settings.redis_url, config.prefix, load=False),
+                                  config.snapshot_every, metrics)
         snapshotter.start()
     try:
         sink.run(stop)

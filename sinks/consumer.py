@@ -45,6 +45,7 @@ from schemas.serde import registry_client
 from schemas.settings import Settings
 from schemas.topics import Topics
 
+from sinks.config import SinkConfig
 from sinks.metrics import SinkMetrics
 from sinks.rebuild import ensure_view, mark_ready_if_caught_up
 from sinks.redis_store import RedisStore, ViewChanged
@@ -90,38 +91,31 @@ def is_transient(e: BaseException) -> bool:
 class SinkConsumer:
     """Kafka -> residency view.
 
-    ``settings``: where Kafka and the registry are; ``store``: the view; ``topics``: topic names
-    (default ``settings.topics``); ``group``: consumer group; ``stale_after``: seconds without events
-    or heartbeat after which a holder is expired (0 = never); ``batch``: records per poll;
-    ``commit_every``: seconds between offset commits while records keep coming (they are committed
-    at once when the stream goes quiet). Offsets are only a resume hint, so committing after every
-    small batch would buy nothing but an OffsetCommit request per batch (a write to Kafka's
-    ``__consumer_offsets``): a sink restarted after a crash re-reads at most about this long.
+    ``settings``: where Kafka and the registry are; ``store``: the view; ``config``: how the sink
+    runs (:class:`sinks.config.SinkConfig`: group, staleness, batch, commits, session timeout);
+    ``topics``: topic names (default ``settings.topics``); ``metrics``: its Prometheus metrics;
+    ``consumer_conf``: extra librdkafka consumer settings.
     """
 
     def __init__(
         self,
         settings: Settings,
         store: RedisStore,
+        config: SinkConfig = SinkConfig(),
         *,
         topics: Topics | None = None,
-        group: str = "kvbus-sink",
-        stale_after: float = 300.0,
-        expire_every: float = 5.0,
-        batch: int = 2000,
-        poll_timeout: float = 0.5,
-        commit_every: float = 0.5,
         metrics: SinkMetrics | None = None,
         consumer_conf: dict[str, Any] | None = None,
     ):
         self.settings = settings
         self.store = store
+        self.config = config
         self.topics = topics or settings.topics
-        self.stale_after = stale_after
-        self.expire_every = expire_every
-        self.batch = batch
-        self.poll_timeout = poll_timeout
-        self.commit_every = commit_every
+        self.stale_after = config.stale_after
+        self.expire_every = config.expire_every
+        self.batch = config.batch
+        self.poll_timeout = config.poll_timeout
+        self.commit_every = config.commit_every
         self._last_commit = 0.0
         self._uncommitted = False
         self.metrics = metrics or SinkMetrics()
@@ -132,7 +126,8 @@ class SinkConsumer:
         self.dlq_serde = FastSerde(registry, "DeadLetter")
         conf = {
             "bootstrap.servers": settings.bootstrap,
-            "group.id": group,
+            "group.id": config.group,
+            "session.timeout.ms": int(config.session_timeout * 1000),
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
             "topic.metadata.refresh.interval.ms": 5000,
@@ -152,7 +147,7 @@ class SinkConsumer:
         self._last_expire = 0.0
         self._caught_up = False
         self._dlq_errors: list[str] = []
-        log.info("sink subscribed to %s as group %s", self.topics.blocks_pattern(), group)
+        log.info("sink subscribed to %s as group %s", self.topics.blocks_pattern(), config.group)
 
     # -- one batch ------------------------------------------------------------
 

@@ -10,7 +10,6 @@ import logging
 import re
 import struct
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 

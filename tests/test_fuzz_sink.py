@@ -30,6 +30,7 @@ from schemas.events import DLQ_PAYLOAD_BYTES, BlockEvent, BlockStored, DeadLette
 from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings
 from schemas.topics import Topics
+from sinks.config import SinkConfig
 from sinks.consumer import SinkConsumer
 from sinks.memory_store import InMemoryStore
 from sinks.redis_store import RedisStore
@@ -135,8 +136,8 @@ def test_sink_survives_10000_hostile_records(stack: Settings, topics: Topics):
     n_dead = sum(rejected.values())
     with RedisServer() as redis_server:
         store = RedisStore(redis_server.client(), f"fz{uuid.uuid4().hex[:8]}:")
-        sink = SinkConsumer(s, store, topics=topics, group=f"g-{uuid.uuid4().hex}", batch=500, stale_after=0,
-                            poll_timeout=0.2)
+        sink = SinkConsumer(s, store, SinkConfig(group=f"g-{uuid.uuid4().hex}", batch=500, stale_after=0,
+                                               poll_timeout=0.2), topics=topics)
         rss_before = rss_mib(os.getpid())
         t0 = time.monotonic()
         try:

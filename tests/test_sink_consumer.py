@@ -18,6 +18,7 @@ from schemas.events import BlockEvent, BlockStored, DeadLetter, canonical_hash, 
 from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings
 from schemas.topics import Topics
+from sinks.config import SinkConfig
 from sinks.consumer import SinkConsumer
 from sinks.memory_store import InMemoryStore
 from sinks.redis_store import RedisStore
@@ -90,8 +91,8 @@ def test_sink_applies_events_and_dead_letters_bad_records(settings, topics, redi
     model = InMemoryStore()
     model.apply(records)
     store = RedisStore(redis_server.client(), f"s{uuid.uuid4().hex[:8]}:")
-    sink = SinkConsumer(settings, store, topics=topics, group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
-                        poll_timeout=0.2)
+    sink = SinkConsumer(settings, store, SinkConfig(group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
+                                                  poll_timeout=0.2), topics=topics)
     try:
         wait_for(lambda: store.positions() == model.positions(), 90, "the sink to catch up", step=sink.step)
     finally:
@@ -166,8 +167,9 @@ def test_sink_picks_up_new_tier_topics_and_expires_silent_replicas(settings, top
                   timestamp=int(arrived * 1000))
     assert p.flush(30) == 0
     store = RedisStore(redis_server.client(), f"e{uuid.uuid4().hex[:8]}:")
-    sink = SinkConsumer(settings, store, topics=topics, group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=600,
-                        expire_every=0.0, poll_timeout=0.2, consumer_conf={"topic.metadata.refresh.interval.ms": 1000})
+    sink = SinkConsumer(settings, store, SinkConfig(group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=600,
+                                                  expire_every=0.0, poll_timeout=0.2),
+                        topics=topics, consumer_conf={"topic.metadata.refresh.interval.ms": 1000})
     try:
         wait_for(lambda: "old#0" in store.stale(), 60, "the silent replica to expire", step=sink.step)
         assert set(store.lookup([canonical_hash(1)])) == {"new"}

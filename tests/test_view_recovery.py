@@ -92,6 +92,7 @@ import dataclasses  # noqa: E402
 from confluent_kafka import TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
+from sinks.config import SinkConfig
 from sinks.consumer import SinkConsumer  # noqa: E402
 from sinks.snapshot import SnapshotWriter  # noqa: E402
 from tests.test_sink_consumer import produce, wait_for  # noqa: E402
@@ -109,8 +110,8 @@ def model_of(records) -> InMemoryStore:
 
 
 def sink_for(stack, topics, store) -> SinkConsumer:
-    return SinkConsumer(stack, store, topics=topics, group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
-                        poll_timeout=0.2)
+    return SinkConsumer(stack, store, SinkConfig(group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
+                                             poll_timeout=0.2), topics=topics)
 
 
 def catch_up(sink: SinkConsumer, store: RedisStore, records, what: str, each=None) -> None:

@@ -1,0 +1,67 @@
+"""Options of the sink stage (besides the shared :class:`schemas.settings.Settings`).
+
+``kvbus sink`` flags default to these variables; :class:`SinkConfig` is what the sink runs with.
+
+| variable | default | meaning |
+|---|---|---|
+| ``KVBUS_SINK_GROUP`` | ``kvbus-sink`` | Kafka consumer group of the sinks writing one view |
+| ``KVBUS_SINK_PREFIX`` | ``kvbus:`` | Redis key prefix of the view |
+| ``KVBUS_SINK_STALE_AFTER`` | ``300`` | seconds without events or heartbeat before a holder is expired; 0 = never |
+| ``KVBUS_SINK_EXPIRE_EVERY`` | ``5`` | seconds between staleness checks |
+| ``KVBUS_SINK_BATCH`` | ``2000`` | records per poll/apply batch |
+| ``KVBUS_SINK_COMMIT_EVERY`` | ``0.5`` | seconds between offset commits to Kafka while records flow (lag monitoring only) |
+| ``KVBUS_SINK_SESSION_TIMEOUT`` | ``10`` | seconds before a dead sink's partitions move to another sink |
+| ``KVBUS_SINK_SNAPSHOT_EVERY`` | ``300`` | seconds between snapshots of the view to Kafka; 0 = none |
+| ``KVBUS_SINK_METRICS_PORT`` | ``0`` | Prometheus port (0: no endpoint) |
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SinkConfig:
+    """How one sink runs; every field has a ``KVBUS_SINK_*`` variable (module doc)."""
+
+    group: str = "kvbus-sink"
+    """Kafka consumer group: the sinks of one view share it and split the partitions."""
+    prefix: str = "kvbus:"
+    """Redis key prefix of the view."""
+    stale_after: float = 300.0
+    """Seconds without events or heartbeat after which a holder is expired (0 = never)."""
+    expire_every: float = 5.0
+    """Seconds between staleness checks (run only when caught up)."""
+    batch: int = 2000
+    """Records per poll and apply batch."""
+    poll_timeout: float = 0.5
+    """Seconds a poll waits when no record is ready."""
+    commit_every: float = 0.5
+    """Seconds between offset commits while records keep coming (at once when the stream goes quiet).
+    Where a sink resumes is the view's own offsets; commits serve lag monitoring only, so committing
+    after every small batch would buy nothing but an OffsetCommit request per batch."""
+    session_timeout: float = 10.0
+    """Consumer-group session timeout, seconds: how long a killed sink's partitions wait before
+    another sink (or its restart) takes them (Kafka's default, 45 s, was most of a sink kill's
+    recovery time)."""
+    snapshot_every: float = 300.0
+    """Seconds between snapshots of the view to the snapshot topic (one sink of the group takes
+    each); 0 = none. The block topics must retain more than this."""
+    metrics_port: int = 0
+    """Port of the Prometheus endpoint; 0 disables it."""
+
+    @classmethod
+    def from_env(cls) -> "SinkConfig":
+        """Options from KVBUS_SINK_*, defaults for the rest."""
+        env = os.environ
+        return cls(
+            group=env.get("KVBUS_SINK_GROUP", cls.group),
+            prefix=env.get("KVBUS_SINK_PREFIX", cls.prefix),
+            stale_after=float(env.get("KVBUS_SINK_STALE_AFTER", cls.stale_after)),
+            expire_every=float(env.get("KVBUS_SINK_EXPIRE_EVERY", cls.expire_every)),
+            batch=int(env.get("KVBUS_SINK_BATCH", cls.batch)),
+            commit_every=float(env.get("KVBUS_SINK_COMMIT_EVERY", cls.commit_every)),
+            session_timeout=float(env.get("KVBUS_SINK_SESSION_TIMEOUT", cls.session_timeout)),
+            snapshot_every=float(env.get("KVBUS_SINK_SNAPSHOT_EVERY", cls.snapshot_every)),
+            metrics_port=int(env.get("KVBUS_SINK_METRICS_PORT", cls.metrics_port)),
+        )
