@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import sys
 
-import streams.agents  # noqa: F401  (declares topics, table, agents)
-from streams.app import OPTIONS, app
+from schemas.settings import Settings
+from streams.agents import build
+from streams.options import StreamsOptions
 
 if __name__ == "__main__":
+    options = StreamsOptions.from_env()
+    app = build(Settings.from_env(), options)
     argv = sys.argv[1:]
     if argv[:1] == ["worker"] and not any(a in ("--with-web", "--without-web") for a in argv):
-        if OPTIONS.web_port is None:
+        if options.web_port is None:
             sys.argv.append("--without-web")
         else:
-            sys.argv += ["--web-port", str(OPTIONS.web_port)]
+            sys.argv += ["--web-port", str(options.web_port)]
     app.main()

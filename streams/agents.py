@@ -1,5 +1,5 @@
 """Topics, the state table and the agents of the streams stage (a thin shell over
-:mod:`streams.runtime` and :mod:`streams.aggregation`).
+:mod:`streams.runtime` and :mod:`streams.aggregation`), declared on an app by :func:`build`.
 
 * ``consolidate``: reads raw EventBatch records in batches and hands them to the runtime.
 * ``sweep`` (timer): expires partial aggregates older than the window.
@@ -18,7 +18,9 @@ from typing import Any, Optional
 import faust
 from faust.types import AppT, Message
 
-from streams.app import OPTIONS, SETTINGS, app
+from schemas.settings import Settings
+from streams.app import create_app
+from streams.options import StreamsOptions
 from streams.runtime import Runtime
 
 log = logging.getLogger("kvbus.streams")
@@ -38,61 +40,59 @@ class RawBytes(faust.Schema):
         return message.value
 
 
-RAW = app.topic(
-    SETTINGS.topics.raw,
-    schema=RawBytes(key_serializer="raw", value_serializer="raw"),
-    partitions=SETTINGS.partitions,
-)
-"""Raw EventBatch records (Confluent-wire Avro), keyed ``<replica>#<dp_rank>``; pre-created by infra."""
+def build(settings: Settings, options: StreamsOptions) -> faust.App:
+    """The streams stage's Faust app (:func:`streams.app.create_app`) with its topic, table and agents."""
+    app = create_app(settings, options)
 
-STATE = app.Table(
-    "state",
-    key_type=bytes,  # bytes key/value types make Faust use the "raw" codec for the changelog
-    value_type=bytes,
-    partitions=SETTINGS.partitions,
-    help="Aggregation state: holder meta and open aggregates (msgpack).",
-)
-"""Durable aggregation state; changelog topic ``<app id>-state-changelog`` (compacted)."""
+    raw = app.topic(
+        settings.topics.raw,
+        schema=RawBytes(key_serializer="raw", value_serializer="raw"),
+        partitions=settings.partitions,
+    )  # raw EventBatch records (Confluent-wire Avro), keyed <replica>#<dp_rank>; pre-created by infra
 
-RUNTIME = Runtime(app, SETTINGS, OPTIONS, STATE)
-"""This process's runtime."""
+    state = app.Table(
+        "state",
+        key_type=bytes,  # bytes key/value types make Faust use the "raw" codec for the changelog
+        value_type=bytes,
+        partitions=settings.partitions,
+        help="Aggregation state: holder meta and open aggregates (msgpack).",
+    )  # durable aggregation state; changelog topic <app id>-state-changelog (compacted)
 
+    runtime = Runtime(app, settings, options, state)
 
-@app.agent(RAW, name="consolidate")
-async def consolidate(stream: Any) -> None:
-    """Aggregate worker reports into consolidated events, a batch of raw records at a time."""
-    async for events in stream.take_events(OPTIONS.batch, within=OPTIONS.batch_within):
-        # Faust acks the batch when this body returns; hold each message until the runtime has
-        # delivered its outputs and written its state (Runtime.process acks it then).
-        for event in events:
-            event.message.incref()
-        try:
-            await RUNTIME.process(events)
-        except Exception as exc:  # never leave held records behind in a running worker
-            log.exception("processing a batch failed; stopping the worker so the batch is replayed")
-            await app.crash(exc)
-            raise
+    @app.agent(raw, name="consolidate")
+    async def consolidate(stream: Any) -> None:
+        """Aggregate worker reports into consolidated events, a batch of raw records at a time."""
+        async for events in stream.take_events(options.batch, within=options.batch_within):
+            # Faust acks the batch when this body returns; hold each message until the runtime has
+            # delivered its outputs and written its state (Runtime.process acks it then).
+            for event in events:
+                event.message.incref()
+            try:
+                await runtime.process(events)
+            except Exception as exc:  # never leave held records behind in a running worker
+                log.exception("processing a batch failed; stopping the worker so the batch is replayed")
+                await app.crash(exc)
+                raise
 
+    @app.timer(interval=options.sweep, name="sweep")
+    async def sweep() -> None:
+        """Expire partial aggregates that waited longer than the window."""
+        await runtime.sweep()
 
-@app.timer(interval=OPTIONS.sweep)
-async def sweep() -> None:
-    """Expire partial aggregates that waited longer than the window."""
-    await RUNTIME.sweep()
+    @state.on_recover
+    async def rebuild() -> None:
+        """Table recovered after a rebalance: rebuild the working state of our partitions."""
+        await runtime.rebuild()
 
+    @app.on_partitions_revoked.connect
+    async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
+        """Forget the working state of partitions moving to another worker."""
+        runtime.revoke(tp.partition for tp in revoked if tp.topic == settings.topics.raw)
 
-@STATE.on_recover
-async def rebuild() -> None:
-    """Table recovered after a rebalance: rebuild the working state of our partitions."""
-    await RUNTIME.rebuild()
+    @app.on_before_shutdown.connect
+    def on_shutdown(sender: Any, **kwargs: Any) -> None:
+        """Deliver queued outputs before the worker stops."""
+        runtime.stop()
 
-
-@app.on_partitions_revoked.connect
-async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
-    """Forget the working state of partitions moving to another worker."""
-    RUNTIME.revoke(tp.partition for tp in revoked if tp.topic == SETTINGS.topics.raw)
-
-
-@app.on_before_shutdown.connect
-def on_shutdown(sender: Any, **kwargs: Any) -> None:
-    """Deliver queued outputs before the worker stops."""
-    RUNTIME.stop()
+    return app

@@ -1,7 +1,9 @@
-"""The Faust application of the streams stage (topics, tables and agents: :mod:`streams.agents`).
+"""The Faust application of the streams stage: :func:`create_app` (its topics, table and agents are
+declared by :func:`streams.agents.build`).
 
-Configured from the environment at import (:class:`schemas.settings.Settings`,
-:class:`streams.options.StreamsOptions`): ``kvbus worker`` sets the variables first.
+Configured by objects (:class:`schemas.settings.Settings`, :class:`streams.options.StreamsOptions`),
+never by the environment at import: ``kvbus worker`` builds them from its flags, ``python -m
+streams worker`` from the ``KVBUS_*`` variables.
 """
 from __future__ import annotations
 
@@ -13,11 +15,6 @@ from faust.sensors import Monitor
 from schemas.settings import Settings
 from streams import transport
 from streams.options import StreamsOptions
-
-SETTINGS = Settings.from_env()
-"""Services and topic names (KVBUS_*)."""
-OPTIONS = StreamsOptions.from_env()
-"""Streams-stage options (KVBUS_STREAMS_*)."""
 
 CHANGELOG_LINGER = 0.005
 """Seconds Faust's producer (the table changelog only) waits to batch records: without it every
@@ -68,29 +65,32 @@ def broker_url(bootstrap: str, scheme: str = transport.SCHEME) -> str:
     return f"{scheme}://" + ";".join(s.strip() for s in bootstrap.split(",") if s.strip())
 
 
-app = faust.App(
-    OPTIONS.app_id,
-    broker=broker_url(SETTINGS.bootstrap),
-    # every kvbus topic and the changelog have this many partitions (co-partitioning)
-    topic_partitions=SETTINGS.partitions,
-    topic_replication_factor=OPTIONS.replication,
-    store=OPTIONS.store,
-    table_standby_replicas=OPTIONS.standby_replicas,
-    datadir=str(OPTIONS.data_dir),
-    processing_guarantee="at_least_once",
-    consumer_auto_offset_reset="earliest",
-    broker_commit_interval=OPTIONS.commit_interval,
-    broker_session_timeout=OPTIONS.session_timeout,
-    broker_heartbeat_interval=max(0.5, OPTIONS.session_timeout / 5),
-    broker_request_timeout=max(90.0, OPTIONS.session_timeout * 2),
-    producer_acks=-1,
-    # Faust's producer only writes the changelog: batch it (it is flushed before each commit)
-    producer_linger=CHANGELOG_LINGER,
-    stream_buffer_maxsize=max(4096, OPTIONS.batch * 2),
-    consumer_max_fetch_size=MAX_FETCH_BYTES,
-    web_enabled=OPTIONS.web_port is not None,
-    web_port=OPTIONS.web_port or 6066,
-    web_host="127.0.0.1",
-    autodiscover=False,
-    Monitor=RecordQuietMonitor,
-)
+def create_app(settings: Settings, options: StreamsOptions) -> faust.App:
+    """The streams stage's Faust app for ``settings`` (Kafka, topics) and ``options``, without its
+    agents (:func:`streams.agents.build` declares them)."""
+    return faust.App(
+        options.app_id,
+        broker=broker_url(settings.bootstrap),
+        # every kvbus topic and the changelog have this many partitions (co-partitioning)
+        topic_partitions=settings.partitions,
+        topic_replication_factor=options.replication,
+        store=options.store,
+        table_standby_replicas=options.standby_replicas,
+        datadir=str(options.data_dir),
+        processing_guarantee="at_least_once",
+        consumer_auto_offset_reset="earliest",
+        broker_commit_interval=options.commit_interval,
+        broker_session_timeout=options.session_timeout,
+        broker_heartbeat_interval=max(0.5, options.session_timeout / 5),
+        broker_request_timeout=max(90.0, options.session_timeout * 2),
+        producer_acks=-1,
+        # Faust's producer only writes the changelog: batch it (it is flushed before each commit)
+        producer_linger=CHANGELOG_LINGER,
+        stream_buffer_maxsize=max(4096, options.batch * 2),
+        consumer_max_fetch_size=MAX_FETCH_BYTES,
+        web_enabled=options.web_port is not None,
+        web_port=options.web_port or 6066,
+        web_host="127.0.0.1",
+        autodiscover=False,
+        Monitor=RecordQuietMonitor,
+    )

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
+from dataclasses import replace
 from pathlib import Path
 
 from schemas.settings import Settings
+from streams.options import StreamsOptions
 
 log = logging.getLogger("kvbus.streams")
 
@@ -34,34 +35,24 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loglevel", default="info", help="log level (default info)")
 
 
-def _export(settings: Settings) -> None:
-    """Make the module-level Faust app see ``settings`` (it reads the environment at import)."""
-    os.environ.update(settings.to_env())
+def options_from_args(args: argparse.Namespace) -> StreamsOptions:
+    """The StreamsOptions of ``kvbus worker``: its flags over the ``KVBUS_STREAMS_*`` variables."""
+    flags = {f: getattr(args, f, None) for f in ("workdir", "datadir", "window", "metrics_port", "app_id", "store")}
+    return replace(StreamsOptions.from_env(), **{f: v for f, v in flags.items() if v is not None})
 
 
 def run_worker(args: argparse.Namespace, settings: Settings) -> int:
     """Run a streams worker until SIGTERM/SIGINT; returns the exit code."""
-    _export(settings)
-    env = os.environ
-    for flag, var in (("workdir", "KVBUS_STREAMS_WORKDIR"), ("datadir", "KVBUS_STREAMS_DATADIR"),
-                      ("window", "KVBUS_STREAMS_WINDOW"), ("metrics_port", "KVBUS_STREAMS_METRICS_PORT"),
-                      ("app_id", "KVBUS_STREAMS_APP_ID"), ("store", "KVBUS_STREAMS_STORE")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            env[var] = str(value)
-    import sys
-
-    if "streams.app" in sys.modules:
-        log.warning("streams.app was imported before run_worker: options may not apply")
     from faust.worker import Worker
 
-    import streams.agents  # noqa: F401  (declares topics, table, agents)
-    from streams.app import OPTIONS, app
+    from streams.agents import build
 
-    OPTIONS.data_dir.mkdir(parents=True, exist_ok=True)
-    log.info("starting streams worker app_id=%s datadir=%s", OPTIONS.app_id, OPTIONS.data_dir)
+    options = options_from_args(args)
+    app = build(settings, options)
+    options.data_dir.mkdir(parents=True, exist_ok=True)
+    log.info("starting streams worker app_id=%s datadir=%s", options.app_id, options.data_dir)
     worker = Worker(app, loglevel=getattr(args, "loglevel", None) or "info",
-                    workdir=str(Path(OPTIONS.workdir).resolve()))
+                    workdir=str(Path(options.workdir).resolve()))
     try:
         worker.execute_from_commandline()
     except SystemExit as exc:

@@ -1,8 +1,7 @@
 """Options of the streams stage (besides the shared :class:`schemas.settings.Settings`).
 
-Read from the environment so that ``python -m streams worker`` subprocesses and the
-``kvbus worker`` command configure the module-level Faust app identically; ``kvbus worker``
-flags are written to these variables before the app is imported.
+An object handed to :func:`streams.agents.build`: ``kvbus worker`` lays its flags over
+:meth:`StreamsOptions.from_env`, ``python -m streams worker`` uses the variables alone.
 
 | variable | default | meaning |
 |---|---|---|
