@@ -9,17 +9,11 @@ Environment variables (all optional):
     ``127.0.0.1:19092,127.0.0.1:29092,127.0.0.1:39092`` (3 brokers). It sets the broker
     ports only when it lists as many addresses as brokers are started; each
     controller listens on its broker port + 1.
-``KVBUS_REGISTRY_URL``
-    Confluent-compatible registry URL. Default ``http://127.0.0.1:8081/apis/ccompat/v7``;
-    its port is the registry's HTTP port.
+``KVBUS_REGISTRY_URL`` / ``KVBUS_REDIS_URL`` / ``KVBUS_PARTITIONS`` / ``KVBUS_TOPIC_*``
+    Read through :class:`schemas.settings.Settings` (defaults there): the registry URL's port
+    is the registry's HTTP port, the Redis URL's port the port our redis-server uses.
 ``KVBUS_REGISTRY_MANAGEMENT_PORT``
     Apicurio management (health) port. Default ``9001``.
-``KVBUS_REDIS_URL``
-    Default ``redis://127.0.0.1:6379/0``; its port is the port our redis-server uses.
-``KVBUS_PARTITIONS``
-    Partitions of the kvbus topics. Default ``4``.
-``KVBUS_TOPIC_RAW`` / ``KVBUS_TOPIC_BLOCKS`` / ``KVBUS_TOPIC_INCOMPLETE`` / ``KVBUS_TOPIC_DLQ``
-    Topic names. Defaults ``kvbus.raw``, ``kvbus.blocks``, ``kvbus.incomplete``, ``kvbus.dlq``.
 ``KVBUS_KAFKA_JVM_OPTS`` / ``KVBUS_REGISTRY_JVM_OPTS``
     Extra JVM flags appended after the defaults (later flags win).
 ``KVBUS_APICURIO_VERSION``
@@ -41,24 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from schemas.settings import Settings
+
 REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 INFRA_DIR: Path = REPO_ROOT / "infra"
 
 LOOPBACK = "127.0.0.1"
 SINGLE_BROKER_PORTS: tuple[int, ...] = (9092,)
 CLUSTER_BROKER_PORTS: tuple[int, ...] = (19092, 29092, 39092)
-DEFAULT_REGISTRY_URL = "http://127.0.0.1:8081/apis/ccompat/v7"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_REGISTRY_MANAGEMENT_PORT = 9001
-DEFAULT_PARTITIONS = 4
 DEFAULT_APICURIO_VERSION = "3.3.3"
-
-TOPIC_ENV_DEFAULTS: dict[str, tuple[str, str]] = {
-    "raw": ("KVBUS_TOPIC_RAW", "kvbus.raw"),
-    "blocks": ("KVBUS_TOPIC_BLOCKS", "kvbus.blocks"),
-    "incomplete": ("KVBUS_TOPIC_INCOMPLETE", "kvbus.incomplete"),
-    "dlq": ("KVBUS_TOPIC_DLQ", "kvbus.dlq"),
-}
 
 
 def state_dir() -> Path:
@@ -121,9 +107,17 @@ def env_opts(name: str) -> list[str]:
     return shlex.split(os.environ.get(name, ""))
 
 
+def kvbus_settings() -> Settings:
+    """The kvbus settings (``KVBUS_*``: URLs, partitions, topic names), read the way every kvbus
+    command reads them (:class:`schemas.settings.Settings`); infra derives its ports from them."""
+    return Settings.from_env()
+
+
 def topic_names() -> dict[str, str]:
-    """Logical name -> actual Kafka topic name, from ``KVBUS_TOPIC_*`` or defaults."""
-    return {key: os.environ.get(var, "").strip() or default for key, (var, default) in TOPIC_ENV_DEFAULTS.items()}
+    """Logical name -> actual Kafka topic name of the topics the stack creates (``KVBUS_TOPIC_*``
+    or defaults; the sinks create the snapshot topic themselves, compacted)."""
+    t = kvbus_settings().topics
+    return {"raw": t.raw, "blocks": t.blocks, "incomplete": t.incomplete, "dlq": t.dlq}
 
 
 @dataclass(frozen=True)
@@ -153,7 +147,7 @@ class RegistrySettings:
 
 def registry_settings() -> RegistrySettings:
     """Registry URL/ports from the environment."""
-    url = os.environ.get("KVBUS_REGISTRY_URL", "").strip() or DEFAULT_REGISTRY_URL
+    url = kvbus_settings().registry_url
     parts = urlsplit(url)
     host = parts.hostname or LOOPBACK
     if host == "localhost":
@@ -178,7 +172,7 @@ class RedisSettings:
 
 def redis_settings() -> RedisSettings:
     """Redis URL/port from the environment."""
-    url = os.environ.get("KVBUS_REDIS_URL", "").strip() or DEFAULT_REDIS_URL
+    url = kvbus_settings().redis_url
     parts = urlsplit(url)
     host = parts.hostname or LOOPBACK
     if host == "localhost":

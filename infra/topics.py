@@ -13,7 +13,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .settings import DEFAULT_PARTITIONS, env_int, topic_names
+from schemas.settings import DEFAULT_PARTITIONS
+
+from .settings import kvbus_settings, topic_names
 
 log = logging.getLogger("infra")
 
@@ -129,4 +131,4 @@ def kvbus_topics() -> list[str]:
 
 def ensure_kvbus_topics(bootstrap: str, replication: int) -> list[str]:
     """Create the kvbus topics with ``$KVBUS_PARTITIONS`` (default 4) partitions."""
-    return ensure_topics(bootstrap, kvbus_topics(), partitions=env_int("KVBUS_PARTITIONS", DEFAULT_PARTITIONS), replication=replication)
+    return ensure_topics(bootstrap, kvbus_topics(), partitions=kvbus_settings().partitions, replication=replication)

@@ -47,14 +47,16 @@ class Settings:
     @classmethod
     def from_env(cls) -> "Settings":
         """Settings from KVBUS_* variables, defaults for the rest."""
-        env = os.environ
+        def env(name: str, default: object) -> str:  # unset or blank: the default
+            return os.environ.get(name, "").strip() or str(default)
+
         return cls(
-            bootstrap=env.get("KVBUS_BOOTSTRAP", DEFAULT_BOOTSTRAP),
-            registry_url=env.get("KVBUS_REGISTRY_URL", DEFAULT_REGISTRY_URL),
-            redis_url=env.get("KVBUS_REDIS_URL", DEFAULT_REDIS_URL),
-            partitions=int(env.get("KVBUS_PARTITIONS", DEFAULT_PARTITIONS)),
+            bootstrap=env("KVBUS_BOOTSTRAP", DEFAULT_BOOTSTRAP),
+            registry_url=env("KVBUS_REGISTRY_URL", DEFAULT_REGISTRY_URL),
+            redis_url=env("KVBUS_REDIS_URL", DEFAULT_REDIS_URL),
+            partitions=int(env("KVBUS_PARTITIONS", DEFAULT_PARTITIONS)),
             topics=Topics.from_env(),
-            max_record_bytes=int(env.get("KVBUS_MAX_RECORD_BYTES", DEFAULT_MAX_RECORD_BYTES)),
+            max_record_bytes=int(env("KVBUS_MAX_RECORD_BYTES", DEFAULT_MAX_RECORD_BYTES)),
         )
 
     def to_env(self) -> dict[str, str]:

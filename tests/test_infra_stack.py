@@ -23,7 +23,8 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError  # noqa: E
 
 from infra import stack as infra_stack  # noqa: E402
 from infra import topics as infra_topics  # noqa: E402
-from infra.settings import DEFAULT_PARTITIONS, env_int  # noqa: E402
+from infra.settings import env_int  # noqa: E402
+from schemas.settings import DEFAULT_PARTITIONS  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
