@@ -22,12 +22,10 @@ from operator import itemgetter
 from typing import Any, Protocol
 
 import msgspec
-from confluent_kafka import KafkaError, Producer
-
-from producers.kafka_out import producer_conf
 from producers.metrics import BridgeMetrics
+from producers.record_producer import RecordProducer, producer_conf
 from producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
-from producers.split import BatchRef, Splitter, record_limit
+from producers.split import BatchRef
 from schemas.events import (
     HASH_MASK,
     AllBlocksCleared,
@@ -35,6 +33,8 @@ from schemas.events import (
     BlockStored,
     DeadLetter,
     Reset,
+    canonical_hashes,
+    canonical_parent,
     holder_key,
 )
 from schemas.fast_codec import FastSerde
@@ -82,27 +82,6 @@ _MASK = HASH_MASK
 _EXTRA = msgspec.msgpack.Encoder()
 
 
-def _hashes(hs: list) -> tuple[list[bytes], list[bytes] | None]:
-    """Canonical hashes and, when the engine sent bytes digests, the digests."""
-    try:
-        return [(h & _MASK).to_bytes(8, "big") for h in hs], None
-    except TypeError:
-        pass
-    if any(type(h) is int for h in hs):
-        raise ValueError("block_hashes mixes int and bytes hashes")
-    digests = [bytes(h) for h in hs]
-    return [d[-8:].rjust(8, b"\0") for d in digests], digests
-
-
-def _one_hash(h: Any) -> tuple[bytes | None, bytes | None]:
-    if h is None:
-        return None, None
-    if type(h) is int:
-        return (h & _MASK).to_bytes(8, "big"), None
-    b = bytes(h)
-    return b[-8:].rjust(8, b"\0"), b
-
-
 def _medium(m: Any) -> str | None:
     return m.upper() if isinstance(m, str) else (None if m is None else str(m).upper())
 
@@ -119,8 +98,8 @@ def to_kvbus_event(e: Any) -> Any:
     name = t.__name__
     g = getattr
     if name == "BlockStored":
-        hashes, digests = _hashes(e.block_hashes)
-        parent, parent_digest = _one_hash(e.parent_block_hash)
+        hashes, digests = canonical_hashes(e.block_hashes)
+        parent, parent_digest = canonical_parent(e.parent_block_hash)
         extra = g(e, "extra_keys", None)
         return BlockStored(
             block_hashes=hashes, parent_block_hash=parent, token_ids=list(e.token_ids), block_size=e.block_size,
@@ -133,7 +112,7 @@ def to_kvbus_event(e: Any) -> Any:
             block_digests=digests, parent_block_digest=parent_digest,
         )
     if name == "BlockRemoved":
-        hashes, digests = _hashes(e.block_hashes)
+        hashes, digests = canonical_hashes(e.block_hashes)
         return BlockRemoved(block_hashes=hashes, medium=_medium(g(e, "medium", None)), group_idx=g(e, "group_idx", None),
                             locality=g(e, "locality", None), ownership=g(e, "ownership", None), block_digests=digests)
     if name == "AllBlocksCleared":
@@ -313,42 +292,47 @@ class KafkaEventPublisher:
         self.worker_rank = worker_rank
         self.workers = workers
         self.kafka_topic = self.settings.topics.raw
-        self.max_backlog = max_queue_size
         if schema_id is None:
             schema_id = value_schema_id(registry_client(self.settings.registry_url), self.kafka_topic, "EventBatch")
         self._header = confluent_header(schema_id)
-        overrides = {"queue.buffering.max.messages": hwm, **(producer_overrides or {})}
-        conf = producer_conf(endpoint or self.settings.bootstrap, overrides, error_cb=self._on_error)
-        if producer is None:
-            producer = Producer(conf)
-        self.producer = producer
         self.metrics = metrics or BridgeMetrics()
         if metrics_port:
             self.metrics.serve(metrics_port)
             log.info("kvbus publisher %s: metrics on :%d/metrics", replica, metrics_port)
-        self.splitter = Splitter(record_limit(max_record_bytes or self.settings.max_record_bytes, conf), self.metrics,
-                                 "publisher")
+        overrides = {"queue.buffering.max.messages": hwm, **(producer_overrides or {})}
         self._dead_letter_serde: FastSerde | None = None
+        self.records = RecordProducer(
+            self.kafka_topic, self.settings.topics.dlq, self._serialize_dead_letter, self.metrics,
+            stage="publisher", producer=producer, conf=producer_conf(endpoint or self.settings.bootstrap, overrides),
+            max_record_bytes=max_record_bytes or self.settings.max_record_bytes, max_backlog=max_queue_size,
+            label=f"kvbus publisher {replica}: ",
+        )
+        """The shared record producer: backlog (``max_queue_size`` records), delivery, split, DLQ."""
+        self.producer = self.records.producer
+        self.splitter = self.records.splitter
         self.epoch = int(time.time() * 1000)
         self._seq = 0
         self._prefix: dict[int, bytes] = {}
         self._keys: dict[int, bytes] = {}
-        self._backlog: list[tuple[str, bytes, bytes]] = []
-        """(topic, key, value) waiting for room in librdkafka's queue, in order."""
         self._lost: tuple[int, int] | None = None
         self._closed = False
-        self.acked = 0
-        """Records Kafka acknowledged."""
-        self.failed = 0
-        """Records Kafka refused (delivery error)."""
         self.dropped = 0
         """Batches dropped because queue and backlog were full."""
-        self._last_err = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="kvbus-publisher-poll", daemon=True)
         self._poller.start()
         self._marker(REASON_ENGINE_RESTART, None, None, self.dp_rank)
+
+    @property
+    def acked(self) -> int:
+        """Records Kafka acknowledged."""
+        return self.records.acked
+
+    @property
+    def failed(self) -> int:
+        """Records Kafka refused (delivery error)."""
+        return self.records.delivery_failures
 
     # -- encoding -----------------------------------------------------------------------
     def _key_prefix(self, dp: int) -> tuple[bytes, bytes]:
@@ -364,7 +348,7 @@ class KafkaEventPublisher:
         value = batch_from_head(prefix, self.epoch, -1, time.time(), self.topic,
                                 encode_events([Reset(reason=reason, missing_from=missing_from, missing_to=missing_to)]))
         self.metrics.resets.inc()
-        self._produce(key, value)
+        self.records.produce(self.kafka_topic, key, value, 1)
 
     def publish(self, events: Any) -> None:
         """Publish one batch: an object with ``ts``, ``events`` and optionally
@@ -379,10 +363,11 @@ class KafkaEventPublisher:
             dp = self.dp_rank
         evs = encode_engine_events(batch.events)
         key, prefix = self._key_prefix(dp)
+        records = self.records
         with self._lock:
             seq = self._seq
             self._seq += 1
-            if not self._room():
+            if not records.accepting():
                 self.dropped += 1
                 self.metrics.shed.inc()
                 lo = self._lost[0] if self._lost else seq
@@ -396,10 +381,11 @@ class KafkaEventPublisher:
                             self.replica, lo, hi, self.epoch)
                 self._marker(REASON_GAP, lo, hi, dp)
             ts = float(batch.ts)
-            self.metrics.events_in.inc(len(batch.events))
+            n = len(batch.events)
+            self.metrics.events_in.inc(n)
             value = batch_from_head(prefix, self.epoch, seq, ts, self.topic, evs)
-            if self.splitter.fits(len(value)):
-                self._produce(key, value)
+            if records.fits(len(value)):
+                records.produce(self.kafka_topic, key, value, n)
             else:
                 self._produce_split(key, prefix, dp, seq, ts, batch.events, len(value))
 
@@ -407,92 +393,43 @@ class KafkaEventPublisher:
                        value_size: int) -> None:
         """Queue one batch as parts under the record limit; dead-letter events that fit no record."""
         encoded = [encode_engine_event(e) for e in events]
+        epoch = self.epoch
 
-        def produce_part(start: int, end: int) -> None:
-            self._produce(key, batch_from_head(prefix, self.epoch, seq, ts, self.topic,
-                                               event_array(encoded[start:end]), start))
+        def part_value(start: int, end: int) -> bytes:
+            return batch_from_head(prefix, epoch, seq, ts, self.topic, event_array(encoded[start:end]), start)
 
-        ref = BatchRef(self.replica, dp, self.worker_rank, self.epoch, seq)
-        fixed = len(batch_from_head(prefix, self.epoch, seq, ts, self.topic, NULL))
-        self.splitter.split(ref, value_size, encoded, fixed, produce_part, self._produce_dead_letter)
+        ref = BatchRef(self.replica, dp, self.worker_rank, epoch, seq)
+        fixed = len(batch_from_head(prefix, epoch, seq, ts, self.topic, NULL))
+        self.records.produce_split(key, value_size, ref, encoded, fixed, part_value)
 
-    def _produce_dead_letter(self, dl: DeadLetter) -> None:
-        """Queue a DeadLetter to the DLQ topic (its schema id is looked up on first use)."""
-        dlq = self.settings.topics.dlq
-        try:
-            if self._dead_letter_serde is None:
-                self._dead_letter_serde = FastSerde(registry_client(self.settings.registry_url), "DeadLetter")
-            value = self._dead_letter_serde.dumps(dl, dlq)
-        except Exception as exc:  # registry unreachable: the error log of the event is all that is left
-            log.error("kvbus publisher %s: dead letter for %s not written (%s: %s)", self.replica, dlq,
-                      type(exc).__name__, exc)
-            return
-        self._produce(dl.source.encode(), value, dlq)
-
-    def _room(self) -> bool:
-        return len(self._backlog) < self.max_backlog
-
-    def _produce(self, key: bytes, value: bytes, topic: str | None = None) -> None:
-        topic = topic or self.kafka_topic
-        if topic == self.kafka_topic:
-            self.metrics.batches_out.inc()
-        if self._backlog:
-            self._backlog.append((topic, key, value))
-            return
-        try:
-            self.producer.produce(topic, value, key, on_delivery=self._delivered)
-        except BufferError:
-            self._backlog.append((topic, key, value))
-
-    def _drain(self) -> None:
-        with self._lock:
-            n = 0
-            for topic, key, value in self._backlog:
-                try:
-                    self.producer.produce(topic, value, key, on_delivery=self._delivered)
-                except BufferError:
-                    break
-                n += 1
-            if n:
-                del self._backlog[:n]
-
-    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
-        if err is None:
-            self.acked += 1
-            self.metrics.batches_acked.inc()
-            return
-        self.failed += 1
-        self.metrics.delivery_errors.inc()
-        now = time.monotonic()
-        if now - self._last_err > 5:
-            self._last_err = now
-            log.error("kvbus publisher %s: record refused by Kafka: %s", self.replica, err)
-
-    def _on_error(self, err: KafkaError) -> None:
-        now = time.monotonic()
-        if now - self._last_err > 5:
-            self._last_err = now
-            log.warning("kvbus publisher %s: kafka: %s", self.replica, err)
+    def _serialize_dead_letter(self, dl: DeadLetter) -> bytes:
+        """A DeadLetter's value for the DLQ topic (its schema id is looked up on first use; raises
+        when the registry is unreachable, and the record producer logs the letter as lost)."""
+        if self._dead_letter_serde is None:
+            self._dead_letter_serde = FastSerde(registry_client(self.settings.registry_url), "DeadLetter")
+        return self._dead_letter_serde.dumps(dl, self.settings.topics.dlq)
 
     def _poll_loop(self) -> None:
+        records = self.records
         while not self._stop.is_set():
-            self.producer.poll(0.05)
-            if self._backlog:
-                self._drain()
-            self.metrics.queue_depth.set(len(self.producer))
-            self.metrics.backlog.set(len(self._backlog))
+            records.poll(0.05)
+            if records.backlog or not records.accepting():
+                with self._lock:
+                    records.drain()
+            records.update_gauges()
 
     # -- lifecycle ----------------------------------------------------------------------
     @property
     def pending(self) -> int:
         """Records not yet acknowledged (queue + backlog)."""
-        return len(self.producer) + len(self._backlog)
+        return self.records.in_flight
 
     def flush(self, timeout: float = 10.0) -> int:
         """Wait up to ``timeout`` s for delivery; returns records still pending."""
         deadline = time.monotonic() + timeout
         while self.pending and time.monotonic() < deadline:
-            self._drain()
+            with self._lock:
+                self.records.drain()
             self.producer.flush(min(0.2, max(0.0, deadline - time.monotonic())))
         return self.pending
 

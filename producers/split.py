@@ -16,7 +16,7 @@ Avro size, which is the same whichever serializer writes the record. An event th
 exceeds the limit can never be produced: it is counted (``kvbus_bridge_oversized_events``),
 logged as an error naming replica, dp rank, worker, epoch, seq, index and size, and sent to the
 dead-letter topic as a ``DeadLetter`` whose reason carries that metadata and whose payload is
-the first :data:`DLQ_PAYLOAD_BYTES` of the event's Avro encoding (for a ``BlockStored`` its
+the first :data:`DLQ_PAYLOAD_BYTES` of the event's Avro encoding (:func:`schemas.events.dead_letter`) (for a ``BlockStored`` its
 block hashes come first). The events around it are produced as usual; its index is skipped.
 
 :class:`Splitter` plans, counts, logs and dead-letters; each producer says how it encodes and
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from producers.metrics import BridgeMetrics
-from schemas.events import DLQ_PAYLOAD_BYTES, DeadLetter, holder_key
+from schemas.events import DLQ_PAYLOAD_BYTES, DeadLetter, dead_letter, holder_key
 from schemas.settings import DEFAULT_MAX_RECORD_BYTES
 
 log = logging.getLogger("kvbus.producers.split")
@@ -161,7 +161,5 @@ class Splitter:
                   "not produced; dead-lettered with its first %d bytes", ref, kind, index, len(avro), self.limit,
                   min(len(avro), DLQ_PAYLOAD_BYTES))
         reason = (f"OversizedEvent: {kind} at index {index} of {ref} is {len(avro)} bytes encoded, above the "
-                  f"{self.limit}-byte record limit; payload: its first {min(len(avro), DLQ_PAYLOAD_BYTES)} "
-                  f"bytes of Avro")
-        return DeadLetter(stage=self.stage, source=holder_key(ref.replica, ref.dp_rank), reason=reason,
-                          payload=[avro[:DLQ_PAYLOAD_BYTES]], ts=time.time())
+                  f"{self.limit}-byte record limit; payload: its Avro encoding")
+        return dead_letter(self.stage, holder_key(ref.replica, ref.dp_rank), reason, [avro], time.time())

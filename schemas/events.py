@@ -33,10 +33,40 @@ def canonical_hash(value: int | bytes) -> bytes:
         return (value & HASH_MASK).to_bytes(8, "big")
     if isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value)
-        if len(raw) >= 8:
-            return raw[-8:]
-        return raw.rjust(8, b"\0")
+        return raw[-8:] if len(raw) >= 8 else raw.rjust(8, b"\0")
     raise TypeError(f"block hash must be int or bytes, got {type(value).__name__}")
+
+
+class MixedHashes(ValueError):
+    """One event's block hashes mix int and bytes values (no engine sends that)."""
+
+
+def canonical_hashes(hashes: list) -> tuple[list[bytes], list[bytes] | None]:
+    """An event's engine block hashes as ``(canonical 8-byte hashes, digests)``: ints (vLLM
+    unsigned, SGLang signed) give ``digests`` None; bytes digests give their last 8 bytes and the
+    digests themselves (as ``bytes``), which events keep in ``block_digests``.
+
+    The one normalization of the bridge's decoder and the in-process publisher (hot path: the
+    all-int case is one list comprehension). Raises :class:`MixedHashes` for ints and bytes mixed."""
+    try:
+        return [(h & HASH_MASK).to_bytes(8, "big") for h in hashes], None
+    except TypeError:  # bytes & int
+        pass
+    if any(type(h) is int for h in hashes):
+        raise MixedHashes("block_hashes mixes int and bytes hashes")
+    digests = [h if type(h) is bytes else bytes(h) for h in hashes]
+    return [d[-8:] if len(d) >= 8 else d.rjust(8, b"\0") for d in digests], digests
+
+
+def canonical_parent(value: int | bytes | None) -> tuple[bytes | None, bytes | None]:
+    """A parent block hash as ``(canonical 8-byte hash, digest)``: None gives ``(None, None)``, an
+    int ``(hash, None)``, bytes ``(last 8 bytes, the digest)`` (see :func:`canonical_hashes`)."""
+    if value is None:
+        return None, None
+    if type(value) is int:
+        return (value & HASH_MASK).to_bytes(8, "big"), None
+    d = value if type(value) is bytes else bytes(value)
+    return (d[-8:] if len(d) >= 8 else d.rjust(8, b"\0")), d
 
 
 def hash_to_int(h: bytes) -> int:
