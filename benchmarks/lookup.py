@@ -6,7 +6,7 @@
 What it does, in one run on one throw-away ``redis-server`` (free port, ``--save ''``, temp dir,
 ``--maxmemory 4gb``):
 
-1. generates a fleet residency (``sinks.testing.fleet_workload``): conversations = one of 64 shared
+1. generates a fleet residency (``tests.fleet_workload``): conversations = one of 64 shared
    system prompts + their own blocks, each cached on ``--copies`` random replicas on GPU and, with
    probability ``--cpu-frac``, on CPU too, until ``--entries`` (replica, block, tier) entries;
 2. loads it into kvbus's layout through ``RedisStore.apply`` (the sink's write path: one FCALL per
@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from schemas.events import BlockEvent, BlockStored  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
-from sinks.testing import FleetStore, RedisServer, fleet_workload  # noqa: E402
+from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
 from sinks.tiers import Weights  # noqa: E402
 
 TOPIC = "kvbus.blocks"

@@ -7,7 +7,7 @@ What it does, on the real Kafka and registry (``infra/stack up``; started if not
 throw-away ``redis-server`` (free port, no persistence):
 
 1. loads a fleet residency into the view through the sink's write path (``benchmarks/lookup.py``'s
-   ``load_kvbus``: ``sinks.testing.fleet_workload``, GPU and offloaded CPU tiers);
+   ``load_kvbus``: ``tests.fleet_workload``, GPU and offloaded CPU tiers);
 2. takes one snapshot (``sinks.snapshot.SnapshotWriter``, what ``kvbus sink --snapshot-every`` runs)
    into a fresh snapshot topic;
 3. rebuilds the view under a second prefix of the same server with ``sinks.rebuild.rebuild`` (what
@@ -39,7 +39,8 @@ from schemas.settings import Settings  # noqa: E402
 from sinks.rebuild import rebuild  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
 from sinks.snapshot import SnapshotReader, SnapshotWriter  # noqa: E402
-from sinks.testing import RedisServer, fleet_workload  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+from tests.fleet_workload import fleet_workload  # noqa: E402
 
 
 def ensure_stack() -> Settings:

@@ -40,7 +40,7 @@ from schemas.events import BlockEvent, BlockRemoved, BlockStored  # noqa: E402
 from schemas.fast_codec import FastSerde  # noqa: E402
 from schemas.serde import RecordSerde, registry_client  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
-from sinks.testing import RedisServer  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
 
 TOPIC = "kvbus.blocks"
 LLMD_EVICT = """

@@ -4,7 +4,7 @@
 
 Needs the stack (``infra/stack status``). For each tensor-parallel degree it
 
-1. writes a synthetic trace (streams.trace: every worker of a replica reports the same
+1. writes a synthetic trace (tests/trace.py: every worker of a replica reports the same
    ``--events`` events per engine step) to a fresh raw topic, before the worker starts;
 2. starts one ``python -m streams worker`` subprocess and scrapes its Prometheus endpoint:
    the rate is reports applied / time from the first applied report until every consolidated
@@ -47,7 +47,7 @@ from schemas.settings import Settings  # noqa: E402
 from kvbus.procs import free_port  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from streams.aggregation import Aggregator  # noqa: E402
-from streams.trace import TraceSpec, batches  # noqa: E402
+from tests.trace import TraceSpec, batches  # noqa: E402
 
 TARGET = 100_000
 
@@ -153,7 +153,7 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
             if m.get("kvbus_streams_consolidated_total", 0.0) >= want:
                 break
             if proc.poll() is not None:
-                raise RuntimeError(f"worker exited: see {log.name}")
+                raise RuntimeError(f"worker exited (exit code {proc.returncode}): see its log worker-*.log in the work directory")
             time.sleep(0.1)
         else:
             raise RuntimeError("timed out")

@@ -4,7 +4,6 @@ Modules:
   consumer.py      the Kafka loop (``SinkConsumer``): decode, check, apply, dead-letter, commit, expire
   store.py         ``ResidencyStore`` interface, ``ApplyResult``, ``HolderMatch``
   redis_store.py   ``RedisStore``: the view in Redis, through the ``kvbus`` functions (lua/kvbus.lua)
-  memory_store.py  ``InMemoryStore``: the plain-Python model (tests' oracle)
   functions.py     loading/calling the function library
   tiers.py         tier descriptors, ref-counting policy, lookup weights
   hashes.py        hash strings and token -> vLLM block hash chains for lookups
@@ -12,6 +11,5 @@ Modules:
   metrics.py       Prometheus metrics
   view.py          ``summary()`` for the demo
   cli.py           ``kvbus sink`` / ``kvbus lookup``
-  testing.py       private redis-server, random histories, fleet workload (tests, benchmarks)
 Layout and semantics: docs/sinks-layout.md.
 """

@@ -3,7 +3,7 @@
 The view answers, per block hash, which holders ((replica, dp_rank)) hold it on which tier, and per
 holder which blocks it holds. Two implementations share one contract test suite
 (``tests/test_sink_store_contract.py``): :class:`sinks.redis_store.RedisStore` (the real one) and
-:class:`sinks.memory_store.InMemoryStore` (a plain-Python model, also the tests' oracle).
+:class:`tests.memory_store.InMemoryStore` (a plain-Python model: the tests' oracle).
 
 Semantics every implementation follows (docs/sinks-layout.md):
 

@@ -32,9 +32,9 @@ from schemas.settings import Settings
 from schemas.topics import Topics
 from sinks.config import SinkConfig
 from sinks.consumer import SinkConsumer
-from sinks.memory_store import InMemoryStore
+from tests.memory_store import InMemoryStore
 from sinks.redis_store import RedisStore
-from sinks.testing import RedisServer
+from tests.redis_server import RedisServer
 from tests.hostile import ACCEPT, GOOD, REJECT, TopicReader, good_stored, marker_hash, rss_mib
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

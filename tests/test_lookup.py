@@ -15,7 +15,7 @@ from schemas.settings import Settings
 from sinks import cli
 from sinks.hashes import chain_from_tokens, parse_hash, parse_hashes
 from sinks.redis_store import RedisStore
-from sinks.testing import RedisServer
+from tests.redis_server import RedisServer
 
 # protocol doc §11: tokens 1..32, block size 16, PYTHONHASHSEED unset
 SHA256_H0, SHA256_H1 = 1403909460543360175, 1643945449041937783

@@ -20,9 +20,10 @@ from schemas.settings import Settings
 from schemas.topics import Topics
 from sinks.config import SinkConfig
 from sinks.consumer import SinkConsumer
-from sinks.memory_store import InMemoryStore
+from tests.memory_store import InMemoryStore
 from sinks.redis_store import RedisStore
-from sinks.testing import RedisServer, random_streams
+from tests.redis_server import RedisServer
+from tests.histories import random_streams
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """The Redis view equals the in-memory model after random histories delivered at least once.
 
-Histories (``sinks.testing.random_streams``): several holders, GPU / ref-counted CPU / KV group /
+Histories (``tests.histories.random_streams``): several holders, GPU / ref-counted CPU / KV group /
 ownership tiers, full-mode re-stores, AllBlocksCleared, engine restarts with Reset markers on every
 topic. Delivery (``redeliver``): random interleavings of the per-(holder, topic) streams, random
 batches, random rewinds (redelivery), and batches cut short as a sink killed mid-batch would leave them.
@@ -13,9 +13,10 @@ import uuid
 import pytest
 
 from schemas.topics import Topics
-from sinks.memory_store import InMemoryStore
+from tests.memory_store import InMemoryStore
 from sinks.redis_store import RedisStore
-from sinks.testing import RedisServer, random_streams, redeliver
+from tests.redis_server import RedisServer
+from tests.histories import random_streams, redeliver
 
 T = Topics(blocks="mb")
 

@@ -11,7 +11,7 @@ import redis
 from schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
 from sinks import functions
 from sinks.redis_store import RedisStore
-from sinks.testing import RedisServer
+from tests.redis_server import RedisServer
 
 TOPIC = "kvbus.blocks"
 H = [canonical_hash(0xABC000 + i * 104729) for i in range(3000)]

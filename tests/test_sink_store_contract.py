@@ -10,10 +10,10 @@ import pytest
 
 from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
 from schemas.topics import Topics
-from sinks.memory_store import InMemoryStore
+from tests.memory_store import InMemoryStore
 from sinks.redis_store import RedisStore
 from sinks.store import ResidencyStore
-from sinks.testing import RedisServer
+from tests.redis_server import RedisServer
 from sinks.tiers import Weights
 
 T = Topics(blocks="tb")

@@ -27,7 +27,7 @@ from schemas.events import (AllBlocksCleared, BlockEvent, BlockStored, EventBatc
 from schemas.serde import RecordSerde, registry_client
 from kvbus.procs import free_port
 from schemas.settings import Settings
-from streams.trace import TraceSpec, batches, expected
+from tests.trace import TraceSpec, batches, expected
 from tests.pipeline import RawProducer
 
 pytestmark = pytest.mark.integration

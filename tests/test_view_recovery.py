@@ -11,9 +11,10 @@ import uuid
 import pytest
 
 from schemas.topics import Topics
-from sinks.memory_store import InMemoryStore
+from tests.memory_store import InMemoryStore
 from sinks.redis_store import RedisStore, ViewChanged
-from sinks.testing import RedisServer, random_streams
+from tests.redis_server import RedisServer
+from tests.histories import random_streams
 
 TOPICS = Topics(blocks="rt.blocks")
 

@@ -6,7 +6,7 @@ import uuid
 
 from schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
 from sinks.redis_store import RedisStore
-from sinks.testing import RedisServer
+from tests.redis_server import RedisServer
 from sinks.view import summary
 
 H = [canonical_hash(i * 31337 + 5) for i in range(10)]

@@ -1,7 +1,7 @@
 """``InMemoryStore``: the residency view as plain Python dicts.
 
-The model of the contract (:mod:`sinks.store`): simple enough to be obviously right, used as the
-oracle of the Redis store in the tests, and usable as an in-process view.
+The model of the contract (:mod:`sinks.store`): simple enough to be obviously right, the oracle
+of the Redis store in the tests (a test helper: the product's view is the Redis one).
 """
 from __future__ import annotations
 
