@@ -495,7 +495,7 @@ def probe_timestamps(settings: Settings, topic: str, kind: str, probes: set[byte
     BlockEvent) that carries it as a one-block BlockStored."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from schemas.fast_codec import FastSerde
+    from schemas.codec import FastSerde
     from schemas.serde import registry_client
 
     serde = FastSerde(registry_client(settings.registry_url), kind, auto_register=False)

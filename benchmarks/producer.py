@@ -160,7 +160,7 @@ def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dic
     from producers.bridge import Bridge, BridgeConfig
     from producers.kafka_out import KafkaSink
     from producers.metrics import BridgeMetrics
-    from schemas.fast_codec import FastSerde
+    from schemas.codec import FastSerde
     from schemas.serde import RecordSerde, registry_client
 
     topics = settings.topics

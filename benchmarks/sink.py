@@ -17,7 +17,7 @@ HDEL + its delete-if-empty Lua script per removed hash; pipelined per batch (no 
 no per-pod index). Both timed end to end from the same Python client. Also reported: memory per
 (replica, block, tier) entry after the run (``used_memory`` delta; the view has seen removes and
 re-adds, unlike benchmarks/lookup.py's bulk load), and Avro decoding cost per record
-(``schemas.fast_codec``, and confluent's ``schemas.serde`` path), the other half of the sink's
+(``schemas.codec``, and confluent's ``schemas.serde`` path), the other half of the sink's
 per-record work.
 
 The last line printed is one JSON object with the figures.
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lookup import pod_entry  # noqa: E402  (the llm-d layout lives in benchmarks/lookup.py)
 
 from schemas.events import BlockEvent, BlockRemoved, BlockStored  # noqa: E402
-from schemas.fast_codec import FastSerde  # noqa: E402
+from schemas.codec import FastSerde  # noqa: E402
 from schemas.serde import RecordSerde, registry_client  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     registry = registry_client("mock://bench-sink")
     sample = events[:20000]
     blobs = [RecordSerde(registry, "BlockEvent").dumps(ev, TOPIC) for _, ev in sample]
-    # the sink decodes with FastSerde (schemas/fast_codec.py); RecordSerde is confluent's path
+    # the sink decodes with FastSerde (schemas/codec.py); RecordSerde is confluent's path
     for name, serde in (("avro_decode_us_per_record", FastSerde(registry, "BlockEvent", auto_register=False)),
                         ("confluent_avro_decode_us_per_record", RecordSerde(registry, "BlockEvent"))):
         t = time.perf_counter()

@@ -24,7 +24,7 @@ from producers.kafka_out import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, 
 from producers.metrics import BridgeMetrics
 from producers.recovery import Resume, find_last_produced, wait_and_recover
 from producers.replay import DEFAULT_TIMEOUT
-from schemas.fast_codec import FastSerde
+from schemas.codec import FastSerde
 from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings
 

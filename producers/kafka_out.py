@@ -30,7 +30,7 @@ from producers.record_producer import (
 )
 from producers.split import DEFAULT_MAX_RECORD_BYTES, BatchRef
 from schemas.events import DeadLetter, EventBatch, holder_key
-from schemas.fast_encode import event as encode_event
+from schemas.codec import encode_event
 
 log = logging.getLogger("kvbus.producers.kafka")
 

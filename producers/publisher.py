@@ -37,18 +37,17 @@ from schemas.events import (
     canonical_parent,
     holder_key,
 )
-from schemas.fast_codec import FastSerde
-from schemas.fast_encode import (
+from schemas.codec import (
+    FastSerde,
     batch_from_head,
     batch_head,
-    event as encode_event,
+    confluent_header,
+    encode_event,
+    encode_events,
     event_array,
-    events as encode_events,
-    stored_tail,
 )
 from schemas.serde import registry_client, value_schema_id
 from schemas.settings import Settings
-from schemas.wire import LONG, NULL, confluent_header, longs, opt_long, opt_str
 
 log = logging.getLogger("kvbus.producers.publisher")
 
@@ -120,36 +119,41 @@ def to_kvbus_event(e: Any) -> Any:
     raise ValueError(f"unknown KV event type {name}")
 
 
-_MEDIUM: dict[Any, bytes] = {None: b"\x00"}
+_MEDIUM: dict[Any, str | None] = {None: None}
 
 
-def _opt_medium(m: Any) -> bytes:
-    """Upper-cased medium as an optional string (cached per engine value)."""
-    enc = _MEDIUM.get(m)
-    if enc is None:
-        enc = opt_str(_medium(m))
+def _cached_medium(m: Any) -> str | None:
+    """:func:`_medium`, cached per engine value."""
+    norm = _MEDIUM.get(m, _ABSENT)
+    if norm is _ABSENT:
+        norm = _medium(m)
         if len(_MEDIUM) < 256:
-            _MEDIUM[m] = enc
-    return enc
+            _MEDIUM[m] = norm
+    return norm
+
+
+_ABSENT = object()
 
 
 def _slow(e: Any) -> bytes:
     return encode_event(to_kvbus_event(e))
 
 
-_ABSENT = object()
 _PLANS: dict[type, Any] = {}
 
 
 def _plan(cls: type) -> Any:
     """An encoder specialised to one engine event class: msgspec structs are read with one
-    ``astuple`` call and field positions found once; other objects use :func:`to_kvbus_event`."""
+    ``astuple`` call and field positions found once, and the common shape is converted to the
+    kvbus struct directly; other objects use :func:`to_kvbus_event`. Either way the bytes are
+    written by the codec (:func:`schemas.codec.encode_event`)."""
     if cls in (BlockStored, BlockRemoved, AllBlocksCleared, Reset):
         return encode_event
     fields = getattr(cls, "__struct_fields__", None)
     name = cls.__name__
     if name == "AllBlocksCleared":
-        return lambda e: b"\x04"
+        cleared = encode_event(AllBlocksCleared())
+        return lambda e: cleared
     if fields is None or name not in ("BlockStored", "BlockRemoved"):
         return _slow
     pos = {f: i for i, f in enumerate(fields)}
@@ -176,8 +180,8 @@ def _plan(cls: type) -> Any:
             hs = v[i_h]
             if not plain(v) or len(hs) != 1 or type(hs[0]) is not int:
                 return _slow(e)
-            return b"".join((b"\x02\x02", (hs[0] & _MASK).to_bytes(8, "big"), b"\x00", _opt_medium(v[i_m]),
-                             opt_long(v[i_g]), b"\x00\x00\x00"))
+            return encode_event(BlockRemoved(block_hashes=[(hs[0] & _MASK).to_bytes(8, "big")],
+                                             medium=_cached_medium(v[i_m]), group_idx=v[i_g]))
         return removed
 
     i_p, i_t, i_bs, i_k = at("parent_block_hash"), at("token_ids"), at("block_size"), at("kv_cache_spec_kind")
@@ -190,18 +194,15 @@ def _plan(cls: type) -> Any:
             return _slow(e)
         hs, p, toks = v[i_h], v[i_p], v[i_t]
         try:
-            hashes = b"".join([(h & _MASK).to_bytes(8, "big") for h in hs])
-            parent = b"\x00" if p is None else b"\x02" + (p & _MASK).to_bytes(8, "big")
+            hashes = [(h & _MASK).to_bytes(8, "big") for h in hs]
+            parent = None if p is None else (p & _MASK).to_bytes(8, "big")
         except TypeError:  # bytes digests
             return _slow(e)
-        n = len(toks)
-        if n and type(toks[0]) is not int:
+        if toks and type(toks[0]) is not int:
             return _slow(e)  # SGLang bigram pairs
-        return b"".join((
-            b"\x00", LONG[len(hs)], hashes, b"\x00" if hs else b"", parent,
-            longs(toks if type(toks) is list else list(toks), n), LONG[v[i_bs]], b"\x00", _opt_medium(v[i_m]),
-            stored_tail(v[i_g], v[i_k]),
-        ))
+        return encode_event(BlockStored(
+            block_hashes=hashes, parent_block_hash=parent, token_ids=toks if type(toks) is list else list(toks),
+            block_size=v[i_bs], medium=_cached_medium(v[i_m]), group_idx=v[i_g], kv_cache_spec_kind=v[i_k]))
     return stored
 
 
@@ -219,9 +220,7 @@ def encode_engine_event(e: Any) -> bytes:
 
 def encode_engine_events(events: list) -> bytes:
     """The Avro ``events`` array of engine event objects."""
-    if not events:
-        return b"\x00"
-    return LONG[len(events)] + b"".join(map(encode_engine_event, events)) + b"\x00"
+    return event_array(list(map(encode_engine_event, events)))
 
 
 # -- the publisher ------------------------------------------------------------------------
@@ -399,7 +398,7 @@ class KafkaEventPublisher:
             return batch_from_head(prefix, epoch, seq, ts, self.topic, event_array(encoded[start:end]), start)
 
         ref = BatchRef(self.replica, dp, self.worker_rank, epoch, seq)
-        fixed = len(batch_from_head(prefix, epoch, seq, ts, self.topic, NULL))
+        fixed = len(batch_from_head(prefix, epoch, seq, ts, self.topic, event_array([])))
         self.records.produce_split(key, value_size, ref, encoded, fixed, part_value)
 
     def _serialize_dead_letter(self, dl: DeadLetter) -> bytes:

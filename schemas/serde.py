@@ -29,7 +29,7 @@ def value_schema_id(registry: SchemaRegistryClient, topic: str, record: str, aut
     """Id of ``kvbus.<record>``'s schema under ``<topic>-value`` (TopicNameStrategy), as
     :class:`RecordSerde` writes it: registered when ``auto_register`` (the registry refuses
     it if it breaks compatibility), else looked up (SchemaRegistryError 404 if absent).
-    The client caches the answer; callers keep the id (see schemas.fast_codec.FastSerde)."""
+    The client caches the answer; callers keep the id (see schemas.codec.FastSerde)."""
     subject = f"{topic}-value"
     schema = Schema(schema_str(record), "AVRO")
     if auto_register:

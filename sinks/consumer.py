@@ -40,7 +40,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from schemas.events import BlockEvent, dead_letter
-from schemas.fast_codec import FastSerde
+from schemas.codec import FastSerde
 from schemas.serde import registry_client
 from schemas.settings import Settings
 from schemas.topics import Topics

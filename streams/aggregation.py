@@ -62,7 +62,7 @@ from schemas.events import (
     Reset,
     holder_key,
 )
-from schemas.fast_encode import event as encode_event
+from schemas.codec import encode_event
 from schemas.topics import Topics
 from streams.raw_event import RawEvent
 

@@ -389,7 +389,7 @@ def _vllm_events():
 
 
 def test_publisher_encodes_vllm_objects_like_the_normalized_structs():
-    from schemas.fast_encode import events as encode_events
+    from schemas.codec import encode_events
     from producers.publisher import encode_engine_events, to_kvbus_event
 
     events = _vllm_events()

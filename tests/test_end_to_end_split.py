@@ -19,7 +19,7 @@ from kvbus.engine_wire import project
 from kvbus.fleet import Fleet, FleetConfig
 from producers.publisher import KafkaEventPublisher
 from schemas.events import DLQ_PAYLOAD_BYTES
-from schemas import fast_encode
+from schemas.codec import encode_event
 from schemas.events import BlockRemoved, BlockStored, Reset
 from tests.pipeline import Pipeline
 from tests.test_end_to_end_tp import read_topics
@@ -99,7 +99,7 @@ def test_split_batches_reach_blocks_exactly_once_in_order(test_settings, tmp_pat
         assert parts[(TP_REPLICA, 0)] != parts[(TP_REPLICA, 1)]  # the two bridges cut differently
 
         [dl] = read_topics(test_settings, topics.dlq, "DeadLetter", 1, 30)
-        avro = fast_encode.event(oversized)
+        avro = encode_event(oversized)
         assert (dl.stage, dl.source) == ("publisher", f"{PUB_REPLICA}#0")
         assert "index 3" in dl.reason and "seq 2" in dl.reason and dl.payload == [avro[:DLQ_PAYLOAD_BYTES]]
         assert pub.metrics.value("oversized_events") == 1 and pub.metrics.value("split_batches") == STEPS

@@ -14,11 +14,9 @@ from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
 from schemas.avro import batch_to_avro, schema_str
 from schemas.events import BlockRemoved, BlockStored, EventBatch
-from schemas.event_scan import batch_scanner
-from schemas.fast_codec import FastSerde
+from schemas.codec import FastSerde, batch_scanner, confluent_header
 from schemas.registry import check_schema, register_schema, set_compatibility
 from schemas.serde import RecordSerde, registry_client
-from schemas.wire import confluent_header
 
 NEW_FIELDS = {"locality", "ownership"}
 
@@ -181,7 +179,7 @@ def test_kvbus_readers_decode_old_batches_with_first_index_0(reader) -> None:
 
 
 class Raw:
-    """A scanned block event (schemas.event_scan's ``raw`` factory)."""
+    """A scanned block event (schemas.codec.batch_scanner's ``raw`` factory)."""
 
     def __init__(self, avro, ownership, without_lora_name):
         self.avro = avro

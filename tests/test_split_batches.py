@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 from producers.kafka_out import KafkaSink
 from producers.metrics import BridgeMetrics
 from producers.split import MIN_RECORD_BYTES, RECORD_MARGIN, plan_split, record_limit
-from schemas import fast_encode
+from schemas.codec import FastSerde, encode_event
 from schemas.events import DLQ_PAYLOAD_BYTES, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from schemas.fast_codec import FastSerde
 from schemas.serde import registry_client
 from schemas.settings import Settings
 from schemas.topics import Topics
@@ -131,7 +130,7 @@ def test_sink_dead_letters_an_event_too_large_for_any_record(caplog):
     assert joined(parts) == [(i, e) for i, e in enumerate(batch.events) if i != 1]
     [(key, value)] = producer.on(TOPICS.dlq)
     dl = DEAD.loads(value, TOPICS.dlq)
-    avro = fast_encode.event(batch.events[1])
+    avro = encode_event(batch.events[1])
     assert key == b"pod-a#0" and dl.stage == "bridge" and dl.source == "pod-a#0"
     assert dl.payload == [avro[:DLQ_PAYLOAD_BYTES]] and len(avro) > DLQ_PAYLOAD_BYTES
     for word in ("BlockStored", "index 1", "pod-a#0 worker 1 epoch 77 seq 4", f"{len(avro)} bytes", str(limit)):
@@ -202,7 +201,7 @@ def test_publisher_splits_like_the_sink_and_dead_letters_oversized_events(publis
     dl = DEAD.loads(value, TOPICS.dlq)
     assert (key, dl.stage, dl.source) == (b"pod-a#0", "publisher", "pod-a#0")
     assert "index 2" in dl.reason and "seq 1" in dl.reason
-    assert dl.payload == [fast_encode.event(events[2])[:DLQ_PAYLOAD_BYTES]]
+    assert dl.payload == [encode_event(events[2])[:DLQ_PAYLOAD_BYTES]]
     m = pub.metrics
     assert (m.value("split_batches"), m.value("split_parts"), m.value("oversized_events")) == (1, len(parts), 1)
 

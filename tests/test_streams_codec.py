@@ -1,6 +1,6 @@
 """The streams stage's codec (shared fast codec + RawEvent splicing) produces and accepts exactly
 what RecordSerde does, and scanned events keep the identity of decoded ones. Byte equality of
-the shared encoders and decoders themselves: tests/test_fast_codec.py."""
+the shared encoders and decoders themselves: tests/test_codec.py."""
 from __future__ import annotations
 
 import msgspec
@@ -54,7 +54,7 @@ def test_bad_values_raise_like_record_serde(data):
 def test_scanned_events_have_the_identity_and_bytes_of_decoded_ones(batch):
     """The fast path keeps block events as Avro bytes; identity, ownership and re-emitted bytes
     are those of the decoded struct."""
-    from schemas.fast_encode import event as encode_event
+    from schemas.codec import encode_event
     from streams.aggregation import identity
     from streams.codec import materialize
     from streams.raw_event import RawEvent
@@ -83,7 +83,7 @@ def test_scanned_events_have_the_identity_and_bytes_of_decoded_ones(batch):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches, st.integers(2, 4), st.integers(0, 2**40))
 def test_other_workers_reports_decode_like_the_first(batch, workers, first_index):
-    """SharedScan: the records of all TP workers of one batch (same events, other header) decode
+    """SharedEvents: the records of all TP workers of one batch (same events, other header) decode
     exactly as each would alone."""
     serde = SERDES["EventBatch"]
     codec = Codec(REGISTRY)
