@@ -1,8 +1,9 @@
 """Encode KV events exactly as a given engine release puts them on the wire.
 
 Used by the synthetic fleet (``kvbus fleet``) and by tests. Pure functions, no zmq.
-Format ids are those of ``producers.decode.ENGINE_FORMATS`` (duplicated here as
-:data:`FORMATS` so the fleet does not import a producer module; a test keeps them equal).
+What each release writes comes from the engine adapters' release tables
+(:mod:`producers.engines`, the same tables the bridge's decoder is built from); format ids are
+:data:`FORMATS` = ``producers.engines.FORMATS``.
 
 What each format writes (protocol doc §3-§8, §11):
 
@@ -23,12 +24,10 @@ What each format writes (protocol doc §3-§8, §11):
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 import msgspec
 from msgspec import Raw
 
+from producers import engines
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, canonical_hash, normalize_medium
 
 __all__ = [
@@ -44,149 +43,17 @@ __all__ = [
     "END_SEQ",
 ]
 
-FORMATS: tuple[str, ...] = (
-    "vllm-0.9.0",
-    "vllm-0.9.2",
-    "vllm-0.10.2",
-    "vllm-0.14",
-    "vllm-0.17",
-    "vllm-0.20",
-    "vllm-0.22",
-    "vllm-0.24",
-    "vllm-0.26",
-    "vllm-0.29",
-    "vllm-0.30",
-    "vllm-0.33",
-    "sglang-0.5.10",
-    "sglang-0.5.20",
-    "sglang-0.5.22",
-    "sglang-0.5.23",
-    "lmcache-0.5.6",
-)
-"""Wire-format ids, the first release of each layout change; equal to producers.decode.ENGINE_FORMATS."""
+FORMATS = engines.FORMATS
+"""Wire-format ids, the first release of each layout change (the engine adapters' release tables)."""
 
 END_SEQ = b"\xff" * 8
 """Sequence frame of the replay end marker."""
 
-_VLLM_STORED = (
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
-    "ownership", "session_id", "lookahead_token_ids",
-)
-_VLLM_REMOVED = ("block_hashes", "medium", "group_idx", "locality", "ownership")
-_SGLANG_STORED = (
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-    "cache_salt", "session_id", "lora_name",
-)
-_SGLANG_REMOVED = ("block_hashes", "medium")
+WireFormat = engines.Release
+"""How one engine release encodes a batch (a row of an adapter's release table)."""
 
-
-@dataclass(frozen=True)
-class WireFormat:
-    """How one engine release encodes a batch."""
-
-    name: str
-    """Format id, e.g. "vllm-0.26"."""
-    engine: str
-    """vllm, sglang or lmcache (LMCache events inside a vLLM stream)."""
-    maps: bool
-    """Events as maps (True) or tagged arrays (False)."""
-    dp_rank: bool
-    """Envelope carries dp_rank as its 3rd element."""
-    stored: tuple[str, ...]
-    """BlockStored fields in wire order."""
-    removed: tuple[str, ...]
-    """BlockRemoved fields in wire order."""
-    stored_required: int
-    """Map formats: the first N stored fields are written even when None."""
-    removed_required: int
-    """Map formats: the first N removed fields are written even when None."""
-    signed_hashes: bool
-    """Integer hashes are written as signed int64."""
-    bytes_hashes: bool
-    """The release can send raw digests (``raw_hashes=True``)."""
-    replay_topic: bool
-    """Replay replies carry the topic frame (vLLM >= 0.26, SGLang 0.5.23)."""
-    lower_stored_medium: bool = False
-    """BlockStored medium is written lower-case (LMCache)."""
-
-
-def _vllm(name: str, n_stored: int, n_removed: int, *, maps: bool, dp: bool = True,
-          signed: bool = False, topic: bool = False) -> WireFormat:
-    return WireFormat(
-        name, "vllm", maps, dp, _VLLM_STORED[:n_stored], _VLLM_REMOVED[:n_removed],
-        7, 2, signed_hashes=signed, bytes_hashes=not signed, replay_topic=topic,
-    )
-
-
-def _sglang(name: str, n_stored: int, *, maps: bool, topic: bool = False) -> WireFormat:
-    return WireFormat(
-        name, "sglang", maps, True, _SGLANG_STORED[:n_stored], _SGLANG_REMOVED,
-        5, 1, signed_hashes=True, bytes_hashes=False, replay_topic=topic,
-    )
-
-
-_SPECS: dict[str, WireFormat] = {
-    f.name: f
-    for f in (
-        _vllm("vllm-0.9.0", 5, 1, maps=False, dp=False, signed=True),
-        _vllm("vllm-0.9.2", 5, 1, maps=False, signed=True),
-        _vllm("vllm-0.10.2", 6, 2, maps=False),
-        _vllm("vllm-0.14", 7, 2, maps=False),
-        _vllm("vllm-0.17", 8, 2, maps=False),
-        _vllm("vllm-0.20", 9, 3, maps=False),
-        _vllm("vllm-0.22", 11, 3, maps=False),
-        _vllm("vllm-0.24", 11, 3, maps=True),
-        _vllm("vllm-0.26", 12, 4, maps=True, topic=True),
-        _vllm("vllm-0.29", 13, 5, maps=True, topic=True),
-        _vllm("vllm-0.30", 14, 5, maps=True, topic=True),
-        _vllm("vllm-0.33", 15, 5, maps=True, topic=True),
-        _sglang("sglang-0.5.10", 6, maps=False),
-        _sglang("sglang-0.5.20", 8, maps=True),
-        _sglang("sglang-0.5.22", 9, maps=True),
-        _sglang("sglang-0.5.23", 9, maps=True, topic=True),
-        WireFormat("lmcache-0.5.6", "lmcache", True, True, _VLLM_STORED[:7], _VLLM_REMOVED[:2], 7, 2,
-                   signed_hashes=False, bytes_hashes=True, replay_topic=True, lower_stored_medium=True),
-    )
-}
-assert tuple(_SPECS) == FORMATS
-
-
-def wire_format(fmt: str) -> WireFormat:
-    """The :class:`WireFormat` of a format id; ValueError if unknown."""
-    try:
-        return _SPECS[fmt]
-    except KeyError:
-        raise ValueError(f"unknown engine format {fmt!r}; known: {', '.join(FORMATS)}") from None
-
-
-_VERSION = re.compile(r"^(vllm|sglang|lmcache)-(\d+(?:\.\d+)*)")
-
-
-def _vtuple(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split("."))
-
-
-def resolve_format(name: str) -> str:
-    """Map ``<engine>-<release>`` (e.g. "vllm-0.27.1", "sglang-0.5.21") to the format id it speaks.
-
-    Exact format ids map to themselves. ValueError for unknown engines or releases older
-    than the first supported one.
-    """
-    if name in _SPECS:
-        return name
-    m = _VERSION.match(name)
-    if not m:
-        raise ValueError(f"not an engine release {name!r}; expected e.g. vllm-0.27.1 or one of {FORMATS}")
-    engine, version = m.group(1), _vtuple(m.group(2))
-    best = None
-    for fmt in FORMATS:
-        e, v = fmt.split("-", 1)
-        if e == engine and _vtuple(v) <= version:
-            best = fmt
-    if best is None:
-        raise ValueError(f"{name!r} is older than every supported {engine} format")
-    return best
+wire_format = engines.release
+resolve_format = engines.resolve_format
 
 
 # -- events ---------------------------------------------------------------------

@@ -30,6 +30,7 @@ import msgspec
 import zmq
 
 from producers.decode import DecodeError, decode_batch, parse_frames
+from producers.engines import detect_engine
 from producers.metrics import BridgeMetrics
 from producers.recovery import Resume
 from producers.replay import DEFAULT_TIMEOUT, ReplayBad, ReplayClient, Replayed, ReplayEnd
@@ -37,6 +38,10 @@ from producers.sequencer import Actions, Emit, ResetMarker, Sequencer
 from schemas.events import DeadLetter, EventBatch, Reset, dead_letter
 
 log = logging.getLogger("kvbus.producers.bridge")
+
+
+DETECT_BATCHES = 1000
+"""``engine="auto"``: batches with events examined for the engine label before keeping "vllm"."""
 
 
 def _payload_fingerprint(item: tuple) -> int:
@@ -74,7 +79,9 @@ class BridgeConfig:
 
     @property
     def engine_label(self) -> str:
-        """Value of EventBatch.engine: the forced engine, else vllm."""
+        """Value of EventBatch.engine to start with: the forced engine, else vllm. With ``engine="auto"``
+        the bridge relabels its stream once a payload shows which engine sent it
+        (:func:`producers.engines.detect_engine`: e.g. an SGLang map stream becomes "sglang")."""
         return self.engine if self.engine in ("vllm", "sglang") else "vllm"
 
 
@@ -132,6 +139,10 @@ class Bridge:
         ctx: zmq.Context | None = None,
     ) -> None:
         self.cfg = cfg
+        self.engine_label = cfg.engine_label
+        """EventBatch.engine of the records produced (``cfg.engine_label``; with "auto", as detected)."""
+        self._sniff = cfg.engine == "auto"
+        self._sniffed = 0
         self.sink: Sink = sink if hasattr(sink, "produce_batch") else CallbackSink(sink)  # type: ignore[arg-type]
         self.metrics = metrics or BridgeMetrics()
         self.ctx = ctx or zmq.Context.instance()
@@ -350,10 +361,12 @@ class Bridge:
             self._dead(frames, DecodeError(f"{d.unknown_events} event(s) of unknown type skipped at seq {e.seq}"),
                        source)
         self.metrics.events_in.inc(len(d.events))
+        if self._sniff and d.events:
+            self._detect(payload)
         cfg = self.cfg
         return EventBatch(
             replica=cfg.replica, seq=e.seq, ts=d.ts, events=d.events, dp_rank=dp,
-            worker_rank=cfg.worker_rank, workers=cfg.workers, engine=cfg.engine_label,
+            worker_rank=cfg.worker_rank, workers=cfg.workers, engine=self.engine_label,
             epoch=e.epoch, topic=topic,
         )
 
@@ -362,9 +375,22 @@ class Bridge:
         return EventBatch(
             replica=cfg.replica, seq=-1, ts=time.time(),
             events=[Reset(reason=m.reason, missing_from=m.missing_from, missing_to=m.missing_to)],
-            dp_rank=dp_rank, worker_rank=cfg.worker_rank, workers=cfg.workers, engine=cfg.engine_label,
+            dp_rank=dp_rank, worker_rank=cfg.worker_rank, workers=cfg.workers, engine=self.engine_label,
             epoch=m.epoch, topic=self._topic,
         )
+
+    def _detect(self, payload: bytes) -> None:
+        """``engine="auto"``: label the stream by the first payload that tells its engine; give up
+        after :data:`DETECT_BATCHES` batches with events that fit every engine (label stays vllm)."""
+        label = detect_engine(payload)
+        self._sniffed += 1
+        if label is not None:
+            if label != self.engine_label:
+                log.info("%s: stream detected as %s", self.cfg.replica, label)
+            self.engine_label = label
+            self._sniff = False
+        elif self._sniffed >= DETECT_BATCHES:
+            self._sniff = False
 
     def _dead(self, frames: list[bytes], exc: Exception, source: str) -> None:
         log.warning("dead letter from %s: %s: %s", source, type(exc).__name__, exc)

@@ -49,11 +49,13 @@ from typing import Annotated, Any, Optional
 import msgspec
 from msgspec import Meta, Raw
 
+from producers.engines import FORMATS
 from producers.wire_structs import (
     ARRAY_FIELDS,
     CLEARED,
     ENVELOPE_DECODERS,
     EVENT_TAGS,
+    LAYOUT_FIELDS,
     LAYOUTS,
     MAX_DIGEST_BYTES,
     MAX_EVENTS_PER_BATCH,
@@ -64,7 +66,15 @@ from producers.wire_structs import (
     STORED_PAIRS,
     NonNegInt32,
 )
-from schemas.events import HASH_MASK, AllBlocksCleared, BlockRemoved, BlockStored, Event
+from schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    MixedHashes,
+    canonical_hashes,
+    canonical_parent,
+)
 
 __all__ = [
     "ENGINE_FORMATS",
@@ -82,31 +92,13 @@ __all__ = [
     "MAX_SEQ",
 ]
 
-ENGINE_FORMATS: tuple[str, ...] = (
-    "vllm-0.9.0",  # [ts, events]; Stored [tag, hashes, parent, tokens, block_size, lora_id]; Removed [tag, hashes]
-    "vllm-0.9.2",  # + envelope dp_rank
-    "vllm-0.10.2",  # + medium (Stored, Removed); bytes hashes possible
-    "vllm-0.14",  # + lora_name
-    "vllm-0.17",  # + extra_keys
-    "vllm-0.20",  # + group_idx (Stored, Removed)
-    "vllm-0.22",  # + kv_cache_spec_kind, kv_cache_spec_sliding_window
-    "vllm-0.24",  # events become maps
-    "vllm-0.26",  # + locality; replay replies carry the topic frame
-    "vllm-0.29",  # + ownership
-    "vllm-0.30",  # + session_id
-    "vllm-0.33",  # + lookahead_token_ids
-    "sglang-0.5.10",  # tagged arrays, Stored [.., lora_id, medium], signed hashes
-    "sglang-0.5.20",  # maps, + cache_salt, session_id
-    "sglang-0.5.22",  # + lora_name
-    "sglang-0.5.23",  # replay replies carry the topic frame
-    "lmcache-0.5.6",  # LMCache connector events in a vLLM 0.33 stream (medium "cpu", chunk-sized blocks)
-)
-"""Wire-format ids: each is the first release of a layout change (protocol doc §4 field history, §7, §8).
-A release between two ids speaks the older one (vLLM 0.27 = "vllm-0.26"). ``kvbus.engine_wire.FORMATS``
-is the same tuple."""
+ENGINE_FORMATS: tuple[str, ...] = FORMATS
+"""Wire-format ids: each is the first release of a layout change, from the engine adapters' release
+tables (:mod:`producers.engines`; protocol doc §4 field history, §7, §8). A release between two ids
+speaks the older one (vLLM 0.27 = "vllm-0.26"). ``kvbus.engine_wire.FORMATS`` is the same tuple."""
 
-ENGINES = ("auto", "vllm", "sglang")
-"""Values of ``decode_batch(engine=...)``."""
+ENGINES = ("auto", *LAYOUTS[1:])
+"""Values of ``decode_batch(engine=...)``: "auto", or a family's array layout ("vllm", "sglang")."""
 
 END_SEQ = b"\xff" * 8
 """Sequence frame of the replay end marker: (-1).to_bytes(8, "big", signed=True)."""
@@ -135,29 +127,6 @@ class DecodedBatch:
 
 # -- normalization helpers ---------------------------------------------------
 
-_M = HASH_MASK
-
-
-def _hashes(hs: list) -> tuple[list[bytes], list[bytes] | None]:
-    """Canonical hashes and, for bytes hashes, the digests."""
-    try:
-        return [(h & _M).to_bytes(8, "big") for h in hs], None
-    except TypeError:  # bytes & int
-        pass
-    for h in hs:
-        if type(h) is not bytes:
-            raise DecodeError("block_hashes mixes int and bytes hashes")
-    return [h[-8:] if len(h) >= 8 else h.rjust(8, b"\0") for h in hs], hs
-
-
-def _parent(p: Any) -> tuple[bytes | None, bytes | None]:
-    if p is None:
-        return None, None
-    if type(p) is int:
-        return (p & _M).to_bytes(8, "big"), None
-    return (p[-8:] if len(p) >= 8 else p.rjust(8, b"\0")), p
-
-
 def _extra(ek: Raw) -> bytes | None:
     if not ek:
         return None
@@ -165,55 +134,36 @@ def _extra(ek: Raw) -> bytes | None:
     return None if b == b"\xc0" else b
 
 
-def _stored(w: Any, lora_name: Any, extra: Any, group_idx: Any, kind: Any, window: Any,
-            locality: Any, ownership: Any, session_id: Any, lookahead: Any, cache_salt: Any) -> BlockStored:
-    hashes, digests = _hashes(w.block_hashes)
-    parent, parent_digest = _parent(w.parent_block_hash)
-    toks = w.token_ids
-    pairs = None
-    if toks and type(toks[0]) is list:
-        pairs, toks = toks, []
-    m = w.medium
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=toks,
-        block_size=w.block_size,
-        lora_id=w.lora_id,
-        medium=m.upper() if m is not None else None,
-        lora_name=lora_name,
-        extra_keys=_extra(extra),
-        group_idx=group_idx,
-        kv_cache_spec_kind=kind,
-        kv_cache_spec_sliding_window=window,
-        locality=locality,
-        ownership=ownership,
-        session_id=session_id,
-        lookahead_token_ids=lookahead,
-        cache_salt=cache_salt,
-        token_id_pairs=pairs,
-        block_digests=digests,
-        parent_block_digest=parent_digest,
+_STORED_HEAD = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+"""BlockStored fields every layout has, converted by hand below; the others are copied as decoded."""
+
+
+def _stored_converter(layout: str) -> Any:
+    """The wire-struct -> BlockStored conversion of ``layout``, generated from its field list
+    (:data:`producers.wire_structs.LAYOUT_FIELDS`): fields the layout lacks keep their defaults."""
+    tail = [f for f in LAYOUT_FIELDS[layout][0] if f not in _STORED_HEAD]
+    args = "".join(f"{f}=_extra(w.{f}), " if f == "extra_keys" else f"{f}=w.{f}, " for f in tail)
+    src = (
+        "def convert(w):\n"
+        "    hashes, digests = canonical_hashes(w.block_hashes)\n"
+        "    parent, parent_digest = canonical_parent(w.parent_block_hash)\n"
+        "    toks = w.token_ids\n"
+        "    pairs = None\n"
+        "    if toks and type(toks[0]) is list:\n"
+        "        pairs, toks = toks, []\n"
+        "    m = w.medium\n"
+        "    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=toks,\n"
+        "                       block_size=w.block_size, lora_id=w.lora_id, medium=m.upper() if m is not None else None,\n"
+        f"                       {args}token_id_pairs=pairs, block_digests=digests, parent_block_digest=parent_digest)\n"
     )
-
-
-def _stored_map(w: Any) -> BlockStored:
-    return _stored(w, w.lora_name, w.extra_keys, w.group_idx, w.kv_cache_spec_kind,
-                   w.kv_cache_spec_sliding_window, w.locality, w.ownership, w.session_id,
-                   w.lookahead_token_ids, w.cache_salt)
-
-
-def _stored_vllm(w: Any) -> BlockStored:
-    return _stored(w, w.lora_name, w.extra_keys, w.group_idx, w.kv_cache_spec_kind,
-                   w.kv_cache_spec_sliding_window, None, None, None, None, None)
-
-
-def _stored_sglang(w: Any) -> BlockStored:
-    return _stored(w, w.lora_name, None, None, None, None, None, None, w.session_id, None, w.cache_salt)
+    ns = {"canonical_hashes": canonical_hashes, "canonical_parent": canonical_parent, "_extra": _extra,
+          "BlockStored": BlockStored}
+    exec(compile(src, f"<producers.decode stored converter {layout}>", "exec"), ns)
+    return ns["convert"]
 
 
 def _removed(w: Any) -> BlockRemoved:
-    hashes, digests = _hashes(w.block_hashes)
+    hashes, digests = canonical_hashes(w.block_hashes)
     m = w.medium
     return BlockRemoved(
         block_hashes=hashes,
@@ -230,7 +180,8 @@ def _cleared(w: Any) -> AllBlocksCleared:
 
 
 _CONVERT: dict[type, Any] = {}
-for _lay, _fn in (("map", _stored_map), ("vllm", _stored_vllm), ("sglang", _stored_sglang)):
+for _lay in LAYOUTS:
+    _fn = _stored_converter(_lay)
     _CONVERT[STORED[_lay]] = _fn
     _CONVERT[STORED_PAIRS[_lay]] = _fn
     _CONVERT[REMOVED[_lay]] = _removed
@@ -268,7 +219,7 @@ def _decode_batch(payload: bytes, engine: str, skip_unknown: bool) -> DecodedBat
             continue
         try:
             events = [_CONVERT[type(w)](w) for w in env.events]
-        except DecodeError:
+        except MixedHashes:
             break
         if layout == "vllm" and engine == "auto" and any(
             type(w) is _VLLM_STORED and _maybe_sglang(w) for w in env.events
@@ -389,7 +340,7 @@ def _decode_event(raw: Raw, engine: str, i: int, skip_unknown: bool) -> Event | 
         return _CONVERT[cls](w)
     except msgspec.ValidationError as e:
         raise DecodeError(f"event {i} ({tag}): {_describe(str(e), layout, tag)}") from None
-    except DecodeError as e:
+    except MixedHashes as e:
         raise DecodeError(f"event {i} ({tag}): {e}") from None
 
 

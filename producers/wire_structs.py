@@ -1,5 +1,8 @@
 """Typed msgspec structs of the engines' wire events, used by :mod:`producers.decode`.
 
+The layouts are derived from the engine adapters' release tables (:mod:`producers.engines`);
+this module adds the msgspec type of each wire field (:data:`WIRE_TYPES`).
+
 Three layouts exist (protocol doc §3, §4, §7):
 
 - **maps** (vLLM >= 0.24, SGLang >= 0.5.20): ``{"type": "<ClassName>", field: value, ...}``.
@@ -28,6 +31,8 @@ from typing import Annotated, Any, Optional, Union
 
 import msgspec
 from msgspec import Meta, Raw
+
+from producers.engines import ADAPTERS, RELEASES, union
 
 MAX_EVENTS_PER_BATCH = 1_000_000
 """More events than this in one batch is rejected as absurd (vLLM publishes one batch per engine step)."""
@@ -58,6 +63,56 @@ TokenLists = Annotated[
 
 # (name, type, default); default _REQ = required (positional in arrays).
 _REQ = object()
+_TOKENS = object()
+"""Placeholder type of ``token_ids``: :data:`Tokens` or, for bigram pairs, :data:`TokenLists`."""
+
+WIRE_TYPES: dict[str, tuple[Any, Any]] = {
+    "block_hashes": (Hashes, _REQ),
+    "parent_block_hash": (Optional[Hash], None),
+    "token_ids": (_TOKENS, []),
+    "block_size": (NonNegInt32, 0),
+    "lora_id": (Optional[Int64], None),
+    "medium": (Optional[str], None),
+    "lora_name": (Optional[str], None),
+    "extra_keys": (Raw, Raw()),  # exact msgpack bytes of the value; empty = absent
+    "group_idx": (Optional[Int32], None),
+    "kv_cache_spec_kind": (Optional[str], None),
+    "kv_cache_spec_sliding_window": (Optional[Int32], None),
+    "locality": (Optional[str], None),
+    "ownership": (Optional[str], None),
+    "session_id": (Optional[str], None),
+    "lookahead_token_ids": (Optional[TokenLists], None),
+    "cache_salt": (Optional[str], None),
+}
+"""Wire field -> (msgspec type, default when absent) of every field an engine release table names.
+A release table row that brings a field kvbus has never seen needs its entry here."""
+
+ARRAY_REQUIRED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
+"""Fields every tagged array carries (vLLM 0.9.0's five positions after the tag): required there."""
+
+
+def _layouts() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Decoding layout -> (BlockStored fields, BlockRemoved fields), from the release tables: "map"
+    takes every field of every family, each array layout its family's (:meth:`Adapter.array_fields`)."""
+    out = {"map": (union(r.stored for r in RELEASES.values()), union(r.removed for r in RELEASES.values()))}
+    for adapter in ADAPTERS.values():
+        if adapter.array_layout:
+            out[adapter.array_layout] = adapter.array_fields()
+    return out
+
+
+LAYOUT_FIELDS = _layouts()
+"""Decoding layout ("map", "vllm", "sglang") -> (BlockStored fields, BlockRemoved fields) in wire order."""
+
+
+def _spec(layout: str, names: tuple[str, ...], tokens: Any) -> list[tuple[str, Any, Any]]:
+    out = []
+    for n in names:
+        t, d = WIRE_TYPES[n]
+        if layout != "map" and n in ARRAY_REQUIRED:
+            d = _REQ
+        out.append((n, tokens if t is _TOKENS else t, d))
+    return out
 
 
 def _fields(spec: list[tuple[str, Any, Any]]) -> list[tuple]:
@@ -65,56 +120,13 @@ def _fields(spec: list[tuple[str, Any, Any]]) -> list[tuple]:
 
 
 def _stored_spec(layout: str, tokens: Any) -> list[tuple[str, Any, Any]]:
-    """Field list of BlockStored in ``layout`` ("map", "vllm", "sglang")."""
-    if layout == "map":
-        head = [
-            ("block_hashes", Hashes, _REQ),
-            ("parent_block_hash", Optional[Hash], None),
-            ("token_ids", tokens, []),
-            ("block_size", NonNegInt32, 0),
-            ("lora_id", Optional[Int64], None),
-        ]
-    else:  # vLLM 0.9.0 arrays: five required positions after the tag
-        head = [
-            ("block_hashes", Hashes, _REQ),
-            ("parent_block_hash", Optional[Hash], _REQ),
-            ("token_ids", tokens, _REQ),
-            ("block_size", NonNegInt32, _REQ),
-            ("lora_id", Optional[Int64], _REQ),
-        ]
-    head.append(("medium", Optional[str], None))
-    if layout == "sglang":
-        return head + [
-            ("cache_salt", Optional[str], None),
-            ("session_id", Optional[str], None),
-            ("lora_name", Optional[str], None),
-        ]
-    vllm = head + [
-        ("lora_name", Optional[str], None),
-        ("extra_keys", Raw, Raw()),  # exact msgpack bytes of the value; empty = absent
-        ("group_idx", Optional[Int32], None),
-        ("kv_cache_spec_kind", Optional[str], None),
-        ("kv_cache_spec_sliding_window", Optional[Int32], None),
-    ]
-    if layout == "vllm":
-        return vllm
-    return vllm + [  # map: every later vLLM field and SGLang's own
-        ("locality", Optional[str], None),
-        ("ownership", Optional[str], None),
-        ("session_id", Optional[str], None),
-        ("lookahead_token_ids", Optional[TokenLists], None),
-        ("cache_salt", Optional[str], None),
-    ]
+    """Field list of BlockStored in ``layout``."""
+    return _spec(layout, LAYOUT_FIELDS[layout][0], tokens)
 
 
 def _removed_spec(layout: str) -> list[tuple[str, Any, Any]]:
-    spec = [("block_hashes", Hashes, _REQ), ("medium", Optional[str], None)]
-    if layout == "sglang":
-        return spec
-    spec.append(("group_idx", Optional[Int32], None))
-    if layout == "map":
-        spec += [("locality", Optional[str], None), ("ownership", Optional[str], None)]
-    return spec
+    """Field list of BlockRemoved in ``layout``."""
+    return _spec(layout, LAYOUT_FIELDS[layout][1], None)
 
 
 def _struct(name: str, tag: str, layout: str, spec: list[tuple[str, Any, Any]]) -> type:
@@ -123,7 +135,8 @@ def _struct(name: str, tag: str, layout: str, spec: list[tuple[str, Any, Any]]) 
     return msgspec.defstruct(name, _fields(spec), tag=tag, array_like=True, gc=False)
 
 
-LAYOUTS = ("map", "vllm", "sglang")
+LAYOUTS = tuple(LAYOUT_FIELDS)
+"""Decoding layouts: "map", then each family's tagged-array layout."""
 
 STORED: dict[str, type] = {
     lay: _struct(f"Stored_{lay}", "BlockStored", lay, _stored_spec(lay, Tokens)) for lay in LAYOUTS
@@ -140,7 +153,7 @@ CLEARED: dict[str, type] = {lay: _struct(f"Cleared_{lay}", "AllBlocksCleared", l
 
 ARRAY_FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
     (lay, tag): tuple(f[0] for f in spec)
-    for lay in ("vllm", "sglang")
+    for lay in LAYOUTS[1:]
     for tag, spec in (("BlockStored", _stored_spec(lay, Tokens)), ("BlockRemoved", _removed_spec(lay)))
 }
 """Field name at array index k+1, for error messages."""
