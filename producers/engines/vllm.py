@@ -8,7 +8,7 @@ to BlockStored (a field kvbus knows: ``BlockStored.tier`` and a wire type in
     row("vllm-0.35", stored=("tier",)),
 
 The decoder (its map and array structs), ``kvbus.engine_wire`` (the fleet's encoder), the list of
-formats and ``--engine auto`` detection all follow from it (tests/test_engines.py does exactly this).
+formats and ``--engine auto`` detection all follow from it (tests/test_engines.py adds such a row to a copy of the table).
 """
 from __future__ import annotations
 
