@@ -91,6 +91,22 @@ class Harness:
         # the start-up replay is answered quickly; wait until it is done
         wait_for(lambda: not self.bridge.sequencer.replay_pending, what="start-up replay")
 
+    def subscribed(self) -> int:
+        """Publish probe batches until one arrives (then the subscription is live: nothing published
+        later is lost to the slow joiner); returns how many were published (all arrive: a lost one
+        is replayed when a later one reveals the gap)."""
+        n, base = 0, len(self.data())
+        deadline = time.monotonic() + 10
+        while True:
+            assert time.monotonic() < deadline, "the bridge never received a probe"
+            self.pub.publish([stored(10_000 + n)], ts=999.0)
+            n += 1
+            try:
+                wait_for(lambda: len(self.data()) == base + n, timeout=0.2, what="the probe")
+                return n
+            except AssertionError:
+                continue
+
     def stop(self) -> None:
         self.bridge.stop()
         if self._thread is not None:
@@ -120,20 +136,29 @@ def harness_factory():
 
 
 def test_batches_published_before_and_after_connect_arrive_in_order(harness_factory):
+    """Batches published before the bridge exists arrive through its start-up replay, batches
+    published once it is subscribed arrive live; all in order, without markers.
+
+    Between the two, probes are published until one arrives: a SUB socket misses what is published
+    before its subscription reaches the PUB (ZMQ's slow joiner), and a batch lost at the very end
+    of the stream has no successor to reveal the gap, so publishing the second half right after
+    start() could leave it waiting forever (this test did, 1 run in ~20 under load)."""
     hs = harness_factory()
     batches = script_events(12)
     for evs in batches[:5]:  # before the bridge exists: only the replay buffer has them
         hs.pub.publish(evs, ts=1000.0)
     hs.start()
+    wait_for(lambda: len(hs.data()) == 5, what="the start-up replay")
+    probes = hs.subscribed()
     for evs in batches[5:]:
         hs.pub.publish(evs, ts=1001.0)
-    wait_for(lambda: len(hs.data()) == 12, what="12 batches")
-    time.sleep(0.1)
+    n = 12 + probes
+    wait_for(lambda: len(hs.data()) == n, what=f"{n} batches")
     data = hs.data()
-    assert [b.seq for b in data] == list(range(12))
+    assert [b.seq for b in data] == list(range(n))
     assert hs.markers() == []
     assert len({b.epoch for b in data}) == 1 and data[0].epoch > 0
-    for b, evs in zip(data, batches):
+    for b, evs in zip(data[:5] + data[5 + probes:], batches):
         assert b.events == [project("vllm-0.33", e) for e in evs]
         assert (b.replica, b.dp_rank, b.worker_rank, b.workers, b.engine, b.topic) == (REPLICA, 0, 0, 1, "vllm", "")
     assert hs.dead == []
