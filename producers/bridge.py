@@ -15,8 +15,7 @@ and hand what it releases, in order, to the sink:
   (see :meth:`Bridge._same_as_resumed`).
 
 The sink is a seam: :class:`~producers.kafka_out.KafkaSink` in production, any
-object with the :class:`Sink` methods (or a plain callable, see :class:`CallbackSink`)
-in unit tests.
+object with the :class:`Sink` methods in unit tests (tests/callback_sink.py).
 """
 from __future__ import annotations
 
@@ -96,35 +95,6 @@ class Sink(Protocol):
     def close(self, timeout: float = 30.0) -> int: ...
 
 
-class CallbackSink:
-    """A sink calling ``on_batch(batch)`` / ``on_dead_letter(dl)`` synchronously (unit tests)."""
-
-    def __init__(self, on_batch: Callable[[EventBatch], Any],
-                 on_dead_letter: Callable[[DeadLetter], Any] | None = None) -> None:
-        self.on_batch = on_batch
-        self.on_dead_letter = on_dead_letter or (lambda dl: None)
-        self.accept = True
-        """Set False to simulate a full backlog."""
-
-    def produce_batch(self, batch: EventBatch) -> None:
-        self.on_batch(batch)
-
-    def produce_dead_letter(self, dl: DeadLetter) -> None:
-        self.on_dead_letter(dl)
-
-    def service(self) -> None:
-        pass
-
-    def accepting(self) -> bool:
-        return self.accept
-
-    def update_gauges(self) -> None:
-        pass
-
-    def close(self, timeout: float = 30.0) -> int:
-        return 0
-
-
 class Bridge:
     """Runs one stream. ``resume``: the last position produced before (from
     :func:`producers.recovery.find_last_produced`), None for a first start."""
@@ -132,7 +102,7 @@ class Bridge:
     def __init__(
         self,
         cfg: BridgeConfig,
-        sink: Sink | Callable[[EventBatch], Any],
+        sink: Sink,
         metrics: BridgeMetrics | None = None,
         *,
         resume: Resume | None = None,
@@ -143,7 +113,7 @@ class Bridge:
         """EventBatch.engine of the records produced (``cfg.engine_label``; with "auto", as detected)."""
         self._sniff = cfg.engine == "auto"
         self._sniffed = 0
-        self.sink: Sink = sink if hasattr(sink, "produce_batch") else CallbackSink(sink)  # type: ignore[arg-type]
+        self.sink: Sink = sink
         self.metrics = metrics or BridgeMetrics()
         self.ctx = ctx or zmq.Context.instance()
         self.sequencer = Sequencer(

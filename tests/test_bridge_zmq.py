@@ -13,7 +13,7 @@ import pytest
 
 from kvbus.engine_wire import project
 from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
-from producers.bridge import Bridge, BridgeConfig, CallbackSink
+from producers.bridge import Bridge, BridgeConfig
 from producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
 from schemas.events import (
     AllBlocksCleared,
@@ -24,6 +24,7 @@ from schemas.events import (
     Reset,
 )
 from schemas.serde import RecordSerde, registry_client
+from tests.callback_sink import CallbackSink
 from tests.recording_producer import RecordingProducer
 
 pytestmark = pytest.mark.timeout(60)
