@@ -45,6 +45,7 @@ from schemas.codec import (
     encode_event,
     encode_events,
     event_array,
+    event_writer,
 )
 from schemas.serde import registry_client, value_schema_id
 from schemas.settings import Settings
@@ -140,13 +141,15 @@ def _slow(e: Any) -> bytes:
 
 
 _PLANS: dict[type, Any] = {}
+_WRITE_STORED = event_writer("BlockStored")
+_WRITE_REMOVED = event_writer("BlockRemoved")
 
 
 def _plan(cls: type) -> Any:
     """An encoder specialised to one engine event class: msgspec structs are read with one
-    ``astuple`` call and field positions found once, and the common shape is converted to the
-    kvbus struct directly; other objects use :func:`to_kvbus_event`. Either way the bytes are
-    written by the codec (:func:`schemas.codec.encode_event`)."""
+    ``astuple`` call and field positions found once, and the common shape goes straight to the
+    codec's writer of field values (:func:`schemas.codec.event_writer`); other objects use
+    :func:`to_kvbus_event`. Either way the bytes are written by the codec."""
     if cls in (BlockStored, BlockRemoved, AllBlocksCleared, Reset):
         return encode_event
     fields = getattr(cls, "__struct_fields__", None)
@@ -180,8 +183,8 @@ def _plan(cls: type) -> Any:
             hs = v[i_h]
             if not plain(v) or len(hs) != 1 or type(hs[0]) is not int:
                 return _slow(e)
-            return encode_event(BlockRemoved(block_hashes=[(hs[0] & _MASK).to_bytes(8, "big")],
-                                             medium=_cached_medium(v[i_m]), group_idx=v[i_g]))
+            return _WRITE_REMOVED(block_hashes=[(hs[0] & _MASK).to_bytes(8, "big")], medium=_cached_medium(v[i_m]),
+                                  group_idx=v[i_g])
         return removed
 
     i_p, i_t, i_bs, i_k = at("parent_block_hash"), at("token_ids"), at("block_size"), at("kv_cache_spec_kind")
@@ -200,9 +203,9 @@ def _plan(cls: type) -> Any:
             return _slow(e)
         if toks and type(toks[0]) is not int:
             return _slow(e)  # SGLang bigram pairs
-        return encode_event(BlockStored(
+        return _WRITE_STORED(
             block_hashes=hashes, parent_block_hash=parent, token_ids=toks if type(toks) is list else list(toks),
-            block_size=v[i_bs], medium=_cached_medium(v[i_m]), group_idx=v[i_g], kv_cache_spec_kind=v[i_k]))
+            block_size=v[i_bs], medium=_cached_medium(v[i_m]), group_idx=v[i_g], kv_cache_spec_kind=v[i_k])
     return stored
 
 

@@ -13,6 +13,7 @@ returns, reading the canonical encoding only and raising
 Module-level names are those of the codec of ``schemas/avro``:
 
 * ``encode(record, obj)`` / ``decode(record, data, pos=0)``: bodies of the top-level records;
+* ``event_writer(record)``: the same from field values (no struct built);
 * ``encode_event(e)``: the event-union encoding (branch index + record) of an event struct, or
   the ``avro`` bytes of a pre-encoded one (any object with that attribute, e.g.
   :class:`streams.raw_event.RawEvent`); ``encode_events`` / ``event_array``: an ``events``
@@ -95,6 +96,12 @@ class Codec:
         """The ``kvbus.<record>`` struct whose body is ``data[pos:]``; WireError if not canonical."""
         return self.readers[record](data, pos)
 
+    def event_writer(self, record: str) -> Callable[..., bytes]:
+        """``write(<field>=value, ...)``: the event-union encoding of a ``kvbus.<record>`` event
+        given its field values (fields with a default may be left out), for a producer that
+        converts an engine's event without building the struct (producers.publisher)."""
+        return self.ns[f"wv{self.ns['SCAN_UNION']}_kvbus_{record}"]
+
     def encode_events(self, evs: list) -> bytes:
         """The ``events`` array of an EventBatch."""
         if not evs:
@@ -150,6 +157,7 @@ decode_event = CODEC.decode_event
 batch_head = CODEC.batch_head
 batch_from_head = CODEC.batch_from_head
 batch_scanner = CODEC.batch_scanner
+event_writer = CODEC.event_writer
 
 _SCHEMA_ID = struct.Struct(">I").unpack_from
 

@@ -26,7 +26,20 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+from schemas import codec_runtime
+
 PRIMITIVES = ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
+
+
+SCALAR_ENC = {
+    "null": "NULL", "boolean": "(b'\\x01' if {v} else NULL)", "int": "LONG[{v}]", "long": "LONG[{v}]",
+    "float": "FLOAT({v})", "double": "DOUBLE({v})", "string": "STR[{v}]", "bytes": "LONG[len({v})] + {v}",
+}
+"""Expression encoding a local ``{v}`` of each primitive type (runtime names: schemas.codec_runtime)."""
+
+
+RESERVED = {n for n in dir(codec_runtime) if not n.startswith("__")} | {"e", "enc", "head"}
+"""Names the generated writers use: a field of that name could not be a parameter of them."""
 
 
 def mangle(name: str) -> str:
@@ -148,20 +161,8 @@ class Generator:
         """Expression encoding the local ``v`` of type ``t``."""
         k = self.kind(t)
         t = self.resolve(t)
-        if k == "null":
-            return "NULL"
-        if k == "boolean":
-            return f"(b'\\x01' if {v} else NULL)"
-        if k in ("int", "long"):
-            return f"LONG[{v}]"
-        if k == "float":
-            return f"FLOAT({v})"
-        if k == "double":
-            return f"DOUBLE({v})"
-        if k == "string":
-            return f"STR[{v}]"
-        if k == "bytes":
-            return f"LONG[len({v})] + {v}"
+        if k in SCALAR_ENC:
+            return SCALAR_ENC[k].format(v=v)
         if k == "fixed":
             return f"fixed({v}, {t['size']})"
         if k == "enum":
@@ -196,8 +197,9 @@ class Generator:
     def _branch(i: int) -> str:
         return repr(bytes(((i << 1),)))
 
-    CACHEABLE = ("boolean", "int", "long", "float", "double", "string", "bytes", "fixed", "enum")
-    """Types of optional fields whose runs are encoded through a cache keyed by their values."""
+    CACHEABLE = ("boolean", "int", "long", "string", "bytes", "fixed", "enum")
+    """Types of optional fields whose runs are encoded through a cache keyed by their values (not
+    floats: -0.0 == 0.0 as keys, but their encodings differ)."""
     CACHE_SIZE = 1024
 
     def _runs(self, fields: list[dict]) -> list[tuple[str, int, int]]:
@@ -230,19 +232,36 @@ class Generator:
             i += 1
         return out
 
-    def _writer(self, t: dict, prefix: str = "", fn: Optional[str] = None) -> None:
+    def _writer(self, t: dict, prefix: str = "", fn: Optional[str] = None, params: bool = False) -> None:
         """``w_R(e)``: the body of record ``t`` (``prefix`` first); optional fields in runs
-        (:meth:`_runs`) cost one lookup or one test for the run in the common cases."""
+        (:meth:`_runs`) cost one lookup or one test for the run in the common cases.
+        ``params``: a writer of the field values instead, ``fn(<field>=..., ...)`` (the trailing
+        fields with a default may be left out)."""
         m = mangle(t["name"])
         fn = fn or f"w_{m}"
         fields = t["fields"]
-        lines = [f"def {fn}(e):"]
+        if params:
+            defaulted = len(fields)
+            while defaulted and "default" in fields[defaulted - 1]:
+                defaulted -= 1
+            names = [f["name"] for f in fields]
+            clash = set(names) & RESERVED
+            if clash:
+                raise NotImplementedError(f"{t['name']}: field names {sorted(clash)} shadow names of the codec")
+            args = [f"{n}={py_default(f['default'])}" if i >= defaulted else n
+                    for i, (n, f) in enumerate(zip(names, fields))]
+            lines = [f"def {fn}({', '.join(args)}):"]
+            local = names
+        else:
+            lines = [f"def {fn}(e):"]
+            local = [f"f{i}" for i in range(len(fields))]
         parts = [prefix] if prefix else []
         for i, f in enumerate(fields):
-            lines.append(f"    f{i} = e.{f['name']}")
+            if not params:
+                lines.append(f"    f{i} = e.{f['name']}")
         for kind, a, b in self._runs(fields):
-            exprs = [self.enc(fields[i]["type"], f"f{i}") for i in range(a, b)]
-            names = [f"f{i}" for i in range(a, b)]
+            exprs = [self.enc(fields[i]["type"], local[i]) for i in range(a, b)]
+            names = local[a:b]
             if kind == "one":
                 parts.append(exprs[0])
             elif kind == "nulls":
@@ -276,6 +295,7 @@ def c_{m}_{a}({', '.join(names)}):
         for i, name in enumerate(names):
             m = mangle(name)
             self._writer(self.named[name], prefix=self._branch(i), fn=f"wb{n}_{m}")
+            self._writer(self.named[name], prefix=self._branch(i), fn=f"wv{n}_{m}", params=True)
             entries.append(f"    S_{m}: wb{n}_{m},")
         self.out.append(f"WU_{n} = {{\n" + "\n".join(entries) + "\n}")
         self.out.append(f"""def wu_{n}(v):
@@ -492,13 +512,13 @@ def c_{m}_{a}({', '.join(names)}):
             tail += self.dec(f["type"], f"f{i}", "        ")
             shared_tail += self.dec(f["type"], f"f{i}", "                    ")
         if tail_ok and after:
-            lines += [f"        if shared is not None:",
+            lines += ["        if shared is not None:",
                       f"            end = tail_varints(data, pos, {len(after)})",
-                      f"            if end >= 0:",
-                      f"                key = data[pos:end]",
+                      "            if end >= 0:",
+                      "                key = data[pos:end]",
                       f"                f{ai} = shared.get(key)",
                       f"                if f{ai} is not None:",
-                      f"                    pos = end"]
+                      "                    pos = end"]
             lines += shared_tail
             lines += ["                    if pos != len(data):", "                        raise WireError('trailing bytes')"]
             lines += self.construct(t, values, "                    ")
