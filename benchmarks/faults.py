@@ -11,6 +11,12 @@ controller on its broker port + 1), registry ``:28081`` (management ``:29001``),
 ``--brokers 3`` (topics replication 3, min ISR 2) if it is not running, and stopped at the end if
 this run started it (``--keep-cluster`` leaves it); the command that stops it is printed either way.
 
+**Sinks restarted in their group.** A sink killed with SIGKILL stays a member of its consumer group
+until its session times out (librdkafka's ``session.timeout.ms``, 45 s), and its successor gets no
+partitions before that: fault ``sink`` measures exactly that; ``sink-static`` runs the sink with
+static membership (``group.instance.id``, through ``benchmarks/sink_with_conf.py``), whose
+successor takes the dead member's place and partitions at once.
+
 **One fault.** Fresh topics (replication 3), consumer groups and Redis prefix (``pipeline.new_run``),
 then the real processes of ``benchmarks/pipeline.py``: ``kvbus sink``, W ``kvbus worker``, one
 ``kvbus bridge`` per engine and ``kvbus fleet`` publishing ``--rate`` engine events/s with a
@@ -23,14 +29,18 @@ Everything is deleted afterwards, so faults do not see each other's records.
 
 **Figures per fault.**
 - ``in_flight``: engine events the fleet published between the fault and the restart.
-- re-read: ``worker_dups`` (reports the Faust worker ignored as redelivered,
-  ``kvbus_streams_duplicates_total``), ``sink_dups`` (events the sink skipped as already applied,
-  ``kvbus_sink_duplicates_skipped_total``), ``sink_reread`` (records the sink read minus records in
-  its topics), ``bridge_recovered`` (batches a bridge recovered through the engine's replay);
-  each summed over every incarnation of the process (a killed one is scraped just before the kill).
+- re-read: ``worker_reread`` (worker reports read, ``kvbus_streams_reports_total`` +
+  ``_duplicates_total``, minus the events the bridges had acknowledged: raw events read twice),
+  ``worker_dups`` (reports the worker itself recognised as redelivered), ``sink_dups`` (events the
+  sink skipped as already applied, ``kvbus_sink_duplicates_skipped_total``: what the worker
+  re-emitted, or the sink re-read), ``sink_reread`` (records the sink read minus records in its
+  topics), ``bridge_recovered`` (batches the bridges recovered through the engines' replay, the
+  start-up's included); each summed over every incarnation of the process (a killed one is scraped
+  just before the kill).
 - ``converge``: from the fault (and from the restart) until the view is fresh again: the moment
   the last *late* probe (published after the fault, not visible within ``--late-ms``) became
-  visible; from then on every probe was visible in time. ``max_stale_ms``: the worst probe's
+  visible; from then on every probe was visible in time (the view held everything published up to
+  then: a probe goes through its holder's stream, in order). ``max_stale_ms``: the worst probe's
   freshness (what a router saw). ``lag_back_s``: from the restart until both hops' consumer lag is
   back within its pre-fault range.
 - ``view_exact`` / ``positions_ok`` after draining; ``ok`` = both, drained, and no stage died.
@@ -198,9 +208,9 @@ def redis_lost(ctx: "Ctx") -> None:
 
 COUNTERS: dict[str, dict[str, str]] = {
     "sink": {"records": "kvbus_sink_records_total", "dups": "kvbus_sink_duplicates_skipped_total"},
-    "worker": {"dups": "kvbus_streams_duplicates_total"},
-    "bridge": {"recovered": "kvbus_bridge_recovered_total", "resets": "kvbus_bridge_resets_total",
-               "lost": "kvbus_bridge_lost_batches_total"},
+    "worker": {"reports": "kvbus_streams_reports_total", "dups": "kvbus_streams_duplicates_total"},
+    "bridge": {"acked": "kvbus_bridge_events_acked_total", "recovered": "kvbus_bridge_recovered_total",
+               "resets": "kvbus_bridge_resets_total", "lost": "kvbus_bridge_lost_batches_total"},
 }
 """Counters summed over every incarnation of a process kind (re-read figures)."""
 
@@ -421,7 +431,15 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
     sampler: Optional[pl.Sampler] = None
     ctx: Optional[Ctx] = None
     try:
-        register(run.settings.registry_url, run.settings.topics, ("kvcr",))
+        for attempt in range(3):  # Apicurio now and then closes a connection unanswered (README)
+            try:
+                register(run.settings.registry_url, run.settings.topics, ("kvcr",))
+                break
+            except OSError as e:
+                if attempt == 2:
+                    raise
+                log.warning("schema registration failed (%s): again", e)
+                time.sleep(1.0)
         pl.start_stages(run, pargs, sink_conf=f.sink_conf)
         run.pids.update(pl.service_pids(run.settings.redis_url))
         ports = {f"sink-{i}": p for i, p in enumerate(run.sink_ports)}
@@ -442,6 +460,7 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         f.run(ctx)
         out["notes"] = ctx.notes
         converged = settle(ctx)
+        ctx.mark("settled")
         out["settled"] = converged
         fleet = ctx.child("fleet")
         run.children.stop(fleet)  # SIGTERM: the fleet writes its final manifest
@@ -456,7 +475,7 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         pos_ok, pos_diffs = positions_match(store, manifest) if manifest.exists() else (False, ["no manifest"])
         out.update(view_exact=exact, view_diffs=diffs[:5], positions_ok=pos_ok, position_diffs=pos_diffs[:5])
         out["ok"] = bool(drained and exact and pos_ok)
-    except Exception as e:  # noqa: BLE001 - one fault failing must not stop the suite
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - one fault failing must not stop the suite
         out["error"] = f"{type(e).__name__}: {e}"[:3000]
         log.warning("fault %s failed: %s", f.name, out["error"])
     finally:
@@ -477,12 +496,13 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
     return out
 
 
-def late_probes(prober: pl.Prober, since: float, now: float, late_s: float) -> tuple[list[bytes], int]:
-    """Probes published since ``since`` that were (or, unseen, already are) late: (seen late ones,
-    outstanding late ones)."""
+def late_probes(prober: pl.Prober, since: float, now: float, late_s: float,
+                until: float = float("inf")) -> tuple[list[bytes], int]:
+    """Probes published in [since, until] that were (or, unseen at ``now``, already are) late:
+    (seen late ones, outstanding late ones)."""
     seen_late, outstanding = [], 0
     for h, tp in prober.published.items():
-        if tp < since:
+        if not since <= tp <= until:
             continue
         ts = prober.seen.get(h)
         if ts is None:
@@ -519,9 +539,9 @@ def figures(ctx: Ctx) -> dict[str, Any]:
     out["fault_window_s"] = round(t_restart - t_fault, 1)
     out["in_flight"] = events_between(p.events, t_fault, t_restart)
     late_s = ctx.args.late_ms / 1000.0
-    end = m.get("fleet_stopped", time.monotonic())
-    seen_late, outstanding = late_probes(p, t_fault, end, late_s)
-    fresh = [(p.seen[h] - tp) * 1000.0 for h, tp in p.published.items() if tp >= t_fault and h in p.seen]
+    end = m.get("settled", time.monotonic())  # probes published later were not followed
+    seen_late, outstanding = late_probes(p, t_fault, end, late_s, until=end)
+    fresh = [(p.seen[h] - tp) * 1000.0 for h, tp in p.published.items() if t_fault <= tp <= end and h in p.seen]
     out["late_probes"] = len(seen_late) + outstanding
     out["max_stale_ms"] = round(max(fresh, default=0.0)) if not outstanding else None
     if outstanding:
@@ -538,6 +558,8 @@ def figures(ctx: Ctx) -> dict[str, Any]:
     c = ctx.counters()
     sink_c, worker_c, bridge_c = c.get("sink", {}), c.get("worker", {}), c.get("bridge", {})
     out["worker_dups"] = int(worker_c.get("dups", 0))
+    # TP=1: one report per event; every raw event the bridges had acknowledged is read once
+    out["worker_reread"] = int(worker_c.get("reports", 0) + worker_c.get("dups", 0) - bridge_c.get("acked", 0))
     out["sink_dups"] = int(sink_c.get("dups", 0))
     try:
         out["sink_reread"] = int(sink_c.get("records", 0)) - topic_records(ctx)
@@ -617,7 +639,8 @@ def positions_match(store: RedisStore, manifest: Path) -> tuple[bool, list[str]]
 
 COLUMNS = (
     ("fault", "fault"), ("ok", "ok"), ("in_flight", "in flight"), ("fault_window_s", "window s"),
-    ("worker_dups", "worker dups"), ("sink_dups", "sink dups"), ("sink_reread", "sink re-read"),
+    ("worker_reread", "worker re-read"), ("worker_dups", "worker dups"), ("sink_dups", "sink dups"),
+    ("sink_reread", "sink re-read"),
     ("bridge_recovered", "bridge replayed"), ("max_stale_ms", "max stale ms"),
     ("converge_from_fault_s", "converge (fault) s"), ("converge_from_restart_s", "converge (restart) s"),
     ("lag_back_s", "lag back s"), ("view_exact", "view == truth"), ("positions_ok", "positions"),
@@ -635,7 +658,7 @@ def cell(v: Any) -> str:
 def text_table(rows: list[dict[str, Any]]) -> str:
     cols = [(k, h) for k, h in COLUMNS]
     cells = [[cell(r.get(k)) for k, _ in cols] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h) in enumerate(cols)]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, (_, h) in enumerate(cols)]
     lines = [" | ".join(h.ljust(w) for (_, h), w in zip(cols, widths))]
     lines.append("-+-".join("-" * w for w in widths))
     lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]

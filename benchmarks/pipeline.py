@@ -181,7 +181,8 @@ def start_stages(run: Run, args: argparse.Namespace, sink_conf: Optional[dict[st
                                "--worker-rank", str(w), "--workers", str(args.tp), "--metrics-port", str(port))
     for kind in ("sink", "worker", "bridge"):
         run.pids[kind] = [c.proc.pid for c in run.children.started if c.name.startswith(kind)]
-    ok = wait_for(lambda: group_stable(run.settings.bootstrap, run.worker_group, args.workers_procs)
+    ok = wait_for(lambda: check_alive(run) is None  # a stage that exits fails the wait at once
+                  and group_stable(run.settings.bootstrap, run.worker_group, args.workers_procs)
                   and group_stable(run.settings.bootstrap, run.sink_group, args.sinks), 120, 1.0)
     check_alive(run)
     if not ok:
