@@ -14,7 +14,7 @@ this run started it (``--keep-cluster`` leaves it); the command that stops it is
 **Sinks restarted in their group.** A sink killed with SIGKILL stays a member of its consumer group
 until its session times out (librdkafka's ``session.timeout.ms``, 45 s), and its successor gets no
 partitions before that: fault ``sink`` measures exactly that; ``sink-static`` runs the sink with
-static membership (``group.instance.id``, through ``benchmarks/sink_with_conf.py``), whose
+static membership (``kvbus sink --instance-id``: Kafka's ``group.instance.id``), whose
 successor takes the dead member's place and partitions at once.
 
 **One fault.** Fresh topics (replication 3), consumer groups and Redis prefix (``pipeline.new_run``),
@@ -78,8 +78,6 @@ if "--use-env" not in sys.argv:
 
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, probes, lag, the truth check)
 
-import redis  # noqa: E402
-
 from kvbus.procs import Child, free_port  # noqa: E402
 from kvbus.progress import scrape  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
@@ -100,8 +98,8 @@ class Fault:
     redis: Optional[str] = None
     """None: the cluster's Redis; "aof" / "none": a redis-server of the benchmark's own with an
     append-only file (appendfsync everysec) / with no persistence at all."""
-    sink_conf: Optional[dict[str, str]] = None
-    """Extra librdkafka settings of the sink's consumer (pipeline.start_stages)."""
+    sink_args: tuple[str, ...] = ()
+    """Extra ``kvbus sink`` arguments (pipeline.start_stages)."""
 
 
 FAULTS: dict[str, Fault] = {}
@@ -164,7 +162,7 @@ def sink(ctx: "Ctx") -> None:
     ctx.kill_restart("sink-0")
 
 
-@fault("sink-static", sink_conf={"group.instance.id": "sink-{i}"})
+@fault("sink-static", sink_args=("--instance-id", "sink-{i}"))
 def sink_static(ctx: "Ctx") -> None:
     """kill -9 the sink, restart it; static group membership (group.instance.id): no session timeout wait."""
     ctx.kill_restart("sink-0")
@@ -198,7 +196,17 @@ def redis_aof(ctx: "Ctx") -> None:
 
 @fault("redis-lost", redis="none")
 def redis_lost(ctx: "Ctx") -> None:
-    """kill -9 Redis without persistence, restart it empty (the whole view and its functions lost)."""
+    """kill -9 Redis without persistence, restart it empty (the whole view and its functions lost);
+    no snapshot yet: the sink rebuilds the view by replaying the block topics from their start."""
+    ctx.kill_redis()
+    ctx.follow(ctx.args.down_for)
+    ctx.restart_redis()
+
+
+@fault("redis-lost-snapshot", redis="none", sink_args=("--snapshot-every", "4"))
+def redis_lost_snapshot(ctx: "Ctx") -> None:
+    """As redis-lost, with the sink snapshotting the view to Kafka every 4 s: the view is rebuilt
+    from the latest snapshot and replayed from its offsets only."""
     ctx.kill_redis()
     ctx.follow(ctx.args.down_for)
     ctx.restart_redis()
@@ -339,7 +347,7 @@ class Ctx:
 
     def restart(self, old: Child) -> Child:
         """Start ``old``'s command again (same name, options and metrics port)."""
-        new = self.run.children.start(old.name, *old.args, launcher=old.launcher)
+        new = self.run.children.start(old.name, *old.args)
         kind = old.name.split("-")[0]
         pids = self.run.pids.get(kind, [])
         self.run.pids[kind] = [new.proc.pid if p == old.proc.pid else p for p in pids]
@@ -440,7 +448,7 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
                     raise
                 log.warning("schema registration failed (%s): again", e)
                 time.sleep(1.0)
-        pl.start_stages(run, pargs, sink_conf=f.sink_conf)
+        pl.start_stages(run, pargs, sink_args=f.sink_args)
         run.pids.update(pl.service_pids(run.settings.redis_url))
         ports = {f"sink-{i}": p for i, p in enumerate(run.sink_ports)}
         ports.update({f"worker-{i}": p for i, p in enumerate(run.worker_ports)})

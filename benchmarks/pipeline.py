@@ -150,22 +150,15 @@ def cluster_replication(bootstrap: str) -> int:
     return min(3, len(admin_client(bootstrap).list_topics(timeout=10).brokers))
 
 
-SINK_WITH_CONF = REPO / "benchmarks" / "sink_with_conf.py"
-
-
-def start_stages(run: Run, args: argparse.Namespace, sink_conf: Optional[dict[str, str]] = None) -> None:
-    """Sinks, workers and bridges, then wait until both consumer groups are stable. ``sink_conf``:
-    extra librdkafka settings of the sinks' consumers (``{i}`` in a value: the sink's number),
-    through ``benchmarks/sink_with_conf.py``."""
+def start_stages(run: Run, args: argparse.Namespace, sink_args: tuple[str, ...] = ()) -> None:
+    """Sinks, workers and bridges, then wait until both consumer groups are stable. ``sink_args``:
+    extra ``kvbus sink`` arguments (``{i}`` in one: the sink's number)."""
     workdir = run.children.log_dir / run.run_id
     for i in range(args.sinks):
         port = free_port()
         run.sink_ports.append(port)
-        launcher: tuple[str, ...] = ("-m", "kvbus")
-        if sink_conf:
-            launcher = (str(SINK_WITH_CONF), *(f"--conf={k}={v.format(i=i)}" for k, v in sink_conf.items()), "--")
         run.children.start(f"sink-{i}", "sink", "--group", run.sink_group, "--prefix", run.prefix,
-                           "--stale-after", "0", "--metrics-port", str(port), launcher=launcher)
+                           "--stale-after", "0", "--metrics-port", str(port), *(a.format(i=i) for a in sink_args))
     for i in range(args.workers_procs):
         port = free_port()
         run.worker_ports.append(port)

@@ -25,9 +25,7 @@ class Child:
     log_path: Path
     """Where its stdout/stderr go."""
     args: tuple[str, ...] = ()
-    """Its ``kvbus`` arguments (what :meth:`Children.start` was given)."""
-    launcher: tuple[str, ...] = ("-m", "kvbus")
-    """What runs them: ``python <launcher> <args>``."""
+    """Its ``kvbus`` arguments (what :meth:`Children.start` was given: a restart reuses them)."""
 
 
 @dataclass
@@ -40,18 +38,17 @@ class Children:
     """Log files are ``<log_dir>/<log_prefix><name>.log``."""
     started: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, *args: str, launcher: tuple[str, ...] = ("-m", "kvbus")) -> Child:
-        """Run ``python -m kvbus <args>`` (``launcher``: ``python <launcher> <args>``, e.g. a script
-        that wraps the kvbus CLI) in the background, output to ``<log_dir>/<log_prefix><name>.log``."""
+    def start(self, name: str, *args: str) -> Child:
+        """Run ``python -m kvbus <args>`` in the background, output to ``<log_dir>/<log_prefix><name>.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{self.log_prefix}{name}.log"
         out = open(path, "ab")
         proc = subprocess.Popen(
-            [sys.executable, *launcher, *args],
+            [sys.executable, "-m", "kvbus", *args],
             stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
         )
         out.close()
-        child = Child(name, proc, path, tuple(args), tuple(launcher))
+        child = Child(name, proc, path, tuple(args))
         self.started.append(child)
         log.info("started %s (pid %d, log %s)", name, proc.pid, path)
         return child

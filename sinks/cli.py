@@ -1,7 +1,7 @@
 """``kvbus sink`` and ``kvbus lookup``: argparse wiring for the lead's ``kvbus`` command.
 
     kvbus sink [--group G] [--prefix kvbus:] [--stale-after SEC] [--metrics-port P] [--batch N]
-               [--session-timeout SEC] [--snapshot-every SEC]     (defaults: KVBUS_SINK_*, sinks/config.py)
+               [--session-timeout SEC] [--instance-id ID] [--snapshot-every SEC]     (defaults: KVBUS_SINK_*, sinks/config.py)
     kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16] [--algo sha256|sha256_cbor])
                  [--replicas a,b#1] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
 
@@ -45,6 +45,9 @@ def add_sink_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-timeout", type=float, default=d.session_timeout,
                    help="seconds before a dead sink's partitions move to another sink "
                         f"(KVBUS_SINK_SESSION_TIMEOUT; now {d.session_timeout:g})")
+    p.add_argument("--instance-id", default=d.instance_id,
+                   help="static group membership (group.instance.id), unique per sink: a sink restarted under "
+                        "its id takes its partitions back at once (KVBUS_SINK_INSTANCE_ID; default none)")
     p.add_argument("--snapshot-every", type=float, default=d.snapshot_every,
                    help="seconds between snapshots of the view to the snapshot topic, taken by one sink "
                         "of the group; 0 = none. The block topics must retain more than this for a lost "
@@ -55,6 +58,7 @@ def sink_config(args: argparse.Namespace) -> SinkConfig:
     """The SinkConfig of ``kvbus sink``'s flags."""
     return replace(SinkConfig.from_env(), group=args.group, prefix=args.prefix, stale_after=args.stale_after,
                    expire_every=args.expire_every, batch=args.batch, session_timeout=args.session_timeout,
+                   instance_id=args.instance_id,
                    snapshot_every=args.snapshot_every, metrics_port=args.metrics_port)
 
 

@@ -133,6 +133,8 @@ class SinkConsumer:
             "topic.metadata.refresh.interval.ms": 5000,
             "enable.partition.eof": False,
         }
+        if config.instance_id:
+            conf["group.instance.id"] = config.instance_id
         conf.update(consumer_conf or {})
         self.consumer = Consumer(conf)
         self.producer = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True,
