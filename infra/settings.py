@@ -12,6 +12,9 @@ Environment variables (all optional):
 ``KVBUS_REGISTRY_URL`` / ``KVBUS_REDIS_URL`` / ``KVBUS_PARTITIONS`` / ``KVBUS_TOPIC_*``
     Read through :class:`schemas.settings.Settings` (defaults there): the registry URL's port
     is the registry's HTTP port, the Redis URL's port the port our redis-server uses.
+``KVBUS_REDIS_CLUSTER_PORT``
+    First port of ``up --redis-cluster N`` (masters on base..base+N-1, replicas after them;
+    cluster bus on port + 10000). Default ``7000``.
 ``KVBUS_REGISTRY_MANAGEMENT_PORT``
     Apicurio management (health) port. Default ``9001``.
 ``KVBUS_KAFKA_JVM_OPTS`` / ``KVBUS_REGISTRY_JVM_OPTS``
@@ -171,8 +174,12 @@ class RedisSettings:
 
 
 def redis_settings() -> RedisSettings:
-    """Redis URL/port from the environment."""
+    """Redis URL/port from the environment (the single Redis: a ``redis+cluster://`` URL names a
+    cluster, :mod:`infra.redis_cluster`, and leaves the single Redis on its default URL)."""
     url = kvbus_settings().redis_url
+    if "+cluster://" in url:
+        from schemas.settings import DEFAULT_REDIS_URL
+        url = DEFAULT_REDIS_URL
     parts = urlsplit(url)
     host = parts.hostname or LOOPBACK
     if host == "localhost":

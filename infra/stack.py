@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from . import kafka_broker, redis_server, registry, topics
+from . import kafka_broker, redis_cluster, redis_server, registry, topics
 from .procs import PidRecord, ServiceError, alive_record, port_open, proc_rss_kib, read_pid, stop_many, stop_process, wait_until
 from .settings import Paths, redis_settings, registry_settings
 
@@ -95,13 +95,16 @@ def _replication(brokers: int) -> int:
 # ---------------------------------------------------------------------------- up
 
 
-def up(brokers: int | None = None, *, timeout: float | None = None, create_topics: bool = True) -> dict[str, Any]:
+def up(brokers: int | None = None, *, timeout: float | None = None, create_topics: bool = True,
+       redis_cluster_masters: int | None = None) -> dict[str, Any]:
     """Start (or confirm) Redis, Kafka (``brokers`` nodes) and the registry; create the kvbus topics.
 
     ``brokers=None`` means: the size of the cluster already running, else 1.
     Raises :class:`StackError` if a cluster of another size is running (run ``down`` first),
     or :class:`ServiceError` naming the service (with its log tail) if one does not become ready.
-    ``timeout`` overrides every per-service readiness timeout (seconds).
+    ``timeout`` overrides every per-service readiness timeout (seconds). ``redis_cluster_masters``:
+    also start a Redis Cluster of that many masters and one replica each (:mod:`infra.redis_cluster`);
+    ``redis_url`` is then the cluster's ``redis+cluster://`` URL (the single Redis keeps running).
 
     Returns ``{"brokers", "bootstrap", "registry_url", "redis_url", "topics", "state_dir", "timings"}``.
     """
@@ -146,6 +149,7 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
         elif not redis_server.ping(rs):
             raise ServiceError(f"redis: nothing answers PING on {rs.url}")
         redis_version = redis_server.check_version(rs)
+        cluster = _start_redis_cluster(paths, redis_cluster_masters, timeout) if redis_cluster_masters else None
         timings["redis"] = time.monotonic() - t
 
         t = time.monotonic()
@@ -179,7 +183,8 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
             "kafka_nodes": [n.name for n in nodes],
             "registry_url": reg.url,
             "registry_health_url": reg.health_url,
-            "redis_url": rs.url,
+            "redis_url": cluster["url"] if cluster else rs.url,
+            "redis_cluster": cluster,
             "redis_external": redis_external,
             "redis_version": redis_version,
             "replication": rf,
@@ -191,6 +196,24 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
         _save_state(paths, state)
     timings["total"] = time.monotonic() - t_all
     return {**state, "created_topics": created, "timings": {k: round(v, 2) for k, v in timings.items()}}
+
+
+def _start_redis_cluster(paths: Paths, masters: int, timeout: float | None) -> dict[str, Any]:
+    nodes = redis_cluster.plan(masters)
+    redis_cluster.start(paths, nodes, timeout=timeout or redis_cluster.START_TIMEOUT)
+    return {"masters": masters, "base_port": nodes[0].port, "url": redis_cluster.cluster_url(nodes)}
+
+
+def up_redis_cluster(masters: int = 3, *, timeout: float | None = None) -> dict[str, Any]:
+    """Start (or confirm) only a Redis Cluster (no Kafka, registry or single Redis): tests, the
+    lookup benchmark. ``down`` stops it. Returns ``{"masters", "base_port", "url"}``."""
+    paths = Paths().ensure()
+    with _locked(paths):
+        cluster = _start_redis_cluster(paths, masters, timeout)
+        state = _load_state(paths)
+        state["redis_cluster"] = cluster
+        _save_state(paths, state)
+    return cluster
 
 
 # ---------------------------------------------------------------------------- down
@@ -222,6 +245,7 @@ def down(timeout: float = 30.0) -> dict[str, str]:
         for rec, pf in recs("registry"):
             results[rec.name] = stop_process(rec, pid_path=pf, timeout=timeout)
         results.update(stop_many(recs("kafka-"), timeout=timeout))
+        results.update(stop_many(recs(redis_cluster.PREFIX), timeout=timeout))
         for rec, pf in recs("redis"):
             results[rec.name] = stop_process(rec, pid_path=pf, timeout=timeout)
         # anything else we may have started under another name
@@ -360,12 +384,15 @@ def status() -> dict[str, Any]:
         "rss_mib": _rss_mib(drec),
         "log": str(redis_server.log_path(paths)),
     }
+    cluster = state.get("redis_cluster")
+    if cluster:
+        services.update(redis_cluster.status(paths, redis_cluster.plan(int(cluster["masters"]), int(cluster["base_port"]))))
     return {
         "ready": all(s["ready"] for s in services.values()),
         "brokers": brokers,
         "bootstrap": kafka_broker.bootstrap(nodes),
         "registry_url": reg.url,
-        "redis_url": rs.url,
+        "redis_url": cluster["url"] if cluster else rs.url,
         "state_dir": str(paths.root),
         "services": services,
     }
@@ -405,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--brokers", type=int, choices=(1, 3), default=None, help="Kafka nodes (default: running size, else 1)")
     p_up.add_argument("--timeout", type=float, default=None, help="readiness timeout per service, seconds")
     p_up.add_argument("--no-topics", action="store_true", help="do not create the kvbus topics")
+    p_up.add_argument("--redis-cluster", type=int, default=None, metavar="MASTERS",
+                      help="also start a Redis Cluster of MASTERS masters + 1 replica each (ports from "
+                           "$KVBUS_REDIS_CLUSTER_PORT, default 7000); KVBUS_REDIS_URL is then its redis+cluster:// URL")
     sub.add_parser("down", help="stop everything this stack started")
     p_st = sub.add_parser("status", help="show services; exit 0 if all ready, 3 otherwise")
     p_st.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -419,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.cmd == "up":
-            info = up(args.brokers, timeout=args.timeout, create_topics=not args.no_topics)
+            info = up(args.brokers, timeout=args.timeout, create_topics=not args.no_topics,
+                      redis_cluster_masters=args.redis_cluster)
             tm = info["timings"]
             log.info(
                 "stack up in %.1fs (prepare %.1fs, redis %.1fs, kafka %.1fs, topics %.1fs, registry %.1fs)",

@@ -10,7 +10,7 @@ import hashlib
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import redis
 
@@ -72,13 +72,14 @@ def ensure_library(r: redis.Redis) -> None:
         load_library(r)
 
 
-def call(r: redis.Redis, name: str, *args: Any, readonly: bool = False) -> Any:
-    """FCALL (or FCALL_RO) ``name`` with no keys and ``args``; loads the library once if it is missing."""
+def call(r: redis.Redis, name: str, *args: Any, readonly: bool = False, keys: Sequence[str] = ()) -> Any:
+    """FCALL (or FCALL_RO) ``name`` with ``keys`` (none: a standalone Redis; Redis Cluster: the
+    declared keys of the call's slot) and ``args``; loads the library once if it is missing."""
     fn = r.fcall_ro if readonly else r.fcall
     try:
-        return fn(name, 0, *args)
+        return fn(name, len(keys), *keys, *args)
     except redis.ResponseError as e:
         if not is_missing(e):
             raise
     load_library(r)
-    return fn(name, 0, *args)
+    return fn(name, len(keys), *keys, *args)

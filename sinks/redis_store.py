@@ -154,6 +154,9 @@ class RedisStore(ResidencyStore):
 
     ``client``: a ``redis.Redis`` (``decode_responses=False``) or a URL. ``load``: check the server
     version and load the function library now (a read-only lookup client passes False).
+    ``declare_keys``: every FCALL declares ``P meta`` and ``P guard`` (a key never written), so it
+    routes on Redis Cluster and is refused (ASK, TRYAGAIN: retried) while ``P``'s slot is being
+    migrated (one shard of :class:`sinks.sharded_store.ShardedRedisStore`).
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class RedisStore(ResidencyStore):
         load: bool = True,
         max_events_per_call: int = MAX_EVENTS_PER_CALL,
         max_hashes_per_call: int = MAX_HASHES_PER_CALL,
+        declare_keys: bool = False,
     ):
         self.r = redis.Redis.from_url(client) if isinstance(client, str) else client
         self.prefix = prefix
@@ -174,9 +178,14 @@ class RedisStore(ResidencyStore):
         self._rc: dict[tuple, tuple[str, str]] = {}
         self._names: dict[int, tuple[str, str, int, int]] = {}
         self._names_at = float("-inf")
+        self.fkeys: tuple[str, ...] = (prefix + "meta", prefix + "guard") if declare_keys else ()
+        """Keys every FCALL declares (none on a standalone Redis)."""
         if load:
             functions.check_server(self.r)
             functions.ensure_library(self.r)
+
+    def _fcall(self, name: str, *args: Any, readonly: bool = False) -> Any:
+        return functions.call(self.r, name, *args, readonly=readonly, keys=self.fkeys)
 
     # -- writes ---------------------------------------------------------------
 
@@ -306,7 +315,7 @@ class RedisStore(ResidencyStore):
         replies, an error reply as its exception."""
         pipe = self.r.pipeline(transaction=False)
         for _, args in calls:
-            pipe.fcall("kvbus_apply", 0, *args)
+            pipe.fcall("kvbus_apply", len(self.fkeys), *self.fkeys, *args)
         return pipe.execute(raise_on_error=False)
 
     def _stream(self, calls: Iterator[tuple[list, list]], sent: list) -> list:
@@ -320,7 +329,7 @@ class RedisStore(ResidencyStore):
             for call in calls:
                 first = not sent
                 sent.append(call)  # before sending: a call lost with the connection is sent again
-                conn.send_packed_command(conn.pack_command("FCALL", "kvbus_apply", 0, *call[1]), check_health=first)
+                conn.send_packed_command(conn.pack_command("FCALL", "kvbus_apply", len(self.fkeys), *self.fkeys, *call[1]), check_health=first)
             replies: list = []
             for _ in sent:
                 try:
@@ -345,7 +354,7 @@ class RedisStore(ResidencyStore):
             if view_id is not None:
                 one += [view_id, ""]
             try:
-                self._add_reply(res, functions.call(self.r, "kvbus_apply", *one))
+                self._add_reply(res, self._fcall("kvbus_apply", *one))
             except redis.ResponseError as e:
                 res.failed.append((topic, ev, f"{type(e).__name__}: {e}"))
 
@@ -382,7 +391,7 @@ class RedisStore(ResidencyStore):
             return
         want = {k: expected.get(k) for k in offsets} if expected is not None else None
         try:
-            functions.call(self.r, "kvbus_apply", self.prefix, 0, 0, 0, b"", view_id or "", _offsets_arg(want, offsets))
+            self._fcall("kvbus_apply", self.prefix, 0, 0, 0, b"", view_id or "", _offsets_arg(want, offsets))
         except redis.ResponseError as e:
             if VIEW_CHANGED in str(e):
                 raise ViewChanged(f"the view under {self.prefix!r} is not view {view_id!r} any more: {e}") from e
@@ -422,7 +431,7 @@ class RedisStore(ResidencyStore):
 
     def dump_holder(self, hid: int) -> HolderDump:
         """One holder's state, read atomically (``kvbus_dump``)."""
-        state, seen, tiers = functions.call(self.r, "kvbus_dump", self.prefix, hid, readonly=True)
+        state, seen, tiers = self._fcall("kvbus_dump", self.prefix, hid, readonly=True)
         fields = {_s(state[j]): state[j + 1] for j in range(0, len(state), 2)}
         out = HolderDump(seen=float(seen) if seen is not None else None)
         f = fields.get("f")
@@ -455,22 +464,22 @@ class RedisStore(ResidencyStore):
             args = head + [len(part)]
             for piece in part:
                 args += piece
-            added += int(functions.call(self.r, "kvbus_restore", *args))
+            added += int(self._fcall("kvbus_restore", *args))
         return added
 
     def heartbeat(self, replica: str, dp_rank: int, ts: float) -> None:
-        functions.call(self.r, "kvbus_heartbeat", self.prefix, replica, dp_rank, repr(ts))
+        self._fcall("kvbus_heartbeat", self.prefix, replica, dp_rank, repr(ts))
 
     def expire_stale(self, max_age: float, now: float, batch: int = 64) -> list[str]:
         out: list[str] = []
         while True:
-            names = functions.call(self.r, "kvbus_expire", self.prefix, repr(now - max_age), repr(now), batch)
+            names = self._fcall("kvbus_expire", self.prefix, repr(now - max_age), repr(now), batch)
             out.extend(_s(n) for n in names)
             if len(names) < batch:
                 return out
 
     def drop_holder(self, replica: str, dp_rank: int, now: float) -> int:
-        return int(functions.call(self.r, "kvbus_drop", self.prefix, holder_key(replica, dp_rank), repr(now)))
+        return int(self._fcall("kvbus_drop", self.prefix, holder_key(replica, dp_rank), repr(now)))
 
     # -- reads ----------------------------------------------------------------
 
@@ -488,7 +497,7 @@ class RedisStore(ResidencyStore):
             return {}
         spec = (weights or DEFAULT_WEIGHTS).spec()
         args: list = [self.prefix, b"".join(chain), spec, *(candidates or ())]
-        reply = functions.call(self.r, "kvbus_lookup", *args, readonly=True)
+        reply = self._fcall("kvbus_lookup", *args, readonly=True)
         if time.monotonic() - self._names_at > NAMES_TTL:
             self._refresh_names()
         try:

@@ -1,6 +1,8 @@
-"""One contract suite for every ResidencyStore (llm-d style): the Redis store and its in-memory twin.
+"""One contract suite for every ResidencyStore (llm-d style): the Redis store, the sharded store on a
+3-master Redis Cluster, and the in-memory twin.
 
-Runs against a private redis-server (no service needed beyond /usr/bin/redis-server).
+Runs against a private redis-server and a private Redis Cluster started by infra/redis_cluster.py
+(no service needed beyond /usr/bin/redis-server and redis-cli).
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStor
 from schemas.topics import Topics
 from tests.memory_store import InMemoryStore
 from sinks.redis_store import RedisStore
+from sinks.sharded_store import ShardedRedisStore
 from sinks.store import ResidencyStore
+from tests.redis_cluster import RedisClusterServer
 from tests.redis_server import RedisServer
 from sinks.tiers import Weights
 
@@ -28,10 +32,25 @@ def redis_server():
         yield srv
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(scope="module")
+def redis_cluster():
+    with RedisClusterServer(3) as cl:
+        yield cl
+
+
+@pytest.fixture(scope="module")
+def cluster_client(redis_cluster):
+    rc = redis_cluster.client()
+    yield rc
+    rc.close()
+
+
+@pytest.fixture(params=["memory", "redis", "sharded"])
 def store(request) -> ResidencyStore:
     if request.param == "memory":
         return InMemoryStore()
+    if request.param == "sharded":
+        return ShardedRedisStore(request.getfixturevalue("cluster_client"), f"c{uuid.uuid4().hex[:8]}:")
     srv = request.getfixturevalue("redis_server")
     return RedisStore(srv.client(), f"c{uuid.uuid4().hex[:8]}:")
 

@@ -2,8 +2,11 @@
 --[[
 kvbus residency view: Redis functions (Redis >= 7.0). Key layout: docs/sinks-layout.md.
 
-All functions take the key prefix P as ARGV[1] and derive their keys from it, so
-they run on a standalone Redis (or its replicas), not on Redis Cluster.
+All functions take the key prefix P as ARGV[1] and derive their keys from it. They may be called
+with no keys (a standalone Redis and its replicas) or with KEYS[1] = P .. 'meta' (and more keys
+of P's slot, e.g. a key that never exists: see ShardedRedisStore): on Redis Cluster a P with a hash
+tag ("kvbus:{s3}:") keeps every key of a call in one slot, and the declared key routes the call
+there (docs/sinks-layout.md, "Redis Cluster"). A declared KEYS[1] that is not P .. 'meta' is refused.
 
 Terms
   holder  (replica, dp_rank), interned as a small integer hid (0, 1, ...)
@@ -119,7 +122,10 @@ end
 -- ---------------------------------------------------------------- context
 
 -- Shared state of one call: prefix, block-table split state and counters (written back by ctx_save).
-local function ctx_load(P)
+local function ctx_load(P, keys)
+  if keys and keys[1] and keys[1] ~= P .. 'meta' then
+    error('kvbus: KEYS[1] must be the prefix .. "meta" (' .. P .. 'meta), got ' .. keys[1])
+  end
   local m = rcall('HMGET', P .. 'meta', 'bL', 'bS', 'blocks', 'entries', 'layout')
   if m[3] and m[3] ~= '0' and m[5] ~= LAYOUT then
     error('kvbus: the view under ' .. P .. ' was written with an older key layout; rebuild it (new prefix)')
@@ -646,7 +652,7 @@ local HEADER_LEN = 39
 
 local function apply(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
-  local c = ctx_load(args[1])
+  local c = ctx_load(args[1], keys)
   local nH = tonumber(args[2]) or 0
   local replicas, names = {}, {}
   for j = 1, nH do replicas[j] = args[1 + 2 * j]; names[j] = args[1 + 2 * j] .. '#' .. args[2 + 2 * j] end
@@ -779,7 +785,7 @@ end
 
 local function lookup(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
-  local c = ctx_load(args[1])
+  local c = ctx_load(args[1], keys)
   local chain = args[2]
   local weights = {}
   for name, w in string.gmatch(args[3], '([^,=]+)=([^,]+)') do weights[name] = tonumber(w) end
@@ -963,7 +969,7 @@ Returns the names expired.
 ]]
 local function expire(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
-  local c = ctx_load(args[1])
+  local c = ctx_load(args[1], keys)
   local hids = redis.call('ZRANGEBYSCORE', c.P .. 'seen', '-inf', args[2], 'LIMIT', 0, tonumber(args[4]))
   local out = {}
   for _, hid in ipairs(hids) do out[#out + 1] = expire_holder(c, tonumber(hid), args[3]) end
@@ -977,7 +983,7 @@ ARGV[1] prefix, ARGV[2] holder name "<replica>#<dp>", ARGV[3] now. Returns entri
 ]]
 local function drop(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
-  local c = ctx_load(args[1])
+  local c = ctx_load(args[1], keys)
   local hid = redis.call('HGET', c.P .. 'hid', args[2])
   if not hid then return 0 end
   local before = c.entries
@@ -992,7 +998,7 @@ ARGV[1] prefix, ARGV[2] replica, ARGV[3] dp_rank, ARGV[4] ts. Returns the holder
 ]]
 local function heartbeat(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
-  local c = ctx_load(args[1])
+  local c = ctx_load(args[1], keys)
   local name = args[2] .. '#' .. args[3]
   local hid = holder_id(c, args[2], name, true)
   redis.call('ZADD', c.P .. 'seen', 'GT', args[4], hid)
@@ -1009,7 +1015,7 @@ flat HGETALL of its extra reference counts}.
 ]]
 local function dump(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
-  local c = ctx_load(args[1])
+  local c = ctx_load(args[1], keys)
   local hid = tonumber(args[2])
   local h = holder_load(c, hid)
   local tiers = {}
@@ -1037,7 +1043,7 @@ tiers' raws split between them, positions repeated): each call adds. Returns ent
 ]]
 local function restore(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
-  local c = ctx_load(args[1])
+  local c = ctx_load(args[1], keys)
   local nP = tonumber(args[6]) or -1
   local at = 7 + 4 * nP
   local nD = tonumber(args[at]) or -1
