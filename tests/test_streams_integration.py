@@ -294,20 +294,36 @@ def test_sigkill_one_of_two_workers_loses_nothing(test_settings: Settings, worke
     victim_parts = set(owned["w2"])
 
     # The trace goes out in paced chunks, as engines produce over time (~5 s in all): the victim
-    # is killed as soon as it has produced 1000 events, while records keep arriving, however fast
-    # it is; so it dies mid-stream (partial aggregates held, work not yet committed) and the
-    # survivor must take its partitions over to finish.
+    # is killed as soon as it has produced 1000 events, while records keep arriving; so it dies
+    # mid-stream (partial aggregates held, work not yet committed) and the survivor must take its
+    # partitions over to finish. A slow machine must not let the trace end first (it did, once,
+    # with the CI run sharing 2 cores with benchmarks): the second half is held back until the
+    # victim has produced its 1000 events and been killed.
     raw = RawProducer(s)
     killed_at = None
     chunk = 50
+    half = len(trace) // 2
+
+    def victim_out() -> int:
+        return sum(1 for r in collector.of(t.blocks) if r[1] in victim_parts)
+
+    def kill(at: int) -> int:
+        workers.procs["w2"].send_signal(signal.SIGKILL)
+        workers.procs["w2"].wait(10)
+        return at
+
     for start in range(0, len(trace), chunk):
+        if start >= half and killed_at is None:
+            deadline = time.time() + 120
+            while victim_out() <= 1000:
+                assert time.time() < deadline, f"the victim produced only {victim_out()} events of the first half"
+                time.sleep(0.1)
+            killed_at = kill(start)
         for b in trace[start:start + chunk]:
             raw.send(b)
         raw.flush()
-        if killed_at is None and sum(1 for r in collector.of(t.blocks) if r[1] in victim_parts) > 1000:
-            workers.procs["w2"].send_signal(signal.SIGKILL)
-            workers.procs["w2"].wait(10)
-            killed_at = start + chunk
+        if killed_at is None and victim_out() > 1000:
+            killed_at = kill(start + chunk)
         time.sleep(0.05)
     assert killed_at is not None and killed_at < len(trace), "the victim must die before the trace ends"
     victim_seen = sum(1 for r in collector.of(t.blocks) if r[1] in victim_parts)
