@@ -33,6 +33,7 @@ import msgspec
 from msgspec import Meta, Raw
 
 from producers.engines import ADAPTERS, RELEASES, union
+from schemas import events
 
 MAX_EVENTS_PER_BATCH = 1_000_000
 """More events than this in one batch is rejected as absurd (vLLM publishes one batch per engine step)."""
@@ -84,8 +85,26 @@ WIRE_TYPES: dict[str, tuple[Any, Any]] = {
     "lookahead_token_ids": (Optional[TokenLists], None),
     "cache_salt": (Optional[str], None),
 }
-"""Wire field -> (msgspec type, default when absent) of every field an engine release table names.
-A release table row that brings a field kvbus has never seen needs its entry here."""
+"""Wire field -> (msgspec type, default when absent) of the fields whose wire type is not the kvbus
+event struct's (Avro ranges, engine hashes, raw msgpack, bigram pairs). Any other field a release
+table names is decoded with its type and default in :mod:`schemas.events` (:func:`wire_type`), so a
+new optional field that engines send as kvbus stores it needs no entry here."""
+
+
+def wire_type(name: str) -> tuple[Any, Any]:
+    """(msgspec type, default) of wire field ``name``: :data:`WIRE_TYPES`, else the field of the same
+    name in the kvbus BlockStored / BlockRemoved struct."""
+    if name in WIRE_TYPES:
+        return WIRE_TYPES[name]
+    for cls in (events.BlockStored, events.BlockRemoved):
+        for f in msgspec.structs.fields(cls):
+            if f.name == name:
+                if f.default is not msgspec.NODEFAULT:
+                    return f.type, f.default
+                if f.default_factory is not msgspec.NODEFAULT:
+                    return f.type, f.default_factory()
+                return f.type, _REQ
+    raise KeyError(f"wire field {name!r} has no type: not in WIRE_TYPES nor in the kvbus event structs")
 
 ARRAY_REQUIRED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
 """Fields every tagged array carries (vLLM 0.9.0's five positions after the tag): required there."""
@@ -108,7 +127,7 @@ LAYOUT_FIELDS = _layouts()
 def _spec(layout: str, names: tuple[str, ...], tokens: Any) -> list[tuple[str, Any, Any]]:
     out = []
     for n in names:
-        t, d = WIRE_TYPES[n]
+        t, d = wire_type(n)
         if layout != "map" and n in ARRAY_REQUIRED:
             d = _REQ
         out.append((n, tokens if t is _TOKENS else t, d))

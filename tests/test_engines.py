@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from kvbus import engine_wire
@@ -48,7 +49,19 @@ def test_a_new_vllm_release_is_one_table_row():
     assert adapter.array_fields() == ADAPTERS["vllm"].array_fields()  # arrays unchanged
     ev = {"type": "BlockStored", **{f: None for f in new.stored[:7]}, "block_hashes": [1], "cache_salt": "s"}
     assert adapter.consistent(ev) and not ADAPTERS["vllm"].consistent(ev)
-    assert all(f in wire_structs.WIRE_TYPES for f in new.stored)  # the decoder has a type for each field
+    assert all(wire_structs.wire_type(f) for f in new.stored)  # the decoder has a type for each field
+
+
+def test_a_field_engines_send_as_kvbus_stores_it_takes_its_type_from_the_event_struct(monkeypatch):
+    """A new optional field needs no wire type of its own: without its WIRE_TYPES entry,
+    ``session_id`` decodes with BlockStored's type and default (and garbage in it is still refused)."""
+    monkeypatch.delitem(wire_structs.WIRE_TYPES, "session_id")
+    t, d = wire_structs.wire_type("session_id")
+    assert d is None and msgspec.convert(None, t) is None and msgspec.convert("s", t) == "s"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(3, t)
+    with pytest.raises(KeyError, match="no type"):
+        wire_structs.wire_type("never_heard_of")
 
 
 def _events() -> list:

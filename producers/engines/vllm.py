@@ -2,8 +2,8 @@
 
 :data:`TABLE` is the release table: one row per release that changed the layout, saying what it
 appended or switched. Adding a vLLM release is one row, e.g. a 0.35 that appends a field ``tier``
-to BlockStored (a field kvbus knows: ``BlockStored.tier`` and a wire type in
-:data:`producers.wire_structs.WIRE_TYPES`)::
+to BlockStored (a field kvbus knows: ``BlockStored.tier`` in :mod:`schemas.events`, whose type and
+default the decoder takes unless :data:`producers.wire_structs.WIRE_TYPES` says otherwise)::
 
     row("vllm-0.35", stored=("tier",)),
 
