@@ -221,13 +221,26 @@ def stop(paths: Paths, nodes: list[ClusterNode], timeout: float = 30.0) -> dict[
     return stop_many(items, timeout=timeout)
 
 
-def free_base_port(masters: int, lo: int = 20000, hi: int = 30000) -> int:
-    """A base port such that the ``2 * masters`` node ports and their bus ports (+10000) are free now."""
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((LOOPBACK, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_base_port(masters: int, lo: int = 10000, hi: int = 22000) -> int:
+    """A base port such that the ``2 * masters`` node ports and their bus ports (+10000) are free now
+    (all below 32768: Linux's ephemeral ports start there, and an outgoing connection may hold one)."""
     import random
 
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(lo, hi - 2 * masters)
-        if not any(port_open(LOOPBACK, p) or port_open(LOOPBACK, p + 10000) for p in range(base, base + 2 * masters)):
+        ports = [q for p in range(base, base + 2 * masters) for q in (p, p + 10000)]
+        if all(_bindable(q) for q in ports):
             return base
     raise ServiceError(f"no free run of {2 * masters} ports in {lo}..{hi}")

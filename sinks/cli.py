@@ -119,7 +119,7 @@ def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dic
     """The ``--json`` answer of ``kvbus lookup``: holders by display name, best first."""
     from sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
     from sinks.rebuild import view_status
-    from sinks.redis_store import RedisStore
+    from sinks.sharded_store import open_store
     from sinks.tiers import Weights
 
     if args.hashes is not None:
@@ -127,7 +127,7 @@ def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dic
     else:
         chain = chain_from_tokens(parse_tokens(args.tokens), args.block_size, args.algo)
     candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
-    store = RedisStore(settings.redis_url, args.prefix, load=False)
+    store = open_store(settings.redis_url, args.prefix, load=False)  # redis+cluster://: the sharded view
     found = store.lookup(chain, weights=Weights.parse(args.weights), candidates=candidates)
     status = view_status(store)
     if status["state"] != "ready":

@@ -131,6 +131,7 @@ class ShardedRedisStore(ResidencyStore):
                  policy: TierPolicy = DEFAULT_POLICY, *, shards: int = DEFAULT_SHARDS, load: bool = True,
                  retry_for: float = RETRY_FOR, **store_kw: Any):
         self.rc = cluster_client(client) if isinstance(client, str) else client
+        self.r = self.rc  # what RedisStore callers read plain keys through (sinks.rebuild.view_status)
         self.prefix = prefix
         self.policy = policy
         self.nshards = shards
