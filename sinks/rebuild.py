@@ -72,12 +72,15 @@ def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[],
     log.info("rebuild: end offsets in %.3f s, wipe in %.3f s, snapshot read in %.3f s", t1 - t0, t2 - t1, read_in)
     restored = entries = 0
     if manifest is not None:
+        missing = [n for n in manifest.holders if n not in holders or holders[n].snapshot < manifest.snapshot]
+        if missing:  # a holder state older than the manifest's offsets: replaying from them would miss events
+            log.error("snapshot %d is incomplete (%d holders without a record of it, e.g. %s): rebuilding by "
+                      "replaying the block topics from their start instead", manifest.snapshot, len(missing),
+                      missing[0])
+            manifest = None
+    if manifest is not None:
         for name in manifest.holders:
-            rec = holders.get(name)
-            if rec is None or rec.snapshot < manifest.snapshot:
-                log.error("snapshot %d: holder %s has no record of this snapshot; it will be rebuilt by replay only",
-                          manifest.snapshot, name)
-                continue
+            rec = holders[name]
             entries += store.restore_holder(rec.replica, rec.dp_rank, holder_dump(rec))
             restored += 1
         store.set_offsets({(o.topic, o.partition): o.offset for o in manifest.offsets})

@@ -46,6 +46,9 @@ def record_key(prefix: str, blocks: str, holder: str | None) -> bytes:
     topic, NUL, then the holder name (``<replica>#<dp_rank>``), or nothing for the manifest. Several
     views (prefixes, deployments with other topic names) can share the topic."""
     return f"{prefix}\0{blocks}\0{holder or ''}".encode()
+LOCK_MS = 3_600_000
+"""How long the snapshot lock is held at most while a snapshot is written (a sink killed while
+writing one frees it then)."""
 MAX_RECORD_BYTES = 64 << 20
 """Largest snapshot record: one holder's state (8 bytes per block and tier: 8 M blocks)."""
 
@@ -187,12 +190,17 @@ class Snapshotter(threading.Thread):
 
     def run(self) -> None:
         writer = None
+        lock = self.store.prefix + "snaplock"
         while not self.stop.wait(self.every):
             try:
-                if not self.store.r.set(self.store.prefix + "snaplock", self._token, nx=True, px=int(self.every * 1000)):
+                # held while this snapshot is written (two writers interleaving their records could
+                # leave a holder record older than the manifest), then for the rest of the period
+                if not self.store.r.set(lock, self._token, nx=True, px=LOCK_MS):
                     continue
                 writer = writer or SnapshotWriter(self.settings, self.store)
                 stats = writer.take()
+                if self.store.r.get(lock) == self._token.encode():
+                    self.store.r.set(lock, self._token, px=max(1, int(self.every * 1000 * 0.9)))
                 log.info("snapshot %d: %d holders, %d entries, %.1f MB in %.1f s", stats.snapshot, stats.holders,
                          stats.entries, stats.bytes / 1e6, stats.seconds)
                 if self.metrics is not None:

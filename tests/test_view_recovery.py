@@ -73,6 +73,34 @@ def test_apply_stores_offsets_with_the_last_call_and_refuses_another_view(redis_
         store.apply(records[30:], view_id="one")
 
 
+def test_an_incomplete_snapshot_is_not_restored(redis_server):
+    """A manifest naming a holder whose record is older than it (two snapshot writers interleaved,
+    a record lost): restoring it and replaying from its offsets would miss that holder's events, so
+    the view is rebuilt by replaying the topics from their start instead."""
+    from schemas.events import ViewOffset, ViewSnapshot
+    from sinks.rebuild import rebuild
+    from sinks.snapshot import holder_record
+
+    live = fresh(redis_server)
+    live.apply(random_streams(9, TOPICS, holders=2, batches=40, pool=20))
+    (h0, n0), (h1, n1) = sorted(live.holder_ids().items())
+    manifest = ViewSnapshot(snapshot=200, taken=0.0, holders=[n0, n1],
+                            offsets=[ViewOffset(topic=TOPICS.blocks, partition=0, offset=77)])
+    records = {n0: holder_record(200, n0, live.dump_holder(h0)), n1: holder_record(199, n1, live.dump_holder(h1))}
+
+    class Reader:
+        def read(self):
+            return manifest, records
+
+    target = fresh(redis_server)
+    rebuild(target, Reader(), lambda: {})
+    assert target.view_id() is not None and target.offsets() == {} and target.size()["entries"] == 0
+    records[n1] = holder_record(200, n1, live.dump_holder(h1))  # complete: restored, offsets stored
+    again = fresh(redis_server)
+    rebuild(again, Reader(), lambda: {})
+    assert again.snapshot() == live.snapshot() and again.offsets() == {(TOPICS.blocks, 0): 77}
+
+
 def test_wipe_deletes_the_view_and_nothing_else(redis_server):
     a, b = fresh(redis_server), fresh(redis_server)
     records = random_streams(8, TOPICS, holders=3, batches=40, pool=20)
