@@ -24,6 +24,16 @@ What it does, in one run on one throw-away ``redis-server`` (free port, ``--save
    holders). Then ``--server-queries`` of each set again with SLOWLOG at 0 us, for the Redis-side
    time (kvbus: the FCALL_RO; llm-d: the sum of its HKEYS, without their per-command dispatch).
 
+``--cluster``: the same data in the single Redis and in the sharded view on a private 3-master
+Redis Cluster (``sinks.sharded_store``, started by ``infra/redis_cluster.py``; ``--shards`` virtual
+shards, a comma list measures several), no llm-d; default 1 M entries instead of 10 M (six more
+servers on this box). Reports lookup p50/p99 client-side for both (answers compared: they must be
+identical) and the apply work per master: FCALL calls and Redis-side us from ``INFO commandstats``
+on each node during the load (the single node's next to it).
+
+    .venv/bin/python benchmarks/lookup.py --cluster                    # 1 M entries, 16 shards
+    .venv/bin/python benchmarks/lookup.py --cluster --shards 3,16 --entries 2000000
+
 The last line printed is one JSON object with the figures.
 """
 from __future__ import annotations
@@ -42,6 +52,8 @@ from schemas.events import BlockEvent, BlockStored  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
 from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
+from tests.redis_cluster import RedisClusterServer  # noqa: E402
+from sinks.sharded_store import ShardedRedisStore  # noqa: E402
 from sinks.tiers import Weights  # noqa: E402
 
 TOPIC = "kvbus.blocks"
@@ -227,6 +239,87 @@ def measure(kind: str, store: RedisStore, llmd: "LlmdIndex | None", queries, arg
     return out
 
 
+def _fcall_stats(r: redis.Redis) -> dict[str, float]:
+    """FCALL and FCALL_RO calls and usec from one node's INFO commandstats."""
+    info = r.info("commandstats")
+    out = {}
+    for cmd in ("fcall", "fcall_ro"):
+        st = info.get(f"cmdstat_{cmd}", {})
+        out[cmd] = {"calls": int(st.get("calls", 0)), "usec": int(st.get("usec", 0))}
+    return out
+
+
+def _lat(store, queries, weights) -> tuple[list[float], list]:
+    lat, answers = [], []
+    for q in queries:
+        t = time.perf_counter()
+        answers.append(store.lookup(q, weights=weights))
+        lat.append(time.perf_counter() - t)
+    return lat, answers
+
+
+def run_cluster(args) -> dict:
+    """``--cluster``: single node vs the sharded view on 3 masters, same data, same queries."""
+    weights = Weights({"GPU": 1.0, "CPU": 0.8, "*": 0.0})
+    shard_counts = [int(x) for x in str(args.shards).split(",")]
+    result: dict = {"mode": "cluster", "entries": None, "replicas": args.replicas, "chain": args.chain, "masters": 3}
+    with RedisServer(["--maxmemory", args.maxmemory, "--maxmemory-policy", "noeviction"]) as srv, \
+            RedisClusterServer(3) as cl:
+        r0 = srv.client()
+        single = RedisStore(r0, "kvbus:")
+        stores, chains, bodies = fleet_workload(args.entries, replicas=args.replicas, copies=args.copies,
+                                                cpu_frac=args.cpu_frac, seed=args.seed, min_chain=args.chain)
+        stores = list(stores)  # loaded twice
+        r0.config_resetstat()
+        n, secs = load_kvbus(single, stores, batch=2000)
+        result["entries"] = n
+        result["single"] = {"load_entries_per_s": round(n / secs), "apply": _fcall_stats(r0)["fcall"]}
+        print(f"single: loaded {n:,} entries in {secs:.1f}s; apply {result['single']['apply']}", flush=True)
+        rc = cl.client()
+        masters = [node for node in rc.get_primaries()]
+        sharded_stores = {}
+        for S in shard_counts:
+            st = ShardedRedisStore(rc, f"kv{S}:", shards=S)
+            for node in masters:
+                node.redis_connection.config_resetstat()
+            n2, secs2 = load_kvbus(st, stores, batch=2000)
+            assert n2 == n
+            per = {node.name: _fcall_stats(node.redis_connection)["fcall"] for node in masters}
+            tot = sum(v["usec"] for v in per.values())
+            result[f"sharded_{S}"] = {
+                "shards": S, "load_entries_per_s": round(n / secs2), "apply_per_master": per,
+                "apply_usec_total": tot,
+                "apply_max_master_share": round(max(v["usec"] for v in per.values()) / max(tot, 1), 3),
+                "apply_max_master_over_single": round(max(v["usec"] for v in per.values()) / max(result["single"]["apply"]["usec"], 1), 3),
+            }
+            print(f"sharded S={S}: loaded in {secs2:.1f}s; apply us per master "
+                  f"{ {k: v['usec'] for k, v in per.items()} } (single {result['single']['apply']['usec']})", flush=True)
+            sharded_stores[S] = st
+        for kind, sample in (("shared", chains), ("private", bodies)):
+            queries = [c[:args.chain] for c in sample][: args.queries]
+            while len(queries) < args.queries:
+                queries += queries[: args.queries - len(queries)]
+            single.lookup(queries[0], weights=weights)
+            out: dict = {"queries": len(queries)}
+            lat1, ans1 = _lat(single, queries, weights)
+            out["single"] = {"p50_ms": round(pct(lat1, 0.5) * 1e3, 3), "p99_ms": round(pct(lat1, 0.99) * 1e3, 3)}
+            out["holders_per_answer"] = round(sum(map(len, ans1)) / len(ans1), 1)
+            for S, st in sharded_stores.items():
+                st.lookup(queries[0], weights=weights)
+                for node in masters:
+                    node.redis_connection.config_resetstat()
+                lat2, ans2 = _lat(st, queries, weights)
+                ro = {node.name: _fcall_stats(node.redis_connection)["fcall_ro"] for node in masters}
+                out[f"sharded_{S}"] = {"p50_ms": round(pct(lat2, 0.5) * 1e3, 3), "p99_ms": round(pct(lat2, 0.99) * 1e3, 3),
+                                       "answers_differ": sum(a != b for a, b in zip(ans1, ans2)),
+                                       "redis_us_per_lookup_per_master": {k: round(v["usec"] / len(queries), 1)
+                                                                          for k, v in ro.items()}}
+            print(f"{kind}-prefix lookups ({out['holders_per_answer']} holders per answer): {out}", flush=True)
+            result[kind] = out
+        rc.close()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, default=10_000_000, help="(replica, block, tier) entries to load")
@@ -239,7 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--maxmemory", default="4gb")
     ap.add_argument("--skip-llmd", action="store_true", help="kvbus layout only")
+    ap.add_argument("--cluster", action="store_true",
+                    help="single node vs the sharded view on a private 3-master Redis Cluster (default 1 M entries)")
+    ap.add_argument("--shards", default="16", help="--cluster: virtual shards, or a comma list of counts to compare")
     args = ap.parse_args(argv)
+    if args.cluster:
+        if args.entries == ap.get_default("entries"):
+            args.entries = 1_000_000
+        print(json.dumps(run_cluster(args)))
+        return 0
 
     with RedisServer(["--maxmemory", args.maxmemory, "--maxmemory-policy", "noeviction"]) as srv:
         r0 = srv.client()
