@@ -78,7 +78,7 @@ if "--use-env" not in sys.argv:
 
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, probes, lag, the truth check)
 
-from kvbus.procs import Child, free_port  # noqa: E402
+from kvbus.procs import Child, free_port, free_port_block  # noqa: E402
 from kvbus.progress import scrape  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
@@ -419,7 +419,7 @@ def stage_args(args: argparse.Namespace, f: Fault) -> argparse.Namespace:
     """The options pipeline.py's helpers read (new_run, start_stages, start_fleet, drain)."""
     return argparse.Namespace(replicas=args.replicas, tp=1, workers_procs=f.workers, sinks=1,
                               partitions=args.partitions, seed=args.seed, probe_every=args.probe_every,
-                              base_port=pl.free_port_block(2 * args.replicas), drain_timeout=args.drain_timeout)
+                              base_port=free_port_block(2 * args.replicas), drain_timeout=args.drain_timeout)
 
 
 def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str, Any]:

@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
-from kvbus.procs import Children, cpu_seconds, free_port, wait_for  # noqa: E402
+from kvbus.procs import Children, cpu_seconds, free_port, free_port_block, wait_for  # noqa: E402
 from kvbus.progress import GroupLag, scrape  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
@@ -628,26 +628,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             stack.down()
     print(json.dumps(result))
     return 0
-
-
-def free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports after it (the fleet binds base..base+n-1)."""
-    import socket
-
-    for base in range(21000, 60000, 500):
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise SystemExit(f"no {n} consecutive free ports")
 
 
 def play(run: Run, args: argparse.Namespace, rates: list[float], rungs: list[tuple[float, float]],

@@ -112,6 +112,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(n: int, start: int = 21000, stop: int = 32000) -> int:
+    """A base port with ``n`` consecutive ports free after it (a fleet binds base..base+n-1; a
+    Kafka node its port and port + 1). Searched below Linux's ephemeral range (32768-60999), where
+    an outgoing connection could take a port between the check and the bind."""
+    for base in range(start, stop - n, max(n, 10)):
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports in {start}-{stop}")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds process ``pid`` has used so far (all its threads), from
     ``/proc/<pid>/stat``; 0.0 if it is gone."""

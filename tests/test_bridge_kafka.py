@@ -23,6 +23,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from kvbus.engine_wire import FORMATS, project
 from kvbus.fleet import Fleet, FleetConfig
+from kvbus.procs import free_port_block
 from producers.recovery import partition_for
 from producers.sequencer import REASON_ENGINE_RESTART
 from schemas.events import BlockStored, holder_key
@@ -261,7 +262,7 @@ class PrivateKafka:
         self.paths = Paths(root=root).ensure()
         (self.paths.root / "kafka").mkdir(parents=True, exist_ok=True)
         (self.paths.root / "kafka" / "libs").symlink_to(shared_libs)
-        port = _free_port_pair()
+        port = free_port_block(2)
         monkeypatch.setenv("KVBUS_BOOTSTRAP", f"127.0.0.1:{port}")
         self.kb = kafka_broker
         self.nodes = kafka_broker.plan(self.paths, 1)
@@ -289,22 +290,6 @@ class PrivateKafka:
             except (ProcessLookupError, ChildProcessError):
                 pass
         self.pids.clear()
-
-
-def _free_port_pair() -> int:
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free port pair")
 
 
 def test_bridge_rides_out_a_kafka_outage(stack: Settings, tmp_path, monkeypatch, fleet: Fleet):

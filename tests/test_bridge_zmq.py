@@ -502,12 +502,11 @@ def test_create_publisher_and_null_publisher():
 
 
 def test_publisher_metrics_count_records_drops_and_markers_and_are_served(publisher_factory):
-    import socket
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from kvbus.procs import free_port
+
+    port = free_port()
     pub, fake, _ = publisher_factory(max_queue_size=1, metrics_port=port)
     m = pub.metrics
     pub.publish(VllmBatch(ts=1.0, events=_vllm_events()[:2]))
