@@ -141,14 +141,16 @@ def _slow(e: Any) -> bytes:
 
 
 _PLANS: dict[type, Any] = {}
-_WRITE_STORED = event_writer("BlockStored")
-_WRITE_REMOVED = event_writer("BlockRemoved")
+_WRITE_STORED = event_writer("BlockStored", ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium",
+                                             "group_idx", "kv_cache_spec_kind"))
+_WRITE_REMOVED = event_writer("BlockRemoved", ("block_hashes", "medium", "group_idx"))
+"""The codec's positional writers of the common shape (the other fields at their defaults)."""
 
 
 def _plan(cls: type) -> Any:
     """An encoder specialised to one engine event class: msgspec structs are read with one
     ``astuple`` call and field positions found once, and the common shape goes straight to the
-    codec's writer of field values (:func:`schemas.codec.event_writer`); other objects use
+    codec's positional writer of those fields (:func:`schemas.codec.event_writer`); other objects use
     :func:`to_kvbus_event`. Either way the bytes are written by the codec."""
     if cls in (BlockStored, BlockRemoved, AllBlocksCleared, Reset):
         return encode_event
@@ -161,39 +163,50 @@ def _plan(cls: type) -> Any:
         return _slow
     pos = {f: i for i, f in enumerate(fields)}
     astuple = msgspec.structs.astuple
+    medium_of = _MEDIUM.get
     n_fields = len(fields)
 
+    padded = False  # whether a field is missing: then the tuple gets a None appended
+
     def at(field: str) -> int:
+        nonlocal padded
+        padded = padded or field not in pos
         return pos.get(field, n_fields)  # n_fields: the None appended to the tuple
 
-    def unset(*names: str) -> Any:
+    def unset(*names: str) -> tuple[Any, Any]:
+        """``(get, expect)``: ``get(v) == expect`` when the fields ``names`` are all None."""
         idx = [pos[f] for f in names if f in pos]
-        if not idx:
-            return lambda v: True
-        get = itemgetter(*idx)
-        expect = get((None,) * n_fields)
-        return lambda v: get(v) == expect
+        get = itemgetter(*idx) if idx else (lambda v: None)
+        return get, get((None,) * n_fields)
 
     i_h, i_m, i_g = at("block_hashes"), at("medium"), at("group_idx")
     if name == "BlockRemoved":
-        plain = unset("locality", "ownership")
+        others, none = unset("locality", "ownership")
+        pad_removed = padded
 
         def removed(e: Any) -> bytes:
-            v = astuple(e) + (None,)
+            v = astuple(e)
+            if pad_removed:
+                v += (None,)
             hs = v[i_h]
-            if not plain(v) or len(hs) != 1 or type(hs[0]) is not int:
+            if others(v) != none or len(hs) != 1 or type(hs[0]) is not int:
                 return _slow(e)
-            return _WRITE_REMOVED(block_hashes=[(hs[0] & _MASK).to_bytes(8, "big")], medium=_cached_medium(v[i_m]),
-                                  group_idx=v[i_g])
+            m = medium_of(v[i_m], _ABSENT)
+            if m is _ABSENT:
+                m = _cached_medium(v[i_m])
+            return _WRITE_REMOVED([(hs[0] & _MASK).to_bytes(8, "big")], m, v[i_g])
         return removed
 
     i_p, i_t, i_bs, i_k = at("parent_block_hash"), at("token_ids"), at("block_size"), at("kv_cache_spec_kind")
-    plain = unset("lora_id", "lora_name", "extra_keys", "kv_cache_spec_sliding_window", "locality", "ownership",
-                  "session_id", "lookahead_token_ids", "cache_salt")
+    others, none = unset("lora_id", "lora_name", "extra_keys", "kv_cache_spec_sliding_window", "locality", "ownership",
+                         "session_id", "lookahead_token_ids", "cache_salt")
+    pad_stored = padded
 
     def stored(e: Any) -> bytes:
-        v = astuple(e) + (None,)
-        if not plain(v):
+        v = astuple(e)
+        if pad_stored:
+            v += (None,)
+        if others(v) != none:
             return _slow(e)
         hs, p, toks = v[i_h], v[i_p], v[i_t]
         try:
@@ -203,9 +216,10 @@ def _plan(cls: type) -> Any:
             return _slow(e)
         if toks and type(toks[0]) is not int:
             return _slow(e)  # SGLang bigram pairs
-        return _WRITE_STORED(
-            block_hashes=hashes, parent_block_hash=parent, token_ids=toks if type(toks) is list else list(toks),
-            block_size=v[i_bs], medium=_cached_medium(v[i_m]), group_idx=v[i_g], kv_cache_spec_kind=v[i_k])
+        m = medium_of(v[i_m], _ABSENT)
+        if m is _ABSENT:
+            m = _cached_medium(v[i_m])
+        return _WRITE_STORED(hashes, parent, toks if type(toks) is list else list(toks), v[i_bs], m, v[i_g], v[i_k])
     return stored
 
 

@@ -13,7 +13,8 @@ returns, reading the canonical encoding only and raising
 Module-level names are those of the codec of ``schemas/avro``:
 
 * ``encode(record, obj)`` / ``decode(record, data, pos=0)``: bodies of the top-level records;
-* ``event_writer(record)``: the same from field values (no struct built);
+* ``event_writer(record, fields=None)``: the same from field values (no struct built),
+  positional for the given ``fields``;
 * ``encode_event(e)``: the event-union encoding (branch index + record) of an event struct, or
   the ``avro`` bytes of a pre-encoded one (any object with that attribute, e.g.
   :class:`streams.raw_event.RawEvent`); ``encode_events`` / ``event_array``: an ``events``
@@ -43,7 +44,7 @@ from fastavro.schema import load_schema, to_parsing_canonical_form
 from schemas import codec_runtime, events as _events
 from schemas.avro import RECORDS, SCHEMA_DIR
 from schemas.codec_runtime import HEADER_SIZE, READ_ERRORS, WireError, confluent_header
-from schemas.codegen import generate, mangle
+from schemas.codegen import HEADER, generator, mangle
 from schemas.serde import RecordSerde, value_schema_id
 
 log = logging.getLogger("kvbus.schemas")
@@ -70,13 +71,13 @@ class Codec:
 
     def __init__(self, records: dict[str, dict], structs: dict[str, type]):
         self.records = records
-        self.source = generate(records, structs, scan=SCAN, split=SPLIT)
+        self._gen = generator(records, structs, scan=SCAN, split=SPLIT)
+        self.source = HEADER + "\n\n\n".join(self._gen.out) + "\n"
         ns: dict[str, Any] = {k: getattr(codec_runtime, k) for k in dir(codec_runtime) if not k.startswith("__")}
         ns.update({f"S_{mangle(name)}": cls for name, cls in structs.items()})
-        filename = f"<schemas.codec generated {id(self):x}>"
-        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
-        exec(compile(self.source, filename, "exec"), ns)
         self.ns = ns
+        self._exec(self.source, "generated")
+        self._positional: dict[tuple[str, tuple[str, ...]], Callable[..., bytes]] = {}
         self.writers: dict[str, Callable[[Any], bytes]] = {r: ns[f"w_kvbus_{r}"] for r in records}
         """Record short name -> writer of its Avro body."""
         self.readers: dict[str, Callable[..., Any]] = {r: ns[f"d_kvbus_{r}"] for r in records}
@@ -96,11 +97,35 @@ class Codec:
         """The ``kvbus.<record>`` struct whose body is ``data[pos:]``; WireError if not canonical."""
         return self.readers[record](data, pos)
 
-    def event_writer(self, record: str) -> Callable[..., bytes]:
-        """``write(<field>=value, ...)``: the event-union encoding of a ``kvbus.<record>`` event
-        given its field values (fields with a default may be left out), for a producer that
-        converts an engine's event without building the struct (producers.publisher)."""
-        return self.ns[f"wv{self.ns['SCAN_UNION']}_kvbus_{record}"]
+    def _exec(self, source: str, what: str) -> None:
+        filename = f"<schemas.codec {what} {id(self):x}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(compile(source, filename, "exec"), self.ns)
+
+    def event_writer(self, record: str, fields: Optional[tuple[str, ...]] = None) -> Callable[..., bytes]:
+        """The event-union encoding of a ``kvbus.<record>`` event from its field values, for a
+        producer that converts an engine's event without building the struct (producers.publisher).
+
+        ``fields`` None: ``write(<field>=value, ...)`` (fields with a default may be left out).
+        ``fields`` given: ``write(<those values, in that order>)``, positional, every other field
+        at its schema default: the writer of a producer's common event shape, generated on
+        first request (:meth:`schemas.codegen.Generator.positional_writer`) and kept."""
+        union = self.ns["SCAN_UNION"]
+        if fields is None:
+            return self.ns[f"wv{union}_kvbus_{record}"]
+        key = (record, tuple(fields))
+        write = self._positional.get(key)
+        if write is None:
+            gen = self._gen
+            name = f"kvbus.{record}"
+            members = next(k for k, n in gen.unions.items() if n == union)
+            start = len(gen.out)
+            fn = gen.positional_writer(gen.named[name], key[1], prefix=gen._branch(members.index(name)))
+            source = "\n\n\n".join(gen.out[start:]) + "\n"
+            self.source += "\n\n" + source
+            self._exec(source, f"writer {fn}")
+            write = self._positional[key] = self.ns[fn]
+        return write
 
     def encode_events(self, evs: list) -> bytes:
         """The ``events`` array of an EventBatch."""

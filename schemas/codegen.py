@@ -20,10 +20,13 @@ records it makes:
 * ``s_R(data, start, pos, raw)``: a scanned union member: ``raw(avro, kept, without)``;
 * ``scan_R(data, pos, raw, shared=None)``: a record with one array of union members scanned
   (see :func:`generate`);
-* ``head_R`` / ``tail_R``: writers of a leading run of fields and of the rest of a record.
+* ``head_R`` / ``tail_R``: writers of a leading run of fields and of the rest of a record;
+* on request (:meth:`Generator.positional_writer`), a positional writer of some fields of a
+  record, the others at their defaults (a producer's common event shape).
 """
 from __future__ import annotations
 
+import ast
 from typing import Any, Iterable, Optional
 
 from schemas import codec_runtime
@@ -54,6 +57,26 @@ def _is_null(t: Any) -> bool:
 def py_default(value: Any) -> str:
     """Python source of an Avro field default (for a parameter default)."""
     return repr(value)
+
+
+class _Fixeds:
+    """A writer's part: the array of ``fixed`` of ``size`` bytes in local ``v`` (``n``, ``j``:
+    locals of its count and joined items)."""
+
+    def __init__(self, v: str, size: int, n: str, j: str):
+        self.v, self.size, self.n, self.j = v, size, n, j
+
+    def error(self) -> str:
+        return f"raise ValueError('fixed values must be {self.size} bytes each')"
+
+    def check(self, ind: str, count: bool = True) -> list[str]:
+        """Statements joining the items (counting them first if ``count``), checking their size."""
+        return ([f"{ind}{self.n} = len({self.v})"] if count else []) + [
+            f"{ind}{self.j} = b''.join({self.v})", f"{ind}if len({self.j}) != {self.size} * {self.n}:",
+            f"{ind}    {self.error()}"]
+
+    def parts(self) -> list[str]:
+        return [f"LONG[{self.n}]", self.j, f"(NULL if {self.n} else b'')"]
 
 
 class Generator:
@@ -245,50 +268,148 @@ class Generator:
             while defaulted and "default" in fields[defaulted - 1]:
                 defaulted -= 1
             names = [f["name"] for f in fields]
-            clash = set(names) & RESERVED
-            if clash:
-                raise NotImplementedError(f"{t['name']}: field names {sorted(clash)} shadow names of the codec")
+            self._check_params(t, names)
             args = [f"{n}={py_default(f['default'])}" if i >= defaulted else n
                     for i, (n, f) in enumerate(zip(names, fields))]
-            lines = [f"def {fn}({', '.join(args)}):"]
-            local = names
+            head = [f"def {fn}({', '.join(args)}):"]
+            local: list[Optional[str]] = list(names)
         else:
-            lines = [f"def {fn}(e):"]
+            head = [f"def {fn}(e):"]
             local = [f"f{i}" for i in range(len(fields))]
-        parts = [prefix] if prefix else []
-        for i, f in enumerate(fields):
-            if not params:
-                lines.append(f"    f{i} = e.{f['name']}")
+            head += [f"    f{i} = e.{f['name']}" for i, f in enumerate(fields)]
+        self.out.append(self._body(t, head, local, prefix, m))
+
+    def positional_writer(self, t: dict, given: Iterable[str], prefix: str = "", fn: Optional[str] = None) -> str:
+        """``fn(<given fields, in that order>)``: the body of record ``t`` (``prefix`` first) with
+        every other field at its schema default, its encoding computed here (a constant, or
+        part of the key of a run's cache). For a producer's common event shape: a positional
+        call, no ``**kwargs``. Returns the function's name; its source goes to ``out``."""
+        m = mangle(t["name"])
+        fields = t["fields"]
+        given = list(given)
+        byname = {f["name"]: i for i, f in enumerate(fields)}
+        unknown = [g for g in given if g not in byname]
+        if unknown or len(set(given)) != len(given):
+            raise LookupError(f"{t['name']}: not its fields, or repeated: {given}")
+        missing = [f["name"] for f in fields if f["name"] not in given and "default" not in f]
+        if missing:
+            raise LookupError(f"{t['name']}: fields without a default must be given: {missing}")
+        self._check_params(t, given)
+        fn = fn or self.tmp(f"p_{m}_")
+        local: list[Optional[str]] = [f["name"] if f["name"] in given else None for f in fields]
+        self.out.append(self._body(t, [f"def {fn}({', '.join(given)}):"], local, prefix, fn))
+        return fn
+
+    @staticmethod
+    def _check_params(t: dict, names: Iterable[str]) -> None:
+        clash = set(names) & RESERVED | {n for n in names if n.startswith("__")}
+        if clash:
+            raise NotImplementedError(f"{t['name']}: field names {sorted(clash)} shadow names of the codec")
+
+    def const(self, t: Any, value: Any) -> bytes:
+        """The encoding of ``value`` (a field default) of type ``t``, computed now."""
+        expr = self.enc(t, "v")
+        try:
+            out = eval(expr, {k: getattr(codec_runtime, k) for k in dir(codec_runtime)}, {"v": value})
+        except Exception as exc:
+            raise NotImplementedError(f"cannot encode the default {value!r} in advance ({expr}): {exc}") from exc
+        return bytes(out)
+
+    def _field(self, t: Any, v: str, stmts: list[str]) -> list[Any]:
+        """Parts encoding the local ``v`` of type ``t`` (a field of its own), checks in ``stmts``:
+        an array of ``fixed`` is its items joined (count, bytes, terminator; no call per item;
+        a :class:`_Fixeds` part, see :meth:`_body`), an optional ``fixed`` its branch + the
+        value, an array of longs its count, items and terminator (no call)."""
+        k = self.kind(t)
+        r = self.resolve(t)
+        if k == "array" and self.kind(r["items"]) == "fixed":
+            return [_Fixeds(v, self.resolve(r["items"])["size"], self.tmp("__n"), self.tmp("__j"))]
+        if k == "array" and self.kind(r["items"]) in ("int", "long"):
+            n = self.tmp("__n")
+            stmts.append(f"    {n} = len({v})")
+            return [f"LONG[{n}]", f"(b''.join(itemgetter(*{v})(LONG)) if {n} > 1 else LONG[{v}[0]] if {n} else b'')",
+                    f"(NULL if {n} else b'')"]
+        opt = self.optional(t)
+        if opt is not None and self.kind(opt[1]) == "fixed":
+            null_i, other = opt
+            size = self.resolve(other)["size"]
+            o = self.tmp("__o")
+            stmts += [f"    if {v} is None:", f"        {o} = {self._branch(null_i)}", f"    elif len({v}) == {size}:",
+                      f"        {o} = {self._branch(1 - null_i)} + {v}", "    else:",
+                      f"        raise ValueError('fixed values must be {size} bytes each')"]
+            return [o]
+        return [self.enc(t, v)]
+
+    def _body(self, t: dict, head: list[str], local: list[Optional[str]], prefix: str, stem: str) -> str:
+        """Source of a writer of record ``t``: ``head`` (its ``def`` line and the statements
+        binding the locals), then the encoding. ``local[i]``: the local holding field ``i``, or
+        None for a field at its default. Runs of optional fields (:meth:`_runs`): ``cache``
+        runs are looked up by the given fields of the run (``C_<stem>_<start>``), ``nulls`` runs
+        tested for None; a run or field with no given value is a constant. The first array of
+        ``fixed`` gets a branch of its own for one item (a block hash): count and terminator
+        become part of the constants around it."""
+        fields = t["fields"]
+        stmts: list[str] = []
+        parts: list[Any] = [ast.literal_eval(prefix)] if prefix else []  # bytes: constants; str: expressions
         for kind, a, b in self._runs(fields):
-            exprs = [self.enc(fields[i]["type"], local[i]) for i in range(a, b)]
-            names = local[a:b]
+            idx = range(a, b)
+            given = [i for i in idx if local[i] is not None]
+            if not given:
+                parts.append(b"".join(self.const(fields[i]["type"], fields[i]["default"]) for i in idx))
+                continue
+            exprs = [self.enc(fields[i]["type"], local[i]) if local[i] is not None
+                     else repr(self.const(fields[i]["type"], fields[i]["default"])) for i in idx]
             if kind == "one":
-                parts.append(exprs[0])
+                parts += self._field(fields[a]["type"], local[a], stmts)
             elif kind == "nulls":
-                nulls = bytes(self.optional(fields[i]["type"])[0] << 1 for i in range(a, b))
-                test = " and ".join(f"{n} is None" for n in names)
+                nulls = b"".join(bytes((self.optional(fields[i]["type"])[0] << 1,)) if local[i] is not None
+                                 else self.const(fields[i]["type"], fields[i]["default"]) for i in idx)
+                test = " and ".join(f"{local[i]} is None" for i in given)
                 parts.append(f"({nulls!r} if {test} else b''.join(({', '.join(exprs)},)))")
             else:
-                cache = f"C_{m}_{a}"
+                names = [local[i] for i in given]
+                cache = f"C_{stem}_{a}"
+                key = names[0] if len(names) == 1 else f"({', '.join(names)},)"
                 if cache not in self.done:
                     self.done.add(cache)
                     self.out.append(f"""{cache} = {{}}
-def c_{m}_{a}({', '.join(names)}):
+def c_{stem}_{a}({', '.join(names)}):
     enc = b''.join(({', '.join(exprs)},))
     if len({cache}) < {self.CACHE_SIZE}:
-        {cache}[({', '.join(names)},)] = enc
+        {cache}[{key}] = enc
     return enc""")
-                key = ", ".join(names)
-                parts.append(f"({cache}.get(({key},)) or c_{m}_{a}({key}))")
-        if not parts:
-            lines.append("    return b''")
-        elif len(parts) == 1:
-            lines.append(f"    return {parts[0]}")
-        else:
-            lines.append("    return b''.join((")
-            lines.extend(f"        {p}," for p in parts)
-            lines.append("    ))")
-        self.out.append("\n".join(lines))
+                parts.append(f"({cache}.get({key}) or c_{stem}_{a}({', '.join(names)}))")
+        arrays = [i for i, p in enumerate(parts) if isinstance(p, _Fixeds)]
+        lines = head + stmts
+        for i in reversed(arrays[1:]):  # from the last: a replacement shifts what follows it
+            lines += parts[i].check("    ")
+            parts[i:i + 1] = parts[i].parts()
+        if arrays:
+            f = parts[arrays[0]]
+            lines += [f"    {f.n} = len({f.v})", f"    if {f.n} == 1:", f"        {f.j} = {f.v}[0]",
+                      f"        if len({f.j}) != {f.size}:", f"            {f.error()}"]
+            lines += self._return(parts[:arrays[0]] + [codec_runtime.ONE, f.j, codec_runtime.NULL]
+                                  + parts[arrays[0] + 1:], "        ")
+            lines += f.check("    ", count=False)
+            parts[arrays[0]:arrays[0] + 1] = f.parts()
+        lines += self._return(parts, "    ")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _return(parts: list[Any], ind: str) -> list[str]:
+        """``return`` of the parts joined (adjacent constants merged)."""
+        merged: list[Any] = []
+        for p in parts:
+            if isinstance(p, bytes) and merged and isinstance(merged[-1], bytes):
+                merged[-1] += p
+            else:
+                merged.append(p)
+        src = [p if isinstance(p, str) else repr(p) for p in merged if p != b""]
+        if not src:
+            return [f"{ind}return b''"]
+        if len(src) == 1:
+            return [f"{ind}return {src[0]}"]
+        return [f"{ind}return b''.join(("] + [f"{ind}    {p}," for p in src] + [f"{ind}))"]
 
     def _union_fns(self, n: int, names: tuple[str, ...]) -> None:
         entries = []
@@ -583,12 +704,12 @@ def _struct_defaults(cls: type) -> dict[str, Any]:
     return out
 
 
-def generate(records: dict[str, dict], structs: dict[str, type],
-             scan: Optional[tuple[str, str, tuple[str, ...], str, str]] = None,
-             split: Optional[tuple[str, tuple[str, ...], str]] = None) -> str:
-    """Python source of the codec of the parsed top-level ``records`` (short name -> parsed
-    schema); see :class:`Generator` for ``scan`` and ``split``. The source refers to the
-    structs as ``S_<mangled name>`` and to :mod:`schemas.codec_runtime`'s names."""
+def generator(records: dict[str, dict], structs: dict[str, type],
+              scan: Optional[tuple[str, str, tuple[str, ...], str, str]] = None,
+              split: Optional[tuple[str, tuple[str, ...], str]] = None) -> Generator:
+    """The :class:`Generator` that has emitted the codec of the parsed top-level ``records``
+    (short name -> parsed schema) into its ``out``; see :class:`Generator` for ``scan`` and
+    ``split``. It can emit more later (:meth:`Generator.positional_writer`)."""
     g = Generator(structs)
     for schema in records.values():
         g.resolve(schema)
@@ -600,5 +721,16 @@ def generate(records: dict[str, dict], structs: dict[str, type],
     if split is not None:
         record, head, raw = split
         g.split_writers(g.named[record], head, raw)
-    header = "# generated by schemas/codegen.py from schemas/avro/*.avsc: do not edit\n"
-    return header + "\n\n\n".join(g.out) + "\n"
+    return g
+
+
+HEADER = "# generated by schemas/codegen.py from schemas/avro/*.avsc: do not edit\n"
+
+
+def generate(records: dict[str, dict], structs: dict[str, type],
+             scan: Optional[tuple[str, str, tuple[str, ...], str, str]] = None,
+             split: Optional[tuple[str, tuple[str, ...], str]] = None) -> str:
+    """Python source of the codec of the parsed top-level ``records`` (see :func:`generator`).
+    The source refers to the structs as ``S_<mangled name>`` and to
+    :mod:`schemas.codec_runtime`'s names."""
+    return HEADER + "\n\n\n".join(generator(records, structs, scan, split).out) + "\n"

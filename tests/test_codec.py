@@ -78,6 +78,47 @@ def test_batch_head_path_equals_whole_batch(batch):
     assert fast.event_array(encoded) == fast.encode_events(batch.events)
 
 
+PUBLISHER_SHAPES = {  # the common event shapes producers.publisher writes positionally
+    BlockStored: ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx",
+                  "kv_cache_spec_kind"),
+    BlockRemoved: ("block_hashes", "medium", "group_idx"),
+}
+
+
+def _fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in msgspec.structs.fields(cls))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events.filter(lambda e: type(e) in PUBLISHER_SHAPES), st.data())
+def test_positional_writers_of_some_fields_write_the_event_with_the_others_at_their_defaults(ev, data):
+    """event_writer(record, fields): the given fields positionally (in any order), the others at
+    their defaults: the bytes of the struct with those fields, and of fastavro."""
+    cls = type(ev)
+    rest = [f for f in _fields(cls) if f != "block_hashes"]
+    fields = data.draw(st.one_of(
+        st.just(PUBLISHER_SHAPES[cls]), st.just(_fields(cls)),
+        st.permutations(rest).flatmap(lambda p: st.integers(0, len(p)).map(lambda k: ("block_hashes", *p[:k])))
+        .flatmap(st.permutations).map(tuple)))
+    write = fast.event_writer(cls.__name__, fields)
+    assert fast.event_writer(cls.__name__, fields) is write  # generated once
+    values = {f: getattr(ev, f) for f in fields}
+    expected = cls(**values)
+    assert write(*values.values()) == fast.encode_event(expected) == fast.event_writer(cls.__name__)(**values)
+    batch = EventBatch(replica="r", seq=1, ts=0.5, events=[expected])
+    assert fast.encode("EventBatch", batch)[:-1].endswith(write(*values.values()) + b"\x00")
+    assert fast.encode("EventBatch", batch) == fastavro_body(parsed_schema("EventBatch"), TO_AVRO["EventBatch"](batch))
+
+
+def test_positional_writers_refuse_unknown_repeated_and_missing_required_fields():
+    with pytest.raises(LookupError):
+        fast.event_writer("BlockRemoved", ("block_hashes", "nope"))
+    with pytest.raises(LookupError):
+        fast.event_writer("BlockRemoved", ("block_hashes", "medium", "medium"))
+    with pytest.raises(LookupError):
+        fast.event_writer("BlockRemoved", ("medium",))  # block_hashes has no default
+
+
 @pytest.mark.parametrize("first_index", [0, 1, 63, 64, 1000, 2**31 - 1])
 def test_parts_of_a_split_batch_round_trip_with_first_index(first_index):
     """A part of a split batch: written byte for byte as RecordSerde writes it, read back (whole
@@ -270,6 +311,17 @@ def test_block_hashes_must_be_8_bytes():
             fast.encode("EventBatch", EventBatch(replica="r", seq=0, ts=0.0, events=[BlockRemoved(block_hashes=hashes)]))
     with pytest.raises(ValueError):
         fast.encode_event(BlockStored(block_hashes=[b"12345678"], parent_block_hash=b"short"))
+    stored = fast.event_writer("BlockStored", PUBLISHER_SHAPES[BlockStored])
+    removed = fast.event_writer("BlockRemoved", PUBLISHER_SHAPES[BlockRemoved])
+    for hashes, parent in (([b"short"], None), ([b"short", b"12345678"], None), ([b"12345678"] * 2, b"short"),
+                           ([b"12345678"], b"123456789")):
+        with pytest.raises(ValueError):
+            stored(hashes, parent, [1], 16, None, None, None)
+    for hashes in ([b"short"], [b"short", b"123456789"], [b"1234567"] * 8):
+        with pytest.raises(ValueError):
+            removed(hashes, None, None)
+        with pytest.raises(ValueError):
+            fast.encode_event(BlockRemoved(block_hashes=hashes))
     with pytest.raises(TypeError):
         fast.encode_event("not an event")
 
@@ -386,6 +438,16 @@ def test_an_optional_field_added_to_the_avsc_and_the_struct_is_encoded_decoded_a
                                          new.encode_event(msgspec.structs.replace(ev, lora_name=None)))
     head = new.batch_head("r", 0, 0, 2, "vllm")
     assert new.batch_from_head(head, 9, 3, 1.5, "", new.encode_events(batch.events)) == body
+    # the positional writer of the publisher's shape, generated from the new schema: shard at its default
+    shape = PUBLISHER_SHAPES[BlockStored]
+    for ev in stored:
+        values = [getattr(ev, f) for f in shape]
+        plain = BlockStoredWithShard(**dict(zip(shape, values)))
+        assert new.event_writer("BlockStored", shape)(*values) == new.encode_event(plain)
+        assert new.event_writer("BlockStored", (*shape, "shard"))(*values, ev.shard) == new.encode_event(
+            BlockStoredWithShard(**dict(zip(shape, values)), shard=ev.shard))
+    one = EventBatch(replica="r", seq=1, ts=0.5, events=[plain])
+    assert new.encode("EventBatch", one) == fastavro_body(parsed["EventBatch"], _to_avro(one))
     # a record of the current schemas is not what the new codec reads: its fast path refuses it
     old = fast.encode("EventBatch", msgspec.structs.replace(batch, events=[
         BlockStored(block_hashes=[b"h" * 8], token_ids=list(range(20)), block_size=16, medium="GPU")]))
