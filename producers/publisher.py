@@ -86,11 +86,33 @@ def _medium(m: Any) -> str | None:
     return m.upper() if isinstance(m, str) else (None if m is None else str(m).upper())
 
 
+_STORED_CONVERTED = ("block_hashes", "parent_block_hash", "token_ids", "medium", "extra_keys", "block_digests",
+                     "parent_block_digest")
+"""BlockStored fields the publisher converts (hashes to canonical bytes, medium upper-cased, extra keys
+re-encoded); every other field of the kvbus struct is copied from the engine's event as it is."""
+_REMOVED_CONVERTED = ("block_hashes", "medium", "block_digests")
+
+
+def _copied(cls: type, converted: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+    """(field, default) of the kvbus struct's fields copied as they are: derived from the struct, so
+    a field added to :mod:`schemas.events` is carried without a change here."""
+    out = []
+    for f in msgspec.structs.fields(cls):
+        if f.name not in converted:
+            default = f.default if f.default is not msgspec.NODEFAULT else None
+            out.append((f.name, default))
+    return tuple(out)
+
+
+_STORED_COPIED = _copied(BlockStored, _STORED_CONVERTED)
+_REMOVED_COPIED = _copied(BlockRemoved, _REMOVED_CONVERTED)
+
+
 def to_kvbus_event(e: Any) -> Any:
     """A vLLM/SGLang event object (or a kvbus struct) as a :mod:`schemas.events` struct.
 
     Duck-typed by class name: BlockStored, BlockRemoved, AllBlocksCleared; fields the
-    object lacks are None. Raises ValueError for any other event type.
+    object lacks take the kvbus struct's default. Raises ValueError for any other event type.
     """
     t = type(e)
     if t is BlockStored or t is BlockRemoved or t is AllBlocksCleared or t is Reset:
@@ -102,19 +124,15 @@ def to_kvbus_event(e: Any) -> Any:
         parent, parent_digest = canonical_parent(e.parent_block_hash)
         extra = g(e, "extra_keys", None)
         return BlockStored(
-            block_hashes=hashes, parent_block_hash=parent, token_ids=list(e.token_ids), block_size=e.block_size,
-            lora_id=g(e, "lora_id", None), medium=_medium(g(e, "medium", None)), lora_name=g(e, "lora_name", None),
-            extra_keys=None if extra is None else _EXTRA.encode(extra), group_idx=g(e, "group_idx", None),
-            kv_cache_spec_kind=g(e, "kv_cache_spec_kind", None),
-            kv_cache_spec_sliding_window=g(e, "kv_cache_spec_sliding_window", None),
-            locality=g(e, "locality", None), ownership=g(e, "ownership", None), session_id=g(e, "session_id", None),
-            lookahead_token_ids=g(e, "lookahead_token_ids", None), cache_salt=g(e, "cache_salt", None),
+            block_hashes=hashes, parent_block_hash=parent, token_ids=list(e.token_ids),
+            medium=_medium(g(e, "medium", None)), extra_keys=None if extra is None else _EXTRA.encode(extra),
             block_digests=digests, parent_block_digest=parent_digest,
+            **{f: g(e, f, d) for f, d in _STORED_COPIED},
         )
     if name == "BlockRemoved":
         hashes, digests = canonical_hashes(e.block_hashes)
-        return BlockRemoved(block_hashes=hashes, medium=_medium(g(e, "medium", None)), group_idx=g(e, "group_idx", None),
-                            locality=g(e, "locality", None), ownership=g(e, "ownership", None), block_digests=digests)
+        return BlockRemoved(block_hashes=hashes, medium=_medium(g(e, "medium", None)), block_digests=digests,
+                            **{f: g(e, f, d) for f, d in _REMOVED_COPIED})
     if name == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown KV event type {name}")
@@ -145,6 +163,10 @@ _WRITE_STORED = event_writer("BlockStored", ("block_hashes", "parent_block_hash"
                                              "group_idx", "kv_cache_spec_kind"))
 _WRITE_REMOVED = event_writer("BlockRemoved", ("block_hashes", "medium", "group_idx"))
 """The codec's positional writers of the common shape (the other fields at their defaults)."""
+
+
+_STORED_FAST = ("block_size", "group_idx", "kv_cache_spec_kind")
+"""Copied BlockStored fields the common-shape writer takes (with hashes, parent, tokens, medium)."""
 
 
 def _plan(cls: type) -> Any:
@@ -181,7 +203,8 @@ def _plan(cls: type) -> Any:
 
     i_h, i_m, i_g = at("block_hashes"), at("medium"), at("group_idx")
     if name == "BlockRemoved":
-        others, none = unset("locality", "ownership")
+        # every other kvbus field must be unset for the common shape (a new field joins by itself)
+        others, none = unset(*(f for f, _ in _REMOVED_COPIED if f != "group_idx"))
         pad_removed = padded
 
         def removed(e: Any) -> bytes:
@@ -198,8 +221,7 @@ def _plan(cls: type) -> Any:
         return removed
 
     i_p, i_t, i_bs, i_k = at("parent_block_hash"), at("token_ids"), at("block_size"), at("kv_cache_spec_kind")
-    others, none = unset("lora_id", "lora_name", "extra_keys", "kv_cache_spec_sliding_window", "locality", "ownership",
-                         "session_id", "lookahead_token_ids", "cache_salt")
+    others, none = unset("extra_keys", *(f for f, _ in _STORED_COPIED if f not in _STORED_FAST))
     pad_stored = padded
 
     def stored(e: Any) -> bytes:

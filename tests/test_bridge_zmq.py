@@ -518,3 +518,24 @@ def test_publisher_metrics_count_records_drops_and_markers_and_are_served(publis
     wait_for(lambda: m.backlog._value.get() == 1, what="backlog gauge")
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "kvbus_bridge_shed_batches_total 2.0" in body and "kvbus_bridge_backlog 1.0" in body
+
+
+def test_the_publisher_carries_every_kvbus_field_an_engine_event_sets():
+    """The publisher copies the kvbus struct's fields by name (derived from schemas.events, not
+    listed by hand), and its common-shape fast path steps aside for any of them that is set: each
+    optional field set on an engine event comes out in the kvbus event, through either path."""
+    from producers.publisher import _STORED_COPIED, encode_engine_event
+    from schemas.codec import decode_event
+
+    base = dict(block_hashes=[7], parent_block_hash=None, token_ids=list(range(16)), block_size=16, lora_id=None,
+                medium="gpu", lora_name=None)
+    plain = decode_event(encode_engine_event(VllmBlockStored(**base)))
+    assert plain == BlockStored(block_hashes=[(7).to_bytes(8, "big")], token_ids=list(range(16)), block_size=16,
+                                medium="GPU")
+    values = {"lora_id": 3, "lora_name": "a", "kv_cache_spec_sliding_window": 128, "locality": "LOCAL",
+              "ownership": "kvcr", "session_id": "s", "lookahead_token_ids": [[1, 2]]}
+    assert set(values) <= {f for f, _ in _STORED_COPIED}
+    for field, value in values.items():
+        got = decode_event(encode_engine_event(VllmBlockStored(**{**base, field: value})))
+        assert getattr(got, field) == value, field
+        assert msgspec.structs.replace(got, **{field: getattr(plain, field)}) == plain, field
