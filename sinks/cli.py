@@ -68,10 +68,10 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
 
     from sinks.consumer import SinkConsumer
     from sinks.metrics import SinkMetrics
-    from sinks.redis_store import RedisStore
+    from sinks.sharded_store import open_store
 
     config = sink_config(args)
-    store = RedisStore(settings.redis_url, config.prefix)
+    store = open_store(settings.redis_url, config.prefix)  # a redis+cluster:// URL: the sharded view
     metrics = SinkMetrics()
     if config.metrics_port:
         start_http_server(config.metrics_port, registry=metrics.registry)
@@ -85,7 +85,7 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     if config.snapshot_every > 0:
         from sinks.snapshot import Snapshotter
 
-        snapshotter = Snapshotter(settings, RedisStore(settings.redis_url, config.prefix, load=False),
+        snapshotter = Snapshotter(settings, open_store(settings.redis_url, config.prefix, load=False),
                                   config.snapshot_every, metrics)
         snapshotter.start()
     try:

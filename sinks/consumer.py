@@ -57,6 +57,10 @@ log = logging.getLogger("kvbus.sinks")
 STAGE = "sink"
 RETRY_PAUSE = 1.0
 """Seconds to wait before re-reading a batch after a transient failure (registry or Redis down)."""
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
+              redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
+"""Redis (or a Redis Cluster master) is unreachable, failing over or migrating a slot: wait and
+resume from the view's offsets; never a reason to dead-letter or to stop."""
 SYNC_TIMEOUT = 120.0
 """Seconds a sink given partitions waits for Redis to find where to resume before it gives up."""
 VIEW_CHECK_EVERY = 1.0
@@ -83,7 +87,7 @@ def is_transient(e: BaseException) -> bool:
     """Whether ``e`` says a service is unreachable or failing, rather than that the input is bad."""
     if isinstance(e, SchemaRegistryError):
         return e.http_status_code >= 500 or e.http_status_code <= 0
-    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)):
+    if isinstance(e, (*REDIS_DOWN, ConnectionError, TimeoutError)):
         return True
     return any(c.__name__ in ("TransportError", "TimeoutException") for c in type(e).__mro__)
 
@@ -143,8 +147,9 @@ class SinkConsumer:
         self.view_id: str | None = None
         self._resync = False
         self._view_checked = 0.0
-        self._expected: dict[tuple[str, int], int | None] = {}
-        """(topic, partition) -> the offset this sink last read or wrote in ``P off`` (None: none)."""
+        self._expected: Any = {}
+        """What this sink last read or wrote of the view's offsets for its partitions, in the
+        store's form (:meth:`RedisStore.checkpoint`: (topic, partition) -> offset or None)."""
         self.consumer.subscribe([self.topics.blocks_pattern()], on_assign=self._on_assign)
         self._last_expire = 0.0
         self._caught_up = False
@@ -163,12 +168,12 @@ class SinkConsumer:
             try:
                 off = self._sync_view()
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except REDIS_DOWN as e:
                 if time.monotonic() > deadline:
                     raise
                 log.warning("Redis unavailable (%s): waiting to know where to resume", e)
                 time.sleep(RETRY_PAUSE)
-        self._expected = {(tp.topic, tp.partition): off.get((tp.topic, tp.partition)) for tp in partitions}
+        self._expected = self.store.checkpoint((tp.topic, tp.partition) for tp in partitions)
         for tp in partitions:
             tp.offset = off.get((tp.topic, tp.partition), OFFSET_BEGINNING)
         consumer.assign(partitions)
@@ -196,7 +201,7 @@ class SinkConsumer:
         """Seek every assigned partition to the view's stored offset (after a Redis failure, or when
         the view was rebuilt): what the view lost is read again, nothing it has is applied twice."""
         off = self._sync_view()
-        self._expected = {(tp.topic, tp.partition): off.get((tp.topic, tp.partition)) for tp in self.consumer.assignment()}
+        self._expected = self.store.checkpoint((tp.topic, tp.partition) for tp in self.consumer.assignment())
         for tp in self.consumer.assignment():
             target = TopicPartition(tp.topic, tp.partition, off.get((tp.topic, tp.partition), OFFSET_BEGINNING))
             try:
@@ -219,7 +224,7 @@ class SinkConsumer:
         if self._resync:
             try:
                 self._resync_now()
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except REDIS_DOWN as e:
                 log.warning("Redis unavailable (%s): resync retried in %.0f s", e, RETRY_PAUSE)
                 time.sleep(RETRY_PAUSE)
                 return 0
@@ -300,9 +305,9 @@ class SinkConsumer:
             t0 = time.perf_counter()
             try:
                 res = self.store.apply(records, view_id=self.view_id, offsets=offsets, expected=self._expected)
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except REDIS_DOWN as e:
                 raise TransientError(f"Redis unavailable ({e})") from e
-            self._expected.update(offsets)
+            self._expected = self.store.advance(self._expected, offsets)
             self.metrics.apply_seconds.observe(time.perf_counter() - t0)
             self.metrics.observe(res)
             for topic, ev, reason in res.failed:
@@ -314,9 +319,9 @@ class SinkConsumer:
         if offsets and not records:  # only dead letters: the view's offsets move on all the same
             try:
                 self.store.set_offsets(offsets, self.view_id, self._expected)
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except REDIS_DOWN as e:
                 raise TransientError(f"Redis unavailable ({e})") from e
-            self._expected.update(offsets)
+            self._expected = self.store.advance(self._expected, offsets)
         if msgs:
             self._uncommitted = True
             if time.monotonic() - self._last_commit >= self.commit_every:
@@ -335,13 +340,12 @@ class SinkConsumer:
             return
         self._view_checked = now
         try:
-            off = self.store.offsets()
-            if self.store.view_id() != self.view_id or any(off.get(k) != v for k, v in self._expected.items()):
+            if self.store.view_id() != self.view_id or not self.store.holds(self._expected):
                 log.warning("the view is not where this sink left it (lost, rebuilt or rolled back): resync")
                 self._resync = True
                 return
             ready = mark_ready_if_caught_up(self.store, self.metrics)
-        except (redis.ConnectionError, redis.TimeoutError):
+        except REDIS_DOWN:
             self._resync = True
             return
         self.metrics.rebuilding.set(0 if ready else 1)
@@ -385,7 +389,7 @@ class SinkConsumer:
                     log.info("expired %d stale holders: %s", len(expired), ", ".join(expired[:10]))
                     self.metrics.expired.inc(len(expired))
             self.metrics.set_view(self.store.size(), len(self.store.stale()))
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except REDIS_DOWN as e:
             log.warning("staleness check skipped: Redis unavailable (%s)", e)
 
     # -- loop -----------------------------------------------------------------

@@ -397,6 +397,26 @@ class RedisStore(ResidencyStore):
                 raise ViewChanged(f"the view under {self.prefix!r} is not view {view_id!r} any more: {e}") from e
             raise
 
+    def checkpoint(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int | None]:
+        """What the view stores for ``partitions`` (None: nothing), in the form ``apply(expected=)``
+        takes: a sink keeps it as what it believes the view holds."""
+        off = self.offsets()
+        return {tp: off.get(tp) for tp in partitions}
+
+    @staticmethod
+    def advance(expected: Any, offsets: Offsets) -> Any:
+        """``expected`` after a batch that stored ``offsets`` was applied."""
+        return {**expected, **offsets}
+
+    def holds(self, expected: Any) -> bool:
+        """Whether the view still stores what ``expected`` says (False: rolled back, rebuilt, or
+        another sink moved the partition on)."""
+        return self.checkpoint(expected) == expected
+
+    def identity(self) -> tuple:
+        """What changes when the server restarts or is replaced (Redis's run id)."""
+        return (str(self.r.info("server").get("run_id", "")),)
+
     def status(self) -> dict[str, str]:
         """``P status``: ``state`` "ready" or "rebuilding" (answers may be partial), ``since`` (epoch s),
         and what the rebuild started from; {} for a view that never had one written."""

@@ -404,6 +404,52 @@ class ShardedRedisStore(ResidencyStore):
             pipe.exists(st.prefix + "meta")
         return {"state": "ready" if any(pipe.execute()) else "missing"}
 
+    # -- recovery (sinks/consumer.py, sinks/rebuild.py, sinks/snapshot.py) -----------------
+
+    def checkpoint(self, partitions: Iterable[tuple[str, int]]) -> list[dict[tuple[str, int], int | None]]:
+        """What each shard stores for ``partitions``: the ``expected`` a sink passes to :meth:`apply`
+        (shards may differ after one of them rolled back)."""
+        parts = list(partitions)
+        return [st.checkpoint(parts) for st in self.shards]
+
+    @staticmethod
+    def advance(expected: Any, offsets: Offsets) -> Any:
+        """``expected`` after a batch that stored ``offsets`` (in every shard) was applied."""
+        return [{**e, **offsets} for e in expected]
+
+    def holds(self, expected: Any) -> bool:
+        """Whether every shard still stores what ``expected`` says for it."""
+        return self.checkpoint(expected[0] if expected else ()) == list(expected)
+
+    def identity(self) -> tuple:
+        """The masters' run ids: changes when one restarts or fails over."""
+        return tuple(sorted(str(n.redis_connection.info("server").get("run_id", "")) for n in self.rc.get_primaries()))
+
+    def set_status(self, **fields: Any) -> None:
+        """Write the view's status into every shard (routers read any of them: :meth:`status`)."""
+        for st in self.shards:
+            self.rc.delete(st.prefix + "status")
+            self.rc.hset(st.prefix + "status", mapping={k: str(v) for k, v in fields.items()})
+
+    def wipe(self, keep: Sequence[str] = ("status", "lock")) -> int:
+        """Delete every shard's keys but ``<shard prefix><keep>`` (a rebuild starts from nothing);
+        the shard count is written again (it belongs to the view, not to its contents)."""
+        n = sum(st.wipe(keep) for st in self.shards)
+        self._check_shards()
+        return n
+
+    def holder_ids(self) -> dict[int, str]:
+        """Holder key -> name over all shards; the key is ``shard << 32 | hid`` (hids are per shard)."""
+        return {(s << 32) | hid: name for s, st in enumerate(self.shards) for hid, name in st.holder_ids().items()}
+
+    def dump_holder(self, key: int) -> Any:
+        """One holder's state (:meth:`RedisStore.dump_holder`), by its key from :meth:`holder_ids`."""
+        return self.shards[key >> 32].dump_holder(key & 0xFFFFFFFF)
+
+    def restore_holder(self, replica: str, dp_rank: int, state: Any, max_hashes: int = 16384) -> int:
+        """Write one holder from a snapshot into its shard (:meth:`RedisStore.restore_holder`)."""
+        return self.shards[self.shard(replica, dp_rank)].restore_holder(replica, dp_rank, state, max_hashes)
+
     def heartbeat(self, replica: str, dp_rank: int, ts: float) -> None:
         self._one(self.shard(replica, dp_rank), "kvbus_heartbeat", replica, dp_rank, repr(ts))
 

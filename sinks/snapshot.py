@@ -126,7 +126,7 @@ class SnapshotWriter:
 
     def _identity(self) -> tuple[str | None, str]:
         """(view id, Redis run id): a snapshot read across a change of either is not consistent."""
-        return self.store.view_id(), str(self.store.r.info("server").get("run_id", ""))
+        return self.store.view_id(), self.store.identity()
 
     def take(self) -> SnapshotStats:
         """Write one snapshot; :class:`SnapshotAbandoned` if the view changed meanwhile."""
