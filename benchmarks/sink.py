@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/sink.py                     # 400k events over 256 replicas
     .venv/bin/python benchmarks/sink.py --events 2000000
+    .venv/bin/python benchmarks/sink.py --cluster 3          # also the sharded view on a 3-master Redis Cluster
 
 The event stream imitates what vLLM publishes per engine step, per replica (protocol doc §6):
 BlockStored of 1 block (a decode step fills a block) or of a prompt's 2-32 new blocks (prefill),
@@ -115,12 +116,43 @@ def used_memory(r) -> int:
     return int(r.info("memory")["used_memory"])
 
 
+def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards: int) -> dict:
+    """The same batches applied to the sharded view on a fresh Redis Cluster: events/s end to end and
+    the Redis-side apply time of each master (INFO commandstats). On this 2-core machine every master
+    shares the same cores, so the per-master **share** of the work is what shows the scale-out."""
+    from sinks.sharded_store import ShardedRedisStore
+    from tests.redis_cluster import RedisClusterServer
+
+    with RedisClusterServer(masters) as cluster:
+        store = ShardedRedisStore(cluster.client(), "kvbus:", shards=shards)
+        for node in cluster.client().get_primaries():
+            node.redis_connection.config_resetstat()
+        t = time.perf_counter()
+        applied = sum(store.apply(b).applied for b in batches)
+        secs = time.perf_counter() - t
+        assert applied == events
+        per_master = {name: round(cmd.get("fcall", {}).get("usec", 0) / 1e6, 2)
+                      for name, cmd in store.commandstats().items()}
+    total = sum(per_master.values()) or 1.0
+    out = {"masters": masters, "shards": shards, "events_per_s": round(events / secs),
+           "hashes_per_s": round(hashes / secs), "seconds": round(secs, 2),
+           "server_seconds_per_master": per_master,
+           "busiest_master_share": round(max(per_master.values()) / total, 3)}
+    print(f"cluster ({masters} masters, {shards} shards): {events / secs:,.0f} events/s, Redis-side s per master "
+          f"{sorted(per_master.values(), reverse=True)}, busiest share {out['busiest_master_share']}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=400_000)
     ap.add_argument("--replicas", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2000, help="records per apply (the sink's poll batch)")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--cluster", type=int, default=0, metavar="MASTERS",
+                    help="also apply the same events to the sharded view on a Redis Cluster of this many masters "
+                         "(each with a replica; all on this machine): events/s and the apply work per master")
+    ap.add_argument("--shards", type=int, default=16, help="virtual shards of the sharded view (default 16)")
     args = ap.parse_args(argv)
 
     t = time.perf_counter()
@@ -164,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                           "seconds": round(secs, 2), "bytes_per_entry": round((used_memory(r1) - mem1) / entries, 1)}
         print(f"llm-d: {len(events) / secs:,.0f} events/s ({hashes / secs:,.0f} hashes/s), {secs:.1f}s", flush=True)
         result["ratio_kvbus_over_llmd"] = round(result["kvbus"]["events_per_s"] / result["llmd"]["events_per_s"], 2)
+
+    if args.cluster:
+        result["cluster"] = apply_cluster(batches, len(events), hashes, args.cluster, args.shards)
 
     registry = registry_client("mock://bench-sink")
     sample = events[:20000]
