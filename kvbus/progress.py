@@ -3,6 +3,7 @@
 endpoints and from Kafka's committed offsets."""
 from __future__ import annotations
 
+import http.client
 import re
 import time
 import urllib.request
@@ -14,11 +15,13 @@ from schemas.settings import Settings
 
 
 def scrape(port: int, pattern: str) -> float:
-    """Sum of the samples whose name matches ``pattern`` at ``127.0.0.1:<port>/metrics`` (0 if down)."""
+    """Sum of the samples whose name matches ``pattern`` at ``127.0.0.1:<port>/metrics`` (0 if down,
+    or if the process died while answering: a cut response is ``http.client.IncompleteRead``, which
+    once killed the fault suite's sampler thread)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
             text = r.read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return 0.0
     rx = re.compile(pattern)
     return sum(
