@@ -63,6 +63,7 @@ from kvbus.progress import GroupLag, scrape  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
 from schemas.topics import Topics  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
+from sinks.sharded_store import open_store  # noqa: E402
 
 log = logging.getLogger("kvbus.bench")
 
@@ -223,7 +224,13 @@ def service_pids(redis_url: str) -> dict[str, list[int]]:
             pids["kafka"].append(rec.pid)
         elif pf.name.startswith("registry"):
             pids["registry"].append(rec.pid)
-    pids["redis"] = [int(redis.Redis.from_url(redis_url).info("server")["process_id"])]
+    if "+cluster://" in redis_url:  # a Redis Cluster: every node's server
+        from sinks.sharded_store import cluster_client
+
+        pids["redis"] = sorted(int(info["process_id"]) for info in
+                               cluster_client(redis_url).info("server", target_nodes="all").values())
+    else:
+        pids["redis"] = [int(redis.Redis.from_url(redis_url).info("server")["process_id"])]
     return pids
 
 
@@ -244,6 +251,12 @@ def cleanup(run: Run) -> None:
             fut.result(30)
         except Exception:  # noqa: BLE001 - a leftover topic is harmless
             pass
+    if "+cluster://" in run.settings.redis_url:  # the sharded view: every shard's keys
+        from sinks.sharded_store import ShardedRedisStore
+
+        for shard in ShardedRedisStore(run.settings.redis_url, run.prefix, load=False).shards:
+            shard.wipe(keep=())
+        return
     r = redis.Redis.from_url(run.settings.redis_url)
     batch = []
     for key in r.scan_iter(match=f"{run.prefix}*", count=1000):
@@ -317,7 +330,10 @@ class Sampler(threading.Thread):
         try:
             while not self.stop.is_set():
                 t0 = time.monotonic()
-                self.samples.append(self.take())
+                try:
+                    self.samples.append(self.take())
+                except Exception:  # noqa: BLE001 - one lost sample, never a dead sampler
+                    log.exception("sample lost")
                 self.stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
         finally:
             self.raw_lag.close()
@@ -598,7 +614,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         start_stages(run, args)
         run.pids.update(service_pids(run.settings.redis_url))
         time.sleep(2.0)  # bridges connected before the first batch (replay would cover the rest)
-        store = RedisStore(run.settings.redis_url, run.prefix, load=False)
+        store = open_store(run.settings.redis_url, run.prefix, load=False)  # sharded on a redis+cluster:// URL
         prober = Prober(probe_log, store)
         start_fleet(run, args, rungs, probe_log, manifest)
         sampler = Sampler(run)
