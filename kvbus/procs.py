@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -115,8 +116,11 @@ def free_port() -> int:
 def free_port_block(n: int, start: int = 21000, stop: int = 32000) -> int:
     """A base port with ``n`` consecutive ports free after it (a fleet binds base..base+n-1; a
     Kafka node its port and port + 1). Searched below Linux's ephemeral range (32768-60999), where
-    an outgoing connection could take a port between the check and the bind."""
-    for base in range(start, stop - n, max(n, 10)):
+    an outgoing connection could take a port between the check and the bind, in random order: two
+    processes searching at once (a benchmark and a test run) once both took the first free block."""
+    bases = list(range(start, stop - n, max(n, 10)))
+    random.shuffle(bases)
+    for base in bases:
         socks = []
         try:
             for port in range(base, base + n):
