@@ -77,11 +77,13 @@ if "--use-env" not in sys.argv:
     os.environ.update(CLUSTER_ENV)
 
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, probes, lag, the truth check)
+import redis  # noqa: E402
 
 from kvbus.procs import Child, free_port, free_port_block  # noqa: E402
 from kvbus.progress import scrape  # noqa: E402
 from schemas.settings import Settings  # noqa: E402
-from sinks.redis_store import RedisStore  # noqa: E402
+from sinks.sharded_store import open_store  # noqa: E402
+from sinks.store import ResidencyStore  # noqa: E402
 
 log = logging.getLogger("kvbus.faults")
 
@@ -203,6 +205,15 @@ def redis_lost(ctx: "Ctx") -> None:
     ctx.restart_redis()
 
 
+@fault("redis-master", redis="cluster")
+def redis_master(ctx: "Ctx") -> None:
+    """kill -9 the Redis Cluster master serving most of the sharded view's shards (3 masters, 3
+    replicas; its replica is promoted), then start it again (it rejoins as a replica)."""
+    ctx.kill_redis()
+    ctx.follow(ctx.args.down_for)
+    ctx.restart_redis()
+
+
 @fault("redis-lost-snapshot", redis="none", sink_args=("--snapshot-every", "4"))
 def redis_lost_snapshot(ctx: "Ctx") -> None:
     """As redis-lost, with the sink snapshotting the view to Kafka every 4 s: the view is rebuilt
@@ -270,6 +281,52 @@ class OwnRedis:
         shutil.rmtree(self.data, ignore_errors=True)
 
 
+class OwnRedisCluster:
+    """A Redis Cluster of the benchmark's own (3 masters + 3 replicas, infra.redis_cluster, state in
+    ``root``): ``kill`` SIGKILLs the master serving most of the view's shards once every replica is
+    in sync (a replica that never synced cannot take over), ``start`` starts it again (it rejoins as
+    a replica of the master promoted in its place)."""
+
+    def __init__(self, root: Path) -> None:
+        from infra import redis_cluster
+        from infra.settings import Paths
+
+        self.paths = Paths(root).ensure()
+        self.nodes = redis_cluster.plan(3, redis_cluster.free_base_port(3))
+        self.url = redis_cluster.cluster_url(self.nodes)
+        self.killed: Any = None
+        self.start()
+
+    def start(self) -> None:
+        from infra import redis_cluster
+
+        redis_cluster.start(self.paths, self.nodes, timeout=60)
+
+    def kill(self, prefix: str) -> None:
+        from infra.procs import read_pid
+        from sinks.sharded_store import ShardedRedisStore
+
+        def in_sync() -> bool:
+            return all(redis.Redis(host=n.host, port=n.port).info("replication").get("master_link_status") == "up"
+                       for n in self.nodes if not n.master)
+        deadline = time.monotonic() + 60
+        while not in_sync():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster's replicas did not sync")
+            time.sleep(0.2)
+        store = ShardedRedisStore(self.url, prefix, load=False)
+        owners = [store._node(s).port for s in range(store.nshards)]
+        masters = [n for n in self.nodes if redis.Redis(host=n.host, port=n.port).info("replication")["role"] == "master"]
+        self.killed = max(masters, key=lambda n: owners.count(n.port))
+        os.kill(read_pid(self.killed.pid_path(self.paths)).pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        from infra import redis_cluster
+
+        redis_cluster.stop(self.paths, self.nodes)
+        shutil.rmtree(self.paths.root, ignore_errors=True)
+
+
 @dataclass
 class Ctx:
     """One fault's run: its processes (``run``), probes, samples, marks and notes."""
@@ -280,7 +337,8 @@ class Ctx:
     sampler: pl.Sampler
     ports: dict[str, int]
     """Child name -> its metrics port."""
-    own_redis: Optional[OwnRedis] = None
+    own_redis: Optional[Any] = None
+    """OwnRedis or OwnRedisCluster."""
     marks: dict[str, float] = field(default_factory=dict)
     """fault / restart -> time.monotonic()."""
     notes: dict[str, Any] = field(default_factory=dict)
@@ -404,7 +462,10 @@ class Ctx:
     # Redis
     def kill_redis(self) -> None:
         assert self.own_redis is not None
-        self.own_redis.kill()
+        if isinstance(self.own_redis, OwnRedisCluster):
+            self.own_redis.kill(self.run.prefix)
+        else:
+            self.own_redis.kill()
         self.mark("fault")
 
     def restart_redis(self) -> None:
@@ -428,8 +489,11 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
 
     t_start = time.monotonic()
     out: dict[str, Any] = {"fault": f.name, "ok": False}
-    own = None
-    if f.redis is not None:
+    own: Any = None
+    if f.redis == "cluster":
+        own = OwnRedisCluster(state_dir / "data" / f"rcluster-faults-{os.getpid()}")
+        base = replace(base, redis_url=own.url)
+    elif f.redis is not None:
         own = OwnRedis(state_dir / "run", state_dir / "logs", state_dir / "data" / f"redis-faults-{os.getpid()}",
                        aof=None if f.redis == "none" else "everysec")
         base = replace(base, redis_url=own.url)
@@ -456,7 +520,7 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         time.sleep(1.0)  # bridges connected before the first batch
         logs = state_dir / "logs"
         probe_log, manifest = logs / f"{run.run_id}-probes.jsonl", logs / f"{run.run_id}-manifest.json"
-        store = RedisStore(run.settings.redis_url, run.prefix, load=False)
+        store = open_store(run.settings.redis_url, run.prefix, load=False)  # sharded on a cluster URL
         prober = pl.Prober(probe_log, store)
         pl.start_fleet(run, pargs, [(args.rate, 24 * 3600.0)], probe_log, manifest)
         sampler = pl.Sampler(run)
@@ -622,7 +686,7 @@ def topic_records(ctx: Ctx) -> int:
         c.close()
 
 
-def positions_match(store: RedisStore, manifest: Path) -> tuple[bool, list[str]]:
+def positions_match(store: ResidencyStore, manifest: Path) -> tuple[bool, list[str]]:
     """Every holder's last applied position (the highest over its topics) against the last batch the
     fleet published to it: (seq, index) = (last_seq, last_events - 1). Lower: acknowledged events
     missing; higher: something applied that was not published."""
@@ -718,7 +782,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.list:
         for f in FAULTS.values():
             extra = f" [{f.workers} workers]" if f.workers > 1 else ""
-            extra += f" [own Redis: {'AOF everysec' if f.redis == 'aof' else 'no persistence'}]" if f.redis else ""
+            kind = {"aof": "AOF everysec", "none": "no persistence", "cluster": "a 3-master Redis Cluster"}
+            extra += f" [own Redis: {kind[f.redis]}]" if f.redis else ""
             print(f"{f.name:<14} {f.doc}{extra}")
         return 0
     names = [n.strip() for n in args.faults.split(",") if n.strip()]
