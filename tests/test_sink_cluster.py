@@ -3,6 +3,7 @@ model of the produced events, and stays exact when a master is killed under load
 promoted; a shard that lost its last writes is replayed forward from the offsets it stores)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import uuid
@@ -27,31 +28,39 @@ def model_of(records) -> InMemoryStore:
     return m
 
 
-def test_a_sink_on_a_cluster_keeps_the_view_exact_through_a_master_kill(stack, sink_topics):
-    records = random_streams(57, sink_topics, holders=8, batches=900, pool=50)
-    half = len(records) // 2
+@contextlib.contextmanager
+def sink_on_a_cluster(stack, topics, first):
+    """A fresh 3-master cluster and a sink writing the sharded view to it, caught up with the
+    records ``first``: (cluster, store, sink); the sink is closed afterwards."""
     with RedisClusterServer(3) as cluster:
         store = ShardedRedisStore(cluster.url, "kvbus:")
         sink = SinkConsumer(stack, store, SinkConfig(group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
-                                                     poll_timeout=0.2), topics=sink_topics)
+                                                     poll_timeout=0.2), topics=topics)
         try:
-            produce(stack, records[:half])
-            want = model_of(records[:half]).positions()
-            wait_for(lambda: store.positions() == want, 120, "the first half", step=sink.step)
-            # a replica that has not finished its first sync cannot take over (Redis refuses the
-            # failover: its data age is unknown), so the kill waits for every replica to be in sync
-            wait_for(lambda: all(cluster.node_client(n.port).info("replication").get("master_link_status") == "up"
-                                 for n in cluster.nodes if not n.master), 60, "the replicas to sync")
-            busiest = max((n for n in cluster.nodes if n.master),
-                          key=lambda n: sum(store._node(s).port == n.port for s in range(store.nshards)))
-            os.kill(read_pid(busiest.pid_path(cluster.paths)).pid, signal.SIGKILL)
-            produce(stack, records[half:])
-            want = model_of(records).positions()
-            wait_for(lambda: _positions(store) == want, 180, "the view after the master kill", step=sink.step)
-            assert store.snapshot() == model_of(records).snapshot()
-            assert store.view_id() == sink.view_id is not None
+            produce(stack, first)
+            want = model_of(first).positions()
+            wait_for(lambda: store.positions() == want, 120, "the first records", step=sink.step)
+            yield cluster, store, sink
         finally:
             sink.close()
+
+
+def test_a_sink_on_a_cluster_keeps_the_view_exact_through_a_master_kill(stack, sink_topics):
+    records = random_streams(57, sink_topics, holders=8, batches=900, pool=50)
+    half = len(records) // 2
+    with sink_on_a_cluster(stack, sink_topics, records[:half]) as (cluster, store, sink):
+        # a replica that has not finished its first sync cannot take over (Redis refuses the
+        # failover: its data age is unknown), so the kill waits for every replica to be in sync
+        wait_for(lambda: all(cluster.node_client(n.port).info("replication").get("master_link_status") == "up"
+                             for n in cluster.nodes if not n.master), 60, "the replicas to sync")
+        busiest = max((n for n in cluster.nodes if n.master),
+                      key=lambda n: sum(store._node(s).port == n.port for s in range(store.nshards)))
+        os.kill(read_pid(busiest.pid_path(cluster.paths)).pid, signal.SIGKILL)
+        produce(stack, records[half:])
+        want = model_of(records).positions()
+        wait_for(lambda: _positions(store) == want, 180, "the view after the master kill", step=sink.step)
+        assert store.snapshot() == model_of(records).snapshot()
+        assert store.view_id() == sink.view_id is not None
 
 
 def _positions(store: ShardedRedisStore):
@@ -71,24 +80,15 @@ def test_a_lost_sharded_view_is_rebuilt_from_its_snapshot(stack, sink_topics):
 
     records = random_streams(59, sink_topics, holders=8, batches=600, pool=40)
     half = len(records) // 2
-    with RedisClusterServer(3) as cluster:
-        store = ShardedRedisStore(cluster.url, "kvbus:")
-        sink = SinkConsumer(stack, store, SinkConfig(group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
-                                                     poll_timeout=0.2), topics=sink_topics)
-        try:
-            produce(stack, records[:half])
-            want = model_of(records[:half]).positions()
-            wait_for(lambda: store.positions() == want, 120, "the first half", step=sink.step)
-            stats = SnapshotWriter(dataclasses.replace(stack, topics=sink_topics), store).take()
-            assert stats.holders == 8 and stats.entries == store.size(exact=False)["entries"]
-            produce(stack, records[half:])
-            for n in cluster.nodes:
-                if n.master:
-                    cluster.node_client(n.port).flushall()
-            rebuilds = sink.metrics.rebuilds._value.get()
-            want = model_of(records).positions()
-            wait_for(lambda: _positions(store) == want, 120, "the rebuilt view", step=sink.step)
-            assert store.snapshot() == model_of(records).snapshot()
-            assert sink.metrics.rebuilds._value.get() == rebuilds + 1
-        finally:
-            sink.close()
+    with sink_on_a_cluster(stack, sink_topics, records[:half]) as (cluster, store, sink):
+        stats = SnapshotWriter(dataclasses.replace(stack, topics=sink_topics), store).take()
+        assert stats.holders == 8 and stats.entries == store.size(exact=False)["entries"]
+        produce(stack, records[half:])
+        for n in cluster.nodes:
+            if n.master:
+                cluster.node_client(n.port).flushall()
+        rebuilds = sink.metrics.rebuilds._value.get()
+        want = model_of(records).positions()
+        wait_for(lambda: _positions(store) == want, 120, "the rebuilt view", step=sink.step)
+        assert store.snapshot() == model_of(records).snapshot()
+        assert sink.metrics.rebuilds._value.get() == rebuilds + 1
