@@ -23,7 +23,8 @@ class SinkMetrics:
         self.expired = Counter("kvbus_sink_expired_holders", "Holders expired for staleness", registry=r)
         self.stale = Gauge("kvbus_sink_stale_holders", "Holders currently listed as stale", registry=r)
         self.entries = Gauge("kvbus_sink_view_entries", "(holder, block, tier) entries in the view", registry=r)
-        self.blocks = Gauge("kvbus_sink_view_blocks", "Distinct block hashes in the view", registry=r)
+        self.blocks = Gauge("kvbus_sink_view_blocks",
+                            "Distinct block hashes in the view (a sharded view: summed over shards)", registry=r)
         self.holders = Gauge("kvbus_sink_view_holders", "Live holders (seen within the stale window)", registry=r)
         self.apply_seconds = Histogram(
             "kvbus_sink_apply_seconds", "Latency of one batch write to Redis",

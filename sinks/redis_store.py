@@ -616,7 +616,7 @@ class RedisStore(ResidencyStore):
         }
         return summary_from_counts(counts)
 
-    def size(self) -> dict[str, int]:
+    def size(self, exact: bool = True) -> dict[str, int]:
         meta = self.r.hmget(self.prefix + "meta", "entries", "blocks")
         return {
             "entries": int(meta[0] or 0),

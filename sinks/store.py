@@ -160,8 +160,10 @@ class ResidencyStore(abc.ABC):
         """``{holder display name: {tier label: blocks}}``."""
 
     @abc.abstractmethod
-    def size(self) -> dict[str, int]:
-        """``{"entries": (holder, block, tier) entries, "blocks": distinct hashes, "holders": live holders}``."""
+    def size(self, exact: bool = True) -> dict[str, int]:
+        """``{"entries": (holder, block, tier) entries, "blocks": distinct hashes, "holders": live holders}``.
+        ``exact=False`` allows ``blocks`` to count a hash once per shard of a sharded view (cheap: what
+        a sink's gauges read every few seconds); a single view is always exact."""
 
 
 def summary_from_counts(counts: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:

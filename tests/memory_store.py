@@ -219,7 +219,7 @@ class InMemoryStore(ResidencyStore):
         counts = {n: {label(d): len(t.blocks) for d, t in h.tiers.items() if t.blocks} for n, h in self.holders.items()}
         return summary_from_counts(counts)
 
-    def size(self) -> dict[str, int]:
+    def size(self, exact: bool = True) -> dict[str, int]:
         blocks: set[bytes] = set()
         entries = 0
         for h in self.holders.values():
