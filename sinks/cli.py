@@ -2,7 +2,8 @@
 
     kvbus sink [--group G] [--prefix kvbus:] [--stale-after SEC] [--metrics-port P] [--batch N]
                [--session-timeout SEC] [--instance-id ID] [--snapshot-every SEC]     (defaults: KVBUS_SINK_*, sinks/config.py)
-    kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16] [--algo sha256|sha256_cbor])
+    kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16]
+                  [--algo sha256|sha256_cbor|xxhash|xxhash_cbor] [--hash-seed S])
                  [--replicas a,b#1] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
 
 Standalone: ``python -m sinks.cli sink ...`` / ``python -m sinks.cli lookup ...``.
@@ -17,6 +18,7 @@ import sys
 import threading
 from dataclasses import replace
 
+from schemas.hashing import HASH_ALGOS
 from schemas.settings import Settings
 
 from sinks.config import SinkConfig
@@ -106,8 +108,12 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
                                       "(decimal uint64, negative int64 or 0x-hex)")
     src.add_argument("--tokens", help="comma-separated prompt token ids (hashed as vLLM does)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block with --tokens (default 16)")
-    p.add_argument("--algo", default="sha256", choices=["sha256", "sha256_cbor"],
+    p.add_argument("--algo", default="sha256", choices=sorted(HASH_ALGOS),
                    help="vLLM --prefix-caching-hash-algo with --tokens (default sha256)")
+    p.add_argument("--hash-seed", default=None,
+                   help="the engines' PYTHONHASHSEED with --tokens (default: this process's PYTHONHASHSEED, "
+                        "else vLLM's default seed; required for xxhash and xxhash_cbor, whose seed vLLM "
+                        "otherwise draws at random per process)")
     p.add_argument("--replicas", help="only these candidates: replica names or <replica>#<dp_rank>, comma-separated")
     p.add_argument("--weights", help="tier weights NAME=W over the defaults GPU=1,CPU=0.8,STORAGE=0.5,*=0.5 "
                                      "(NAME: a medium or an ownership)")
@@ -125,7 +131,8 @@ def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dic
     if args.hashes is not None:
         chain = parse_hashes(args.hashes)
     else:
-        chain = chain_from_tokens(parse_tokens(args.tokens), args.block_size, args.algo)
+        chain = chain_from_tokens(parse_tokens(args.tokens), args.block_size, args.algo,
+                                  args.hash_seed)
     candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
     store = open_store(settings.redis_url, args.prefix, load=False)  # redis+cluster://: the sharded view
     found = store.lookup(chain, weights=Weights.parse(args.weights), candidates=candidates)

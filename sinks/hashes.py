@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from schemas.events import canonical_hash
-from schemas.hashing import HASH_ALGOS, block_hashes
+from schemas.hashing import block_hashes
 
 U64 = 1 << 64
 I64_MIN = -(1 << 63)
@@ -41,8 +41,12 @@ def parse_tokens(text: str) -> list[int]:
         raise ValueError(f"token ids must be integers: {e}") from None
 
 
-def chain_from_tokens(tokens: Sequence[int], block_size: int, algo: str = "sha256") -> list[bytes]:
-    """The chain of block hashes vLLM publishes for a prompt (full blocks only; protocol doc §5)."""
-    if algo not in HASH_ALGOS:
-        raise ValueError(f"unknown hash algorithm {algo!r}; one of {sorted(HASH_ALGOS)}")
-    return block_hashes(tokens, block_size, algo)
+def chain_from_tokens(
+    tokens: Sequence[int], block_size: int, algo: str = "sha256", seed: str | None = None
+) -> list[bytes]:
+    """The chain of block hashes vLLM publishes for a prompt (full blocks only; protocol doc §5).
+
+    ``algo``: any of ``schemas.hashing.HASH_ALGOS``; ``seed``: the engine's PYTHONHASHSEED (None:
+    this process's PYTHONHASHSEED, else vLLM's default). ValueError for an unknown algorithm;
+    ``schemas.hashing.UnmatchableSeed`` (a ValueError) for the xxhash family without a seed."""
+    return block_hashes(tokens, block_size, algo, seed=seed)
