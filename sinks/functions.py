@@ -30,6 +30,17 @@ def library_code() -> str:
     return LIBRARY_PATH.read_text().replace("@VERSION@", library_version())
 
 
+@lru_cache(maxsize=None)
+def layout_version() -> str:
+    """The key layout version the library writes and accepts (``local LAYOUT = '<n>'`` in
+    ``kvbus.lua``, the one place it is written): the ``layout`` field of ``P meta``, and the version
+    of the lookup protocol a router checks (docs/lookup-protocol.md, "Versions")."""
+    m = re.search(r"^local LAYOUT = '(\w+)'", LIBRARY_PATH.read_text(), re.M)
+    if m is None:
+        raise RuntimeError(f"{LIBRARY_PATH} does not define LAYOUT")
+    return m.group(1)
+
+
 class FunctionsUnavailable(RuntimeError):
     """The kvbus functions are missing and this connection cannot load them (replica, read-only user)."""
 

@@ -88,8 +88,8 @@ def _call_args(prefix: str, holders: dict, topics: dict, tiers: dict, rcs: list[
 
 VIEW_CHANGED = "view changed"
 """What ``kvbus_apply`` answers when the view is not the one the caller expects."""
-LAYOUT = "3"
-"""The key layout version (kvbus.lua: LAYOUT)."""
+LAYOUT = functions.layout_version()
+"""The key layout version (written once, in kvbus.lua: LAYOUT)."""
 
 
 class ViewChanged(RuntimeError):
