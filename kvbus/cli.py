@@ -1,7 +1,7 @@
 """The ``kvbus`` command: one subcommand per stage, plus the demo.
 
 Subcommand names are a contract other tools rely on:
-``demo fleet bridge worker sink lookup`` (and ``schemas check|register``).
+``demo fleet bridge worker sink lookup top`` (and ``schemas check|register``).
 Every subcommand honours the ``KVBUS_*`` settings (see ``schemas.settings``).
 Stage modules are imported only by the subcommand that needs them.
 """
@@ -29,6 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
              "consolidated events -> block-residency view in Redis (exactly-once effect)"),
     "lookup": ("sinks.cli", "add_lookup_args", "run_lookup",
                "longest cached prefix per replica for a chain of block hashes or tokens"),
+    "top": ("kvbus.top.cli", "add_top_args", "run_top",
+            "live console: flow, lag, freshness, bridges, workers, sinks, dead letters, the view"),
     "schemas": ("schemas.cli", "add_schemas_args", "run_schemas",
                 "check or register kvbus's Avro schemas against the registry"),
 }

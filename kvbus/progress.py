@@ -33,23 +33,33 @@ class GroupLag:
     """Records in topics matching ``topic_regex`` that consumer ``group`` has not committed yet.
 
     Keeps one consumer (never subscribed: it only reads ``group``'s committed offsets and the
-    watermarks), so a caller asking every second does not connect anew each time."""
+    watermarks), so a caller asking every second does not connect anew each time. ``timeout``:
+    seconds each Kafka request may take; ``conf``: more librdkafka settings (e.g. a ``logger``)."""
 
-    def __init__(self, bootstrap: str, group: str, topic_regex: str) -> None:
+    def __init__(self, bootstrap: str, group: str, topic_regex: str, timeout: float = 5.0,
+                 conf: dict | None = None) -> None:
         self.rx = re.compile(topic_regex)
-        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+        self.timeout = timeout
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                                  **(conf or {})})
+
+    def partitions(self) -> list[tuple[str, int, int, int]]:
+        """``(topic, partition, committed, end)`` of every partition of the matching topics, sorted:
+        ``end`` is the high watermark, ``committed`` the group's next offset (the low watermark when
+        the group committed nothing there); the lag is ``end - committed``. Raises KafkaException
+        while Kafka cannot say (e.g. a coordinator moving)."""
+        c, t = self.consumer, self.timeout
+        md = c.list_topics(timeout=t)
+        tps = [TopicPartition(n, p) for n, tm in md.topics.items() if self.rx.fullmatch(n) for p in tm.partitions]
+        out = []
+        for tp in c.committed(tps, timeout=t) if tps else ():
+            low, high = c.get_watermark_offsets(tp, timeout=t, cached=False)
+            out.append((tp.topic, tp.partition, tp.offset if tp.offset >= 0 else low, high))
+        return sorted(out)
 
     def lag(self) -> int:
-        """The lag now; raises KafkaException while Kafka cannot say (e.g. a coordinator moving)."""
-        c = self.consumer
-        md = c.list_topics(timeout=5)
-        tps = [TopicPartition(t, p) for t, tm in md.topics.items() if self.rx.fullmatch(t) for p in tm.partitions]
-        lag = 0
-        for tp in c.committed(tps, timeout=5) if tps else ():
-            low, high = c.get_watermark_offsets(tp, timeout=5, cached=False)
-            done = tp.offset if tp.offset >= 0 else low
-            lag += max(0, high - done)
-        return lag
+        """The lag now, summed over :meth:`partitions` (raises like it)."""
+        return sum(max(0, end - done) for _t, _p, done, end in self.partitions())
 
     def close(self) -> None:
         self.consumer.close()

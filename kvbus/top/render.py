@@ -1,0 +1,180 @@
+"""A snapshot (:mod:`kvbus.top.collect`) as rich renderables: one panel per source.
+
+Every panel shows its source's ``error`` ("unreachable: ...") in place of its table when the source
+could not be read; ``-`` in a cell means "not known yet" (a rate before the second sample, a
+latency with no observation in the interval).
+"""
+from __future__ import annotations
+
+import datetime as dt
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+
+def fmt(v: float | int | None, digits: int = 0) -> str:
+    """A number for a cell: thousands separated, ``-`` for None."""
+    if v is None:
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def _unreachable(title: str, error: str) -> Panel:
+    return Panel(Text(error, style="bold red"), title=title, title_align="left", border_style="red")
+
+
+def _table(*columns: str, right_from: int = 1) -> Table:
+    t = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="right" if i >= right_from else "left", no_wrap=True)
+    return t
+
+
+def flow_panel(snap: dict) -> Panel:
+    """events/s and totals: in (bridges, acknowledged by Kafka), consolidated (workers), applied (sinks)."""
+    t = _table("stage", "events/s", "total")
+    for key, label in (("in", "in (bridges, acked)"), ("consolidated", "consolidated (workers)"),
+                       ("applied", "applied (sinks)")):
+        f = snap["flow"][key]
+        t.add_row(label, fmt(f["per_s"], 1), fmt(f["total"]))
+    return Panel(t, title="flow", title_align="left")
+
+
+def lag_panel(snap: dict) -> Panel:
+    """Consumer lag of each hop and partition, from Kafka's committed offsets and watermarks."""
+    k = snap["kafka"]
+    if k.get("error"):
+        return _unreachable("consumer lag (Kafka)", k["error"])
+    t = _table("hop / topic", "partition", "end", "committed", "lag", right_from=1)
+    for hop in k["hops"]:
+        t.add_row(Text(f"{hop['hop']} ({hop['group']})", style="bold"), "all", fmt(hop["end"]), fmt(hop["committed"]),
+                  Text(fmt(hop["lag"]), style="bold yellow" if hop["lag"] else "bold green"))
+        t.add_row(f"  in {fmt(hop['produced_per_s'], 1)} rec/s, committed {fmt(hop['consumed_per_s'], 1)} rec/s",
+                  "", "", "", "")
+        for p in hop["partitions"]:
+            t.add_row(f"  {p['topic']}", str(p["partition"]), fmt(p["end"]), fmt(p["committed"]), fmt(p["lag"]))
+    return Panel(t, title=f"consumer lag (Kafka {k['bootstrap']})", title_align="left")
+
+
+def freshness_panel(snap: dict) -> Panel:
+    """Latency per hop over the interval, from the processes' histograms."""
+    t = _table("hop", "p50 ms", "p99 ms", "batches")
+    for row in snap["freshness"]:
+        t.add_row(row["hop"], fmt(row["p50_ms"], 2), fmt(row["p99_ms"], 2), fmt(row["observations"]))
+    return Panel(t, title="freshness (per-hop latency over the interval)", title_align="left")
+
+
+def _state(e: dict) -> Text:
+    return Text("up", style="green") if e["up"] else Text("DOWN", style="bold red")
+
+
+def _per_s(e: dict, field: str) -> str:
+    return fmt(e["counters"][field]["per_s"], 1)
+
+
+def _total(e: dict, field: str) -> str:
+    return fmt(e["counters"][field]["total"])
+
+
+def bridges_panel(snap: dict) -> Panel:
+    """One row per bridge endpoint: up/down, events/s, gaps, replays, resets, restarts, dead letters."""
+    t = _table("bridge", "state", "in/s", "acked/s", "gaps", "replays", "resets", "restarts", "dlq", "backlog")
+    errors = []
+    for e in snap["bridges"]:
+        if not e["up"]:
+            t.add_row(e["endpoint"], _state(e), *[""] * 8)
+            errors.append(e["error"])
+            continue
+        t.add_row(e["endpoint"], _state(e), _per_s(e, "events_in"), _per_s(e, "events_acked"), _total(e, "gaps"),
+                  _total(e, "replays"), _total(e, "resets"), _total(e, "engine_restarts"), _total(e, "dead_letters"),
+                  fmt(e["gauges"]["backlog"]))
+    up = sum(e["up"] for e in snap["bridges"])
+    title = f"bridges: {up} up, {len(snap['bridges']) - up} down"
+    return Panel(Group(t, *[Text(x, style="red") for x in errors]), title=title, title_align="left",
+                 border_style="red" if errors else "white")
+
+
+def workers_panel(snap: dict) -> Panel:
+    """Faust workers: pending aggregates, holders, incompletes per reason and their share."""
+    t = _table("worker", "state", "consolidated/s", "pending aggregates", "holders", "raw lag")
+    errors = []
+    for e in snap["workers"]:
+        if not e["up"]:
+            t.add_row(e["endpoint"], _state(e), "", "", "", "")
+            errors.append(e["error"])
+            continue
+        cons = [e["counters"][f]["per_s"] for f in ("consolidated", "passthrough")]
+        t.add_row(e["endpoint"], _state(e), fmt(None if None in cons else sum(cons), 1),
+                  fmt(e["gauges"]["pending_aggregates"]), fmt(e["gauges"]["holders"]),
+                  fmt(sum(e["labelled_gauges"]["partition_lag"].values())))
+    inc = snap["incomplete"]
+    reasons = ", ".join(f"{r}={fmt(v['total'])}" for r, v in inc["reasons"].items()) or "none"
+    share = "-" if inc["share"] is None else f"{100 * inc['share']:.2f} %"
+    line = Text(f"incomplete: {reasons}; share of consolidated now {share}")
+    return Panel(Group(t, line, *[Text(x, style="red") for x in errors]), title="Faust workers", title_align="left",
+                 border_style="red" if errors else "white")
+
+
+def sinks_panel(snap: dict) -> Panel:
+    """Sinks: the view's size, holders and stale holders as each sink reports them."""
+    t = _table("sink", "state", "applied/s", "entries", "blocks", "holders", "stale holders", "rebuilding")
+    errors = []
+    for e in snap["sinks"]:
+        if not e["up"]:
+            t.add_row(e["endpoint"], _state(e), *[""] * 6)
+            errors.append(e["error"])
+            continue
+        g = e["gauges"]
+        t.add_row(e["endpoint"], _state(e), _per_s(e, "events_applied"), fmt(g["view_entries"]), fmt(g["view_blocks"]),
+                  fmt(g["view_holders"]), Text(fmt(g["stale_holders"]), style="yellow" if g["stale_holders"] else ""),
+                  "yes" if g["view_rebuilding"] else "no")
+    return Panel(Group(t, *[Text(x, style="red") for x in errors]), title="sinks", title_align="left",
+                 border_style="red" if errors else "white")
+
+
+def dead_letters_panel(snap: dict) -> Panel:
+    """Dead letters per stage and reason (the processes' counters) and what the topic holds."""
+    d = snap["dead_letters"]
+    t = _table("stage", "reason", "total", "per s", right_from=2)
+    for r in d["rows"]:
+        t.add_row(r["stage"], r["reason"], Text(fmt(r["total"]), style="bold red" if r["total"] else ""),
+                  fmt(r["per_s"], 2))
+    topic = d["topic"]
+    line = (Text(f"{topic['topic']} holds {fmt(topic['records'])} records") if topic
+            else Text("dead-letter topic: unreachable (see the Kafka panel)", style="red"))
+    return Panel(Group(t, line), title="dead letters", title_align="left")
+
+
+def view_panel(snap: dict) -> Panel:
+    """Blocks per replica and tier in the residency view, its state, size and stale holders."""
+    v = snap["view"]
+    title = f"residency view (Redis {v['url']}, prefix {v['prefix']})"
+    if v.get("error"):
+        return _unreachable(title, v["error"])
+    t = _table("replica", *v["tiers"], "total")
+    for holder, tiers in sorted(v["replicas"].items()):
+        t.add_row(holder, *[fmt(tiers.get(x, 0)) for x in v["tiers"]], fmt(sum(tiers.values())))
+    s = v["size"]
+    stale = ", ".join(v["stale"]) or "none"
+    head = Text(f"state {v['state']} | entries {fmt(s['entries'])} | blocks {fmt(s['blocks'])} | "
+                f"live holders {fmt(s['holders'])} | stale holders: {stale}")
+    return Panel(Group(head, t), title=title, title_align="left")
+
+
+def render(snap: dict, width: int = 200) -> RenderableType:
+    """The whole screen; two columns when ``width`` (the terminal's) allows, else one."""
+    when = dt.datetime.fromtimestamp(snap["time"]).strftime("%H:%M:%S")
+    header = Text(f"kvbus top  {when}  every {snap['interval_s']:g}s  (Ctrl-C quits)", style="bold")
+    left = Group(flow_panel(snap), freshness_panel(snap), lag_panel(snap))
+    right = Group(bridges_panel(snap), workers_panel(snap), sinks_panel(snap), dead_letters_panel(snap))
+    if width >= 150:
+        grid = Table.grid(expand=True)
+        grid.add_column(ratio=1)
+        grid.add_column(ratio=1)
+        grid.add_row(left, right)
+        body: RenderableType = grid
+    else:
+        body = Group(left, right)
+    return Group(header, body, view_panel(snap))

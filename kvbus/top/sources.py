@@ -1,0 +1,115 @@
+"""The console's two service sources: Kafka (consumer lag per hop and partition, topic ends) and
+the Redis residency view (through the sinks' public store API). Each read either returns its data
+or raises; :mod:`kvbus.top.collect` turns a raise into "unreachable: <what>"."""
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit, urlunsplit
+
+from kvbus.progress import GroupLag
+from schemas.settings import Settings
+
+QUIET_LIBRDKAFKA = {"log_level": 0}
+"""librdkafka settings of the console's clients: no log lines on stderr (they would tear the
+screen); an unreachable broker shows in the Kafka panel instead."""
+
+
+class KafkaSource:
+    """Lag of the two consumer hops, per partition, and the ends of the raw and dead-letter topics."""
+
+    def __init__(self, settings: Settings, worker_group: str, sink_group: str, timeout: float) -> None:
+        t = settings.topics
+        self.bootstrap = settings.bootstrap
+        self.hops = {
+            "raw -> worker": (worker_group, t.raw,
+                              GroupLag(settings.bootstrap, worker_group, re.escape(t.raw), timeout, QUIET_LIBRDKAFKA)),
+            "blocks -> sink": (sink_group, t.blocks_pattern(),
+                               GroupLag(settings.bootstrap, sink_group, t.blocks_pattern()[1:], timeout,
+                                        QUIET_LIBRDKAFKA)),
+        }
+        self.dlq_topic = t.dlq
+        self.timeout = timeout
+
+    def read(self) -> dict:
+        """``{"hops": [{"hop", "group", "topics", "lag", "end", "committed", "partitions": [{"topic",
+        "partition", "committed", "end", "lag"}]}], "dlq": {"topic", "records"}}``: ``end`` is a
+        partition's high watermark, ``committed`` the group's next offset there (the low watermark if
+        it committed nothing), ``lag`` their difference; a hop's ``end``/``committed`` are sums over
+        its partitions (their growth per second is records/s produced to / consumed from the hop),
+        ``dlq.records`` the records the dead-letter topic holds now. Raises KafkaException when Kafka
+        cannot answer within the timeout."""
+        hops = []
+        for hop, (group, topics, lag) in self.hops.items():
+            parts = [{"topic": topic, "partition": p, "committed": done, "end": end, "lag": max(0, end - done)}
+                     for topic, p, done, end in lag.partitions()]
+            hops.append({"hop": hop, "group": group, "topics": topics, "lag": sum(x["lag"] for x in parts),
+                         "end": sum(x["end"] for x in parts), "committed": sum(x["committed"] for x in parts),
+                         "partitions": parts})
+        return {"hops": hops, "dlq": {"topic": self.dlq_topic, "records": self._records(self.dlq_topic)}}
+
+    def _records(self, topic: str) -> int:
+        """Records ``topic`` holds (high - low watermark, summed over partitions; 0 if it does not exist)."""
+        from confluent_kafka import TopicPartition
+
+        c = self.hops["raw -> worker"][2].consumer
+        md = c.list_topics(topic, timeout=self.timeout).topics.get(topic)
+        if md is None or md.error is not None:
+            return 0
+        total = 0
+        for p in md.partitions:
+            low, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=self.timeout, cached=False)
+            total += high - low
+        return total
+
+    def close(self) -> None:
+        for _group, _topics, lag in self.hops.values():
+            lag.close()
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (what the console may show)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class ViewSource:
+    """The residency view, read through ``sinks.sharded_store.open_store`` (single or sharded)."""
+
+    def __init__(self, redis_url: str, prefix: str, timeout: float) -> None:
+        self.url, self.prefix, self.timeout = redis_url, prefix, timeout
+        self._store = None
+
+    def _open(self):
+        if self._store is None:
+            from sinks.sharded_store import is_cluster_url, open_store
+
+            url = self.url
+            if not is_cluster_url(url) and "socket_timeout" not in url:  # a hung Redis must not hang the screen
+                url += ("&" if "?" in url else "?") + f"socket_timeout={self.timeout}&socket_connect_timeout={self.timeout}"
+            self._store = open_store(url, self.prefix, load=False)
+        return self._store
+
+    def read(self) -> dict:
+        """``{"state", "size": {"entries", "blocks", "holders"}, "stale": [holder], "replicas":
+        {holder: {tier: blocks}}, "tiers": [tier]}``: ``state`` is the view's status for routers
+        (ready, rebuilding, missing), ``replicas`` the blocks each holder (display name: the replica, or
+        ``<replica>#<dp_rank>``) holds per tier label (``GPU``, ``CPU``, ``CPU@kvcr``), ``tiers`` every
+        label in it, ``stale`` the holders expired for silence. Raises redis errors when Redis cannot
+        answer (the store is opened again on the next read)."""
+        from sinks.rebuild import view_status
+
+        try:
+            store = self._open()
+            replicas = store.summary()
+            size = store.size(exact=False)
+            stale = sorted(store.stale())
+            state = view_status(store).get("state", "?")
+        except Exception:
+            self._store = None
+            raise
+        tiers = sorted({t for per in replicas.values() for t in per})
+        return {"state": state, "size": size, "stale": stale, "replicas": replicas, "tiers": tiers}
