@@ -123,6 +123,7 @@ def _stream(children: Children, args: argparse.Namespace, settings: Settings, ma
         worker_group=WORKER_GROUP, sink_group=SINK_GROUP,
     )
     fleet = next(c for c in children.started if c.name == "fleet")
+    print("== watch it live from another terminal: " + top_command(len(_streams(args))), flush=True)
     print(f"== streaming for {args.duration:.0f}s", flush=True)
     while fleet.proc.poll() is None:
         _check_alive(children)
@@ -133,6 +134,19 @@ def _stream(children: Children, args: argparse.Namespace, settings: Settings, ma
     drained = wait_for(lambda: progress.drained(), args.drain_timeout, 1.0)
     print("   " + progress.line() + ("" if drained else "  (not fully drained)"), flush=True)
     return _report(settings, manifest)
+
+
+def metrics_endpoints(bridges: int) -> dict[str, str]:
+    """The metrics ports the demo gives its processes (``kvbus top``'s endpoint lists), per role,
+    with ``bridges`` bridges."""
+    return {"bridges": f"{BRIDGE_METRICS_BASE}-{BRIDGE_METRICS_BASE + bridges - 1}",
+            "workers": str(WORKER_METRICS_PORT), "sinks": str(SINK_METRICS_PORT)}
+
+
+def top_command(bridges: int) -> str:
+    """The ``kvbus top`` command line that watches a demo with ``bridges`` bridges."""
+    flags = " ".join(f"--{role} {ports}" for role, ports in metrics_endpoints(bridges).items())
+    return f"kvbus top {flags} --worker-group {WORKER_GROUP} --sink-group {SINK_GROUP}"
 
 
 def _check_alive(children: Children) -> None:

@@ -40,14 +40,12 @@ def parse_endpoints(spec: str) -> tuple[str, ...]:
 
 def demo_endpoints() -> dict[str, str]:
     """The metrics endpoints ``kvbus demo`` gives its processes with its default options, per role."""
-    from kvbus.demo import BRIDGE_METRICS_BASE, SINK_METRICS_PORT, WORKER_METRICS_PORT, add_demo_args
+    from kvbus.demo import add_demo_args, metrics_endpoints
 
     p = argparse.ArgumentParser()
     add_demo_args(p)
     d = p.parse_args([])
-    bridges = d.replicas * d.workers
-    return {"bridges": f"{BRIDGE_METRICS_BASE}-{BRIDGE_METRICS_BASE + bridges - 1}",
-            "workers": str(WORKER_METRICS_PORT), "sinks": str(SINK_METRICS_PORT)}
+    return metrics_endpoints(d.replicas * d.workers)
 
 
 @dataclass(frozen=True)
