@@ -33,6 +33,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
             "live console: flow, lag, freshness, bridges, workers, sinks, dead letters, the view"),
     "schemas": ("schemas.cli", "add_schemas_args", "run_schemas",
                 "check or register kvbus's Avro schemas against the registry"),
+    "report": ("analytics.cli", "add_report_args", "run_report",
+               "analytics: read the block topics for a time range, print a summary, write HTML and Parquet"),
 }
 
 

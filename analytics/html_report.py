@@ -1,0 +1,189 @@
+"""The report as one self-contained HTML file: charts as inline SVG drawn by matplotlib, tables,
+no script and nothing fetched (it opens offline, from a mail attachment or a CI artifact).
+
+Charts: live blocks per tier over time (fleet-wide), the block lifetime histogram per tier, the
+sharing distribution (blocks by the most holders that had them at once), churn per holder.
+"""
+from __future__ import annotations
+
+import html
+import io
+from datetime import datetime, timezone
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("svg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
+
+from analytics.metrics import Report  # noqa: E402
+
+plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False})
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1100px;color:#222}
+h1{font-size:22px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
+table{border-collapse:collapse;font-size:13px;margin:8px 0} td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
+th{background:#f4f4f4} td.l,th.l{text-align:left} .grid{display:grid;grid-template-columns:1fr 1fr;gap:12px}
+.note{color:#666;font-size:12px} svg{max-width:100%;height:auto}
+"""
+
+
+def _svg(fig: plt.Figure) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    plt.close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg"):]  # drop the XML prolog and doctype: inline in HTML
+
+
+def _empty(fig_title: str) -> str:
+    fig, ax = plt.subplots(figsize=(5.2, 2.8))
+    ax.set_title(fig_title)
+    ax.text(0.5, 0.5, "no data in this range", ha="center", va="center", transform=ax.transAxes, color="#888")
+    ax.set_axis_off()
+    return _svg(fig)
+
+
+def live_chart(series: pl.DataFrame) -> str:
+    """Live blocks per tier over time, summed over holders."""
+    title = "Live blocks per tier (all holders, end of each minute)"
+    if series.is_empty():
+        return _empty(title)
+    per = series.group_by("tier", "minute").agg(pl.col("live").sum()).sort("tier", "minute")
+    fig, ax = plt.subplots(figsize=(10.5, 3.4))
+    for (tier,), g in per.group_by("tier", maintain_order=True):
+        ax.plot(g["minute"].to_list(), g["live"].to_list(), marker="o", ms=3, label=tier)
+    ax.set_title(title)
+    ax.set_ylabel("blocks")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.autofmt_xdate()
+    return _svg(fig)
+
+
+def lifetime_chart(lives: pl.DataFrame) -> str:
+    """Histogram of ended block lifetimes per tier (log-spaced seconds)."""
+    title = "Block lifetime, store to remove/clear (seconds)"
+    ended = lives.filter(pl.col("end").is_not_null() & (pl.col("seconds") >= 0))
+    if ended.is_empty():
+        return _empty(title)
+    secs = ended["seconds"].to_numpy()
+    lo = max(secs[secs > 0].min() if (secs > 0).any() else 0.01, 0.01)
+    bins = np.geomspace(lo, max(secs.max(), lo * 10), 30)
+    fig, ax = plt.subplots(figsize=(5.2, 3.2))
+    for (tier,), g in ended.group_by("tier", maintain_order=True):
+        ax.hist(np.clip(g["seconds"].to_numpy(), lo, None), bins=bins, histtype="step", lw=1.5, label=tier)
+    ax.set_xscale("log")
+    ax.set_title(title)
+    ax.set_ylabel("lives")
+    ax.legend(fontsize=8)
+    return _svg(fig)
+
+
+def sharing_chart(sharing: pl.DataFrame) -> str:
+    """Blocks by the most holders that had them at once, per tier."""
+    title = "Sharing: blocks by holders at once"
+    if sharing.is_empty():
+        return _empty(title)
+    counts = sharing.group_by("tier", "max_holders").agg(blocks=pl.len()).sort("tier", "max_holders")
+    tiers = counts["tier"].unique(maintain_order=True).to_list()
+    xs = sorted(counts["max_holders"].unique().to_list())
+    width = 0.8 / max(len(tiers), 1)
+    fig, ax = plt.subplots(figsize=(5.2, 3.2))
+    for i, tier in enumerate(tiers):
+        g = dict(counts.filter(pl.col("tier") == tier).select("max_holders", "blocks").iter_rows())
+        ax.bar([x + i * width for x in range(len(xs))], [g.get(x, 0) for x in xs], width, label=tier)
+    ax.set_xticks([x + width * (len(tiers) - 1) / 2 for x in range(len(xs))], [str(x) for x in xs])
+    ax.set_yscale("log")
+    ax.set_xlabel("most holders at once")
+    ax.set_ylabel("blocks")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _svg(fig)
+
+
+def churn_chart(holders: pl.DataFrame) -> str:
+    """Mean per-minute churn (removes / live) per holder, one bar per tier."""
+    title = "Churn per holder (mean over minutes of removes / live)"
+    h = holders.filter(pl.col("mean_churn").is_not_null())
+    if h.is_empty():
+        return _empty(title)
+    names = h["holder"].unique(maintain_order=True).sort().to_list()
+    tiers = h["tier"].unique().sort().to_list()
+    width = 0.8 / max(len(tiers), 1)
+    fig, ax = plt.subplots(figsize=(10.5, 3.0))
+    for i, tier in enumerate(tiers):
+        g = dict(h.filter(pl.col("tier") == tier).select("holder", "mean_churn").iter_rows())
+        ax.bar([x + i * width for x in range(len(names))], [g.get(n, 0.0) for n in names], width, label=tier)
+    ax.set_xticks([x + width * (len(tiers) - 1) / 2 for x in range(len(names))], names, rotation=30, ha="right")
+    ax.set_ylabel("removes / live per minute")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _svg(fig)
+
+
+def _table(df: pl.DataFrame, left: tuple[str, ...] = ()) -> str:
+    if df.is_empty():
+        return '<p class="note">none</p>'
+    head = "".join(f'<th class="{"l" if c in left else ""}">{html.escape(c)}</th>' for c in df.columns)
+    rows = []
+    for r in df.iter_rows():
+        cells = []
+        for c, v in zip(df.columns, r):
+            if isinstance(v, float):
+                v = f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+            elif isinstance(v, list):
+                v = ", ".join(map(str, v))
+            cells.append(f'<td class="{"l" if c in left else ""}">{html.escape("" if v is None else str(v))}</td>')
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def render(report: Report, title: str, command: str) -> str:
+    """The whole HTML document."""
+    b = report.blocks
+    span = "no block events"
+    if not b.is_empty():
+        fmt = lambda t: datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")  # noqa: E731
+        span = f"engine time {fmt(b['ts'].min())} .. {fmt(b['ts'].max())} UTC, {b.height} block events, " \
+               f"{b['holder'].n_unique()} holders"
+    tiers = report.tiers.select(
+        "tier", "stores", "removes", "reannounced", "unmatched_removes", "live_end", "lives_ended",
+        "p50_s", "p90_s", "p99_s", "mean_s")
+    shared = report.tiers.select("tier", "blocks", "shared_blocks", "max_holders", "opening_stores", "held_elsewhere",
+                                 "held_elsewhere_frac")
+    prefixes = report.prefixes.with_columns(pl.col("root").map_elements(lambda x: f"{x:#018x}", return_dtype=pl.String))
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p>{html.escape(span)}</p><p class='note'>made by <code>{html.escape(command)}</code></p>",
+        "<h2>Live blocks over time</h2>", live_chart(report.series),
+        "<h2>Lifetimes and sharing</h2><div class='grid'>", lifetime_chart(report.lives),
+        sharing_chart(report.sharing), "</div>",
+        "<h2>Per tier</h2>", _table(tiers, ("tier",)),
+        "<p class='note'>block stores and removes; reannounced: stores of a block the tier held already; "
+        "unmatched: removes of a block not held (stored before the range); lifetimes (p50_s ... mean_s) in "
+        "seconds of engine time, of lives that ended in the range</p>",
+        "<h2>Sharing per tier</h2>", _table(shared, ("tier",)),
+        "<p class='note'>shared_blocks: held by 2 or more holders at once; held_elsewhere: stores that opened a "
+        "block's life while another holder already had it on that tier (prefill a prefix-aware router could "
+        "have avoided)</p>",
+        "<h2>Most shared prefixes</h2>", _table(prefixes, ("tier", "root")),
+        "<h2>Churn per holder</h2>", churn_chart(report.holders), _table(report.holders, ("holder", "tier")),
+        "<h2>Incomplete aggregates</h2>", _table(report.incomplete, ("holder", "kind", "missing")),
+        "<h2>Dead letters</h2>", _table(report.dead_letters, ("stage", "reason_kind", "example")),
+    ]
+    if report.raw is not None:
+        parts += ["<h2>kvbus.raw per holder and worker</h2>", _table(report.raw, ("holder",))]
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write(report: Report, path: Path, title: str, command: str) -> Path:
+    """Write the HTML report to ``path``; returns it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(report, title, command), encoding="utf-8")
+    return path

@@ -1,0 +1,95 @@
+"""kvbus report's figures on a small hand-made history whose answers are worked out below:
+lives, re-announcements, unmatched removes, clears, per-minute series, sharing and prefixes."""
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from analytics.metrics import compute
+from analytics.tables import _EVENT_SCHEMA, explode_blocks, tier_label
+
+T0 = 1_700_000_040.0  # a whole minute
+FW, KVCR = "b", "b.kvcr"
+
+
+def h(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def ev(replica: str, seq: int, t: float, kind: str, hashes: list[int] | None = None, parent: int | None = None,
+       topic: str = FW, medium: str | None = "GPU", ownership: str | None = None) -> dict:
+    return {"topic": topic, "partition": 0, "offset": seq, "record_ts": T0 + t, "replica": replica, "dp_rank": 0,
+            "epoch": 1, "seq": seq, "index": 0, "ts": T0 + t, "kind": kind, "medium": medium, "ownership": ownership,
+            "group_idx": None, "hashes": [h(x) for x in hashes] if hashes is not None else None,
+            "parent_hash": h(parent) if parent is not None else None, "block_size": 16 if kind == "store" else None,
+            "reason": None}
+
+
+HISTORY = [
+    ev("A", 0, 0, "store", [1, 2]),
+    ev("A", 1, 10, "store", [1], topic=KVCR, medium="CPU", ownership="kvcr"),
+    ev("B", 0, 30, "store", [1, 2]),
+    ev("A", 2, 60, "store", [3], parent=2),
+    ev("A", 3, 70, "remove", [1]),
+    ev("A", 4, 80, "store", [2], parent=1),      # A holds 2 already: a re-announcement
+    ev("B", 1, 100, "remove", [2]),
+    ev("B", 2, 110, "remove", [9]),              # never stored: unmatched
+    ev("A", 5, 130, "clear", medium=None),       # ends A's GPU lives of 2 and 3, not its kvcr tier
+]
+
+
+@pytest.fixture(scope="module")
+def report():
+    blocks = explode_blocks(pl.DataFrame(HISTORY, schema=_EVENT_SCHEMA, orient="row"))
+    empty = pl.DataFrame(schema={"holder": pl.String, "kind": pl.String, "blocks": pl.Int32,
+                                 "missing": pl.List(pl.Int32)})
+    dlq = pl.DataFrame(schema={"stage": pl.String, "reason_kind": pl.String, "payload_bytes": pl.Int64,
+                               "reason": pl.String})
+    return compute(blocks, FW, empty, dlq)
+
+
+def test_lives_end_at_removes_and_at_the_clear_of_their_topic(report) -> None:
+    got = sorted((r["holder"], r["tier"], r["block"], r["start"] - T0,
+                  None if r["end"] is None else r["end"] - T0, r["ended"]) for r in report.lives.iter_rows(named=True))
+    assert got == [
+        ("A#0", "CPU@kvcr", 1, 10, None, None),
+        ("A#0", "GPU", 1, 0, 70, "remove"),
+        ("A#0", "GPU", 2, 0, 130, "clear"),
+        ("A#0", "GPU", 3, 60, 130, "clear"),
+        ("B#0", "GPU", 1, 30, None, None),
+        ("B#0", "GPU", 2, 30, 100, "remove"),
+    ]
+
+
+def test_tier_totals_lifetimes_and_sharing(report) -> None:
+    gpu = report.tiers.filter(pl.col("tier") == "GPU").row(0, named=True)
+    assert (gpu["stores"], gpu["removes"], gpu["reannounced"], gpu["unmatched_removes"]) == (6, 3, 1, 1)
+    assert (gpu["live_end"], gpu["lives_ended"]) == (1, 4)
+    assert (gpu["p50_s"], gpu["mean_s"]) == (70.0, 85.0)   # lifetimes 70, 130, 70, 70
+    assert (gpu["blocks"], gpu["shared_blocks"], gpu["max_holders"]) == (3, 2, 2)
+    # five stores opened a life; B's two came while A held both blocks
+    assert (gpu["opening_stores"], gpu["held_elsewhere"], gpu["held_elsewhere_frac"]) == (5, 2, 0.4)
+    kvcr = report.tiers.filter(pl.col("tier") == "CPU@kvcr").row(0, named=True)
+    assert (kvcr["stores"], kvcr["live_end"], kvcr["lives_ended"], kvcr["held_elsewhere"]) == (1, 1, 0, 0)
+
+
+def test_per_minute_series(report) -> None:
+    s = report.series.filter(pl.col("tier") == "GPU").sort("holder", "minute")
+    got = [(r["holder"], int((r["minute"].timestamp() - T0) // 60), r["stores"], r["removes"], r["live"], r["churn"])
+           for r in s.iter_rows(named=True)]
+    assert got == [
+        ("A#0", 0, 2, 0, 2, 0.0), ("A#0", 1, 2, 1, 2, 0.5), ("A#0", 2, 0, 0, 0, None),
+        ("B#0", 0, 2, 0, 2, 0.0), ("B#0", 1, 0, 2, 1, 2.0), ("B#0", 2, 0, 0, 1, 0.0),
+    ]
+
+
+def test_shared_prefix_is_the_run_both_holders_stored(report) -> None:
+    assert report.prefixes.rows(named=True) == [
+        {"tier": "GPU", "root": 1, "holders": 2, "max_holders": 2, "blocks": 2, "tokens": 32}]
+
+
+def test_tier_labels_follow_the_sinks() -> None:
+    df = pl.DataFrame({"m": [None, "cpu", "GPU", "CPU"], "o": [None, "kvcr", None, None], "g": [None, 0, 1, None]},
+                      schema={"m": pl.String, "o": pl.String, "g": pl.Int32})
+    got = df.select(tier_label(pl.col("m"), pl.col("o"), pl.col("g")))["m"].to_list()
+    assert got == ["GPU", "CPU@kvcr", "GPU/g1", "CPU"]
