@@ -1,0 +1,336 @@
+"""The lookup protocol (docs/lookup-protocol.md) from clients that are not kvbus's Python client.
+
+A view is written by the real sink store (``RedisStore.apply``; ``ShardedRedisStore`` on a Redis
+Cluster) on a private Redis, then every case is asked three ways and must give the same answer:
+``kvbus lookup --json`` (sinks.cli), ``redis-cli`` (the reply and the holder table read with
+``--quoted-json``, decoded here by the rules of the protocol document, not by sinks' code), and the
+Go example ``examples/go-lookup`` (go-redis), whose stdout must equal kvbus lookup's byte for byte.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.events import BlockEvent, BlockStored, canonical_hash
+from schemas.settings import Settings
+from sinks import cli, functions
+from sinks.rebuild import view_status
+from sinks.redis_store import RedisStore
+from sinks.sharded_store import ShardedRedisStore
+from tests.redis_server import RedisServer
+from tests.vllm_hash_vectors import PROMPTS, VECTORS
+
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+GO = shutil.which("go") or "/usr/local/go/bin/go"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "go-lookup"
+
+
+def _h(i: int) -> bytes:
+    return canonical_hash((0x9E3779B97F4A7C15 * (i + 1)) & (2**64 - 1))
+
+
+CHAIN = [_h(i) for i in range(6)]
+UNKNOWN = _h(1000)
+
+
+def _vector_hashes(algo: str, seed: str | None) -> list[bytes]:
+    (digests,) = [v[6] for v in VECTORS if (v[0], v[1], v[2], v[3], v[4]) == (algo, seed, "B", 16, None)]
+    return [canonical_hash(bytes.fromhex(d)) for d in digests]
+
+
+def _records() -> list:
+    """Holders: a (GPU 6 blocks, CPU 2), b#0 (GPU 1), b#1 (CPU@kvcr 3), c (GPU/g1 4; CPU 3 stored
+    twice: counted), pod#x (a replica name with '#'; GPU 5), 24 holders of a shared 2-block prefix
+    (a wide block), and two engines holding prompt B as vLLM hashed it (sha256_cbor with the default
+    seed, xxhash_cbor with PYTHONHASHSEED=12345)."""
+    out = []
+    seq = {}
+
+    def add(replica, dp, hashes, medium="GPU", ownership=None, group=None):
+        n = seq[(replica, dp)] = seq.get((replica, dp), -1) + 1
+        out.append(("kvbus.blocks", BlockEvent(
+            replica=replica, dp_rank=dp, epoch=1, seq=n, index=0, ts=time.time(),
+            event=BlockStored(block_hashes=hashes, medium=medium, ownership=ownership, group_idx=group))))
+
+    add("a", 0, CHAIN)
+    add("a", 0, CHAIN[:2], "CPU")
+    add("b", 0, CHAIN[:1])
+    add("b", 1, CHAIN[:3], "CPU", "kvcr")
+    add("c", 0, CHAIN[:4], group=1)
+    add("c", 0, CHAIN[:3], "CPU")
+    add("c", 0, CHAIN[:3], "CPU")
+    add("pod#x", 0, CHAIN[:5])
+    for k in range(24):
+        add(f"shared-{k}", 0, CHAIN[:2])
+    add("vllm-sha256-cbor", 0, _vector_hashes("sha256_cbor", None))
+    add("vllm-xxhash-cbor", 0, _vector_hashes("xxhash_cbor", "12345"), "CPU")
+    return out
+
+
+def _hashes(chain: list[bytes]) -> str:
+    return ",".join(str(int.from_bytes(h, "big")) for h in chain)
+
+
+TOKENS_B = ",".join(map(str, PROMPTS["B"]))
+CASES = {
+    "all": ["--hashes", _hashes(CHAIN)],
+    "replica-candidate": ["--hashes", _hashes(CHAIN), "--replicas", "b"],
+    "mixed-candidates": ["--hashes", _hashes(CHAIN), "--replicas", "a,b#1,pod#x,nobody"],
+    "unknown-candidates": ["--hashes", _hashes(CHAIN), "--replicas", "nobody,a#7"],
+    "weights": ["--hashes", _hashes(CHAIN), "--weights", "cpu=0.25,kvcr=2,GPU=3"],
+    "zero-weights": ["--hashes", _hashes(CHAIN), "--weights", "GPU=0,CPU=0,*=0"],
+    "gap": ["--hashes", _hashes(CHAIN[:2] + [UNKNOWN] + CHAIN[3:])],
+    "hex-and-signed": ["--hashes", ",".join(["0x" + CHAIN[0].hex(), str(int.from_bytes(CHAIN[1], "big", signed=True))])],
+    "nobody": ["--hashes", _hashes([UNKNOWN] + CHAIN)],
+    "tokens-sha256-cbor": ["--tokens", TOKENS_B, "--algo", "sha256_cbor"],
+    "tokens-xxhash-cbor": ["--tokens", TOKENS_B, "--algo", "xxhash_cbor", "--hash-seed", "12345"],
+}
+
+
+def _kvbus_lookup(settings: Settings, prefix: str, argv: list[str], capsys) -> str:
+    p = argparse.ArgumentParser()
+    cli.add_lookup_args(p)
+    assert cli.run_lookup(p.parse_args([*argv, "--prefix", prefix, "--json"]), settings) == 0
+    return capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- redis-cli
+
+def _quote(arg: str | bytes) -> str:
+    """One argument for ``redis-cli --quoted-input``: every byte as \\xHH."""
+    raw = arg.encode() if isinstance(arg, str) else arg
+    return '"' + "".join(f"\\x{b:02x}" for b in raw) + '"'
+
+
+_ESC = re.compile(r'\\(x[0-9a-fA-F]{2}|[\\"nrtab])')
+_ESC_CHARS = {"\\": b"\\", '"': b'"', "n": b"\n", "r": b"\r", "t": b"\t", "a": b"\a", "b": b"\b"}
+
+
+def _bytes(s: str) -> bytes:
+    """A string of ``redis-cli --quoted-json`` output: printable ASCII as is, other bytes escaped."""
+    return _ESC.sub(lambda m: (chr(int(m.group(1)[1:], 16)) if m.group(1)[0] == "x" else
+                               _ESC_CHARS[m.group(1)].decode("latin-1")), s).encode("latin-1")
+
+
+def redis_cli(port: int, *args: str | bytes, cluster: bool = False) -> Any:
+    cmd = [REDIS_CLI, "-p", str(port), *(["-c"] if cluster else []), "--quoted-input", "--quoted-json",
+           *map(_quote, args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout
+    if out.startswith("error:"):
+        raise RuntimeError(out[len("error:"):].strip())  # an error reply (not valid JSON: printed as is)
+    return json.loads(out)
+
+
+def _label(desc: str) -> str:
+    medium, ownership, group = desc.split("|")
+    return medium + (f"@{ownership}" if ownership else "") + (f"/g{group}" if group not in ("", "0") else "")
+
+
+def redis_cli_answer(port: int, views: list[tuple[str, list[str]]], chain: list[bytes], spec: str,
+                     cands: list[str], cluster: bool = False) -> dict:
+    """kvbus lookup's JSON answer computed from redis-cli's output by docs/lookup-protocol.md."""
+    holders, ranks = [], {}
+    for prefix, _ in views:
+        names = {int(k): v for k, v in redis_cli(port, "HGETALL", prefix + "hname", cluster=cluster).items() if k}
+        split = {hid: (n.rpartition("#")[0], int(n.rpartition("#")[2])) for hid, n in names.items()}
+        for replica, _dp in split.values():
+            ranks[replica] = ranks.get(replica, 0) + 1
+        holders.append(split)
+    rows = []
+    for (prefix, keys), split in zip(views, holders):
+        head, blobs, descs = redis_cli(port, "FCALL_RO", "kvbus_lookup", str(len(keys)), *keys, prefix,
+                                       b"".join(chain), spec, *cands, cluster=cluster)
+        labels = {descs[j]: _label(descs[j + 1]) for j in range(0, len(descs), 2)}
+        k = 0
+        for blob in map(_bytes, blobs):
+            matched, score, n = head[k], head[k + 1], head[k + 2]
+            tiers = {labels[head[k + 3 + 2 * j]]: head[k + 4 + 2 * j] for j in range(n)}
+            k += 3 + 2 * n
+            for j in range(0, len(blob), 4):
+                replica, dp = split[int.from_bytes(blob[j:j + 4], "big")]
+                name = replica if ranks[replica] <= 1 and dp == 0 else f"{replica}#{dp}"
+                rows.append((name, {"matched": matched, "tiers": dict(sorted(tiers.items())), "score": score / 1e6,
+                                    "replica": replica, "dp_rank": dp}))
+    rows.sort(key=lambda r: (-r[1]["score"], -r[1]["matched"], r[0]))
+    return dict(rows)
+
+
+# ---------------------------------------------------------------- the Go example
+
+@pytest.fixture(scope="module")
+def go_lookup(tmp_path_factory) -> Path:
+    """examples/go-lookup built once (go-redis and xxh3 from the Go module proxy; ~25 s with a cold
+    build cache, ~1 s warm)."""
+    if not os.path.exists(GO):
+        if os.environ.get("CI"):
+            pytest.fail(f"no Go toolchain at {GO}: the Go client of the lookup protocol is not tested")
+        pytest.skip(f"no Go toolchain ({GO})")
+    out = tmp_path_factory.mktemp("go") / "kvbus-lookup-go"
+    subprocess.run([GO, "build", "-mod=readonly", "-o", str(out), "."], cwd=EXAMPLE, check=True, timeout=600)
+    return out
+
+
+def _go_argv(argv: list[str]) -> list[str]:
+    """kvbus lookup's flags as the Go example's (same names, one dash)."""
+    return [a[1:] if a.startswith("--") else a for a in argv]
+
+
+def go(binary: Path, target: list[str], prefix: str, argv: list[str], env: dict | None = None):
+    return subprocess.run([str(binary), *target, "-prefix", prefix, *_go_argv(argv)], capture_output=True,
+                          text=True, timeout=30, env={**os.environ, **(env or {})})
+
+
+# ---------------------------------------------------------------- single node
+
+@pytest.fixture(scope="module")
+def view():
+    with RedisServer() as srv:
+        prefix = f"p{uuid.uuid4().hex[:8]}:"
+        RedisStore(srv.client(), prefix).apply(_records())
+        yield srv, prefix
+
+
+def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str]]:
+    """What kvbus lookup sends for these flags: the chain, ARGV[3] and the candidates."""
+    from sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
+    from sinks.tiers import Weights
+
+    p = argparse.ArgumentParser()
+    cli.add_lookup_args(p)
+    a = p.parse_args(argv)
+    chain = parse_hashes(a.hashes) if a.hashes else chain_from_tokens(parse_tokens(a.tokens), a.block_size, a.algo,
+                                                                      a.hash_seed)
+    cands = [c.strip() for c in (a.replicas or "").split(",") if c.strip()]
+    return chain, Weights.parse(a.weights).spec(), cands
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_redis_cli_and_go_get_kvbus_lookups_answer(view, go_lookup, capsys, case):
+    srv, prefix = view
+    argv = CASES[case]
+    want = _kvbus_lookup(Settings(redis_url=srv.url), prefix, argv, capsys)
+    answer = json.loads(want)
+    if case not in ("nobody", "unknown-candidates"):
+        assert answer, "the case finds holders"
+    chain, spec, cands = _spec_and_cands(argv)
+    got = redis_cli_answer(srv.port, [(prefix, [])], chain, spec, cands)
+    assert list(got.items()) == list(answer.items())  # same holders, values and order
+    g = go(go_lookup, ["-addr", f"127.0.0.1:{srv.port}"], prefix, argv)
+    assert (g.returncode, g.stderr) == (0, "")
+    assert g.stdout == want
+
+
+def test_the_view_is_what_the_cases_assume(view, capsys):
+    srv, prefix = view
+    got = json.loads(_kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES["all"], capsys))
+    assert got["a"] == {"matched": 6, "tiers": {"CPU": 2, "GPU": 6}, "score": 6.0, "replica": "a", "dp_rank": 0}
+    assert got["b#1"]["tiers"] == {"CPU@kvcr": 3} and got["c"]["tiers"] == {"CPU": 3, "GPU/g1": 4}
+    assert got["pod#x"]["matched"] == 5 and got["shared-7"]["matched"] == 2
+    assert len(got) == 5 + 24
+    assert srv.client().exists(prefix.encode() + b"W:" + CHAIN[0]), "block 0 is wide (over 20 members)"
+
+
+def test_layout_version_is_in_the_views_meta(view):
+    srv, prefix = view
+    assert functions.layout_version() == "3"
+    assert redis_cli(srv.port, "HGET", prefix + "meta", "layout") == functions.layout_version()
+
+
+def test_go_refuses_a_view_of_another_layout_and_the_function_names_the_cause(view, go_lookup):
+    srv, _ = view
+    prefix = f"o{uuid.uuid4().hex[:8]}:"
+    RedisStore(srv.client(), prefix).apply(_records()[:1])
+    srv.client().hset(prefix + "meta", "layout", "2")
+    g = go(go_lookup, ["-addr", f"127.0.0.1:{srv.port}"], prefix, CASES["all"])
+    assert g.returncode == 2 and "has layout 2; this client speaks 3" in g.stderr
+    with pytest.raises(RuntimeError, match="older key layout"):
+        redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, b"".join(CHAIN), "")
+
+
+def test_errors_of_the_call(view):
+    srv, prefix = view
+    with pytest.raises(RuntimeError, match=r'KEYS\[1\] must be the prefix'):
+        redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "1", prefix + "x", prefix, b"".join(CHAIN), "")
+    with pytest.raises(RuntimeError, match="string expected, got nil"):  # ARGV[3] is required
+        redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, b"".join(CHAIN))
+    assert redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, b"", "") == [[], [], []]
+    with pytest.raises(RuntimeError, match="(?i)function not found"):
+        redis_cli(srv.port, "FCALL_RO", "kvbus_nosuch", "0", prefix)
+
+
+def test_status_key_as_routers_read_it(view, go_lookup):
+    srv, _ = view
+    store = RedisStore(srv.client(), f"s{uuid.uuid4().hex[:8]}:", load=False)
+    target = ["-addr", f"127.0.0.1:{srv.port}"]
+    assert view_status(store)["state"] == "missing" and redis_cli(srv.port, "HGETALL", store.prefix + "status") == {}
+    assert "view is missing" in go(go_lookup, target, store.prefix, CASES["all"]).stderr
+    store.apply(_records()[:2])
+    assert view_status(store)["state"] == "ready"
+    assert go(go_lookup, target, store.prefix, CASES["all"]).stderr == ""
+    store.set_status(state="rebuilding", since=12.5, phase="replaying")
+    assert redis_cli(srv.port, "HGETALL", store.prefix + "status") == {"state": "rebuilding", "since": "12.5",
+                                                                        "phase": "replaying"}
+    g = go(go_lookup, target, store.prefix, CASES["all"])
+    assert g.returncode == 0 and "view is rebuilding" in g.stderr
+
+
+def test_a_read_only_acl_user_is_enough(view, go_lookup, capsys):
+    srv, prefix = view
+    srv.client().acl_setuser("router", enabled=True, passwords=["+pw"], keys=[f"%R~{prefix}*"],
+                             commands=["-@all", "+@read", "+fcall_ro"])
+    want = _kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES["all"], capsys)
+    g = go(go_lookup, ["-addr", f"127.0.0.1:{srv.port}", "-user", "router"], prefix, CASES["all"],
+           env={"REDIS_PASSWORD": "pw"})
+    assert (g.returncode, g.stdout) == (0, want), g.stderr
+    g = go(go_lookup, ["-addr", f"127.0.0.1:{srv.port}", "-user", "router"], prefix, CASES["all"],
+           env={"REDIS_PASSWORD": "wrong"})
+    assert g.returncode == 2
+
+
+def test_go_hashes_tokens_with_the_seed_from_the_environment_and_refuses_xxhash_without(view, go_lookup, capsys,
+                                                                                       monkeypatch):
+    srv, prefix = view
+    target = ["-addr", f"127.0.0.1:{srv.port}"]
+    argv = ["--tokens", TOKENS_B, "--algo", "xxhash_cbor"]
+    monkeypatch.setenv("PYTHONHASHSEED", "12345")
+    want = _kvbus_lookup(Settings(redis_url=srv.url), prefix, argv, capsys)
+    assert list(json.loads(want)) == ["vllm-xxhash-cbor"]
+    assert go(go_lookup, target, prefix, argv).stdout == want
+    monkeypatch.delenv("PYTHONHASHSEED")
+    g = go(go_lookup, target, prefix, argv)
+    assert g.returncode == 2 and "random" in g.stderr and "no router" in g.stderr
+
+
+# ---------------------------------------------------------------- Redis Cluster (the sharded view)
+
+def test_sharded_view_one_call_per_shard_union_of_answers(go_lookup, capsys):
+    from tests.redis_cluster import RedisClusterServer
+
+    with RedisClusterServer(3) as cl, RedisServer() as srv:
+        prefix = f"c{uuid.uuid4().hex[:8]}:"
+        records = _records()
+        ShardedRedisStore(cl.url, prefix).apply(records)
+        RedisStore(srv.client(), prefix).apply(records)
+        masters = [f"{n.host}:{n.port}" for n in cl.nodes if n.master]
+        shards = int(redis_cli(cl.nodes[0].port, "HGET", prefix + "{s0}:meta", "shards", cluster=True))
+        assert shards == 16
+        views = [(f"{prefix}{{s{i}}}:", [f"{prefix}{{s{i}}}:meta", f"{prefix}{{s{i}}}:guard"]) for i in range(shards)]
+        for case in ("all", "mixed-candidates", "weights", "tokens-xxhash-cbor"):
+            want = _kvbus_lookup(Settings(redis_url=cl.url), prefix, CASES[case], capsys)
+            assert want == _kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES[case], capsys)
+            g = go(go_lookup, ["-cluster", ",".join(masters)], prefix, CASES[case])
+            assert (g.returncode, g.stdout) == (0, want), g.stderr
+            if case != "tokens-xxhash-cbor":
+                chain, spec, cands = _spec_and_cands(CASES[case])
+                got = redis_cli_answer(cl.nodes[0].port, views, chain, spec, cands, cluster=True)
+                assert list(got.items()) == list(json.loads(want).items())
