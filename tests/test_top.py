@@ -1,0 +1,195 @@
+"""``kvbus top`` against a running pipeline on the real stack: its ``--once --json`` numbers match
+what the pipeline was given (events, the view per replica and tier, lag, a dead letter), and the
+live screen under tmux shows the same, with a bridge that does not answer shown as unreachable.
+Also: with nothing reachable it keeps running and says what is unreachable."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
+from kvbus.procs import free_port
+from kvbus.top.config import parse_endpoints
+from kvbus.top.metrics import quantile
+from schemas.events import BlockRemoved, BlockStored
+from schemas.hashing import block_hashes
+from tests.pipeline import Pipeline, RawProducer, env_for, eventually
+from tests.tmux import TmuxPane
+
+BS = 16
+PROMPT = list(range(1, 4 * BS + 1))  # 4 blocks
+HASHES = block_hashes(PROMPT, BS)
+
+
+def stored(first: int, last: int, medium: str = "GPU", ownership: str | None = None) -> BlockStored:
+    return BlockStored(block_hashes=HASHES[first:last + 1], parent_block_hash=HASHES[first - 1] if first else None,
+                       token_ids=PROMPT[first * BS:(last + 1) * BS], block_size=BS, medium=medium, ownership=ownership)
+
+
+SCRIPT = [
+    ScriptBatch("replica-0", [stored(0, 3)]),
+    ScriptBatch("replica-0", [BlockRemoved(block_hashes=[HASHES[3]], medium="GPU")]),
+    ScriptBatch("replica-1", [stored(0, 1), stored(0, 3, "CPU")]),
+    ScriptBatch("replica-1", [stored(0, 3, "CPU", ownership="kvcr")]),
+]
+ENGINE_EVENTS = sum(len(b.events) for b in SCRIPT)  # 5
+VIEW = {"replica-0": {"GPU": 3}, "replica-1": {"CPU": 4, "CPU@kvcr": 4, "GPU": 2}}
+
+
+def top_once(settings, *args: str) -> dict:
+    """``kvbus top --once --json <args>`` as a process: its snapshot."""
+    out = subprocess.run([sys.executable, "-m", "kvbus", "top", "--once", "--json", *args], env=env_for(settings),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.integration
+def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
+    settings = test_settings
+    run = uuid.uuid4().hex[:8]
+    prefix, worker_group, sink_group = f"top{run}:", f"streams-{run}", f"sink-{run}"
+    worker_port, sink_port, dead_port = free_port(), free_port(), free_port()
+    pipeline = Pipeline(settings, tmp_path)
+    fleet = Fleet(FleetConfig(replicas=2, base_port=0, format="vllm-0.33")).start()
+    tmux = None
+    try:
+        pipeline.start("sink", "sink", "--group", sink_group, "--prefix", prefix, "--metrics-port", str(sink_port))
+        pipeline.start("worker", "worker", "--app-id", worker_group, "--workdir", str(tmp_path),
+                       "--metrics-port", str(worker_port))
+        bridge_ports = []
+        for s in fleet.streams():
+            bridge_ports.append(free_port())
+            pipeline.start(f"bridge-{s.replica}", "bridge", "--endpoint", s.endpoint, "--replay-endpoint",
+                           s.replay_endpoint, "--replica", s.replica, "--metrics-port", str(bridge_ports[-1]))
+        fleet.play(SCRIPT)
+        raw = RawProducer(settings)
+        raw.send_raw(b"replica-9#0", b"not an EventBatch")  # the worker dead-letters it: reason decode
+        raw.flush()
+        args = ("--bridges", ",".join(map(str, [*bridge_ports, dead_port])), "--workers", str(worker_port),
+                "--sinks", str(sink_port), "--worker-group", worker_group, "--sink-group", sink_group,
+                "--prefix", prefix, "--interval", "0.5")
+
+        def settled() -> dict | None:
+            snap = top_once(settings, *args)
+            hops = snap["kafka"].get("hops") or []
+            done = (snap["view"].get("replicas") == VIEW and len(hops) == 2 and all(h["lag"] == 0 for h in hops)
+                    and snap["flow"]["applied"]["total"] and snap["dead_letters"]["topic"]["records"] == 1)
+            return snap if done else None
+
+        snap = eventually(settled, 120, pipeline, interval=0.2)
+
+        # flow: every engine event acknowledged by Kafka, consolidated (passed through: TP=1), applied
+        assert snap["flow"]["in"]["total"] == ENGINE_EVENTS
+        assert snap["flow"]["consolidated"]["total"] == ENGINE_EVENTS
+        assert snap["flow"]["applied"]["total"] == ENGINE_EVENTS
+        assert snap["flow"]["in"]["per_s"] == 0.0  # nothing flows any more
+        # bridges: two up, the third endpoint unreachable
+        by_endpoint = {b["endpoint"]: b for b in snap["bridges"]}
+        assert [by_endpoint[f"127.0.0.1:{p}"]["up"] for p in bridge_ports] == [True, True]
+        assert sorted(by_endpoint[f"127.0.0.1:{p}"]["counters"]["events_acked"]["total"] for p in bridge_ports) == [2, 3]
+        resets = sum(by_endpoint[f"127.0.0.1:{p}"]["counters"]["resets"]["total"] for p in bridge_ports)
+        assert by_endpoint[f"127.0.0.1:{dead_port}"] == {
+            "endpoint": f"127.0.0.1:{dead_port}", "up": False,
+            "error": f"unreachable: 127.0.0.1:{dead_port} (connection refused)"}
+        # lag per hop and partition, from Kafka
+        raw_hop, blocks_hop = snap["kafka"]["hops"]
+        assert (raw_hop["group"], blocks_hop["group"]) == (worker_group, sink_group)
+        assert {p["topic"] for p in raw_hop["partitions"]} == {settings.topics.raw}
+        assert len(raw_hop["partitions"]) == settings.partitions
+        assert {p["topic"] for p in blocks_hop["partitions"]} == {settings.topics.blocks,
+                                                                 settings.topics.for_ownership("kvcr")}
+        assert raw_hop["end"] == len(SCRIPT) + 1 + resets  # engine batches, the bad record, any reset marker
+        # the worker: nothing pending, no incomplete
+        (worker,) = snap["workers"]
+        assert worker["up"] and worker["gauges"]["pending_aggregates"] == 0
+        assert snap["incomplete"]["reasons"] == {}
+        # dead letters: the bad raw record, per stage and reason, and in the topic
+        assert [r for r in snap["dead_letters"]["rows"] if r["total"]] == [
+            {"stage": "worker", "reason": "decode", "total": 1.0, "per_s": 0.0}]
+        # the sink's gauges and the view read from Redis agree
+        (sink,) = snap["sinks"]
+        assert sink["gauges"]["view_holders"] == 2 and sink["gauges"]["stale_holders"] == 0
+        assert snap["view"]["state"] == "ready" and snap["view"]["tiers"] == ["CPU", "CPU@kvcr", "GPU"]
+        assert snap["view"]["size"]["entries"] == sum(sum(t.values()) for t in VIEW.values())
+        assert [f["hop"] for f in snap["freshness"]] == [
+            "bridge: produce -> Kafka ack", "worker: one batch", "sink: one batch -> Redis"]
+
+        # the live screen shows the same
+        tmux = TmuxPane([sys.executable, "-m", "kvbus", "top", *args], env_for(settings), width=200, height=80)
+
+        def screen_shows() -> str | None:
+            text = tmux.screen()
+            assert not tmux.exited(), text
+            rows = {line.strip("│ ").split()[0]: line.strip("│ ").split() for line in text.splitlines()
+                    if line.strip("│ ").startswith(("replica-0 ", "replica-1 "))}
+            ok = (rows.get("replica-0") == ["replica-0", "0", "0", "3", "3"]
+                  and rows.get("replica-1") == ["replica-1", "4", "4", "2", "10"]
+                  and "bridges: 2 up, 1 down" in text
+                  and f"unreachable: 127.0.0.1:{dead_port} (connection refused)" in text
+                  and f"{settings.topics.dlq} holds 1 records" in text)
+            return text if ok else None
+
+        text = eventually(screen_shows, 30, interval=0.5)
+        assert "state ready" in text and "unreachable: Kafka" not in text and "unreachable: Redis" not in text
+        # the dead-letter row (in the right-hand column: the line also crosses the lag panel)
+        assert any(" ".join(line.replace("│", " ").split()).find("worker decode 1 ") >= 0
+                   for line in text.splitlines()), text
+    finally:
+        if tmux is not None:
+            tmux.close()
+        pipeline.stop()
+        fleet.stop()
+
+
+def test_top_says_what_is_unreachable_and_keeps_running(tmp_path) -> None:
+    """No Kafka, Redis or process answers: ``--once --json`` exits 0 with an error per source, and the
+    live screen says "unreachable: ..." for each and keeps refreshing."""
+    from schemas.settings import Settings
+
+    nothing = free_port()
+    env = {**env_for(Settings()), "KVBUS_BOOTSTRAP": f"127.0.0.1:{nothing}",
+           "KVBUS_REDIS_URL": f"redis://127.0.0.1:{nothing}/0"}
+    args = ["--bridges", str(nothing), "--workers", str(nothing), "--sinks", str(nothing), "--interval", "0.5"]
+    out = subprocess.run([sys.executable, "-m", "kvbus", "top", "--once", "--json", *args], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    snap = json.loads(out.stdout)
+    assert snap["kafka"]["error"].startswith(f"unreachable: Kafka at 127.0.0.1:{nothing} (")
+    assert snap["view"]["error"] == f"unreachable: Redis at redis://127.0.0.1:{nothing}/0 (" + \
+        snap["view"]["error"].split(" (", 1)[1]
+    assert [e["up"] for e in snap["bridges"] + snap["workers"] + snap["sinks"]] == [False, False, False]
+    assert snap["flow"]["in"] == {"total": None, "per_s": None}
+    assert snap["dead_letters"] == {"rows": [], "topic": None}
+
+    tmux = TmuxPane([sys.executable, "-m", "kvbus", "top", *args], env, width=200, height=60)
+    try:
+        seen: set[str] = set()
+
+        def refreshed_twice() -> bool:
+            text = tmux.screen()
+            assert not tmux.exited(), text
+            if all(f"unreachable: {what}" in text for what in ("Kafka at", "Redis at", f"127.0.0.1:{nothing}")):
+                seen.add(text.splitlines()[0])  # the header carries the time of the snapshot
+            return len(seen) >= 2
+
+        eventually(refreshed_twice, 30, interval=0.3)
+    finally:
+        tmux.close()
+
+
+def test_endpoint_lists_and_quantiles() -> None:
+    assert parse_endpoints("9410-9412, host:9401") == (
+        "127.0.0.1:9410", "127.0.0.1:9411", "127.0.0.1:9412", "host:9401")
+    with pytest.raises(ValueError):
+        parse_endpoints("host:port")
+    # 10 observations: 5 under 1 ms, 4 in (1, 2] ms, 1 above 2 ms (PromQL's histogram_quantile rules)
+    buckets = {0.001: 5.0, 0.002: 9.0, float("inf"): 10.0}
+    assert quantile(0.5, buckets) == 0.001
+    assert quantile(0.7, buckets) == pytest.approx(0.0015)
+    assert quantile(0.99, buckets) == 0.002  # in +Inf: the largest finite bound
+    assert quantile(0.5, {0.001: 0.0, float("inf"): 0.0}) is None
