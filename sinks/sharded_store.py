@@ -17,7 +17,16 @@ own slot migration (``redis-cli --cluster reshard`` / ``rebalance``).
 * view id and offsets (Recovery): each shard is a view with its own ``P{s<i>}:meta vid`` and
   ``P{s<i>}:off``; see :meth:`ShardedRedisStore.apply` for what a sink must do.
 
-``KVBUS_REDIS_URL`` names a cluster by its seed nodes: ``redis+cluster://h:p[,h:p...][/0][?shards=S]``
+* reads from replicas (``read_from="replica"``, URL ``?read_from=replica``): lookups go to each
+  shard's replica (``READONLY`` connections), except for shards whose slot a master reports migrating
+  or importing (checked every :data:`MIGRATION_CHECK` s): those go to their master, which refuses them
+  until the migration ends (a replica has no migration state and would answer from a half-moved
+  shard); writes always go to masters. A replica answers from a state between two of its master's function calls
+  (a call's effects replicate as one transaction), so an answer is never cut short mid-write, but it
+  lags by the replication delay, and a migration that starts between two checks may be read from a
+  half-moved shard for up to :data:`MIGRATION_CHECK` s (docs/sinks-layout.md).
+
+``KVBUS_REDIS_URL`` names a cluster by its seed nodes: ``redis+cluster://h:p[,h:p...][/0][?shards=S][&read_from=replica]``
 (:func:`open_store` picks this store for such a URL, :class:`~sinks.redis_store.RedisStore` otherwise).
 """
 from __future__ import annotations
@@ -30,7 +39,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 import redis
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
 from redis.exceptions import AskError, ClusterDownError, ClusterError, MovedError, TryAgainError
 
 from schemas.events import BlockEvent, holder_key
@@ -59,6 +68,11 @@ DEFAULT_SHARDS = 16
 RETRY_FOR = 30.0
 """Seconds a call refused during a slot migration or failover (TRYAGAIN, ASK, MOVED, CLUSTERDOWN,
 connection lost) is retried before the error is raised."""
+MIGRATION_CHECK = 1.0
+"""Seconds between two checks, by a store reading from replicas, of which shards' slots are being
+migrated (those are read from their masters)."""
+READ_FROM = ("primary", "replica")
+"""Where lookups are read: ``primary`` (default; exact at every instant) or ``replica``."""
 RETRYABLE = (MovedError, AskError, TryAgainError, ClusterDownError, ClusterError, redis.ConnectionError,
              redis.TimeoutError)
 
@@ -86,8 +100,11 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
 
 
 def cluster_client(url: str, **kw: Any) -> RedisCluster:
-    """A ``RedisCluster`` client (bytes replies) from a ``redis+cluster://`` URL's seed nodes."""
-    nodes, _ = parse_cluster_url(url)
+    """A ``RedisCluster`` client (bytes replies) from a ``redis+cluster://`` URL's seed nodes; with
+    ``?read_from=replica`` its connections send ``READONLY`` (replicas then serve reads)."""
+    nodes, params = parse_cluster_url(url)
+    if read_from(params) == "replica":
+        kw.setdefault("load_balancing_strategy", LoadBalancingStrategy.ROUND_ROBIN)
     auth = urlsplit(url)
     if auth.password:
         kw.setdefault("password", auth.password)
@@ -98,6 +115,14 @@ def cluster_client(url: str, **kw: Any) -> RedisCluster:
     return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **kw)
 
 
+def read_from(params: Mapping[str, str]) -> str:
+    """The URL's ``read_from`` (:data:`READ_FROM`), ``primary`` when absent."""
+    value = params.get("read_from", "primary")
+    if value not in READ_FROM:
+        raise ValueError(f"read_from={value!r}: expected one of {', '.join(READ_FROM)}")
+    return value
+
+
 def open_store(url: str, prefix: str = DEFAULT_PREFIX, policy: TierPolicy = DEFAULT_POLICY, *,
                load: bool = True) -> "RedisStore | ShardedRedisStore":
     """The view at ``url``: :class:`ShardedRedisStore` for a ``redis+cluster://`` URL (its
@@ -106,7 +131,7 @@ def open_store(url: str, prefix: str = DEFAULT_PREFIX, policy: TierPolicy = DEFA
         return RedisStore(url, prefix, policy, load=load)
     _, params = parse_cluster_url(url)
     return ShardedRedisStore(cluster_client(url), prefix, policy, shards=int(params.get("shards", DEFAULT_SHARDS)),
-                             load=load)
+                             load=load, read_from=read_from(params))
 
 
 def shard_prefix(prefix: str, i: int) -> str:
@@ -125,12 +150,26 @@ class ShardedRedisStore(ResidencyStore):
 
     ``client``: a ``RedisCluster`` (bytes replies) or a ``redis+cluster://`` URL. ``load``: check
     every master's version and load the function library on each (a lookup client passes False).
+    ``read_from``: where lookups are read (:data:`READ_FROM`; ``replica`` needs a client whose
+    connections send READONLY: :func:`cluster_client` with ``?read_from=replica``);
+    ``migration_check``: seconds between two checks of which shards are migrating, when reading
+    from replicas.
     """
 
     def __init__(self, client: RedisCluster | str, prefix: str = DEFAULT_PREFIX,
                  policy: TierPolicy = DEFAULT_POLICY, *, shards: int = DEFAULT_SHARDS, load: bool = True,
-                 retry_for: float = RETRY_FOR, **store_kw: Any):
+                 retry_for: float = RETRY_FOR, read_from: str = "primary", migration_check: float = MIGRATION_CHECK,
+                 **store_kw: Any):
         self.rc = cluster_client(client) if isinstance(client, str) else client
+        if read_from not in READ_FROM:
+            raise ValueError(f"read_from={read_from!r}: expected one of {', '.join(READ_FROM)}")
+        if read_from == "replica" and not (self.rc.read_from_replicas or self.rc.load_balancing_strategy):
+            raise ValueError("read_from='replica' needs a RedisCluster whose connections send READONLY "
+                             "(load_balancing_strategy set; cluster_client(url) with ?read_from=replica)")
+        self.read_from = read_from
+        self.migration_check = migration_check
+        self._migrating: set[int] = set()
+        self._migrating_at = float("-inf")
         self.r = self.rc  # what RedisStore callers read plain keys through (sinks.rebuild.view_status)
         self.prefix = prefix
         self.policy = policy
@@ -175,17 +214,51 @@ class ShardedRedisStore(ResidencyStore):
             s = self._shard_of[k] = shard_of(holder_key(replica, dp_rank), self.nshards)
         return s
 
-    def _node(self, s: int) -> ClusterNode:
-        return self.rc.get_node_from_key(self.shards[s].fkeys[0])
+    def _node(self, s: int, read: bool = False) -> ClusterNode:
+        """The node a call of shard ``s`` goes to: its master, or for a read (``read``) by a store
+        reading from replicas, its replica unless the shard is migrating (or has no replica)."""
+        key = self.shards[s].fkeys[0]
+        if read and self.read_from == "replica" and s not in self.migrating_shards():
+            node = self.rc.get_node_from_key(key, replica=True)
+            if node is not None:
+                return node
+        return self.rc.get_node_from_key(key)
+
+    def migrating_shards(self) -> set[int]:
+        """Shards whose slot some master reports migrating or importing (``CLUSTER NODES``: the
+        ``[slot->-node]`` / ``[slot-<-node]`` entries of the master's own line), refreshed every
+        ``migration_check`` s (:data:`MIGRATION_CHECK`). A store reading from replicas also re-reads
+        the slot map then if a shard has no known replica (one may have joined or been promoted)."""
+        now = time.monotonic()
+        if now - self._migrating_at < self.migration_check:
+            return self._migrating
+        slots: set[int] = set()
+        for node in self.rc.get_primaries():
+            try:  # redis-py parses CLUSTER NODES: address -> {"flags", "migrations": [{"slot", ...}], ...}
+                nodes = node.redis_connection.execute_command("CLUSTER NODES")
+            except (ClusterError, redis.RedisError):
+                continue
+            for info in nodes.values():
+                if "myself" in info.get("flags", ""):
+                    slots.update(int(m["slot"]) for m in info.get("migrations", ()))
+        self._migrating = {s for s, st in enumerate(self.shards) if self.rc.keyslot(st.fkeys[0]) in slots}
+        self._migrating_at = now
+        if self.read_from == "replica" and any(
+                len(self.rc.nodes_manager.slots_cache.get(self.rc.keyslot(st.fkeys[0]), ())) < 2 for st in self.shards):
+            try:  # a shard without a known replica: one joined or was promoted since the slot map was read
+                self.rc.nodes_manager.initialize()
+            except (ClusterError, redis.RedisError):
+                pass
+        return self._migrating
 
     def _send(self, calls: list[tuple[int, str, list]], idxs: list[int]) -> dict[int, Any]:
-        """Send calls ``idxs`` of ``calls`` ((shard, function, args)): all commands to every master are
-        written first, then the replies read (masters run them concurrently). Reply or exception per call."""
+        """Send calls ``idxs`` of ``calls`` ((shard, function, args)): all commands to every node are
+        written first, then the replies read (nodes run them concurrently). Reply or exception per call."""
         by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
         out: dict[int, Any] = {}
         for j in idxs:
             try:
-                node = self._node(calls[j][0])
+                node = self._node(calls[j][0], read=calls[j][1] == "kvbus_lookup")
             except (ClusterError, redis.RedisError) as e:  # slot not covered during a failover
                 out[j] = e
                 continue

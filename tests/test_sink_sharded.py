@@ -191,3 +191,76 @@ def test_a_slot_migration_while_applying_costs_retries_not_errors(redis_server, 
     for _, ev in records[::7]:
         if getattr(ev.event, "block_hashes", None):
             assert sharded.lookup(ev.event.block_hashes) == single.lookup(ev.event.block_hashes)
+
+
+def _replicas_caught_up(cluster) -> bool:
+    """Every replica has applied its master's whole replication stream."""
+    masters = {n.port: cluster.node_client(n.port) for n in cluster.nodes if n.master}
+    offsets = {port: r.info("replication")["master_repl_offset"] for port, r in masters.items()}
+    for n in cluster.nodes:
+        if not n.master:
+            info = cluster.node_client(n.port).info("replication")
+            if info.get("master_link_status") != "up" or info["slave_repl_offset"] < offsets[info["master_port"]]:
+                return False
+    return True
+
+
+def _fcall_ro_calls(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_fcall_ro", {}).get("calls", 0))
+
+
+def test_reads_from_replicas_answer_like_the_masters_and_avoid_a_migrating_shard(redis_server, cluster):
+    """``?read_from=replica``: lookups go to the replicas (READONLY), answer what the masters and the
+    single node answer once the replicas caught up, and a shard whose slot is being migrated is
+    read from its master instead."""
+    prefix, single, sharded = _pair(redis_server, cluster)
+    records = random_streams(13, T, holders=12, batches=100, pool=25)
+    single.apply(records)
+    sharded.apply(records)
+    reader = open_store(f"{cluster.url}?read_from=replica", prefix, load=False)
+    assert isinstance(reader, ShardedRedisStore) and reader.read_from == "replica"
+    reader.migration_check = 0.0
+    deadline = time.monotonic() + 30
+    while not _replicas_caught_up(cluster) or len(reader.rc.get_replicas()) < cluster.masters:
+        assert time.monotonic() < deadline, "the replicas did not catch up, or are not in the slot map"
+        time.sleep(0.05)
+        reader.rc.nodes_manager.initialize()  # replicas enter CLUSTER SLOTS once gossip has them
+    clients = {n.port: cluster.node_client(n.port) for n in cluster.nodes}
+    for r in clients.values():
+        r.config_resetstat()
+    chains = _chains(records, random.Random(13))[:20]
+    for chain in chains:
+        assert reader.lookup(chain) == single.lookup(chain) == sharded.lookup(chain)
+    on_masters = sum(_fcall_ro_calls(clients[n.port]) for n in cluster.nodes if n.master)
+    on_replicas = sum(_fcall_ro_calls(clients[n.port]) for n in cluster.nodes if not n.master)
+    assert on_replicas == len(chains) * reader.nshards, "every shard of every lookup was read from a replica"
+    assert on_masters == len(chains) * sharded.nshards, "only the primary-reading store read the masters"
+
+    s = 0
+    key = reader.shards[s].fkeys[0]
+    slot = reader.rc.keyslot(key)
+    src_node = reader.rc.get_node_from_key(key)
+    dst_node = next(n for n in reader.rc.get_primaries() if n.name != src_node.name)
+    src, dst = clients[src_node.port], clients[dst_node.port]
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", _node_id(src))
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", _node_id(dst))
+    answers: list = []
+    try:
+        assert reader.migrating_shards() == {s}
+        # the master refuses calls on a migrating slot (the guard key), so the lookup waits for the
+        # migration to end rather than read the half-moved shard's replica
+        th = threading.Thread(target=lambda: answers.append(reader.lookup(chains[0])), daemon=True)
+        th.start()
+        deadline = time.monotonic() + 10
+        while not reader.retries:
+            assert time.monotonic() < deadline, "the lookup was not refused by the migrating shard's master"
+            time.sleep(0.01)
+        refused = int(src.info("commandstats").get("cmdstat_fcall_ro", {}).get("rejected_calls", 0))
+        assert refused > 0, "the migrating shard was read from its master"
+        assert not answers
+    finally:
+        for r in (src, dst):
+            r.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+    th.join(timeout=30)
+    assert answers == [single.lookup(chains[0])]
+    assert reader.migrating_shards() == set()
