@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from schemas.events import BlockEvent, BlockStored  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
 from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402
 from tests.redis_cluster import RedisClusterServer  # noqa: E402
 from sinks.sharded_store import ShardedRedisStore  # noqa: E402
 from sinks.tiers import Weights  # noqa: E402
@@ -271,9 +271,11 @@ def run_cluster(args) -> dict:
                                                 cpu_frac=args.cpu_frac, seed=args.seed, min_chain=args.chain)
         stores = list(stores)  # loaded twice
         r0.config_resetstat()
+        cpu0 = main_thread_cpu(r0)
         n, secs = load_kvbus(single, stores, batch=2000)
         result["entries"] = n
-        result["single"] = {"load_entries_per_s": round(n / secs), "apply": _fcall_stats(r0)["fcall"]}
+        result["single"] = {"load_entries_per_s": round(n / secs), "apply": _fcall_stats(r0)["fcall"],
+                            "apply_cpu_seconds": round(main_thread_cpu(r0) - cpu0, 2)}
         print(f"single: loaded {n:,} entries in {secs:.1f}s; apply {result['single']['apply']}", flush=True)
         rc = cl.client()
         masters = [node for node in rc.get_primaries()]
@@ -282,18 +284,23 @@ def run_cluster(args) -> dict:
             st = ShardedRedisStore(rc, f"kv{S}:", shards=S)
             for node in masters:
                 node.redis_connection.config_resetstat()
+            cpu0s = {node.name: main_thread_cpu(node.redis_connection) for node in masters}
             n2, secs2 = load_kvbus(st, stores, batch=2000)
             assert n2 == n
             per = {node.name: _fcall_stats(node.redis_connection)["fcall"] for node in masters}
+            cpu = {node.name: round(main_thread_cpu(node.redis_connection) - cpu0s[node.name], 2) for node in masters}
             tot = sum(v["usec"] for v in per.values())
             result[f"sharded_{S}"] = {
                 "shards": S, "load_entries_per_s": round(n / secs2), "apply_per_master": per,
+                "apply_cpu_seconds_per_master": cpu,
+                "apply_max_master_cpu_over_single": round(max(cpu.values()) / max(result["single"]["apply_cpu_seconds"], 1e-9), 3),
                 "apply_usec_total": tot,
                 "apply_max_master_share": round(max(v["usec"] for v in per.values()) / max(tot, 1), 3),
                 "apply_max_master_over_single": round(max(v["usec"] for v in per.values()) / max(result["single"]["apply"]["usec"], 1), 3),
             }
             print(f"sharded S={S}: loaded in {secs2:.1f}s; apply us per master "
-                  f"{ {k: v['usec'] for k, v in per.items()} } (single {result['single']['apply']['usec']})", flush=True)
+                  f"{ {k: v['usec'] for k, v in per.items()} } (single {result['single']['apply']['usec']}); main-thread CPU s "
+                  f"per master {cpu} (single {result['single']['apply_cpu_seconds']})", flush=True)
             sharded_stores[S] = st
         for kind, sample in (("shared", chains), ("private", bodies)):
             queries = [c[:args.chain] for c in sample][: args.queries]

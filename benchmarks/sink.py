@@ -4,6 +4,11 @@
     .venv/bin/python benchmarks/sink.py --events 2000000
     .venv/bin/python benchmarks/sink.py --cluster 3          # also the sharded view on a 3-master Redis Cluster
 
+``--cluster N``: the same batches, with a view id and offsets as the sink writes them, applied to a
+single Redis with one replica and to the sharded view on N masters with one replica each; the apply
+work per master is its main-thread CPU (``INFO cpu``), next to FCALL usec (``INFO commandstats``),
+which on a shared 2-core machine also counts the time a master waits for a core.
+
 The event stream imitates what vLLM publishes per engine step, per replica (protocol doc §6):
 BlockStored of 1 block (a decode step fills a block) or of a prompt's 2-32 new blocks (prefill),
 one BlockRemoved per evicted hash, OffloadingConnector CPU stores, and kv_cache_report_mode=full
@@ -41,7 +46,7 @@ from schemas.events import BlockEvent, BlockRemoved, BlockStored  # noqa: E402
 from schemas.codec import FastSerde  # noqa: E402
 from schemas.serde import RecordSerde, registry_client  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.redis_server import RedisServer, main_thread_cpu, wait_replica_synced  # noqa: E402
 
 TOPIC = "kvbus.blocks"
 LLMD_EVICT = """
@@ -116,30 +121,57 @@ def used_memory(r) -> int:
     return int(r.info("memory")["used_memory"])
 
 
+def apply_with_offsets(store, batches: list) -> float:
+    """Apply ``batches`` as the sink does (a view id, each batch's offsets stored with it); seconds."""
+    store.set_view_id("bench")
+    t = time.perf_counter()
+    for k, b in enumerate(batches):
+        store.apply(b, view_id="bench", offsets={(TOPIC, 0): k + 1})
+    return time.perf_counter() - t
+
+
 def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards: int) -> dict:
-    """The same batches applied to the sharded view on a fresh Redis Cluster: events/s end to end and
-    the Redis-side apply time of each master (INFO commandstats). On this 2-core machine every master
-    shares the same cores, so the per-master **share** of the work is what shows the scale-out."""
+    """The same batches, applied as the sink does (view id and offsets with every batch), to a single
+    Redis with one replica and then to the sharded view on a fresh Redis Cluster of ``masters``
+    masters with one replica each. Per server: FCALL usec (``INFO commandstats``, wall time inside
+    the calls) and main-thread CPU seconds (``INFO cpu``). On this 2-core machine every server and
+    the client share the same cores, so a call's wall time includes time spent descheduled while
+    another master runs; the CPU seconds are the work each master did, and the busiest master's
+    CPU over the single node's is the scale-out figure."""
     from sinks.sharded_store import ShardedRedisStore
     from tests.redis_cluster import RedisClusterServer
 
+    with RedisServer(["--maxmemory", "4gb"]) as srv, RedisServer() as rep:
+        rep.client().replicaof("127.0.0.1", srv.port)
+        wait_replica_synced(rep.client())
+        store = RedisStore(srv.client(), "kvbus:")
+        store.r.config_resetstat()
+        cpu0 = main_thread_cpu(store.r)
+        secs1 = apply_with_offsets(store, batches)
+        single = {"events_per_s": round(events / secs1), "seconds": round(secs1, 2),
+                  "cpu_seconds": round(main_thread_cpu(store.r) - cpu0, 2),
+                  "fcall_seconds": round(store.r.info("commandstats").get("cmdstat_fcall", {}).get("usec", 0) / 1e6, 2)}
     with RedisClusterServer(masters) as cluster:
         store = ShardedRedisStore(cluster.client(), "kvbus:", shards=shards)
-        for node in cluster.client().get_primaries():
-            node.redis_connection.config_resetstat()
-        t = time.perf_counter()
-        applied = sum(store.apply(b).applied for b in batches)
-        secs = time.perf_counter() - t
-        assert applied == events
-        per_master = {name: round(cmd.get("fcall", {}).get("usec", 0) / 1e6, 2)
-                      for name, cmd in store.commandstats().items()}
-    total = sum(per_master.values()) or 1.0
-    out = {"masters": masters, "shards": shards, "events_per_s": round(events / secs),
-           "hashes_per_s": round(hashes / secs), "seconds": round(secs, 2),
-           "server_seconds_per_master": per_master,
-           "busiest_master_share": round(max(per_master.values()) / total, 3)}
-    print(f"cluster ({masters} masters, {shards} shards): {events / secs:,.0f} events/s, Redis-side s per master "
-          f"{sorted(per_master.values(), reverse=True)}, busiest share {out['busiest_master_share']}", flush=True)
+        prim = {node.name: node.redis_connection for node in cluster.client().get_primaries()}
+        for r in prim.values():
+            r.config_resetstat()
+        cpu0s = {name: main_thread_cpu(r) for name, r in prim.items()}
+        secs = apply_with_offsets(store, batches)
+        cpu = {name: round(main_thread_cpu(r) - cpu0s[name], 2) for name, r in prim.items()}
+        fcall = {name: round(cmd.get("fcall", {}).get("usec", 0) / 1e6, 2) for name, cmd in store.commandstats().items()}
+        calls = {name: cmd.get("fcall", {}).get("calls", 0) for name, cmd in store.commandstats().items()}
+    out = {"masters": masters, "shards": shards, "single_with_replica": single,
+           "events_per_s": round(events / secs), "hashes_per_s": round(hashes / secs), "seconds": round(secs, 2),
+           "cpu_seconds_per_master": cpu, "fcall_seconds_per_master": fcall, "fcalls_per_master": calls,
+           "busiest_master_cpu_over_single": round(max(cpu.values()) / max(single["cpu_seconds"], 1e-9), 3),
+           "total_cpu_over_single": round(sum(cpu.values()) / max(single["cpu_seconds"], 1e-9), 3),
+           "busiest_master_fcall_over_single": round(max(fcall.values()) / max(single["fcall_seconds"], 1e-9), 3)}
+    print(f"single Redis + replica: {events / secs1:,.0f} events/s, main-thread CPU {single['cpu_seconds']} s, "
+          f"FCALL {single['fcall_seconds']} s", flush=True)
+    print(f"cluster ({masters} masters + replicas, {shards} shards): {events / secs:,.0f} events/s, CPU s per master "
+          f"{sorted(cpu.values(), reverse=True)} (busiest {out['busiest_master_cpu_over_single']} of the single node's, "
+          f"total {out['total_cpu_over_single']}x), FCALL s per master {sorted(fcall.values(), reverse=True)}", flush=True)
     return out
 
 

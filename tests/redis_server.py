@@ -72,3 +72,23 @@ class RedisServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main_thread_cpu(r: redis.Redis) -> float:
+    """CPU seconds the server's main thread has used (``INFO cpu``: user + sys of the main thread).
+
+    Unlike ``INFO commandstats`` usec, which is wall time inside a command and grows whenever the
+    server is descheduled, this counts only the work done: the figure to compare when several
+    servers and the client share this machine's two cores."""
+    info = r.info("cpu")
+    return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+
+
+def wait_replica_synced(replica: redis.Redis, timeout: float = 30.0) -> None:
+    """Wait until ``replica`` reports its link to its master up (first sync done)."""
+    deadline = time.time() + timeout
+    while replica.info("replication").get("master_link_status") != "up":
+        if time.time() > deadline:
+            raise RuntimeError("the replica did not finish its first sync")
+        time.sleep(0.05)
+
