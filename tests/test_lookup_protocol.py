@@ -26,7 +26,7 @@ from schemas.settings import Settings
 from sinks import cli, functions
 from sinks.rebuild import view_status
 from sinks.redis_store import RedisStore
-from sinks.sharded_store import ShardedRedisStore
+from sinks.sharded_store import ShardedRedisStore, shard_of
 from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import PROMPTS, VECTORS
 
@@ -215,17 +215,22 @@ def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str]]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_redis_cli_and_go_get_kvbus_lookups_answer(view, go_lookup, capsys, case):
+def test_redis_cli_gets_kvbus_lookups_answer(view, capsys, case):
     srv, prefix = view
     argv = CASES[case]
-    want = _kvbus_lookup(Settings(redis_url=srv.url), prefix, argv, capsys)
-    answer = json.loads(want)
+    answer = json.loads(_kvbus_lookup(Settings(redis_url=srv.url), prefix, argv, capsys))
     if case not in ("nobody", "unknown-candidates"):
         assert answer, "the case finds holders"
     chain, spec, cands = _spec_and_cands(argv)
     got = redis_cli_answer(srv.port, [(prefix, [])], chain, spec, cands)
     assert list(got.items()) == list(answer.items())  # same holders, values and order
-    g = go(go_lookup, ["-addr", f"127.0.0.1:{srv.port}"], prefix, argv)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_go_prints_kvbus_lookups_answer(view, go_lookup, capsys, case):
+    srv, prefix = view
+    want = _kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES[case], capsys)
+    g = go(go_lookup, ["-addr", f"127.0.0.1:{srv.port}"], prefix, CASES[case])
     assert (g.returncode, g.stderr) == (0, "")
     assert g.stdout == want
 
@@ -313,7 +318,9 @@ def test_go_hashes_tokens_with_the_seed_from_the_environment_and_refuses_xxhash_
 
 # ---------------------------------------------------------------- Redis Cluster (the sharded view)
 
-def test_sharded_view_one_call_per_shard_union_of_answers(go_lookup, capsys):
+@pytest.fixture(scope="module")
+def sharded_view():
+    """The same records in the sharded view on a 3-master Redis Cluster and in a single-node view."""
     from tests.redis_cluster import RedisClusterServer
 
     with RedisClusterServer(3) as cl, RedisServer() as srv:
@@ -325,12 +332,28 @@ def test_sharded_view_one_call_per_shard_union_of_answers(go_lookup, capsys):
         shards = int(redis_cli(cl.nodes[0].port, "HGET", prefix + "{s0}:meta", "shards", cluster=True))
         assert shards == 16
         views = [(f"{prefix}{{s{i}}}:", [f"{prefix}{{s{i}}}:meta", f"{prefix}{{s{i}}}:guard"]) for i in range(shards)]
-        for case in ("all", "mixed-candidates", "weights", "tokens-xxhash-cbor"):
-            want = _kvbus_lookup(Settings(redis_url=cl.url), prefix, CASES[case], capsys)
-            assert want == _kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES[case], capsys)
-            g = go(go_lookup, ["-cluster", ",".join(masters)], prefix, CASES[case])
-            assert (g.returncode, g.stdout) == (0, want), g.stderr
-            if case != "tokens-xxhash-cbor":
-                chain, spec, cands = _spec_and_cands(CASES[case])
-                got = redis_cli_answer(cl.nodes[0].port, views, chain, spec, cands, cluster=True)
-                assert list(got.items()) == list(json.loads(want).items())
+        used = sum(1 for p, _ in views if cl.client().exists(p + "hname"))
+        assert used > 8, "the holders are spread over the shards"
+        assert shard_of("b#0", shards) != shard_of("b#1", shards), "display names need every shard's holders"
+        yield cl, srv, prefix, masters, views
+
+
+SHARDED_CASES = ("all", "mixed-candidates", "weights", "tokens-xxhash-cbor")
+
+
+def test_sharded_view_redis_cli_one_call_per_shard_union_of_answers(sharded_view, capsys):
+    cl, srv, prefix, _, views = sharded_view
+    for case in SHARDED_CASES:
+        want = _kvbus_lookup(Settings(redis_url=cl.url), prefix, CASES[case], capsys)
+        assert want == _kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES[case], capsys)
+        chain, spec, cands = _spec_and_cands(CASES[case])
+        got = redis_cli_answer(cl.nodes[0].port, views, chain, spec, cands, cluster=True)
+        assert list(got.items()) == list(json.loads(want).items())
+
+
+def test_sharded_view_go(sharded_view, go_lookup, capsys):
+    cl, _, prefix, masters, _ = sharded_view
+    for case in SHARDED_CASES:
+        want = _kvbus_lookup(Settings(redis_url=cl.url), prefix, CASES[case], capsys)
+        g = go(go_lookup, ["-cluster", ",".join(masters)], prefix, CASES[case])
+        assert (g.returncode, g.stdout) == (0, want), g.stderr
