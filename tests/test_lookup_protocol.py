@@ -176,7 +176,7 @@ def go_lookup(tmp_path_factory) -> Path:
             pytest.fail(f"no Go toolchain at {GO}: the Go client of the lookup protocol is not tested")
         pytest.skip(f"no Go toolchain ({GO})")
     out = tmp_path_factory.mktemp("go") / "kvbus-lookup-go"
-    subprocess.run([GO, "build", "-mod=readonly", "-o", str(out), "."], cwd=EXAMPLE, check=True, timeout=600)
+    subprocess.run([GO, "build", "-mod=readonly", "-buildvcs=false", "-o", str(out), "."], cwd=EXAMPLE, check=True, timeout=600)
     return out
 
 
