@@ -4,14 +4,10 @@
 prompt's full blocks (protocol doc §5; vLLM ``hash_block_tokens``). ``H`` is the engine's
 ``--prefix-caching-hash-algo`` (vLLM 0.33, ``vllm/utils/hashing.py``):
 
-========== =================================================== ============
-algo       H(obj)                                              digest bytes
-========== =================================================== ============
-sha256     SHA-256 of ``pickle.dumps(obj, protocol=5)``        32
-sha256_cbor SHA-256 of canonical CBOR of ``obj``               32
-xxhash     XXH3-128 of ``pickle.dumps(obj, protocol=5)``       16
-xxhash_cbor XXH3-128 of canonical CBOR of ``obj``              16
-========== =================================================== ============
+* ``sha256``: SHA-256 of ``pickle.dumps(obj, protocol=5)`` (32-byte digest);
+* ``sha256_cbor``: SHA-256 of canonical CBOR of ``obj`` (32 bytes);
+* ``xxhash``: XXH3-128 of ``pickle.dumps(obj, protocol=5)`` (16 bytes);
+* ``xxhash_cbor``: XXH3-128 of canonical CBOR of ``obj`` (16 bytes).
 
 The published value is the last 8 bytes of the digest (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1:
 ``int.from_bytes(digest, "big") & (2**64 - 1)``). ``NONE_HASH = H(seed)`` (a ``str``), the seed
