@@ -1,0 +1,86 @@
+-- Flink SQL over kvbus's topics, read with Flink's standard Kafka connector and avro-confluent
+-- format through the registry's Confluent-compatible API (Apicurio ccompat). Run it with
+--   .venv/bin/python -m analytics.flink_job            (or: ./dev test -m analytics)
+-- which fills in the {placeholders} from the KVBUS_* settings and the reader schemas, and prints
+-- each named query's rows as JSON lines.
+--
+-- Reader schemas ({blocks_reader_schema}, {raw_reader_schema}): kvbus's event field is a union of
+-- four records (BlockStored, BlockRemoved, AllBlocksCleared, Reset), which a Flink table cannot
+-- declare, and block hashes are Avro fixed(8), which the schema Flink derives from a table maps to
+-- bytes ("AvroTypeException: Found kvbus.BlockHash, expecting bytes"). analytics/flink_job.py derives
+-- from schemas/avro/*.avsc a reader schema in which the union is one record of the branch fields
+-- used below, each nullable: Avro's schema resolution then reads every branch into it
+-- (block_size is set only for BlockStored, block_hashes null only for AllBlocksCleared and Reset,
+-- reason set only for Reset). The table's columns must match it (Flink checks).
+
+SET 'table.local-time-zone' = 'UTC';
+
+CREATE TABLE blocks (
+  replica STRING NOT NULL,
+  dp_rank INT NOT NULL,
+  epoch BIGINT NOT NULL,
+  seq BIGINT NOT NULL,
+  `index` INT NOT NULL,
+  ts DOUBLE NOT NULL,
+  event ROW<block_hashes ARRAY<VARBINARY(8) NOT NULL>, block_size INT, medium STRING, ownership STRING,
+            reason STRING> NOT NULL,
+  event_time AS TO_TIMESTAMP_LTZ(CAST(ts * 1000 AS BIGINT), 3),
+  WATERMARK FOR event_time AS event_time - INTERVAL '10' SECOND
+) WITH (
+  'connector' = 'kafka',
+  'topic-pattern' = '{blocks_topic_regex}',
+  'properties.bootstrap.servers' = '{bootstrap}',
+  'properties.group.id' = '{group}',
+  'scan.startup.mode' = 'earliest-offset',
+  'scan.bounded.mode' = '{bounded_mode}',
+  'format' = 'avro-confluent',
+  'avro-confluent.url' = '{registry_url}',
+  'avro-confluent.schema' = '{blocks_reader_schema}'
+);
+
+CREATE TABLE raw_batches (
+  replica STRING NOT NULL,
+  dp_rank INT NOT NULL,
+  worker_rank INT NOT NULL,
+  workers INT NOT NULL,
+  engine STRING NOT NULL,
+  epoch BIGINT NOT NULL,
+  seq BIGINT NOT NULL,
+  ts DOUBLE NOT NULL,
+  topic STRING NOT NULL,
+  events ARRAY<ROW<block_hashes ARRAY<VARBINARY(8) NOT NULL>, block_size INT, medium STRING, ownership STRING,
+                   reason STRING> NOT NULL> NOT NULL,
+  first_index INT NOT NULL,
+  event_time AS TO_TIMESTAMP_LTZ(CAST(ts * 1000 AS BIGINT), 3),
+  WATERMARK FOR event_time AS event_time - INTERVAL '10' SECOND
+) WITH (
+  'connector' = 'kafka',
+  'topic' = '{raw_topic}',
+  'properties.bootstrap.servers' = '{bootstrap}',
+  'properties.group.id' = '{group}',
+  'scan.startup.mode' = 'earliest-offset',
+  'scan.bounded.mode' = '{bounded_mode}',
+  'format' = 'avro-confluent',
+  'avro-confluent.url' = '{registry_url}',
+  'avro-confluent.schema' = '{raw_reader_schema}'
+);
+
+-- name: stores_per_minute
+-- Per replica (all data-parallel ranks and tiers) and minute of engine time: blocks stored and
+-- removed on kvbus.blocks and every kvbus.blocks.<ownership> tier topic, and the events that did it.
+SELECT replica, window_start AS `minute`,
+       SUM(CASE WHEN event.block_size IS NOT NULL THEN CARDINALITY(event.block_hashes) ELSE 0 END) AS stored_blocks,
+       SUM(CASE WHEN event.block_size IS NULL AND event.block_hashes IS NOT NULL
+                THEN CARDINALITY(event.block_hashes) ELSE 0 END) AS removed_blocks,
+       SUM(CASE WHEN event.block_size IS NOT NULL THEN 1 ELSE 0 END) AS store_events,
+       SUM(CASE WHEN event.block_size IS NULL AND event.block_hashes IS NOT NULL THEN 1 ELSE 0 END) AS remove_events,
+       SUM(CASE WHEN event.block_hashes IS NULL AND event.reason IS NULL THEN 1 ELSE 0 END) AS clears
+FROM TABLE(TUMBLE(TABLE blocks, DESCRIPTOR(event_time), INTERVAL '1' MINUTES))
+GROUP BY replica, window_start, window_end;
+
+-- name: raw_per_minute
+-- Per replica, tensor-parallel worker and minute of engine time on kvbus.raw: records (engine
+-- batches or parts of split ones) and the events they carried, as each worker reported them.
+SELECT replica, worker_rank, window_start AS `minute`, COUNT(*) AS records, SUM(CARDINALITY(events)) AS events
+FROM TABLE(TUMBLE(TABLE raw_batches, DESCRIPTOR(event_time), INTERVAL '1' MINUTES))
+GROUP BY replica, worker_rank, window_start, window_end;
