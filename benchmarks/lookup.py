@@ -29,7 +29,9 @@ Redis Cluster (``sinks.sharded_store``, started by ``infra/redis_cluster.py``; `
 shards, a comma list measures several), no llm-d; default 1 M entries instead of 10 M (six more
 servers on this box). Reports lookup p50/p99 client-side for both (answers compared: they must be
 identical) and the apply work per master: FCALL calls and Redis-side us from ``INFO commandstats``
-on each node during the load (the single node's next to it).
+on each node during the load, and each master's main-thread CPU (``INFO cpu``: the work done,
+not counting time spent waiting for one of the 2 cores), the single node's next to them; and the
+lookups of the largest shard count once more from the replicas (``?read_from=replica``).
 
     .venv/bin/python benchmarks/lookup.py --cluster                    # 1 M entries, 16 shards
     .venv/bin/python benchmarks/lookup.py --cluster --shards 3,16 --entries 2000000
@@ -52,8 +54,8 @@ from schemas.events import BlockEvent, BlockStored  # noqa: E402
 from sinks.redis_store import RedisStore  # noqa: E402
 from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
 from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402
-from tests.redis_cluster import RedisClusterServer  # noqa: E402
-from sinks.sharded_store import ShardedRedisStore  # noqa: E402
+from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync  # noqa: E402
+from sinks.sharded_store import ShardedRedisStore, cluster_client  # noqa: E402
 from sinks.tiers import Weights  # noqa: E402
 
 TOPIC = "kvbus.blocks"
@@ -302,6 +304,10 @@ def run_cluster(args) -> dict:
                   f"{ {k: v['usec'] for k, v in per.items()} } (single {result['single']['apply']['usec']}); main-thread CPU s "
                   f"per master {cpu} (single {result['single']['apply_cpu_seconds']})", flush=True)
             sharded_stores[S] = st
+        S0 = shard_counts[-1]  # the largest count is also read from the replicas
+        replica_reader = ShardedRedisStore(cluster_client(f"{cl.url}?read_from=replica"), f"kv{S0}:", shards=S0,
+                                           load=False, read_from="replica")
+        wait_replicas_in_sync(cl, replica_reader.rc)
         for kind, sample in (("shared", chains), ("private", bodies)):
             queries = [c[:args.chain] for c in sample][: args.queries]
             while len(queries) < args.queries:
@@ -321,6 +327,10 @@ def run_cluster(args) -> dict:
                                        "answers_differ": sum(a != b for a, b in zip(ans1, ans2)),
                                        "redis_us_per_lookup_per_master": {k: round(v["usec"] / len(queries), 1)
                                                                           for k, v in ro.items()}}
+            lat3, ans3 = _lat(replica_reader, queries, weights)
+            out[f"sharded_{S0}_from_replicas"] = {"p50_ms": round(pct(lat3, 0.5) * 1e3, 3),
+                                                  "p99_ms": round(pct(lat3, 0.99) * 1e3, 3),
+                                                  "answers_differ": sum(a != b for a, b in zip(ans1, ans3))}
             print(f"{kind}-prefix lookups ({out['holders_per_answer']} holders per answer): {out}", flush=True)
             result[kind] = out
         rc.close()

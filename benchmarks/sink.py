@@ -137,10 +137,26 @@ def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards:
     the calls) and main-thread CPU seconds (``INFO cpu``). On this 2-core machine every server and
     the client share the same cores, so a call's wall time includes time spent descheduled while
     another master runs; the CPU seconds are the work each master did, and the busiest master's
-    CPU over the single node's is the scale-out figure."""
+    CPU over the single node's is the scale-out figure. Also measured, on one server without a
+    replica: the same calls' CPU on a plain server, on a one-node cluster (cluster mode's own cost),
+    and with the batches split into ``shards`` shards there (the sharding's cost)."""
     from sinks.sharded_store import ShardedRedisStore
     from tests.redis_cluster import RedisClusterServer
 
+    from tests.redis_cluster import OneNodeCluster
+
+    cost: dict[str, float] = {}  # where the cluster's extra work comes from, on one server, no replica
+    with RedisServer() as srv:
+        cpu0 = main_thread_cpu(srv.client())
+        apply_with_offsets(RedisStore(srv.client(), "kvbus:"), batches)
+        cost["plain"] = round(main_thread_cpu(srv.client()) - cpu0, 2)
+    for s in sorted({1, shards}):
+        with OneNodeCluster() as one:
+            cpu0 = main_thread_cpu(one.client())
+            apply_with_offsets(ShardedRedisStore(one.cluster_client(), "kvbus:", shards=s), batches)
+            cost[f"cluster_mode_{s}_shards"] = round(main_thread_cpu(one.client()) - cpu0, 2)
+    print(f"one server, main-thread CPU s: plain {cost['plain']}, in cluster mode (all slots) with 1 shard "
+          f"{cost['cluster_mode_1_shards']}, with {shards} shards {cost[f'cluster_mode_{shards}_shards']}", flush=True)
     with RedisServer(["--maxmemory", "4gb"]) as srv, RedisServer() as rep:
         rep.client().replicaof("127.0.0.1", srv.port)
         wait_replica_synced(rep.client())
@@ -161,7 +177,7 @@ def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards:
         cpu = {name: round(main_thread_cpu(r) - cpu0s[name], 2) for name, r in prim.items()}
         fcall = {name: round(cmd.get("fcall", {}).get("usec", 0) / 1e6, 2) for name, cmd in store.commandstats().items()}
         calls = {name: cmd.get("fcall", {}).get("calls", 0) for name, cmd in store.commandstats().items()}
-    out = {"masters": masters, "shards": shards, "single_with_replica": single,
+    out = {"masters": masters, "shards": shards, "single_with_replica": single, "one_server_cpu_seconds": cost,
            "events_per_s": round(events / secs), "hashes_per_s": round(hashes / secs), "seconds": round(secs, 2),
            "cpu_seconds_per_master": cpu, "fcall_seconds_per_master": fcall, "fcalls_per_master": calls,
            "busiest_master_cpu_over_single": round(max(cpu.values()) / max(single["cpu_seconds"], 1e-9), 3),

@@ -20,7 +20,7 @@ from sinks.redis_store import RedisStore
 from sinks.sharded_store import ShardedRedisStore, open_store, parse_cluster_url, shard_prefix
 from sinks.tiers import Weights
 from tests.histories import random_streams, redeliver
-from tests.redis_cluster import RedisClusterServer
+from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync
 from tests.redis_server import RedisServer
 
 T = Topics(blocks="tb")
@@ -193,18 +193,6 @@ def test_a_slot_migration_while_applying_costs_retries_not_errors(redis_server, 
             assert sharded.lookup(ev.event.block_hashes) == single.lookup(ev.event.block_hashes)
 
 
-def _replicas_caught_up(cluster) -> bool:
-    """Every replica has applied its master's whole replication stream."""
-    masters = {n.port: cluster.node_client(n.port) for n in cluster.nodes if n.master}
-    offsets = {port: r.info("replication")["master_repl_offset"] for port, r in masters.items()}
-    for n in cluster.nodes:
-        if not n.master:
-            info = cluster.node_client(n.port).info("replication")
-            if info.get("master_link_status") != "up" or info["slave_repl_offset"] < offsets[info["master_port"]]:
-                return False
-    return True
-
-
 def _fcall_ro_calls(r: redis.Redis) -> int:
     return int(r.info("commandstats").get("cmdstat_fcall_ro", {}).get("calls", 0))
 
@@ -220,11 +208,7 @@ def test_reads_from_replicas_answer_like_the_masters_and_avoid_a_migrating_shard
     reader = open_store(f"{cluster.url}?read_from=replica", prefix, load=False)
     assert isinstance(reader, ShardedRedisStore) and reader.read_from == "replica"
     reader.migration_check = 0.0
-    deadline = time.monotonic() + 30
-    while not _replicas_caught_up(cluster) or len(reader.rc.get_replicas()) < cluster.masters:
-        assert time.monotonic() < deadline, "the replicas did not catch up, or are not in the slot map"
-        time.sleep(0.05)
-        reader.rc.nodes_manager.initialize()  # replicas enter CLUSTER SLOTS once gossip has them
+    wait_replicas_in_sync(cluster, reader.rc)
     clients = {n.port: cluster.node_client(n.port) for n in cluster.nodes}
     for r in clients.values():
         r.config_resetstat()
