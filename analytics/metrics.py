@@ -96,8 +96,14 @@ def sharing(life: pl.DataFrame, annotated: pl.DataFrame) -> tuple[pl.DataFrame, 
     ).with_columns(before=pl.col("after") - pl.col("delta"))
     per_block = deltas.group_by("tier", "block").agg(max_holders=pl.col("after").max()).join(
         life.group_by("tier", "block").agg(holders=pl.col("holder").n_unique()), on=["tier", "block"])
-    opens = annotated.filter(pl.col("opening")).join(
-        deltas.select("tier", "block", "ts", held_elsewhere=pl.col("before")), on=["tier", "block", "ts"], how="left")
+    # a holder whose own life of the block ended at the very instant it stores it again (a clear and
+    # a store in one batch) counts in ``before``: take it out, it is not another holder
+    own = life.filter(pl.col("end").is_not_null()).select("holder", "tier", "block", ts=pl.col("end"), own=pl.lit(1))
+    opens = (annotated.filter(pl.col("opening"))
+             .join(deltas.select("tier", "block", "ts", "before"), on=["tier", "block", "ts"], how="left")
+             .join(own.unique(), on=["holder", "tier", "block", "ts"], how="left")
+             .with_columns(held_elsewhere=pl.col("before") - pl.col("own").fill_null(0))
+             .drop("before", "own"))
     return per_block, opens
 
 

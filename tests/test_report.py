@@ -1,0 +1,298 @@
+"""``kvbus report`` on the real stack.
+
+A fleet of three replicas sharing their system prompts publishes a known history (engine times
+1.5 s apart, over about five minutes) through bridges and the Faust worker into a test's own
+topics; ``kvbus report`` (a process, as a user runs it) must then give the figures an independent
+replay of the published events gives: every block life, lifetimes, live blocks at the end (equal to
+the fleet's manifest on the framework's tiers), per-minute stores and removes, sharing and the
+shared system prompts; plus the incomplete and dead-letter summaries and the time range.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from analytics.reader import read
+from analytics.timerange import TimeRange
+from kvbus.fleet import Fleet, FleetConfig, ModelConfig
+from schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, Incomplete,
+                            normalize_medium)
+from schemas.serde import RecordSerde, registry_client
+from schemas.settings import Settings
+from tests.pipeline import Pipeline, env_for, eventually
+
+pytestmark = pytest.mark.integration
+
+STEPS = 200
+STEP_S = 1.5
+T0 = float(int(time.time()) // 60 * 60 - 3600)  # a whole minute, an hour ago
+
+
+def tier_of(e: BlockStored | BlockRemoved) -> str:
+    label = normalize_medium(e.medium) or "GPU"
+    return label + (f"@{e.ownership}" if e.ownership else "")
+
+
+def u64(h: bytes) -> int:
+    return int.from_bytes(h, "big")
+
+
+class Oracle:
+    """The report's figures replayed from the published events with plain Python, as the residency
+    view applies them: a clear ends the holder's lives on the framework's tiers (ownership null)."""
+
+    def __init__(self) -> None:
+        self.live: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+        self.lives: list[tuple[str, str, int, float, float | None, str | None]] = []
+        self.opens: list[tuple[str, str, int, float]] = []
+        self.stores: dict[tuple[str, str, int], int] = defaultdict(int)
+        self.removes: dict[tuple[str, str, int], int] = defaultdict(int)
+        self.roots: dict[tuple[str, int], dict[str, set[tuple[int, int]]]] = defaultdict(lambda: defaultdict(set))
+        self.clears: set[str] = set()
+        self.reannounced: dict[str, int] = defaultdict(int)
+
+    def apply(self, holder: str, ts: float, events: list) -> None:
+        minute = int((ts - T0) // 60)
+        for e in events:
+            if isinstance(e, AllBlocksCleared):
+                self.clears.add(holder)
+                for (h, tier), blocks in self.live.items():
+                    if h == holder and "@" not in tier:
+                        self.lives += [(h, tier, b, start, ts, "clear") for b, start in blocks.items()]
+                        blocks.clear()
+                continue
+            tier = tier_of(e)
+            held = self.live[(holder, tier)]
+            hashes = [u64(h) for h in e.block_hashes]
+            if isinstance(e, BlockStored):
+                self.stores[(holder, tier, minute)] += len(hashes)
+                if e.parent_block_hash is None:
+                    self.roots[(tier, hashes[0])][holder].update(enumerate(hashes))
+                for b in hashes:
+                    if b not in held:
+                        held[b] = ts
+                        self.opens.append((holder, tier, b, ts))
+                    else:
+                        self.reannounced[tier] += 1
+            else:
+                self.removes[(holder, tier, minute)] += len(hashes)
+                for b in hashes:
+                    if b in held:
+                        self.lives.append((holder, tier, b, held.pop(b), ts, "remove"))
+
+    def all_lives(self) -> list[tuple]:
+        still = [(h, t, b, start, None, None) for (h, t), blocks in self.live.items() for b, start in blocks.items()]
+        return sorted(self.lives + still, key=lambda r: (r[0], r[1], r[2], r[3]))
+
+    def held_elsewhere(self, tier: str) -> tuple[int, int]:
+        """(life-opening stores on ``tier``, those while another holder had the block)."""
+        by_block = defaultdict(list)
+        for h, t, b, start, end, _ in self.all_lives():
+            if t == tier:
+                by_block[b].append((h, start, end))
+        opens = [o for o in self.opens if o[1] == tier]
+        hit = sum(1 for h, _, b, ts in opens
+                  if any(o != h and s < ts and (e is None or e >= ts) for o, s, e in by_block[b]))
+        return len(opens), hit
+
+    def max_holders(self, tier: str) -> dict[int, int]:
+        """Per block: the most holders that had it at one instant."""
+        points = defaultdict(lambda: defaultdict(int))
+        for h, t, b, start, end, _ in self.all_lives():
+            if t == tier:
+                points[b][start] += 1
+                if end is not None:
+                    points[b][end] -= 1
+        out = {}
+        for b, deltas in points.items():
+            n = best = 0
+            for ts in sorted(deltas):
+                n += deltas[ts]
+                best = max(best, n)
+            out[b] = best
+        return out
+
+
+@pytest.fixture
+def fleet_run(stack: Settings, unique_topics, tmp_path):
+    """The known run: (settings of the test's topics, the fleet, the oracle)."""
+    from infra.topics import ensure_topics
+
+    settings = replace(stack, topics=unique_topics)
+    ensure_topics(settings.bootstrap, [unique_topics.for_ownership("kvcr")], settings.partitions, 1)
+    model = ModelConfig(gpu_blocks=192, cpu_blocks=256, kvcr_blocks=128, cpu_rate=0.3, kvcr_rate=0.2,
+                        clear_rate=0.004, requests_per_step=(1, 2))
+    fleet = Fleet(FleetConfig(replicas=3, base_port=0, seed=13, model=model)).start()
+    system = next(iter(fleet.models.values())).system
+    for m in fleet.models.values():  # the fleet-wide system prompts of a real deployment
+        m.system = system
+    pipeline = Pipeline(settings, tmp_path)
+    run = uuid.uuid4().hex[:8]
+    oracle = Oracle()
+    try:
+        pipeline.start("worker", "worker", "--app-id", f"report-{run}", "--workdir", str(tmp_path))
+        for s in fleet.streams():
+            pipeline.start(f"bridge-{s.replica}", "bridge", "--endpoint", s.endpoint,
+                           "--replay-endpoint", s.replay_endpoint, "--replica", s.replica)
+        published = 0
+        for i in range(STEPS):
+            ts = T0 + i * STEP_S
+            for (name, d), m in fleet.models.items():
+                events = m.step()
+                if events:
+                    fleet.publish_events(name, events, d, ts)
+                    oracle.apply(f"{name}#{d}", ts, events)
+                    published += len(events)
+        assert oracle.clears, "the run should hold at least one AllBlocksCleared (change the seed)"
+        topics = [unique_topics.blocks, unique_topics.for_ownership("kvcr")]
+        eventually(lambda: consolidated(settings, topics) >= published, 180, pipeline)
+        yield settings, fleet, oracle
+    finally:
+        pipeline.stop()
+        fleet.stop()
+
+
+def consolidated(settings: Settings, topics: list[str]) -> int:
+    """Records in ``topics`` that are not Reset markers' partition-spread copies (all records: the
+    run's Reset markers only add to the count, so ``>= published`` means every event is there)."""
+    c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "report-count"})
+    try:
+        md = c.list_topics(timeout=10)
+        total = 0
+        for t in topics:
+            for p in md.topics[t].partitions:
+                lo, hi = c.get_watermark_offsets(TopicPartition(t, p), timeout=10)
+                total += hi - lo
+        return total
+    finally:
+        c.close()
+
+
+def produce_extras(settings: Settings) -> None:
+    """Two incomplete aggregates and three dead letters, as the worker and the stages write them."""
+    reg = registry_client(settings.registry_url)
+    p = Producer({"bootstrap.servers": settings.bootstrap})
+    inc = RecordSerde(reg, "Incomplete")
+    for i, missing in enumerate(([1], [1, 2])):
+        p.produce(settings.topics.incomplete, inc.dumps(Incomplete(
+            replica="replica-9", epoch=1, seq=i, index=0, workers=3, reported=[0], missing=missing,
+            event=BlockRemoved(block_hashes=[b"\x00" * 7 + b"\x01"] * 2, medium="GPU")), settings.topics.incomplete),
+            b"replica-9#0")
+    dlq = RecordSerde(reg, "DeadLetter")
+    for stage, reason in (("bridge", "DecodeError: bad msgpack"), ("bridge", "DecodeError: truncated"),
+                          ("sink", "UnknownTier: x")):
+        p.produce(settings.topics.dlq, dlq.dumps(DeadLetter(stage=stage, source="tcp://x", reason=reason,
+                                                            payload=[b"abc"], ts=T0), settings.topics.dlq), b"src")
+    assert p.flush(30) == 0
+
+
+def run_report(settings: Settings, out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbus", "report", "--out", str(out), "--top", "1000", *args],
+                          env=env_for(settings), capture_output=True, text=True, timeout=300)
+
+
+def test_report_matches_the_fleets_ground_truth(fleet_run, tmp_path) -> None:
+    settings, fleet, oracle = fleet_run
+    produce_extras(settings)
+    out = tmp_path / "report"
+    done = run_report(settings, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lives = pl.read_parquet(out / "lives.parquet")
+    got = sorted(((r["holder"], r["tier"], r["block"], r["start"], r["end"], r["ended"])
+                  for r in lives.iter_rows(named=True)), key=lambda r: (r[0], r[1], r[2], r[3]))
+    assert got == oracle.all_lives()
+
+    # live blocks at the end: the fleet's manifest on the framework's tiers, and on the kvcr tier
+    # for holders never cleared (the fleet's model also drops kvcr blocks on a clear; the view does not)
+    holders = pl.read_parquet(out / "holders.parquet")
+    live_end = {(r["holder"], r["tier"]): r["live_end"] for r in holders.iter_rows(named=True)}
+    manifest = fleet.manifest()["replicas"]
+    for holder, rep in manifest.items():
+        for tier_key, n in rep["tiers"].items():
+            medium, ownership = tier_key.split("/")
+            tier = medium + (f"@{ownership}" if ownership != "None" else "")
+            if ownership == "None" or holder not in oracle.clears:
+                assert live_end.get((holder, tier), 0) == n, (holder, tier)
+
+    tiers = {r["tier"]: r for r in pl.read_parquet(out / "tiers.parquet").iter_rows(named=True)}
+    assert set(tiers) == {"GPU", "CPU", "CPU@kvcr"}
+    for tier, row in tiers.items():
+        secs = [e - s for h, t, b, s, e, _ in oracle.all_lives() if t == tier and e is not None]
+        if secs:
+            assert [row["p50_s"], row["p90_s"], row["p99_s"]] == pytest.approx(
+                list(np.quantile(secs, [0.5, 0.9, 0.99])), abs=1e-6)
+        assert row["reannounced"] == oracle.reannounced[tier]
+        assert (row["opening_stores"], row["held_elsewhere"]) == oracle.held_elsewhere(tier)
+        holders_at_once = oracle.max_holders(tier)
+        assert row["max_holders"] == max(holders_at_once.values())
+        assert row["shared_blocks"] == sum(1 for n in holders_at_once.values() if n >= 2)
+    assert tiers["GPU"]["held_elsewhere"] > 0 and tiers["GPU"]["max_holders"] == 3
+
+    series = pl.read_parquet(out / "series.parquet").with_columns(
+        m=((pl.col("minute").dt.epoch("s") - int(T0)) // 60))
+    got_stores = {(r["holder"], r["tier"], r["m"]): r["stores"] for r in series.iter_rows(named=True) if r["stores"]}
+    got_removes = {(r["holder"], r["tier"], r["m"]): r["removes"] for r in series.iter_rows(named=True) if r["removes"]}
+    assert got_stores == dict(oracle.stores)
+    assert got_removes == dict(oracle.removes)
+
+    # the shared system prompts: every one stored by 2+ replicas is listed with its length
+    prefixes = pl.read_parquet(out / "prefixes.parquet").filter(pl.col("tier") == "GPU")
+    listed = {r["root"]: (r["blocks"], r["holders"]) for r in prefixes.iter_rows(named=True)}
+    model = next(iter(fleet.models.values()))
+    expected = {}
+    for prompt in model.system:
+        hashes, _ = model.hashes(prompt)
+        holders = oracle.roots.get(("GPU", u64(hashes[0])), {})
+        if len(holders) >= 2:
+            expected[u64(hashes[0])] = (len(hashes), len(holders))
+    assert expected and listed == expected
+
+    # incomplete aggregates and dead letters, and the summary on stdout
+    inc = pl.read_parquet(out / "incomplete.parquet").row(0, named=True)
+    assert (inc["holder"], inc["kind"], inc["count"], inc["blocks"], inc["missing"]) == ("replica-9#0", "remove", 2, 4, [1, 2])
+    dlq = {(r["stage"], r["reason_kind"]): r["count"] for r in pl.read_parquet(out / "dead_letters.parquet").iter_rows(named=True)}
+    assert dlq == {("bridge", "DecodeError"): 2, ("sink", "UnknownTier"): 1}
+    assert "== sharing" in done.stdout and f"{tiers['GPU']['stores']:9d}" in done.stdout
+
+    html = (out / "report.html").read_text()
+    assert html.count("<svg") == 4 and "<script" not in html and "<link" not in html and " src=" not in html
+
+
+def test_sample_prints_records_of_every_topic(fleet_run, tmp_path) -> None:
+    settings, _, _ = fleet_run
+    done = run_report(settings, tmp_path, "--sample", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    sections = [line[2:] for line in done.stdout.splitlines() if line.startswith("# ")]
+    assert sections == sorted([settings.topics.blocks, settings.topics.for_ownership("kvcr")])
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 and all(set(r["value"]) >= {"replica", "epoch", "seq", "index", "ts", "event"} for r in rows)
+
+
+def test_time_range_selects_records_by_their_kafka_time(stack: Settings, unique_topics) -> None:
+    settings = replace(stack, topics=unique_topics)
+    serde = RecordSerde(registry_client(settings.registry_url), "BlockEvent")
+    p = Producer({"bootstrap.servers": settings.bootstrap})
+    base_ms = int(T0 * 1000)
+    for i in range(3):   # record times T0, T0 + 1000 s, T0 + 2000 s
+        ev = BlockEvent(replica="r", epoch=1, seq=i, index=0, ts=T0 + i,
+                        event=BlockStored(block_hashes=[bytes([i + 1]) * 8], block_size=16, medium="GPU"))
+        p.produce(unique_topics.blocks, serde.dumps(ev, unique_topics.blocks), b"r#0", timestamp=base_ms + i * 1_000_000)
+    assert p.flush(30) == 0
+    seqs = lambda span: sorted(r.value["seq"] for r in read(settings, [unique_topics.blocks], span))  # noqa: E731
+    assert seqs(TimeRange()) == [0, 1, 2]
+    assert seqs(TimeRange(since=T0 + 500, until=T0 + 1500)) == [1]
+    assert seqs(TimeRange(since=T0 + 1000)) == [1, 2]
+    assert seqs(TimeRange(until=T0 + 1000)) == [0]
+    assert seqs(TimeRange(since=T0 + 3000)) == []
