@@ -1,0 +1,128 @@
+"""Apache Flink SQL (PyFlink from PyPI, the Kafka SQL connector and the avro-confluent format from
+Maven Central) reads kvbus.blocks, its tier topics and kvbus.raw through the registry's
+Confluent-compatible API, and analytics/flink/stores_per_minute.sql gives the per-replica counts
+the records hold; they also equal ``kvbus report``'s per-minute series of the same topics.
+
+First run on a machine: PyFlink's venv (~300 MB from PyPI) and the two jars are made in
+``$KVBUS_STATE_DIR/flink`` (infra/flink.py); later runs reuse them.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from datetime import datetime, timezone
+
+import polars as pl
+import pytest
+from confluent_kafka import Producer
+
+from analytics.cli import build_report
+from analytics.flink_job import DEFAULT_SQL, run
+from analytics.reader import read
+from analytics.timerange import TimeRange
+from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, holder_key
+from schemas.serde import RecordSerde, registry_client
+from schemas.settings import Settings
+from tests.pipeline import RawProducer
+
+pytestmark = [pytest.mark.integration, pytest.mark.analytics]
+
+T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
+
+
+def minute(m: int) -> str:
+    return datetime.fromtimestamp(T0 + 60 * m, timezone.utc).replace(tzinfo=None).isoformat()
+
+
+def hashes(first: int, n: int) -> list[bytes]:
+    return [(first + i).to_bytes(8, "big") for i in range(n)]
+
+
+# (replica, minute, second, topic suffix ("" or "kvcr"), event)
+HISTORY = [
+    ("replica-0", 0, 1, "", BlockStored(block_hashes=hashes(1, 4), block_size=16, medium="GPU")),
+    ("replica-0", 0, 2, "", BlockStored(block_hashes=hashes(5, 2), parent_block_hash=hashes(4, 1)[0],
+                                        block_size=16, medium="GPU")),
+    ("replica-0", 0, 3, "kvcr", BlockStored(block_hashes=hashes(1, 3), block_size=16, medium="CPU", ownership="kvcr")),
+    ("replica-0", 1, 5, "", BlockRemoved(block_hashes=hashes(1, 2), medium="GPU")),
+    ("replica-0", 1, 6, "", AllBlocksCleared()),
+    ("replica-1", 0, 10, "", BlockStored(block_hashes=hashes(1, 4), block_size=16, medium="GPU")),
+    ("replica-1", 2, 0, "", BlockRemoved(block_hashes=hashes(3, 1), medium="GPU")),
+    ("replica-1", 2, 1, "", Reset(reason="engine-restart")),
+    ("replica-1", 2, 2, "kvcr", Reset(reason="engine-restart")),
+    ("replica-1", 2, 3, "kvcr", BlockStored(block_hashes=hashes(9, 5), block_size=16, medium="CPU", ownership="kvcr")),
+]
+
+
+def expected_blocks() -> dict[tuple[str, str], dict[str, int]]:
+    out: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for replica, m, _, _, e in HISTORY:
+        row = out[(replica, minute(m))]
+        row.setdefault("stored_blocks", 0), row.setdefault("removed_blocks", 0)
+        if isinstance(e, BlockStored):
+            row["stored_blocks"] += len(e.block_hashes)
+            row["store_events"] += 1
+        elif isinstance(e, BlockRemoved):
+            row["removed_blocks"] += len(e.block_hashes)
+            row["remove_events"] += 1
+        elif isinstance(e, AllBlocksCleared):
+            row["clears"] += 1
+    return {k: {c: v.get(c, 0) for c in ("stored_blocks", "removed_blocks", "store_events", "remove_events", "clears")}
+            for k, v in out.items()}
+
+
+RAW = [  # (replica, worker, minute, second, events): two workers' reports of replica-0
+    ("replica-0", 0, 0, 1, [BlockStored(block_hashes=hashes(1, 4), block_size=16, medium="GPU")]),
+    ("replica-0", 1, 0, 1, [BlockStored(block_hashes=hashes(1, 4), block_size=16, medium="GPU")]),
+    ("replica-0", 0, 1, 5, [BlockRemoved(block_hashes=hashes(1, 2), medium="GPU"), AllBlocksCleared()]),
+    ("replica-0", 1, 1, 5, [BlockRemoved(block_hashes=hashes(1, 2), medium="GPU"), AllBlocksCleared()]),
+    ("replica-0", 0, 1, 9, [Reset(reason="bridge-start")]),
+]
+
+
+@pytest.fixture
+def topics_with_history(stack: Settings, unique_topics):
+    from infra.topics import ensure_topics
+
+    settings = replace(stack, topics=unique_topics)
+    tier = unique_topics.for_ownership("kvcr")
+    ensure_topics(settings.bootstrap, [tier], settings.partitions, 1)
+    serde = RecordSerde(registry_client(settings.registry_url), "BlockEvent")
+    p = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True})
+    for seq, (replica, m, s, suffix, e) in enumerate(HISTORY):
+        topic = tier if suffix else unique_topics.blocks
+        value = BlockEvent(replica=replica, epoch=1, seq=seq, index=0, ts=T0 + 60 * m + s, event=e)
+        p.produce(topic, serde.dumps(value, topic), holder_key(replica, 0).encode())
+    assert p.flush(30) == 0
+    raw = RawProducer(settings)
+    for seq, (replica, worker, m, s, events) in enumerate(RAW):
+        raw.send(EventBatch(replica=replica, worker_rank=worker, workers=2, epoch=1, seq=seq, ts=T0 + 60 * m + s,
+                            events=events))
+    raw.flush()
+    return settings
+
+
+def test_flink_sql_counts_stores_and_removes_per_replica_and_minute(topics_with_history, tmp_path) -> None:
+    from infra.flink import ensure
+
+    settings = topics_with_history
+    runtime = ensure()
+    rows = run(DEFAULT_SQL, settings, runtime.python, runtime.jars, tmp_path / "flink")
+    blocks = {(r["row"]["replica"], r["row"]["minute"]): {k: r["row"][k] for k in
+              ("stored_blocks", "removed_blocks", "store_events", "remove_events", "clears")}
+              for r in rows if r["query"] == "stores_per_minute"}
+    assert blocks == expected_blocks()
+    raw = {(r["row"]["replica"], r["row"]["worker_rank"], r["row"]["minute"]): (r["row"]["records"], r["row"]["events"])
+           for r in rows if r["query"] == "raw_per_minute"}
+    assert raw == {("replica-0", 0, minute(0)): (1, 1), ("replica-0", 1, minute(0)): (1, 1),
+                   ("replica-0", 0, minute(1)): (2, 3), ("replica-0", 1, minute(1)): (1, 2)}
+
+    # the same figures from kvbus report's per-minute series (summed over tiers)
+    t = settings.topics
+    records = list(read(settings, [t.blocks, t.for_ownership("kvcr"), t.incomplete, t.dlq], TimeRange()))
+    series = build_report(settings, records, raw=False).series.group_by("holder", "minute").agg(
+        pl.col("stores", "removes").sum())
+    from_report = {(r["holder"].removesuffix("#0"), r["minute"].replace(tzinfo=None).isoformat()):
+                   (r["stores"], r["removes"]) for r in series.iter_rows(named=True) if r["stores"] or r["removes"]}
+    assert from_report == {k: (v["stored_blocks"], v["removed_blocks"]) for k, v in blocks.items()
+                           if v["stored_blocks"] or v["removed_blocks"]}
