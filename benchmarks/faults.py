@@ -97,6 +97,8 @@ class Fault:
     doc: str
     workers: int = 1
     """Faust worker processes of the run."""
+    sinks: int = 1
+    """``kvbus sink`` processes of the run (one consumer group: each takes some partitions)."""
     redis: Optional[str] = None
     """None: the cluster's Redis; "aof" / "none": a redis-server of the benchmark's own with an
     append-only file (appendfsync everysec) / with no persistence at all."""
@@ -205,10 +207,10 @@ def redis_lost(ctx: "Ctx") -> None:
     ctx.restart_redis()
 
 
-@fault("redis-master", redis="cluster")
+@fault("redis-master", redis="cluster", sinks=2)
 def redis_master(ctx: "Ctx") -> None:
     """kill -9 the Redis Cluster master serving most of the sharded view's shards (3 masters, 3
-    replicas; its replica is promoted), then start it again (it rejoins as a replica)."""
+    replicas; its replica is promoted; two sinks write the view), then start it again (it rejoins as a replica)."""
     ctx.kill_redis()
     ctx.follow(ctx.args.down_for)
     ctx.restart_redis()
@@ -478,7 +480,7 @@ class Ctx:
 
 def stage_args(args: argparse.Namespace, f: Fault) -> argparse.Namespace:
     """The options pipeline.py's helpers read (new_run, start_stages, start_fleet, drain)."""
-    return argparse.Namespace(replicas=args.replicas, tp=1, workers_procs=f.workers, sinks=1,
+    return argparse.Namespace(replicas=args.replicas, tp=1, workers_procs=f.workers, sinks=f.sinks,
                               partitions=args.partitions, seed=args.seed, probe_every=args.probe_every,
                               base_port=free_port_block(2 * args.replicas), drain_timeout=args.drain_timeout)
 

@@ -62,6 +62,7 @@ class OneNodeCluster(RedisServer):
 
     def __init__(self, args: Sequence[str] = ()):
         super().__init__(args)
+        self.port = redis_cluster.free_base_port(1)  # its bus port (+10000) must be free and valid too
         self.args += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.dir, "nodes.conf")]
 
     def start(self) -> "OneNodeCluster":
