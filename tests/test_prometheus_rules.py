@@ -9,6 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvbus.demo import metrics_endpoints
@@ -71,3 +72,88 @@ def test_scrape_targets_are_the_demos_ports_and_jobs_the_rules_name() -> None:
     assert [sc["labels"]["replica"] for sc in bridges["static_configs"]] == ["replica-0", "replica-1", "replica-2"]
     named = {m for f in RULES for m in re.findall(r'job="([^"]+)"', f.read_text())}
     assert named and named <= set(jobs), sorted(named - set(jobs))
+
+
+def _query(port: int, promql: str) -> list[dict]:
+    """Instant query against the test's Prometheus: its result vector (empty while it has none)."""
+    import json
+    import urllib.parse
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.loads(r.read())["data"]["result"]
+    except OSError:  # not listening yet
+        return []
+
+
+@pytest.mark.integration
+def test_prometheus_scrapes_a_running_pipeline_and_records_its_rates(test_settings, tmp_path) -> None:
+    """The real thing: Prometheus (Debian's) with ops/prometheus's scrape jobs, pointed at a pipeline's
+    ports, scrapes every process and the recording rules get values from what they export, per
+    replica where the rules join on it; no down alert fires."""
+    import uuid
+
+    from kvbus.procs import free_port, free_port_block
+    from tests.pipeline import Pipeline, eventually
+
+    exe = shutil.which("prometheus")
+    assert exe, "prometheus is missing: ./dev setup installs Debian's prometheus package"
+    run = uuid.uuid4().hex[:8]
+    ports = {"worker": free_port(), "sink": free_port(), "bridges": [free_port(), free_port()]}
+    base = free_port_block(4)
+    pipeline = Pipeline(test_settings, tmp_path)
+    prom = None
+    try:
+        pipeline.start("sink", "sink", "--group", f"sink-{run}", "--prefix", f"prom{run}:",
+                       "--metrics-port", str(ports["sink"]))
+        pipeline.start("worker", "worker", "--app-id", f"streams-{run}", "--workdir", str(tmp_path),
+                       "--metrics-port", str(ports["worker"]))
+        for i, port in enumerate(ports["bridges"]):
+            pipeline.start(f"bridge-{i}", "bridge", "--endpoint", f"tcp://127.0.0.1:{base + 2 * i}",
+                           "--replay-endpoint", f"tcp://127.0.0.1:{base + 2 * i + 1}", "--replica", f"replica-{i}",
+                           "--metrics-port", str(port))
+        pipeline.start("fleet", "fleet", "--replicas", "2", "--base-port", str(base), "--rate", "20",
+                       "--duration", "120")
+
+        config = yaml.safe_load(CONFIG.read_text())
+        config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        config["rule_files"] = [str(OPS / f) for f in config["rule_files"]]
+        targets = {"kvbus-worker": [f"127.0.0.1:{ports['worker']}"], "kvbus-sink": [f"127.0.0.1:{ports['sink']}"]}
+        for job in config["scrape_configs"]:
+            if job["job_name"] in targets:
+                job["static_configs"] = [{"targets": targets[job["job_name"]]}]
+            elif job["job_name"] == "kvbus-bridge":  # the same replica labels, this pipeline's ports
+                for sc, port in zip(job["static_configs"], ports["bridges"] + [free_port()]):
+                    sc["targets"] = [f"127.0.0.1:{port}"]
+                job["static_configs"] = job["static_configs"][:2]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        web = free_port()
+        log = open(tmp_path / "prometheus.log", "wb")
+        prom = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+        def recorded() -> dict | None:
+            assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
+            got = {q: {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in _query(web, q)}
+                   for q in ("kvbus:events_in:rate1m", "kvbus:events_consolidated:rate1m", "kvbus:events_applied:rate1m",
+                             "kvbus:bridge_events_in:rate5m", "kvbus:hop_lag:records", "kvbus:sink_apply_seconds:p99_5m",
+                             'up{job=~"kvbus-.*"}')}
+            flowing = all(v > 0 for q in ("kvbus:events_in:rate1m", "kvbus:events_consolidated:rate1m",
+                                          "kvbus:events_applied:rate1m", "kvbus:bridge_events_in:rate5m")
+                          for v in got[q].values()) and all(got[q] for q in got)
+            replicas = {dict(k).get("replica") for k in got["kvbus:bridge_events_in:rate5m"]}
+            every_up = len(got['up{job=~"kvbus-.*"}']) == 4 and all(v == 1 for v in got['up{job=~"kvbus-.*"}'].values())
+            return got if flowing and replicas == {"replica-0", "replica-1"} and every_up else None
+
+        got = eventually(recorded, 90, pipeline, interval=1.0)
+        assert {dict(k)["hop"] for k in got["kvbus:hop_lag:records"]} == {"raw"}  # no kafka_exporter here
+        assert _query(web, 'ALERTS{alertname=~"KvbusSinkDown|KvbusWorkerDown|KvbusDeadLetters"}') == []
+    finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(30)
+        pipeline.stop()
