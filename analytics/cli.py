@@ -39,7 +39,7 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-parquet", action="store_true", help="do not write Parquet files")
     p.add_argument("--top", type=int, default=10, help="shared prefixes listed (default 10)")
     p.add_argument("--sample", type=int, nargs="?", const=2, default=None, metavar="N",
-                   help="print N records of every topic read as JSON (default 2) and stop")
+                   help="print N records of each event kind of every topic read as JSON (default 2) and stop")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show reading progress on stderr (default: when stderr is a terminal)")
 

@@ -1,4 +1,4 @@
-"""``kvbus report --sample``: a few records of each topic as the plain consumer decodes them,
+"""``kvbus report --sample``: a few records of each kind of each topic as the plain consumer decodes them,
 printed as JSON (Avro's JSON encoding of unions: ``{"kvbus.BlockStored": {...}}``; bytes and fixed
 as ``0x`` hex; long arrays cut to their first items), for docs/topics.md and for a first look."""
 from __future__ import annotations
@@ -28,15 +28,35 @@ def jsonable(value: Any, cut: int | None = LIST_ITEMS) -> Any:
     return value
 
 
-def pick(records: Iterable[Record], per_topic: int, wanted: Callable[[], set[str]]) -> dict[str, list[Record]]:
-    """The first ``per_topic`` records of each topic; stops reading once each topic of ``wanted()``
-    (the topics that have records in the range) has them."""
+SCAN = 2000
+"""Records of a topic looked at, at most, for kinds of record not seen yet."""
+
+
+def kind_of(value: Any) -> str:
+    """The record's event kind: the ``event`` union's branch, or the first of ``events`` (raw), else ''."""
+    if isinstance(value, dict):
+        if isinstance(value.get("event"), tuple):
+            return value["event"][0]
+        if value.get("events") and isinstance(value["events"][0], tuple):
+            return value["events"][0][0]
+    return ""
+
+
+def pick(records: Iterable[Record], per_kind: int, wanted: Callable[[], set[str]],
+         scan: int = SCAN) -> dict[str, list[Record]]:
+    """The first ``per_kind`` records of each event kind (:func:`kind_of`) of each topic; stops once
+    ``scan`` records of each topic of ``wanted()`` (the topics with records in the range) were seen,
+    or the range ends."""
     out: dict[str, list[Record]] = {}
+    seen: dict[str, int] = {}
+    taken: dict[tuple[str, str], int] = {}
     for r in records:
-        got = out.setdefault(r.topic, [])
-        if len(got) < per_topic:
-            got.append(r)
-        if all(len(out.get(t, ())) >= per_topic for t in wanted()):
+        seen[r.topic] = seen.get(r.topic, 0) + 1
+        key = (r.topic, kind_of(r.value))
+        if taken.get(key, 0) < per_kind:
+            taken[key] = taken.get(key, 0) + 1
+            out.setdefault(r.topic, []).append(r)
+        if all(seen.get(t, 0) >= scan for t in wanted()):
             break
     return out
 

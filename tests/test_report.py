@@ -277,7 +277,22 @@ def test_sample_prints_records_of_every_topic(fleet_run, tmp_path) -> None:
     sections = [line[2:] for line in done.stdout.splitlines() if line.startswith("# ")]
     assert sections == sorted([settings.topics.blocks, settings.topics.for_ownership("kvcr")])
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2 and all(set(r["value"]) >= {"replica", "epoch", "seq", "index", "ts", "event"} for r in rows)
+    assert all(set(r["value"]) >= {"replica", "epoch", "seq", "index", "ts", "event"} for r in rows)
+    kinds = [next(iter(r["value"]["event"])) for r in rows]
+    # one record of each kind per topic: the run stored, removed and cleared on kvbus.blocks
+    assert len(kinds) == len(set(zip(sections_of(done.stdout), kinds)))
+    assert {"kvbus.BlockStored", "kvbus.BlockRemoved", "kvbus.AllBlocksCleared"} <= set(kinds)
+
+
+def sections_of(text: str) -> list[str]:
+    """The topic section each JSON line of ``--sample`` output is in."""
+    out, section = [], ""
+    for line in text.splitlines():
+        if line.startswith("# "):
+            section = line[2:]
+        elif line.startswith("{"):
+            out.append(section)
+    return out
 
 
 def test_time_range_selects_records_by_their_kafka_time(stack: Settings, unique_topics) -> None:
