@@ -31,6 +31,12 @@ th{background:#f4f4f4} td.l,th.l{text-align:left} .grid{display:grid;grid-templa
 """
 
 
+def tier_colors(tiers: list[str]) -> dict[str, str]:
+    """One colour per tier (sorted), the same in every chart of a report."""
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {t: palette[i % len(palette)] for i, t in enumerate(sorted(tiers))}
+
+
 def _svg(fig: plt.Figure) -> str:
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
@@ -47,7 +53,7 @@ def _empty(fig_title: str) -> str:
     return _svg(fig)
 
 
-def live_chart(series: pl.DataFrame) -> str:
+def live_chart(series: pl.DataFrame, colors: dict[str, str]) -> str:
     """Live blocks per tier over time, summed over holders."""
     title = "Live blocks per tier (all holders, end of each minute)"
     if series.is_empty():
@@ -55,7 +61,7 @@ def live_chart(series: pl.DataFrame) -> str:
     per = series.group_by("tier", "minute").agg(pl.col("live").sum()).sort("tier", "minute")
     fig, ax = plt.subplots(figsize=(10.5, 3.4))
     for (tier,), g in per.group_by("tier", maintain_order=True):
-        ax.plot(g["minute"].to_list(), g["live"].to_list(), marker="o", ms=3, label=tier)
+        ax.plot(g["minute"].to_list(), g["live"].to_list(), marker="o", ms=3, label=tier, color=colors.get(tier))
     ax.set_title(title)
     ax.set_ylabel("blocks")
     ax.legend(loc="upper left", fontsize=8)
@@ -63,7 +69,7 @@ def live_chart(series: pl.DataFrame) -> str:
     return _svg(fig)
 
 
-def lifetime_chart(lives: pl.DataFrame) -> str:
+def lifetime_chart(lives: pl.DataFrame, colors: dict[str, str]) -> str:
     """Histogram of ended block lifetimes per tier (log-spaced seconds)."""
     title = "Block lifetime, store to remove/clear (seconds)"
     ended = lives.filter(pl.col("end").is_not_null() & (pl.col("seconds") >= 0))
@@ -73,8 +79,9 @@ def lifetime_chart(lives: pl.DataFrame) -> str:
     lo = max(secs[secs > 0].min() if (secs > 0).any() else 0.01, 0.01)
     bins = np.geomspace(lo, max(secs.max(), lo * 10), 30)
     fig, ax = plt.subplots(figsize=(5.2, 3.2))
-    for (tier,), g in ended.group_by("tier", maintain_order=True):
-        ax.hist(np.clip(g["seconds"].to_numpy(), lo, None), bins=bins, histtype="step", lw=1.5, label=tier)
+    for (tier,), g in ended.sort("tier").group_by("tier", maintain_order=True):
+        ax.hist(np.clip(g["seconds"].to_numpy(), lo, None), bins=bins, histtype="step", lw=1.5, label=tier,
+                color=colors.get(tier))
     ax.set_xscale("log")
     ax.set_title(title)
     ax.set_ylabel("lives")
@@ -82,19 +89,20 @@ def lifetime_chart(lives: pl.DataFrame) -> str:
     return _svg(fig)
 
 
-def sharing_chart(sharing: pl.DataFrame) -> str:
+def sharing_chart(sharing: pl.DataFrame, colors: dict[str, str]) -> str:
     """Blocks by the most holders that had them at once, per tier."""
     title = "Sharing: blocks by holders at once"
     if sharing.is_empty():
         return _empty(title)
     counts = sharing.group_by("tier", "max_holders").agg(blocks=pl.len()).sort("tier", "max_holders")
-    tiers = counts["tier"].unique(maintain_order=True).to_list()
+    tiers = sorted(counts["tier"].unique().to_list())
     xs = sorted(counts["max_holders"].unique().to_list())
     width = 0.8 / max(len(tiers), 1)
     fig, ax = plt.subplots(figsize=(5.2, 3.2))
     for i, tier in enumerate(tiers):
         g = dict(counts.filter(pl.col("tier") == tier).select("max_holders", "blocks").iter_rows())
-        ax.bar([x + i * width for x in range(len(xs))], [g.get(x, 0) for x in xs], width, label=tier)
+        ax.bar([x + i * width for x in range(len(xs))], [g.get(x, 0) for x in xs], width, label=tier,
+               color=colors.get(tier))
     ax.set_xticks([x + width * (len(tiers) - 1) / 2 for x in range(len(xs))], [str(x) for x in xs])
     ax.set_yscale("log")
     ax.set_xlabel("most holders at once")
@@ -104,7 +112,7 @@ def sharing_chart(sharing: pl.DataFrame) -> str:
     return _svg(fig)
 
 
-def churn_chart(holders: pl.DataFrame) -> str:
+def churn_chart(holders: pl.DataFrame, colors: dict[str, str]) -> str:
     """Mean per-minute churn (removes / live) per holder, one bar per tier."""
     title = "Churn per holder (mean over minutes of removes / live)"
     h = holders.filter(pl.col("mean_churn").is_not_null())
@@ -116,7 +124,8 @@ def churn_chart(holders: pl.DataFrame) -> str:
     fig, ax = plt.subplots(figsize=(10.5, 3.0))
     for i, tier in enumerate(tiers):
         g = dict(h.filter(pl.col("tier") == tier).select("holder", "mean_churn").iter_rows())
-        ax.bar([x + i * width for x in range(len(names))], [g.get(n, 0.0) for n in names], width, label=tier)
+        ax.bar([x + i * width for x in range(len(names))], [g.get(n, 0.0) for n in names], width, label=tier,
+               color=colors.get(tier))
     ax.set_xticks([x + width * (len(tiers) - 1) / 2 for x in range(len(names))], names, rotation=30, ha="right")
     ax.set_ylabel("removes / live per minute")
     ax.set_title(title)
@@ -154,15 +163,16 @@ def render(report: Report, title: str, command: str) -> str:
         "p50_s", "p90_s", "p99_s", "mean_s")
     shared = report.tiers.select("tier", "blocks", "shared_blocks", "max_holders", "opening_stores", "held_elsewhere",
                                  "held_elsewhere_frac")
+    colors = tier_colors(report.tiers["tier"].to_list())
     prefixes = report.prefixes.with_columns(pl.col("root").map_elements(lambda x: f"{x:#018x}", return_dtype=pl.String))
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         f"<p>{html.escape(span)}</p><p class='note'>made by <code>{html.escape(command)}</code></p>",
-        "<h2>Live blocks over time</h2>", live_chart(report.series),
-        "<h2>Lifetimes and sharing</h2><div class='grid'>", lifetime_chart(report.lives),
-        sharing_chart(report.sharing), "</div>",
+        "<h2>Live blocks over time</h2>", live_chart(report.series, colors),
+        "<h2>Lifetimes and sharing</h2><div class='grid'>", lifetime_chart(report.lives, colors),
+        sharing_chart(report.sharing, colors), "</div>",
         "<h2>Per tier</h2>", _table(tiers, ("tier",)),
         "<p class='note'>block stores and removes; reannounced: stores of a block the tier held already; "
         "unmatched: removes of a block not held (stored before the range); lifetimes (p50_s ... mean_s) in "
@@ -172,7 +182,7 @@ def render(report: Report, title: str, command: str) -> str:
         "block's life while another holder already had it on that tier (prefill a prefix-aware router could "
         "have avoided)</p>",
         "<h2>Most shared prefixes</h2>", _table(prefixes, ("tier", "root")),
-        "<h2>Churn per holder</h2>", churn_chart(report.holders), _table(report.holders, ("holder", "tier")),
+        "<h2>Churn per holder</h2>", churn_chart(report.holders, colors), _table(report.holders, ("holder", "tier")),
         "<h2>Incomplete aggregates</h2>", _table(report.incomplete, ("holder", "kind", "missing")),
         "<h2>Dead letters</h2>", _table(report.dead_letters, ("stage", "reason_kind", "example")),
     ]
