@@ -7,6 +7,7 @@ latency with no observation in the interval).
 from __future__ import annotations
 
 import datetime as dt
+from typing import Callable
 
 from rich.console import Group, RenderableType
 from rich.panel import Panel
@@ -78,60 +79,62 @@ def _total(e: dict, field: str) -> str:
     return fmt(e["counters"][field]["total"])
 
 
+def _processes_panel(title: str, entries: list[dict], columns: tuple[str, ...],
+                     cells: Callable[[dict], list[RenderableType]], *notes: Text) -> Panel:
+    """One row per process endpoint: its name, up/DOWN, then ``cells(entry)`` of a process that
+    answered; under the table ``notes``, then each unreachable endpoint's error."""
+    t = _table(columns[0], "state", *columns[1:])
+    errors = []
+    for e in entries:
+        if e["up"]:
+            t.add_row(e["endpoint"], _state(e), *cells(e))
+        else:
+            t.add_row(e["endpoint"], _state(e), *[""] * (len(columns) - 1))
+            errors.append(Text(e["error"], style="red"))
+    return Panel(Group(t, *notes, *errors), title=title, title_align="left", border_style="red" if errors else "white")
+
+
+def _bridge_cells(e: dict) -> list[RenderableType]:
+    return [_per_s(e, "events_in"), _per_s(e, "events_acked"), _total(e, "gaps"), _total(e, "replays"),
+            _total(e, "resets"), _total(e, "engine_restarts"), _total(e, "dead_letters"), fmt(e["gauges"]["backlog"])]
+
+
 def bridges_panel(snap: dict) -> Panel:
     """One row per bridge endpoint: up/down, events/s, gaps, replays, resets, restarts, dead letters."""
-    t = _table("bridge", "state", "in/s", "acked/s", "gaps", "replays", "resets", "restarts", "dlq", "backlog")
-    errors = []
-    for e in snap["bridges"]:
-        if not e["up"]:
-            t.add_row(e["endpoint"], _state(e), *[""] * 8)
-            errors.append(e["error"])
-            continue
-        t.add_row(e["endpoint"], _state(e), _per_s(e, "events_in"), _per_s(e, "events_acked"), _total(e, "gaps"),
-                  _total(e, "replays"), _total(e, "resets"), _total(e, "engine_restarts"), _total(e, "dead_letters"),
-                  fmt(e["gauges"]["backlog"]))
     up = sum(e["up"] for e in snap["bridges"])
-    title = f"bridges: {up} up, {len(snap['bridges']) - up} down"
-    return Panel(Group(t, *[Text(x, style="red") for x in errors]), title=title, title_align="left",
-                 border_style="red" if errors else "white")
+    return _processes_panel(f"bridges: {up} up, {len(snap['bridges']) - up} down", snap["bridges"],
+                            ("bridge", "in/s", "acked/s", "gaps", "replays", "resets", "restarts", "dlq", "backlog"),
+                            _bridge_cells)
+
+
+def _worker_cells(e: dict) -> list[RenderableType]:
+    cons = [e["counters"][f]["per_s"] for f in ("consolidated", "passthrough")]
+    return [fmt(None if None in cons else sum(cons), 1), fmt(e["gauges"]["pending_aggregates"]),
+            fmt(e["gauges"]["holders"]), fmt(sum(e["labelled_gauges"]["partition_lag"].values()))]
 
 
 def workers_panel(snap: dict) -> Panel:
     """Faust workers: pending aggregates, holders, incompletes per reason and their share."""
-    t = _table("worker", "state", "consolidated/s", "pending aggregates", "holders", "raw lag")
-    errors = []
-    for e in snap["workers"]:
-        if not e["up"]:
-            t.add_row(e["endpoint"], _state(e), "", "", "", "")
-            errors.append(e["error"])
-            continue
-        cons = [e["counters"][f]["per_s"] for f in ("consolidated", "passthrough")]
-        t.add_row(e["endpoint"], _state(e), fmt(None if None in cons else sum(cons), 1),
-                  fmt(e["gauges"]["pending_aggregates"]), fmt(e["gauges"]["holders"]),
-                  fmt(sum(e["labelled_gauges"]["partition_lag"].values())))
     inc = snap["incomplete"]
     reasons = ", ".join(f"{r}={fmt(v['total'])}" for r, v in inc["reasons"].items()) or "none"
     share = "-" if inc["share"] is None else f"{100 * inc['share']:.2f} %"
-    line = Text(f"incomplete: {reasons}; share of consolidated now {share}")
-    return Panel(Group(t, line, *[Text(x, style="red") for x in errors]), title="Faust workers", title_align="left",
-                 border_style="red" if errors else "white")
+    return _processes_panel("Faust workers", snap["workers"],
+                            ("worker", "consolidated/s", "pending aggregates", "holders", "raw lag"), _worker_cells,
+                            Text(f"incomplete: {reasons}; share of consolidated now {share}"))
+
+
+def _sink_cells(e: dict) -> list[RenderableType]:
+    g = e["gauges"]
+    return [_per_s(e, "events_applied"), fmt(g["view_entries"]), fmt(g["view_blocks"]), fmt(g["view_holders"]),
+            Text(fmt(g["stale_holders"]), style="yellow" if g["stale_holders"] else ""),
+            "yes" if g["view_rebuilding"] else "no"]
 
 
 def sinks_panel(snap: dict) -> Panel:
     """Sinks: the view's size, holders and stale holders as each sink reports them."""
-    t = _table("sink", "state", "applied/s", "entries", "blocks", "holders", "stale holders", "rebuilding")
-    errors = []
-    for e in snap["sinks"]:
-        if not e["up"]:
-            t.add_row(e["endpoint"], _state(e), *[""] * 6)
-            errors.append(e["error"])
-            continue
-        g = e["gauges"]
-        t.add_row(e["endpoint"], _state(e), _per_s(e, "events_applied"), fmt(g["view_entries"]), fmt(g["view_blocks"]),
-                  fmt(g["view_holders"]), Text(fmt(g["stale_holders"]), style="yellow" if g["stale_holders"] else ""),
-                  "yes" if g["view_rebuilding"] else "no")
-    return Panel(Group(t, *[Text(x, style="red") for x in errors]), title="sinks", title_align="left",
-                 border_style="red" if errors else "white")
+    return _processes_panel("sinks", snap["sinks"],
+                            ("sink", "applied/s", "entries", "blocks", "holders", "stale holders", "rebuilding"),
+                            _sink_cells)
 
 
 def dead_letters_panel(snap: dict) -> Panel:
