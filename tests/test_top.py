@@ -193,3 +193,23 @@ def test_endpoint_lists_and_quantiles() -> None:
     assert quantile(0.7, buckets) == pytest.approx(0.0015)
     assert quantile(0.99, buckets) == 0.002  # in +Inf: the largest finite bound
     assert quantile(0.5, {0.001: 0.0, float("inf"): 0.0}) is None
+
+
+def test_the_command_the_demo_prints_watches_the_demos_processes(monkeypatch) -> None:
+    """``kvbus demo`` prints a ``kvbus top`` command; parsed by kvbus's own parser it names the
+    demo's metrics ports and groups (and plain ``kvbus top`` defaults to the demo's defaults)."""
+    import shlex
+
+    from kvbus.cli import build_parser
+    from kvbus.demo import BRIDGE_METRICS_BASE, SINK_GROUP, SINK_METRICS_PORT, WORKER_GROUP, WORKER_METRICS_PORT, top_command
+    from kvbus.top.config import top_config
+
+    for var in ("KVBUS_TOP_BRIDGES", "KVBUS_TOP_WORKERS", "KVBUS_TOP_SINKS", "KVBUS_STREAMS_APP_ID", "KVBUS_SINK_GROUP"):
+        monkeypatch.delenv(var, raising=False)
+    argv = shlex.split(top_command(5))[1:]
+    cfg = top_config(build_parser("top").parse_args(argv))
+    assert cfg.bridges == tuple(f"127.0.0.1:{BRIDGE_METRICS_BASE + i}" for i in range(5))
+    assert (cfg.workers, cfg.sinks) == ((f"127.0.0.1:{WORKER_METRICS_PORT}",), (f"127.0.0.1:{SINK_METRICS_PORT}",))
+    assert (cfg.worker_group, cfg.sink_group) == (WORKER_GROUP, SINK_GROUP)
+    default = top_config(build_parser("top").parse_args(["top"]))
+    assert default.bridges == cfg.bridges[:3] and default.workers == cfg.workers and default.sinks == cfg.sinks
