@@ -14,8 +14,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import polars as pl
-
 from analytics import html_report, sample, summary
 from analytics.metrics import Report, compute
 from analytics.progress import ReadProgress
@@ -64,7 +62,7 @@ def build_report(settings: Settings, records: list[Record], raw: bool, top: int 
     )
 
 
-def write_parquet(report: Report, out: Path, incomplete: pl.DataFrame | None = None) -> list[Path]:
+def write_parquet(report: Report, out: Path) -> list[Path]:
     """One Parquet file per table into ``out``; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     tables = {"events": report.blocks, "series": report.series, "lives": report.lives, "sharing": report.sharing,

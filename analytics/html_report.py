@@ -89,26 +89,30 @@ def lifetime_chart(lives: pl.DataFrame, colors: dict[str, str]) -> str:
     return _svg(fig)
 
 
+def _grouped_bars(ax: plt.Axes, df: pl.DataFrame, x: str, y: str, colors: dict[str, str], **tick_kw) -> None:
+    """One group of bars per value of column ``x`` (sorted), one bar per tier in it, height ``y``."""
+    xs = sorted(df[x].unique().to_list())
+    tiers = sorted(df["tier"].unique().to_list())
+    width = 0.8 / max(len(tiers), 1)
+    for i, tier in enumerate(tiers):
+        g = dict(df.filter(pl.col("tier") == tier).select(x, y).iter_rows())
+        ax.bar([k + i * width for k in range(len(xs))], [g.get(v, 0) for v in xs], width, label=tier,
+               color=colors.get(tier))
+    ax.set_xticks([k + width * (len(tiers) - 1) / 2 for k in range(len(xs))], [str(v) for v in xs], **tick_kw)
+    ax.legend(fontsize=8)
+
+
 def sharing_chart(sharing: pl.DataFrame, colors: dict[str, str]) -> str:
     """Blocks by the most holders that had them at once, per tier."""
     title = "Sharing: blocks by holders at once"
     if sharing.is_empty():
         return _empty(title)
-    counts = sharing.group_by("tier", "max_holders").agg(blocks=pl.len()).sort("tier", "max_holders")
-    tiers = sorted(counts["tier"].unique().to_list())
-    xs = sorted(counts["max_holders"].unique().to_list())
-    width = 0.8 / max(len(tiers), 1)
     fig, ax = plt.subplots(figsize=(5.2, 3.2))
-    for i, tier in enumerate(tiers):
-        g = dict(counts.filter(pl.col("tier") == tier).select("max_holders", "blocks").iter_rows())
-        ax.bar([x + i * width for x in range(len(xs))], [g.get(x, 0) for x in xs], width, label=tier,
-               color=colors.get(tier))
-    ax.set_xticks([x + width * (len(tiers) - 1) / 2 for x in range(len(xs))], [str(x) for x in xs])
+    _grouped_bars(ax, sharing.group_by("tier", "max_holders").agg(blocks=pl.len()), "max_holders", "blocks", colors)
     ax.set_yscale("log")
     ax.set_xlabel("most holders at once")
     ax.set_ylabel("blocks")
     ax.set_title(title)
-    ax.legend(fontsize=8)
     return _svg(fig)
 
 
@@ -118,18 +122,10 @@ def churn_chart(holders: pl.DataFrame, colors: dict[str, str]) -> str:
     h = holders.filter(pl.col("mean_churn").is_not_null())
     if h.is_empty():
         return _empty(title)
-    names = h["holder"].unique(maintain_order=True).sort().to_list()
-    tiers = h["tier"].unique().sort().to_list()
-    width = 0.8 / max(len(tiers), 1)
     fig, ax = plt.subplots(figsize=(10.5, 3.0))
-    for i, tier in enumerate(tiers):
-        g = dict(h.filter(pl.col("tier") == tier).select("holder", "mean_churn").iter_rows())
-        ax.bar([x + i * width for x in range(len(names))], [g.get(n, 0.0) for n in names], width, label=tier,
-               color=colors.get(tier))
-    ax.set_xticks([x + width * (len(tiers) - 1) / 2 for x in range(len(names))], names, rotation=30, ha="right")
+    _grouped_bars(ax, h, "holder", "mean_churn", colors, rotation=30, ha="right")
     ax.set_ylabel("removes / live per minute")
     ax.set_title(title)
-    ax.legend(fontsize=8)
     return _svg(fig)
 
 

@@ -117,7 +117,7 @@ def read(settings: Settings, topics: list[str], span: TimeRange,
         "isolation.level": "read_committed",
     })
     try:
-        ranges = [r for r in plan(consumer, topics, span)]
+        ranges = plan(consumer, topics, span)
         if on_plan is not None:
             on_plan(ranges)
         todo = {(r.topic, r.partition): r for r in ranges if r.records}
