@@ -148,7 +148,7 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
 
 def test_top_says_what_is_unreachable_and_keeps_running(tmp_path) -> None:
     """No Kafka, Redis or process answers: ``--once --json`` exits 0 with an error per source, and the
-    live screen says "unreachable: ..." for each and keeps refreshing."""
+    live screen says "unreachable: ..." for each, keeps refreshing, and Ctrl-C ends it with exit code 0."""
     from schemas.settings import Settings
 
     nothing = free_port()
@@ -178,6 +178,9 @@ def test_top_says_what_is_unreachable_and_keeps_running(tmp_path) -> None:
             return len(seen) >= 2
 
         eventually(refreshed_twice, 30, interval=0.3)
+        tmux.send_keys("C-c")  # quits cleanly: the screen is given back and the exit code is 0
+        text = eventually(lambda: tmux.screen() if tmux.exited() else None, 15, interval=0.3)
+        assert "[program exited with 0]" in text and "unreachable" not in text
     finally:
         tmux.close()
 

@@ -22,7 +22,7 @@ class TmuxPane:
         self.env.pop("TMUX", None)  # a test run inside tmux must not talk to the developer's server
         cmd = " ".join(shlex.quote(a) for a in argv)
         # the pane outlives the program, so a crash stays readable (and says so)
-        shell = f'{cmd}; echo "{EXITED} $?"; exec sleep 3600'
+        shell = f'{cmd}; echo "{EXITED} $?]"; exec sleep 3600'
         self._tmux("new-session", "-d", "-s", "top", "-x", str(width), "-y", str(height), shell)
 
     def _tmux(self, *args: str) -> str:
@@ -34,6 +34,10 @@ class TmuxPane:
     def screen(self) -> str:
         """What the pane shows now (``capture-pane -p``), one line per terminal row."""
         return self._tmux("capture-pane", "-p", "-t", "top")
+
+    def send_keys(self, *keys: str) -> None:
+        """Type ``keys`` into the pane (tmux key names: ``C-c``, ``q``, ``Enter``)."""
+        self._tmux("send-keys", "-t", "top", *keys)
 
     def exited(self) -> bool:
         """True when the program exited (the pane then shows ``[program exited with <code>]``)."""
