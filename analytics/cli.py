@@ -3,7 +3,7 @@
 Reads ``kvbus.blocks`` and its tier topics, ``kvbus.incomplete`` and ``kvbus.dlq`` (``--raw``: also
 ``kvbus.raw``) from ``--since`` to ``--until`` (default: everything), prints a summary, writes
 ``report.html`` (charts, one file, offline) and Parquet files (``events``, ``series``, ``lives``,
-``sharing``, ``tiers``, ``holders``, ``prefixes``, ``incomplete``, ``dead_letters``, ``raw``) into
+``sharing``, ``tiers``, ``holders``, ``prefixes``, ``offload``, ``incomplete``, ``dead_letters``, ``raw``) into
 ``--out``. ``--sample N`` prints N records of each topic instead. Services and topic names come
 from the ``KVBUS_*`` settings (schemas.settings).
 """
@@ -66,7 +66,7 @@ def write_parquet(report: Report, out: Path) -> list[Path]:
     """One Parquet file per table into ``out``; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     tables = {"events": report.blocks, "series": report.series, "lives": report.lives, "sharing": report.sharing,
-              "tiers": report.tiers, "holders": report.holders, "prefixes": report.prefixes,
+              "tiers": report.tiers, "holders": report.holders, "prefixes": report.prefixes, "offload": report.offload,
               "incomplete": report.incomplete, "dead_letters": report.dead_letters}
     if report.raw is not None:
         tables["raw"] = report.raw

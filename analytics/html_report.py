@@ -177,6 +177,10 @@ def render(report: Report, title: str, command: str) -> str:
         "<p class='note'>shared_blocks: held by 2 or more holders at once; held_elsewhere: stores that opened a "
         "block's life while another holder already had it on that tier (prefill a prefix-aware router could "
         "have avoided)</p>",
+        "<h2>What offloading buys</h2>", _table(report.offload, ("tier",)),
+        "<p class='note'>gpu_drops: GPU removes that ended a block's life; kept: the holder still had the block on "
+        "this tier then; gpu_stores: stores that put a block on GPU; held_before: the holder had it on this tier "
+        "just before (a load instead of a recompute, if the engine used it)</p>",
         "<h2>Most shared prefixes</h2>", _table(prefixes, ("tier", "root")),
         "<h2>Churn per holder</h2>", churn_chart(report.holders, colors), _table(report.holders, ("holder", "tier")),
         "<h2>Incomplete aggregates</h2>", _table(report.incomplete, ("holder", "kind", "missing")),

@@ -12,6 +12,10 @@ Definitions (the tests hold the code to them):
   time; events of one instant are applied together), and for each life-opening store whether
   another holder held the block just before it: the prefill that prefix-aware routing could have
   served from a replica that already had it;
+* **offload** (per holder tier other than ``GPU``): of the blocks ``GPU`` dropped (removes that
+  ended a life), how many the holder still had on that tier at that instant (kept, not lost), and of
+  the stores that put a block on ``GPU``, how many came while the holder had it on that tier just
+  before (a load from that tier instead of a recompute, if the engine used it): what offloading buys;
 * **shared prefixes**: for stores that start a prefix (``parent_block_hash`` null), grouped by their
   first block: how many holders stored it, the most that held it at once, and how many leading
   blocks all those holders stored identically (a system prompt's length, for instance).
@@ -47,6 +51,8 @@ class Report:
     """Per tier and block: ``max_holders`` at once, ``holders`` ever."""
     prefixes: pl.DataFrame
     """Shared prefixes, most shared first."""
+    offload: pl.DataFrame
+    """Per tier other than GPU: GPU drops the tier still held, GPU stores it held before."""
     incomplete: pl.DataFrame
     """Per holder and event kind: incomplete aggregates, blocks, missing worker ranks."""
     dead_letters: pl.DataFrame
@@ -105,6 +111,34 @@ def sharing(life: pl.DataFrame, annotated: pl.DataFrame) -> tuple[pl.DataFrame, 
              .with_columns(held_elsewhere=pl.col("before") - pl.col("own").fill_null(0))
              .drop("before", "own"))
     return per_block, opens
+
+
+def offload(annotated: pl.DataFrame, life: pl.DataFrame, primary: str = "GPU") -> pl.DataFrame:
+    """Per tier other than ``primary``: ``gpu_drops`` (removes that ended a ``primary`` life),
+    ``kept`` (of those, the holder had the block on this tier at that instant), ``gpu_stores``
+    (stores that opened a ``primary`` life), ``held_before`` (of those, the holder had the block on
+    this tier just before), and the fractions ``kept_frac`` / ``held_before_frac``."""
+    gpu = annotated.filter(pl.col("tier") == primary).with_row_index("row")
+    other = life.filter(pl.col("tier") != primary).select(
+        "holder", "block", other=pl.col("tier"), o_start=pl.col("start"), o_end=pl.col("end"))
+    drops = gpu.filter(pl.col("closing"))
+    stores = gpu.filter(pl.col("opening"))
+    tiers = other.select(tier=pl.col("other")).unique()
+    kept = drops.join(other, on=["holder", "block"]).filter(
+        (pl.col("o_start") <= pl.col("ts")) & (pl.col("o_end").is_null() | (pl.col("o_end") > pl.col("ts")))
+    ).group_by(tier=pl.col("other")).agg(kept=pl.col("row").n_unique())
+    before = stores.join(other, on=["holder", "block"]).filter(
+        (pl.col("o_start") < pl.col("ts")) & (pl.col("o_end").is_null() | (pl.col("o_end") >= pl.col("ts")))
+    ).group_by(tier=pl.col("other")).agg(held_before=pl.col("row").n_unique())
+    return (tiers.join(kept, on="tier", how="left").join(before, on="tier", how="left")
+            .with_columns(gpu_drops=pl.lit(drops.height, pl.Int64), gpu_stores=pl.lit(stores.height, pl.Int64),
+                          kept=pl.col("kept").fill_null(0).cast(pl.Int64),
+                          held_before=pl.col("held_before").fill_null(0).cast(pl.Int64))
+            .with_columns(kept_frac=pl.when(pl.col("gpu_drops") > 0).then(pl.col("kept") / pl.col("gpu_drops")),
+                          held_before_frac=pl.when(pl.col("gpu_stores") > 0)
+                          .then(pl.col("held_before") / pl.col("gpu_stores")))
+            .select("tier", "gpu_drops", "kept", "kept_frac", "gpu_stores", "held_before", "held_before_frac")
+            .sort("tier"))
 
 
 def prefixes(annotated: pl.DataFrame, per_block: pl.DataFrame, top: int = 10) -> pl.DataFrame:
@@ -203,7 +237,7 @@ def compute(blocks: pl.DataFrame, framework_topic: str, incomplete: pl.DataFrame
     return Report(
         blocks=blocks, annotated=ann, lives=life, series=ser,
         tiers=tier_table(ann, life, per_block, opens), holders=holder_table(ann, life, ser),
-        sharing=per_block, prefixes=prefixes(ann, per_block, top_prefixes),
+        sharing=per_block, prefixes=prefixes(ann, per_block, top_prefixes), offload=offload(ann, life),
         incomplete=incomplete_summary(incomplete), dead_letters=dead_letter_summary(dead_letters),
         raw=raw_summary(raw) if raw is not None else None,
     )

@@ -46,6 +46,12 @@ def render(report: Report, header: str = "") -> str:
         add(f"   {r['tier']:12s} {r['shared_blocks'] or 0:7d} of {r['blocks'] or 0:7d} blocks shared, at most "
             f"{r['max_holders'] or 0} holders at once; {r['held_elsewhere']:7d} of {r['opening_stores']:7d} stores "
             f"({_pct(r['held_elsewhere_frac'])}) were already held elsewhere")
+    add("== offloading: GPU drops the holder still had on another tier; GPU stores it had there just before")
+    if report.offload.is_empty():
+        add("   no tier besides GPU")
+    for r in report.offload.iter_rows(named=True):
+        add(f"   {r['tier']:12s} kept {r['kept']:7d} of {r['gpu_drops']:7d} GPU drops ({_pct(r['kept_frac'])}); "
+            f"held {r['held_before']:7d} of {r['gpu_stores']:7d} GPU stores before them ({_pct(r['held_before_frac'])})")
     add("== most shared prefixes (stores that start a prefix, grouped by their first block)")
     if report.prefixes.is_empty():
         add("   none held by 2+ holders")

@@ -4,8 +4,8 @@ A fleet of three replicas sharing their system prompts publishes a known history
 1.5 s apart, over about five minutes) through bridges and the Faust worker into a test's own
 topics; ``kvbus report`` (a process, as a user runs it) must then give the figures an independent
 replay of the published events gives: every block life, lifetimes, live blocks at the end (equal to
-the fleet's manifest on the framework's tiers), per-minute stores and removes, sharing and the
-shared system prompts; plus the incomplete and dead-letter summaries and the time range.
+the fleet's manifest on the framework's tiers), per-minute stores and removes, sharing, what the
+CPU and kvcr tiers kept of what GPU dropped, and the shared system prompts; plus the incomplete and dead-letter summaries and the time range.
 """
 from __future__ import annotations
 
@@ -106,6 +106,19 @@ class Oracle:
         hit = sum(1 for h, _, b, ts in opens
                   if any(o != h and s < ts and (e is None or e >= ts) for o, s, e in by_block[b]))
         return len(opens), hit
+
+    def offload(self, tier: str) -> tuple[int, int, int, int]:
+        """(GPU removes that ended a life, of those while the holder had the block on ``tier``,
+        stores that opened a GPU life, of those while the holder had it on ``tier`` just before)."""
+        on_tier = defaultdict(list)
+        for h, t, b, start, end, _ in self.all_lives():
+            if t == tier:
+                on_tier[(h, b)].append((start, end))
+        drops = [(h, b, end) for h, t, b, _, end, how in self.all_lives() if t == "GPU" and how == "remove"]
+        kept = sum(1 for h, b, ts in drops if any(s <= ts and (e is None or e > ts) for s, e in on_tier[(h, b)]))
+        stores = [(h, b, ts) for h, t, b, ts in self.opens if t == "GPU"]
+        held = sum(1 for h, b, ts in stores if any(s < ts and (e is None or e >= ts) for s, e in on_tier[(h, b)]))
+        return len(drops), kept, len(stores), held
 
     def max_holders(self, tier: str) -> dict[int, int]:
         """Per block: the most holders that had it at one instant."""
@@ -236,6 +249,12 @@ def test_report_matches_the_fleets_ground_truth(fleet_run, tmp_path) -> None:
     got_removes = {(r["holder"], r["tier"], r["m"]): r["removes"] for r in series.iter_rows(named=True) if r["removes"]}
     assert got_stores == dict(oracle.stores)
     assert got_removes == dict(oracle.removes)
+
+    offload = {r["tier"]: r for r in pl.read_parquet(out / "offload.parquet").iter_rows(named=True)}
+    assert set(offload) == {"CPU", "CPU@kvcr"}
+    for tier, row in offload.items():
+        assert (row["gpu_drops"], row["kept"], row["gpu_stores"], row["held_before"]) == oracle.offload(tier)
+    assert offload["CPU"]["kept"] > 0 and offload["CPU"]["held_before"] > 0
 
     # the shared system prompts: every one stored by 2+ replicas is listed with its length
     prefixes = pl.read_parquet(out / "prefixes.parquet").filter(pl.col("tier") == "GPU")

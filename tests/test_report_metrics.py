@@ -36,6 +36,7 @@ HISTORY = [
     ev("B", 2, 110, "remove", [9]),              # never stored: unmatched
     ev("A", 5, 130, "clear", medium=None),       # ends A's GPU lives of 2 and 3, not its kvcr tier
     ev("A", 6, 130, "store", [2]),               # same instant: A again, nobody else holds 2
+    ev("A", 7, 140, "store", [1]),               # back on GPU while A's kvcr tier and B have it
 ]
 
 
@@ -55,6 +56,7 @@ def test_lives_end_at_removes_and_at_the_clear_of_their_topic(report) -> None:
     assert got == [
         ("A#0", "CPU@kvcr", 1, 10, None, None),
         ("A#0", "GPU", 1, 0, 70, "remove"),
+        ("A#0", "GPU", 1, 140, None, None),
         ("A#0", "GPU", 2, 0, 130, "clear"),
         ("A#0", "GPU", 2, 130, None, None),
         ("A#0", "GPU", 3, 60, 130, "clear"),
@@ -65,13 +67,13 @@ def test_lives_end_at_removes_and_at_the_clear_of_their_topic(report) -> None:
 
 def test_tier_totals_lifetimes_and_sharing(report) -> None:
     gpu = report.tiers.filter(pl.col("tier") == "GPU").row(0, named=True)
-    assert (gpu["stores"], gpu["removes"], gpu["reannounced"], gpu["unmatched_removes"]) == (7, 3, 1, 1)
-    assert (gpu["live_end"], gpu["lives_ended"]) == (2, 4)
+    assert (gpu["stores"], gpu["removes"], gpu["reannounced"], gpu["unmatched_removes"]) == (8, 3, 1, 1)
+    assert (gpu["live_end"], gpu["lives_ended"]) == (3, 4)
     assert (gpu["p50_s"], gpu["mean_s"]) == (70.0, 85.0)   # lifetimes 70, 130, 70, 70
     assert (gpu["blocks"], gpu["shared_blocks"], gpu["max_holders"]) == (3, 2, 2)
-    # six stores opened a life; B's two came while A held both blocks; A's last one only while
-    # its own life of the block ended at that instant
-    assert (gpu["opening_stores"], gpu["held_elsewhere"], gpu["held_elsewhere_frac"]) == (6, 2, 2 / 6)
+    # seven stores opened a life; B's two came while A held both blocks, A's at 140 while B held 1;
+    # A's at 130 only while its own life of the block ended at that instant
+    assert (gpu["opening_stores"], gpu["held_elsewhere"], gpu["held_elsewhere_frac"]) == (7, 3, 3 / 7)
     kvcr = report.tiers.filter(pl.col("tier") == "CPU@kvcr").row(0, named=True)
     assert (kvcr["stores"], kvcr["live_end"], kvcr["lives_ended"], kvcr["held_elsewhere"]) == (1, 1, 0, 0)
 
@@ -81,9 +83,18 @@ def test_per_minute_series(report) -> None:
     got = [(r["holder"], int((r["minute"].timestamp() - T0) // 60), r["stores"], r["removes"], r["live"], r["churn"])
            for r in s.iter_rows(named=True)]
     assert got == [
-        ("A#0", 0, 2, 0, 2, 0.0), ("A#0", 1, 2, 1, 2, 0.5), ("A#0", 2, 1, 0, 1, 0.0),
+        ("A#0", 0, 2, 0, 2, 0.0), ("A#0", 1, 2, 1, 2, 0.5), ("A#0", 2, 2, 0, 2, 0.0),
         ("B#0", 0, 2, 0, 2, 0.0), ("B#0", 1, 0, 2, 1, 2.0), ("B#0", 2, 0, 0, 1, 0.0),
     ]
+
+
+def test_offload_counts_gpu_drops_kept_and_gpu_stores_held_on_another_tier(report) -> None:
+    # GPU dropped 1 (A, t=70) while A's kvcr tier had it; A stored 1 on GPU again at 140 while it did;
+    # of GPU's 2 removes that ended a life (B's remove of 9 did not) and 7 opening stores, those are
+    # the only ones
+    assert report.offload.rows(named=True) == [{
+        "tier": "CPU@kvcr", "gpu_drops": 2, "kept": 1, "kept_frac": 1 / 2,
+        "gpu_stores": 7, "held_before": 1, "held_before_frac": 1 / 7}]
 
 
 def test_shared_prefix_is_the_run_both_holders_stored(report) -> None:
