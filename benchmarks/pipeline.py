@@ -508,7 +508,7 @@ def probe_timestamps(settings: Settings, topic: str, kind: str, probes: set[byte
     from schemas.codec import FastSerde
     from schemas.serde import registry_client
 
-    serde = FastSerde(registry_client(settings.registry_url), kind, auto_register=False)
+    serde = FastSerde(registry_client(settings), kind, auto_register=False)
     c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"hops-{uuid.uuid4().hex}",
                   "enable.auto.commit": False})
     out: dict[bytes, float] = {}

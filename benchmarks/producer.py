@@ -164,7 +164,7 @@ def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dic
     from schemas.serde import RecordSerde, registry_client
 
     topics = settings.topics
-    registry = registry_client(settings.registry_url)
+    registry = registry_client(settings)
     fast = FastSerde(registry, "EventBatch")
     fast.header(topics.raw)  # registers the schema before the clock starts
     dl = RecordSerde(registry, "DeadLetter")

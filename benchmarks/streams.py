@@ -124,7 +124,7 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
     topics = Topics(raw=f"bench{suffix}.raw", blocks=f"bench{suffix}.blocks",
                     incomplete=f"bench{suffix}.incomplete", dlq=f"bench{suffix}.dlq")
     ensure_topics(settings, [topics.raw, topics.blocks, topics.incomplete, topics.dlq])
-    serde = RecordSerde(registry_client(settings.registry_url), "EventBatch")
+    serde = RecordSerde(registry_client(settings), "EventBatch")
     producer = Producer({"bootstrap.servers": settings.bootstrap, "linger.ms": 20, "compression.type": "lz4",
                          "queue.buffering.max.messages": 2_000_000})
     t0 = time.perf_counter()
@@ -201,7 +201,7 @@ def latency(settings: Settings, steps: int, workers: int, workdir: Path) -> dict
     by_step: dict[int, list] = defaultdict(list)
     for b in batches(spec):
         by_step[b.seq].append(b)
-    registry = registry_client(settings.registry_url)
+    registry = registry_client(settings)
     serde, out_serde = RecordSerde(registry, "EventBatch"), RecordSerde(registry, "BlockEvent")
     producer = Producer({"bootstrap.servers": settings.bootstrap, "linger.ms": 0})
     consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"lat-{suffix}",

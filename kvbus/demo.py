@@ -159,7 +159,7 @@ def _report(settings: Settings, manifest: Path) -> bool:
     from sinks.cli import add_lookup_args, lookup_answer
     from sinks.view import summary
 
-    view = summary(settings.redis_url)
+    view = summary(settings.redis_url, client_kwargs=settings.redis_kwargs())
     print("== residency view (blocks per replica per tier):")
     for holder in sorted(view):
         tiers = ", ".join(f"{t}={n}" for t, n in sorted(view[holder].items()))

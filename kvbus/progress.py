@@ -7,11 +7,12 @@ import http.client
 import re
 import time
 import urllib.request
+from typing import Any, Mapping
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from schemas.settings import Settings
+from schemas.settings import Settings, client_conf
 
 
 def scrape(port: int, pattern: str) -> float:
@@ -36,11 +37,11 @@ class GroupLag:
     watermarks), so a caller asking every second does not connect anew each time. ``timeout``:
     seconds each Kafka request may take; ``conf``: more librdkafka settings (e.g. a ``logger``)."""
 
-    def __init__(self, bootstrap: str, group: str, topic_regex: str, timeout: float = 5.0,
+    def __init__(self, kafka: "str | Mapping[str, Any]", group: str, topic_regex: str, timeout: float = 5.0,
                  conf: dict | None = None) -> None:
         self.rx = re.compile(topic_regex)
         self.timeout = timeout
-        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+        self.consumer = Consumer({**client_conf(kafka), "group.id": group, "enable.auto.commit": False,
                                   **(conf or {})})
 
     def partitions(self) -> list[tuple[str, int, int, int]]:
@@ -78,8 +79,8 @@ class Progress:
         self.sink_group = sink_group
         self._last = (time.monotonic(), 0.0, 0.0, 0.0)
         t = settings.topics
-        self._raw_lag = GroupLag(settings.bootstrap, worker_group, re.escape(t.raw))
-        self._blocks_lag = GroupLag(settings.bootstrap, sink_group, t.blocks_pattern()[1:])
+        self._raw_lag = GroupLag(settings.kafka(), worker_group, re.escape(t.raw))
+        self._blocks_lag = GroupLag(settings.kafka(), sink_group, t.blocks_pattern()[1:])
 
     def counts(self) -> tuple[float, float, float]:
         """(events acknowledged by Kafka from all bridges, events consolidated, events applied to Redis)."""

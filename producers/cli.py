@@ -97,7 +97,7 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
     """Registry, recovery, Kafka sink and the bridge; None if stopped while waiting for services."""
     cfg = config_from_args(args)
     topics = settings.topics
-    registry = registry_client(settings.registry_url)
+    registry = registry_client(settings)
     dl_serde = RecordSerde(registry, "DeadLetter")
     batch_serde = RecordSerde(registry, "EventBatch")
     if args.serializer == "fast":
@@ -110,7 +110,7 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
     resume: Resume | None = None
     if not args.no_recover:
         ok, resume = wait_and_recover(
-            lambda: find_last_produced(settings.bootstrap, topics.raw, cfg.replica, cfg.dp_rank, cfg.worker_rank,
+            lambda: find_last_produced(settings.kafka(), topics.raw, cfg.replica, cfg.dp_rank, cfg.worker_rank,
                                        lambda v: batch_serde.loads(v, topics.raw)),
             stop,
         )
@@ -124,7 +124,7 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
         metrics.serve(args.metrics_port)
         log.info("metrics on :%d/metrics", args.metrics_port)
     sink = KafkaSink.build(
-        settings.bootstrap, topics.raw, topics.dlq, serialize_batch, lambda dl: dl_serde.dumps(dl, topics.dlq),
+        settings.kafka(), topics.raw, topics.dlq, serialize_batch, lambda dl: dl_serde.dumps(dl, topics.dlq),
         metrics, _conf_pairs(args.producer_conf), max_backlog=args.max_backlog,
         max_backlog_bytes=args.max_backlog_mb << 20,
         max_record_bytes=args.max_record_bytes or settings.max_record_bytes,

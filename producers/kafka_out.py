@@ -16,7 +16,7 @@ order, consecutive ``first_index``); an event too large for any record is dead-l
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import msgspec
 
@@ -70,7 +70,7 @@ class KafkaSink(RecordProducer):
     @classmethod
     def build(
         cls,
-        bootstrap: str,
+        kafka: str | Mapping[str, Any],
         raw_topic: str,
         dlq_topic: str,
         serialize_batch: Callable[[EventBatch], bytes],
@@ -81,10 +81,11 @@ class KafkaSink(RecordProducer):
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         **kw: Any,
     ) -> "KafkaSink":
-        """A sink with its own producer configured by :func:`producer_conf`; ``max_record_bytes``
+        """A sink with its own producer configured by :func:`producer_conf` (``kafka``: a bootstrap
+        string or ``Settings.kafka()``); ``max_record_bytes``
         is lowered to what the producer's ``message.max.bytes`` takes (:func:`~producers.split.record_limit`)."""
         return cls(None, raw_topic, dlq_topic, serialize_batch, serialize_dead_letter, metrics,
-                   max_record_bytes=max_record_bytes, conf=producer_conf(bootstrap, conf_overrides), **kw)
+                   max_record_bytes=max_record_bytes, conf=producer_conf(kafka, conf_overrides), **kw)
 
     def produce_batch(self, batch: EventBatch) -> None:
         """Queue one EventBatch, keyed ``<replica>#<dp_rank>``: as one record, or as several

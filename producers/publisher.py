@@ -331,7 +331,7 @@ class KafkaEventPublisher:
         self.workers = workers
         self.kafka_topic = self.settings.topics.raw
         if schema_id is None:
-            schema_id = value_schema_id(registry_client(self.settings.registry_url), self.kafka_topic, "EventBatch")
+            schema_id = value_schema_id(registry_client(self.settings), self.kafka_topic, "EventBatch")
         self._header = confluent_header(schema_id)
         self.metrics = metrics or BridgeMetrics()
         if metrics_port:
@@ -341,7 +341,7 @@ class KafkaEventPublisher:
         self._dead_letter_serde: FastSerde | None = None
         self.records = RecordProducer(
             self.kafka_topic, self.settings.topics.dlq, self._serialize_dead_letter, self.metrics,
-            stage="publisher", producer=producer, conf=producer_conf(endpoint or self.settings.bootstrap, overrides),
+            stage="publisher", producer=producer, conf=producer_conf({**self.settings.kafka(), **({"bootstrap.servers": endpoint} if endpoint else {})}, overrides),
             max_record_bytes=max_record_bytes or self.settings.max_record_bytes, max_backlog=max_queue_size,
             label=f"kvbus publisher {replica}: ",
         )
@@ -444,7 +444,7 @@ class KafkaEventPublisher:
         """A DeadLetter's value for the DLQ topic (its schema id is looked up on first use; raises
         when the registry is unreachable, and the record producer logs the letter as lost)."""
         if self._dead_letter_serde is None:
-            self._dead_letter_serde = FastSerde(registry_client(self.settings.registry_url), "DeadLetter")
+            self._dead_letter_serde = FastSerde(registry_client(self.settings), "DeadLetter")
         return self._dead_letter_serde.dumps(dl, self.settings.topics.dlq)
 
     def _poll_loop(self) -> None:

@@ -31,13 +31,14 @@ import functools
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from producers.metrics import BridgeMetrics
 from producers.split import BatchRef, Splitter, record_limit
 from schemas.events import DeadLetter
+from schemas.settings import client_conf
 
 log = logging.getLogger("kvbus.producers.kafka")
 
@@ -69,11 +70,13 @@ _MAX_CALLBACKS = 4096
 """Distinct events-per-record counts whose bound delivery callback is cached."""
 
 
-def producer_conf(bootstrap: str, overrides: dict[str, Any] | None = None, **callbacks: Any) -> dict[str, Any]:
-    """librdkafka configuration for ``bootstrap``: :data:`DEFAULT_PRODUCER_CONF`, then
-    ``overrides``, then ``callbacks`` (e.g. ``error_cb``)."""
+def producer_conf(kafka: str | Mapping[str, Any], overrides: dict[str, Any] | None = None,
+                  **callbacks: Any) -> dict[str, Any]:
+    """librdkafka configuration for ``kafka`` (a bootstrap string or ``Settings.kafka()``: servers and
+    security): :data:`DEFAULT_PRODUCER_CONF`, then ``kafka``, then ``overrides``, then ``callbacks``
+    (e.g. ``error_cb``)."""
     conf = dict(DEFAULT_PRODUCER_CONF)
-    conf["bootstrap.servers"] = bootstrap
+    conf.update(client_conf(kafka))
     conf.update(overrides or {})
     conf.update(callbacks)
     return conf

@@ -29,12 +29,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from producers.sequencer import REASON_BRIDGE_START, REASON_ENGINE_RESTART, REASON_GAP
 from schemas.events import EventBatch, Reset, holder_key
+from schemas.settings import client_conf
 
 log = logging.getLogger("kvbus.producers.recovery")
 
@@ -107,7 +108,7 @@ def resume_point(batch: EventBatch) -> int | None:
 
 
 def find_last_produced(
-    bootstrap: str,
+    kafka: str | Mapping[str, Any],
     topic: str,
     replica: str,
     dp_rank: int,
@@ -120,12 +121,13 @@ def find_last_produced(
     """The last record this (replica, dp_rank, worker_rank) wrote to ``topic``; None if there is
     none within ``max_scan`` records of the partition's end (or the topic does not exist).
 
+    ``kafka``: a bootstrap string or ``Settings.kafka()`` (servers and security).
     ``loads``: value bytes -> EventBatch (e.g. ``lambda b: serde.loads(b, topic)``).
     Raises ``confluent_kafka.KafkaException`` if Kafka cannot be reached within ``timeout``.
     """
     key = holder_key(replica, dp_rank).encode()
     consumer = Consumer({
-        "bootstrap.servers": bootstrap,
+        **client_conf(kafka),
         "group.id": f"kvbus-recovery-{uuid.uuid4().hex}",
         "enable.auto.commit": False,
         "enable.partition.eof": False,

@@ -7,12 +7,14 @@ holds (with the registry's reasons when not); :func:`register` registers them.
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
 from schemas.avro import schema_str
+from schemas.security import RegistrySecurity
 from schemas.topics import Topics
 
 
@@ -46,13 +48,16 @@ def subjects(topics: Topics, ownerships: list[str] | tuple[str, ...] = ()) -> di
 
 def _request(url: str, method: str = "GET", body: dict | None = None,
              content_type: str = "application/vnd.schemaregistry.v1+json") -> tuple[int, dict | list]:
+    """One registry request, authenticated as the process's ``KVBUS_REGISTRY_*`` settings say
+    (basic auth, TLS CA: ``schemas.security``); (status, JSON body)."""
+    sec = RegistrySecurity.from_env(os.environ)
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(
         url, data=data, method=method,
-        headers={"Content-Type": content_type},
+        headers={"Content-Type": content_type, **sec.http_headers()},
     )
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with urllib.request.urlopen(req, timeout=10, context=sec.ssl_context()) as resp:
             return resp.status, json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as e:
         raw = e.read()

@@ -5,7 +5,7 @@ Build a :class:`RecordSerde` once per (registry, record kind) and reuse it.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, topic_subject_name_strategy
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
@@ -13,16 +13,23 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from schemas.avro import FROM_AVRO, TO_AVRO, schema_str
 
+if TYPE_CHECKING:
+    from schemas.settings import Settings
+
 
 REGISTRY_TIMEOUT_S = 10.0
 """Seconds one registry HTTP request may take before the client gives up on it and retries
 (confluent-kafka's default is no timeout: a registry that stalls mid-request hangs the caller)."""
 
 
-def registry_client(url: str, timeout: float = REGISTRY_TIMEOUT_S) -> SchemaRegistryClient:
-    """A registry client for ``url`` (``mock://...`` gives confluent's in-process mock) whose
+def registry_client(target: "str | Settings", timeout: float = REGISTRY_TIMEOUT_S) -> SchemaRegistryClient:
+    """A registry client for ``target``: a URL (``mock://...`` gives confluent's in-process mock) or
+    :class:`~schemas.settings.Settings` (its URL and registry credentials, ``schemas.security``);
     requests time out after ``timeout`` seconds and are retried (confluent's ``max.retries``)."""
-    return SchemaRegistryClient.new_client({"url": url, "timeout": timeout})
+    if isinstance(target, str):
+        return SchemaRegistryClient.new_client({"url": target, "timeout": timeout})
+    return SchemaRegistryClient.new_client({"url": target.registry_url, "timeout": timeout,
+                                            **target.security.registry.client_conf()})
 
 
 def value_schema_id(registry: SchemaRegistryClient, topic: str, record: str, auto_register: bool = True) -> int:

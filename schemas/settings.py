@@ -8,12 +8,15 @@
 | ``KVBUS_PARTITIONS`` | ``4`` | partitions of kvbus topics (Faust needs them co-partitioned) |
 | ``KVBUS_MAX_RECORD_BYTES`` | ``900000`` | largest raw EventBatch value produced; larger engine batches are split |
 | ``KVBUS_TOPIC_*`` | see ``schemas.topics`` | topic names |
+| ``KVBUS_KAFKA_*``, ``KVBUS_REDIS_USERNAME`` / ``..._PASSWORD`` / ``..._SSL_CA``, ``KVBUS_REGISTRY_USERNAME`` / ... | unset: open | how to authenticate: ``schemas.security`` |
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
+from schemas.security import Security
 from schemas.topics import Topics
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
@@ -24,6 +27,12 @@ DEFAULT_MAX_RECORD_BYTES = 900_000
 """Largest EventBatch value the producers write as one Kafka record: a little under librdkafka's
 ``message.max.bytes`` (1,000,000; not overridden by kvbus) and the broker's default
 ``max.message.bytes`` (1,048,588), leaving room for the key and the record framing."""
+
+
+def client_conf(kafka: "str | Mapping[str, Any]") -> dict[str, Any]:
+    """A confluent-kafka base configuration from ``kafka``: a bootstrap string (an open cluster) or
+    a configuration from :meth:`Settings.kafka` (bootstrap servers and security properties)."""
+    return {"bootstrap.servers": kafka} if isinstance(kafka, str) else dict(kafka)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class Settings:
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     """Largest raw EventBatch value (bytes, Confluent header included) produced as one record;
     an engine batch whose value is larger is produced as several records (``first_index``)."""
+    security: Security = field(default_factory=Security)
+    """How to authenticate to Kafka, Redis and the registry (``schemas.security``; default: open)."""
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -57,7 +68,17 @@ class Settings:
             partitions=int(env("KVBUS_PARTITIONS", DEFAULT_PARTITIONS)),
             topics=Topics.from_env(),
             max_record_bytes=int(env("KVBUS_MAX_RECORD_BYTES", DEFAULT_MAX_RECORD_BYTES)),
+            security=Security.from_env(),
         )
+
+    def kafka(self, **conf: Any) -> dict[str, Any]:
+        """A confluent-kafka client configuration: the bootstrap servers, ``conf`` (the client's own
+        properties) and the security properties (``KVBUS_KAFKA_*``; the properties file last)."""
+        return {"bootstrap.servers": self.bootstrap, **conf, **self.security.kafka.librdkafka()}
+
+    def redis_kwargs(self) -> dict[str, Any]:
+        """redis-py keyword arguments for :attr:`redis_url` (credentials, TLS CA)."""
+        return self.security.redis.client_kwargs(self.redis_url)
 
     def to_env(self) -> dict[str, str]:
         """The ``KVBUS_*`` variables that make :meth:`from_env` in a child process return these
@@ -74,4 +95,5 @@ class Settings:
             "KVBUS_TOPIC_INCOMPLETE": t.incomplete,
             "KVBUS_TOPIC_DLQ": t.dlq,
             "KVBUS_TOPIC_SNAPSHOTS": t.snapshots,
+            **self.security.to_env(),
         }

@@ -19,6 +19,7 @@ import threading
 from dataclasses import replace
 
 from schemas.hashing import HASH_ALGOS
+from schemas.security import redact_url
 from schemas.settings import Settings
 
 from sinks.config import SinkConfig
@@ -73,7 +74,7 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     from sinks.sharded_store import open_store
 
     config = sink_config(args)
-    store = open_store(settings.redis_url, config.prefix)  # a redis+cluster:// URL: the sharded view
+    store = open_store(settings.redis_url, config.prefix, client_kwargs=settings.redis_kwargs())  # a redis+cluster:// URL: the sharded view
     metrics = SinkMetrics()
     if config.metrics_port:
         start_http_server(config.metrics_port, registry=metrics.registry)
@@ -82,12 +83,12 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     sink = SinkConsumer(settings, store, config, metrics=metrics)
-    log.info("sink writing the view to %s under prefix %r", settings.redis_url, config.prefix)
+    log.info("sink writing the view to %s under prefix %r", redact_url(settings.redis_url), config.prefix)
     snapshotter = None
     if config.snapshot_every > 0:
         from sinks.snapshot import Snapshotter
 
-        snapshotter = Snapshotter(settings, open_store(settings.redis_url, config.prefix, load=False),
+        snapshotter = Snapshotter(settings, open_store(settings.redis_url, config.prefix, load=False, client_kwargs=settings.redis_kwargs()),
                                   config.snapshot_every, metrics)
         snapshotter.start()
     try:
@@ -134,7 +135,7 @@ def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dic
         chain = chain_from_tokens(parse_tokens(args.tokens), args.block_size, args.algo,
                                   args.hash_seed)
     candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
-    store = open_store(settings.redis_url, args.prefix, load=False)  # redis+cluster://: the sharded view
+    store = open_store(settings.redis_url, args.prefix, load=False, client_kwargs=settings.redis_kwargs())  # redis+cluster://: the sharded view
     found = store.lookup(chain, weights=Weights.parse(args.weights), candidates=candidates)
     status = view_status(store)
     if status["state"] != "ready":

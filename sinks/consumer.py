@@ -123,13 +123,13 @@ class SinkConsumer:
         self._last_commit = 0.0
         self._uncommitted = False
         self.metrics = metrics or SinkMetrics()
-        registry = registry_client(settings.registry_url)
+        registry = registry_client(settings)
         # hand-written Avro decoding for records of the current schema (~4-12 µs instead of ~60);
         # other schema versions decode through RecordSerde
         self.serde = FastSerde(registry, "BlockEvent", auto_register=False)
         self.dlq_serde = FastSerde(registry, "DeadLetter")
         conf = {
-            "bootstrap.servers": settings.bootstrap,
+            **settings.kafka(),
             "group.id": config.group,
             "session.timeout.ms": int(config.session_timeout * 1000),
             "enable.auto.commit": False,
@@ -141,8 +141,7 @@ class SinkConsumer:
             conf["group.instance.id"] = config.instance_id
         conf.update(consumer_conf or {})
         self.consumer = Consumer(conf)
-        self.producer = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True,
-                                  "acks": "all", "linger.ms": 5})
+        self.producer = Producer(settings.kafka(**{"enable.idempotence": True, "acks": "all", "linger.ms": 5}))
         self.reader = SnapshotReader(replace(settings, topics=self.topics), store.prefix)
         self.view_id: str | None = None
         self._resync = False
@@ -188,7 +187,7 @@ class SinkConsumer:
         """End offset of every partition of the block topics now (what a rebuilt view must reach).
         Asked through an admin client in one ListOffsets request: the consumer's own connections
         would queue the request behind its long-polling fetches (~0.5 s per partition)."""
-        admin = AdminClient({"bootstrap.servers": self.settings.bootstrap})
+        admin = AdminClient(self.settings.kafka())
         rx = re.compile(self.topics.blocks_pattern())
         parts = [TopicPartition(name, p) for name, t in admin.list_topics(timeout=10).topics.items()
                  if rx.match(name) for p in t.partitions]

@@ -124,13 +124,15 @@ def read_from(params: Mapping[str, str]) -> str:
 
 
 def open_store(url: str, prefix: str = DEFAULT_PREFIX, policy: TierPolicy = DEFAULT_POLICY, *,
-               load: bool = True) -> "RedisStore | ShardedRedisStore":
+               load: bool = True, client_kwargs: Mapping[str, Any] | None = None) -> "RedisStore | ShardedRedisStore":
     """The view at ``url``: :class:`ShardedRedisStore` for a ``redis+cluster://`` URL (its
-    ``?shards=`` or :data:`DEFAULT_SHARDS`), else :class:`RedisStore`."""
+    ``?shards=`` or :data:`DEFAULT_SHARDS`), else :class:`RedisStore`. ``client_kwargs``: more
+    redis-py client arguments (credentials, TLS CA: ``Settings.redis_kwargs()``)."""
+    kw = dict(client_kwargs or {})
     if not is_cluster_url(url):
-        return RedisStore(url, prefix, policy, load=load)
+        return RedisStore(redis.Redis.from_url(url, **kw), prefix, policy, load=load)
     _, params = parse_cluster_url(url)
-    return ShardedRedisStore(cluster_client(url), prefix, policy, shards=int(params.get("shards", DEFAULT_SHARDS)),
+    return ShardedRedisStore(cluster_client(url, **kw), prefix, policy, shards=int(params.get("shards", DEFAULT_SHARDS)),
                              load=load, read_from=read_from(params))
 
 

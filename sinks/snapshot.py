@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -35,7 +35,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from schemas.events import ViewOffset, ViewPosition, ViewSnapshot, ViewTier
 from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings
+from schemas.settings import Settings, client_conf
 
 from sinks.redis_store import HolderDump, RedisStore
 
@@ -53,10 +53,11 @@ MAX_RECORD_BYTES = 64 << 20
 """Largest snapshot record: one holder's state (8 bytes per block and tier: 8 M blocks)."""
 
 
-def ensure_snapshot_topic(bootstrap: str, topic: str) -> None:
+def ensure_snapshot_topic(kafka: str | Mapping[str, Any], topic: str) -> None:
     """Create the snapshot topic if it is missing: one partition (one ordered log), compacted,
-    records up to :data:`MAX_RECORD_BYTES`, replicated like the cluster allows (RF 3, min ISR 2)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    records up to :data:`MAX_RECORD_BYTES`, replicated like the cluster allows (RF 3, min ISR 2).
+    ``kafka``: a bootstrap string or ``Settings.kafka()``."""
+    admin = AdminClient(client_conf(kafka))
     md = admin.list_topics(timeout=10)
     if topic in md.topics:
         return
@@ -116,11 +117,11 @@ class SnapshotWriter:
         self.store = store
         self.topic = settings.topics.snapshots
         self.blocks = settings.topics.blocks
-        ensure_snapshot_topic(settings.bootstrap, self.topic)
-        self.serde = RecordSerde(registry_client(settings.registry_url), "ViewSnapshot")
-        self.producer = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True,
-                                  "acks": "all", "linger.ms": 20, "message.max.bytes": MAX_RECORD_BYTES + 65536,
-                                  "compression.type": "lz4"})
+        ensure_snapshot_topic(settings.kafka(), self.topic)
+        self.serde = RecordSerde(registry_client(settings), "ViewSnapshot")
+        self.producer = Producer(settings.kafka(**{
+            "enable.idempotence": True, "acks": "all", "linger.ms": 20, "message.max.bytes": MAX_RECORD_BYTES + 65536,
+            "compression.type": "lz4"}))
         self._errors: list[str] = []
         self._previous: set[str] = set()
 
@@ -224,7 +225,7 @@ class SnapshotReader:
     def read(self, timeout: float = 120.0) -> tuple[ViewSnapshot | None, dict[str, ViewSnapshot]]:
         """(the latest manifest or None, holder name -> its latest record): the topic read from its
         start to its end as it is now, later records replacing earlier ones (as compaction will)."""
-        conf = {"bootstrap.servers": self.settings.bootstrap, "group.id": f"kvbus-rebuild-{uuid.uuid4().hex}",
+        conf = {**self.settings.kafka(), "group.id": f"kvbus-rebuild-{uuid.uuid4().hex}",
                 "enable.auto.commit": False, "enable.partition.eof": True,
                 "receive.message.max.bytes": 2 * MAX_RECORD_BYTES, "fetch.max.bytes": MAX_RECORD_BYTES + 65536}
         c = Consumer(conf)
@@ -236,7 +237,7 @@ class SnapshotReader:
             low, high = c.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=10)
             if high <= low:
                 return None, {}
-            serde = RecordSerde(registry_client(self.settings.registry_url), "ViewSnapshot", auto_register=False)
+            serde = RecordSerde(registry_client(self.settings), "ViewSnapshot", auto_register=False)
             c.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
             latest: dict[bytes, bytes | None] = {}  # holder name (b"": the manifest) -> value
             mine = record_key(self.prefix, self.settings.topics.blocks, None)

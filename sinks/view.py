@@ -1,10 +1,15 @@
 """Read-only views of the residency view for humans (demo summary)."""
 from __future__ import annotations
 
-from sinks.redis_store import DEFAULT_PREFIX, RedisStore
+from typing import Any, Mapping
+
+from sinks.redis_store import DEFAULT_PREFIX
+from sinks.sharded_store import open_store
 
 
-def summary(redis_url: str, prefix: str = DEFAULT_PREFIX) -> dict[str, dict[str, int]]:
+def summary(redis_url: str, prefix: str = DEFAULT_PREFIX,
+            client_kwargs: Mapping[str, Any] | None = None) -> dict[str, dict[str, int]]:
     """``{holder: {tier: blocks}}``: holder is ``<replica>`` (single dp rank 0) or ``<replica>#<rank>``,
-    tier a label such as ``GPU``, ``CPU``, ``CPU@kvcr``, ``GPU/g1``."""
-    return RedisStore(redis_url, prefix, load=False).summary()
+    tier a label such as ``GPU``, ``CPU``, ``CPU@kvcr``, ``GPU/g1``; the view single or sharded
+    (``redis+cluster://``); ``client_kwargs``: credentials (``Settings.redis_kwargs()``)."""
+    return open_store(redis_url, prefix, load=False, client_kwargs=client_kwargs).summary()

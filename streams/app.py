@@ -71,6 +71,7 @@ def create_app(settings: Settings, options: StreamsOptions) -> faust.App:
     return faust.App(
         options.app_id,
         broker=broker_url(settings.bootstrap),
+        broker_credentials=settings.security.kafka.faust_credentials(),
         # every kvbus topic and the changelog have this many partitions (co-partitioning)
         topic_partitions=settings.partitions,
         topic_replication_factor=options.replication,

@@ -150,16 +150,16 @@ class Runtime:
             return
         tune_gc()
         s = self.settings
-        self._codec = Codec(registry_client(s.registry_url))
+        self._codec = Codec(registry_client(s))
         self._producer = Producer({
-            "bootstrap.servers": s.bootstrap,
+            **s.kafka(),
             "enable.idempotence": True,  # acks=all, ordered retries, no duplicates from retries
             "linger.ms": 2,
             "compression.type": "lz4",
             "queue.buffering.max.messages": 1_000_000,
             "client.id": f"{self.options.app_id}-outputs",
         })
-        self._admin = AdminClient({"bootstrap.servers": s.bootstrap})
+        self._admin = AdminClient(s.kafka())
         md = self._admin.list_topics(timeout=30)
         for name, t in md.topics.items():
             if t.error is None:

@@ -1,0 +1,293 @@
+"""How every kvbus process authenticates to Kafka, Redis and the schema registry (issue 12).
+
+One place for the security settings, read from the environment like :mod:`schemas.settings`, and
+for turning them into each client library's configuration: librdkafka properties (confluent-kafka:
+bridge, publisher, sink, the worker's output producer, admin clients), Faust's
+``broker_credentials`` (aiokafka: the worker's consumer and changelog), redis-py keyword arguments
+and the registry client's configuration.
+
+| variable | meaning |
+|---|---|
+| ``KVBUS_KAFKA_SECURITY_PROTOCOL`` | ``PLAINTEXT`` (default) / ``SSL`` / ``SASL_PLAINTEXT`` / ``SASL_SSL`` |
+| ``KVBUS_KAFKA_SASL_MECHANISM`` | ``SCRAM-SHA-512`` (default with SASL) / ``SCRAM-SHA-256`` / ``PLAIN`` |
+| ``KVBUS_KAFKA_SASL_USERNAME`` | SASL user |
+| ``KVBUS_KAFKA_SASL_PASSWORD`` / ``..._FILE`` | its password, or a file holding it |
+| ``KVBUS_KAFKA_SSL_CA`` | CA certificate (PEM file) the brokers' certificates are checked against |
+| ``KVBUS_KAFKA_SSL_CERT`` / ``KVBUS_KAFKA_SSL_KEY`` | client certificate and key (PEM files; mutual TLS) |
+| ``KVBUS_KAFKA_PROPERTIES`` | a file of extra librdkafka ``key=value`` lines for every confluent-kafka client |
+| ``KVBUS_REDIS_USERNAME`` | Redis ACL user (else the URL's) |
+| ``KVBUS_REDIS_PASSWORD`` / ``..._FILE`` | its password (else the URL's) |
+| ``KVBUS_REDIS_SSL_CA`` | CA certificate for a ``rediss://`` URL |
+| ``KVBUS_REGISTRY_USERNAME`` / ``KVBUS_REGISTRY_PASSWORD`` / ``..._FILE`` | registry basic auth |
+| ``KVBUS_REGISTRY_SSL_CA`` | CA certificate for an ``https://`` registry |
+
+Secrets: a ``*_FILE`` variable names a file whose content (stripped) is the secret, as Docker and
+Kubernetes secrets are mounted; it is preferred to the plain variable. Secrets are never part of
+a ``repr``, a log line, a ``--help`` text or a dead letter; a child process gets the file's path,
+not the secret, when the secret came from a file (:meth:`Security.to_env`).
+"""
+from __future__ import annotations
+
+import os
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+"""Kafka security protocols (``security.protocol``)."""
+MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
+"""SASL mechanisms kvbus configures for both client libraries (librdkafka and aiokafka)."""
+
+
+class SecurityConfigError(ValueError):
+    """A security setting is missing or malformed; the message names the ``KVBUS_*`` variable."""
+
+
+@dataclass(frozen=True)
+class Secret:
+    """A secret value and where it came from: ``file`` (a path; the value was read from it) or the
+    variable itself. Its ``repr`` never shows the value."""
+
+    value: str = field(default="", repr=False)
+    file: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def __repr__(self) -> str:
+        return f"Secret(file={self.file!r})" if self.file else ("Secret(***)" if self.value else "Secret()")
+
+
+def read_secret(env: Mapping[str, str], name: str) -> Secret:
+    """``name``'s secret: the content of the file named by ``<name>_FILE`` if set, else ``<name>``."""
+    path = env.get(f"{name}_FILE", "").strip()
+    if path:
+        try:
+            return Secret(Path(path).read_text().strip(), path)
+        except OSError as e:
+            raise SecurityConfigError(f"{name}_FILE={path}: cannot read the secret file ({e.strerror})") from None
+    return Secret(env.get(name, ""))
+
+
+def _path(env: Mapping[str, str], name: str) -> str:
+    """A file path setting; it must exist when set."""
+    value = env.get(name, "").strip()
+    if value and not Path(value).is_file():
+        raise SecurityConfigError(f"{name}={value}: no such file")
+    return value
+
+
+def read_properties(path: str) -> dict[str, str]:
+    """``key=value`` lines of a librdkafka properties file (``#`` comments and blank lines skipped)."""
+    out: dict[str, str] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise SecurityConfigError(f"KVBUS_KAFKA_PROPERTIES={path}, line {n}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+@dataclass(frozen=True)
+class KafkaSecurity:
+    """Kafka client security: ``protocol`` (:data:`PROTOCOLS`), SASL ``mechanism`` / ``username`` /
+    ``password`` (with a SASL protocol), TLS ``ca`` / ``cert`` / ``key`` (PEM file paths; with an SSL
+    protocol), and ``properties_file`` (extra librdkafka properties)."""
+
+    protocol: str = "PLAINTEXT"
+    mechanism: str = ""
+    username: str = ""
+    password: Secret = Secret()
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    properties_file: str = ""
+
+    @property
+    def sasl(self) -> bool:
+        return self.protocol.startswith("SASL_")
+
+    @property
+    def tls(self) -> bool:
+        return self.protocol.endswith("SSL")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "KafkaSecurity":
+        protocol = env.get("KVBUS_KAFKA_SECURITY_PROTOCOL", "").strip().upper() or "PLAINTEXT"
+        if protocol not in PROTOCOLS:
+            raise SecurityConfigError(f"KVBUS_KAFKA_SECURITY_PROTOCOL={protocol}: expected one of {', '.join(PROTOCOLS)}")
+        sec = cls(protocol=protocol,
+                  mechanism=env.get("KVBUS_KAFKA_SASL_MECHANISM", "").strip().upper(),
+                  username=env.get("KVBUS_KAFKA_SASL_USERNAME", "").strip(),
+                  password=read_secret(env, "KVBUS_KAFKA_SASL_PASSWORD"),
+                  ca=_path(env, "KVBUS_KAFKA_SSL_CA"), cert=_path(env, "KVBUS_KAFKA_SSL_CERT"),
+                  key=_path(env, "KVBUS_KAFKA_SSL_KEY"), properties_file=_path(env, "KVBUS_KAFKA_PROPERTIES"))
+        if sec.sasl:
+            if not sec.mechanism:
+                sec = cls(**{**sec.__dict__, "mechanism": MECHANISMS[0]})
+            if sec.mechanism not in MECHANISMS:
+                raise SecurityConfigError(f"KVBUS_KAFKA_SASL_MECHANISM={sec.mechanism}: expected one of {', '.join(MECHANISMS)}")
+            if not sec.username or not sec.password:
+                raise SecurityConfigError(f"KVBUS_KAFKA_SECURITY_PROTOCOL={protocol} needs KVBUS_KAFKA_SASL_USERNAME "
+                                          "and KVBUS_KAFKA_SASL_PASSWORD (or KVBUS_KAFKA_SASL_PASSWORD_FILE)")
+        if bool(sec.cert) != bool(sec.key):
+            raise SecurityConfigError("KVBUS_KAFKA_SSL_CERT and KVBUS_KAFKA_SSL_KEY go together (mutual TLS)")
+        return sec
+
+    def librdkafka(self) -> dict[str, str]:
+        """librdkafka properties (confluent-kafka), the properties file's last (it may override)."""
+        conf: dict[str, str] = {}
+        if self.protocol != "PLAINTEXT":
+            conf["security.protocol"] = self.protocol
+        if self.sasl:
+            conf.update({"sasl.mechanism": self.mechanism, "sasl.username": self.username,
+                         "sasl.password": self.password.value})
+        if self.tls:
+            if self.ca:
+                conf["ssl.ca.location"] = self.ca
+            if self.cert:
+                conf.update({"ssl.certificate.location": self.cert, "ssl.key.location": self.key})
+        if self.properties_file:
+            conf.update(read_properties(self.properties_file))
+        return conf
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A client TLS context (the CA, the client certificate if any), None without TLS."""
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.ca or None)
+        if self.cert:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+    def faust_credentials(self) -> Any:
+        """Faust's ``broker_credentials`` (aiokafka): SASL (over TLS with SASL_SSL), TLS only, or None."""
+        import faust
+
+        if self.sasl:
+            return faust.SASLCredentials(username=self.username, password=self.password.value,
+                                         ssl_context=self.ssl_context(), mechanism=self.mechanism)
+        if self.tls:
+            return faust.SSLCredentials(self.ssl_context())
+        return None
+
+    def to_env(self) -> dict[str, str]:
+        return _env({"KVBUS_KAFKA_SECURITY_PROTOCOL": self.protocol if self.protocol != "PLAINTEXT" else "",
+                     "KVBUS_KAFKA_SASL_MECHANISM": self.mechanism, "KVBUS_KAFKA_SASL_USERNAME": self.username,
+                     "KVBUS_KAFKA_SSL_CA": self.ca, "KVBUS_KAFKA_SSL_CERT": self.cert, "KVBUS_KAFKA_SSL_KEY": self.key,
+                     "KVBUS_KAFKA_PROPERTIES": self.properties_file}, "KVBUS_KAFKA_SASL_PASSWORD", self.password)
+
+
+@dataclass(frozen=True)
+class RedisSecurity:
+    """Redis ACL ``username`` / ``password`` (override the URL's) and ``ca`` (PEM path) for ``rediss://``."""
+
+    username: str = ""
+    password: Secret = Secret()
+    ca: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "RedisSecurity":
+        return cls(env.get("KVBUS_REDIS_USERNAME", "").strip(), read_secret(env, "KVBUS_REDIS_PASSWORD"),
+                   _path(env, "KVBUS_REDIS_SSL_CA"))
+
+    def client_kwargs(self, url: str) -> dict[str, Any]:
+        """redis-py keyword arguments (``Redis.from_url(url, **kw)`` / ``RedisCluster``) for ``url``."""
+        kw: dict[str, Any] = {}
+        if self.username:
+            kw["username"] = self.username
+        if self.password:
+            kw["password"] = self.password.value
+        if self.ca and url.split(":", 1)[0].startswith("rediss"):
+            kw["ssl_ca_certs"] = self.ca
+        return kw
+
+    def to_env(self) -> dict[str, str]:
+        return _env({"KVBUS_REDIS_USERNAME": self.username, "KVBUS_REDIS_SSL_CA": self.ca},
+                    "KVBUS_REDIS_PASSWORD", self.password)
+
+
+@dataclass(frozen=True)
+class RegistrySecurity:
+    """Registry basic-auth ``username`` / ``password`` and ``ca`` (PEM path) for an ``https://`` URL."""
+
+    username: str = ""
+    password: Secret = Secret()
+    ca: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "RegistrySecurity":
+        sec = cls(env.get("KVBUS_REGISTRY_USERNAME", "").strip(), read_secret(env, "KVBUS_REGISTRY_PASSWORD"),
+                  _path(env, "KVBUS_REGISTRY_SSL_CA"))
+        if bool(sec.username) != bool(sec.password):
+            raise SecurityConfigError("KVBUS_REGISTRY_USERNAME and KVBUS_REGISTRY_PASSWORD (or ..._FILE) go together")
+        return sec
+
+    def client_conf(self) -> dict[str, str]:
+        """confluent-kafka ``SchemaRegistryClient`` configuration entries (besides ``url``)."""
+        conf: dict[str, str] = {}
+        if self.username:
+            conf["basic.auth.user.info"] = f"{self.username}:{self.password.value}"
+        if self.ca:
+            conf["ssl.ca.location"] = self.ca
+        return conf
+
+    def http_headers(self) -> dict[str, str]:
+        """HTTP headers for a plain request to the registry (basic auth), for urllib callers."""
+        import base64
+
+        if not self.username:
+            return {}
+        token = base64.b64encode(f"{self.username}:{self.password.value}".encode()).decode()
+        return {"Authorization": f"Basic {token}"}
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return ssl.create_default_context(cafile=self.ca) if self.ca else None
+
+    def to_env(self) -> dict[str, str]:
+        return _env({"KVBUS_REGISTRY_USERNAME": self.username, "KVBUS_REGISTRY_SSL_CA": self.ca},
+                    "KVBUS_REGISTRY_PASSWORD", self.password)
+
+
+@dataclass(frozen=True)
+class Security:
+    """All of a process's security settings."""
+
+    kafka: KafkaSecurity = KafkaSecurity()
+    redis: RedisSecurity = RedisSecurity()
+    registry: RegistrySecurity = RegistrySecurity()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Security":
+        env = os.environ if env is None else env
+        return cls(KafkaSecurity.from_env(env), RedisSecurity.from_env(env), RegistrySecurity.from_env(env))
+
+    def to_env(self) -> dict[str, str]:
+        """The ``KVBUS_*`` variables that give a child process these settings; a secret read from a
+        file is passed as its ``*_FILE`` path."""
+        return {**self.kafka.to_env(), **self.redis.to_env(), **self.registry.to_env()}
+
+
+def _env(plain: dict[str, str], secret_name: str, secret: Secret) -> dict[str, str]:
+    out = {k: v for k, v in plain.items() if v}
+    if secret.file:
+        out[f"{secret_name}_FILE"] = secret.file
+    elif secret.value:
+        out[secret_name] = secret.value
+    return out
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password in it replaced by ``***`` (``redis://user:***@host:6379/0``): what
+    logs and screens may show. Works for URLs with several hosts (``redis+cluster://u:p@h1:1,h2:2``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{hosts}"
