@@ -127,7 +127,7 @@ def read(settings: Settings, topics: list[str], span: TimeRange,
         de = plain_deserializer(settings.registry_url)
         contexts = {t: SerializationContext(t, MessageField.VALUE) for t in topics}
         while todo:
-            for msg in consumer.consume(1000, timeout=1.0):
+            for msg in consumer.consume(1000, timeout=0.2):  # returns when full or after the timeout
                 if msg.error():
                     raise KafkaException(msg.error())
                 key = (msg.topic(), msg.partition())
