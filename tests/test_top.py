@@ -216,3 +216,70 @@ def test_the_command_the_demo_prints_watches_the_demos_processes(monkeypatch) ->
     assert (cfg.worker_group, cfg.sink_group) == (WORKER_GROUP, SINK_GROUP)
     default = top_config(build_parser("top").parse_args(["top"]))
     assert default.bridges == cfg.bridges[:3] and default.workers == cfg.workers and default.sinks == cfg.sinks
+
+
+def _records(settings, topic: str) -> int:
+    """Records ``topic`` holds now (high - low watermark over its partitions), read from Kafka here."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"t-{uuid.uuid4().hex}"})
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        return sum(hi - lo for lo, hi in (c.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts))
+    finally:
+        c.close()
+
+
+@pytest.mark.integration
+def test_top_shows_incompletes_of_tensor_parallel_workers(test_settings, tmp_path) -> None:
+    """A TP=2 replica whose workers each omit some reports: while it streams, the workers panel shows
+    incompletes and their share of consolidated events; once the window has passed, no aggregate is
+    pending and the incompletes per reason add up to the records on the incomplete topic."""
+    from kvbus.procs import free_port_block
+
+    settings = test_settings
+    run = uuid.uuid4().hex[:8]
+    worker_port, sink_port = free_port(), free_port()
+    base = free_port_block(4)
+    pipeline = Pipeline(settings, tmp_path)
+    try:
+        pipeline.start("worker", "worker", "--app-id", f"streams-{run}", "--workdir", str(tmp_path),
+                       "--metrics-port", str(worker_port), "--window", "1")
+        for w in range(2):
+            pipeline.start(f"bridge-w{w}", "bridge", "--endpoint", f"tcp://127.0.0.1:{base + 2 * w}", "--replay-endpoint",
+                           f"tcp://127.0.0.1:{base + 2 * w + 1}", "--replica", "replica-0", "--worker-rank", str(w),
+                           "--workers", "2")
+        pipeline.start("fleet", "fleet", "--replicas", "1", "--workers", "2", "--drop-rate", "0.2",
+                       "--base-port", str(base), "--rate", "20", "--duration", "8")
+        args = ("--bridges", "", "--workers", str(worker_port), "--sinks", str(sink_port),
+                "--worker-group", f"streams-{run}", "--sink-group", f"sink-{run}", "--interval", "0.5")
+
+        def streaming_with_incompletes() -> dict | None:
+            snap = top_once(settings, *args)
+            return snap if (snap["incomplete"]["share"] or 0) > 0 else None
+
+        snap = eventually(streaming_with_incompletes, 60, pipeline, interval=0.2)
+        assert set(snap["incomplete"]["reasons"]) <= {"window", "cleared", "disordered"}  # streams/metrics.py
+        # the share is of TP-consolidated events over the same interval (bursts of expiries can exceed 1)
+        inc = sum(v["per_s"] for v in snap["incomplete"]["reasons"].values())
+        (worker,) = snap["workers"]
+        assert snap["incomplete"]["share"] == pytest.approx(inc / worker["counters"]["consolidated"]["per_s"])
+
+        def settled() -> dict | None:
+            fleet_done = pipeline.children.started[-1].proc.poll() is not None
+            snap = top_once(settings, *args)
+            (worker,) = snap["workers"]
+            done = (fleet_done and worker["up"] and worker["gauges"]["pending_aggregates"] == 0
+                    and snap["kafka"]["hops"][0]["lag"] == 0)
+            # the counters and the topic meet once the last Incomplete records are acknowledged
+            total = sum(v["total"] for v in snap["incomplete"]["reasons"].values())
+            return snap if done and total == _records(settings, settings.topics.incomplete) else None
+
+        snap = eventually(settled, 60, interval=0.5)
+        assert sum(v["total"] for v in snap["incomplete"]["reasons"].values()) > 0
+        assert snap["flow"]["consolidated"]["total"] > 0
+        (sink,) = snap["sinks"]  # no sink runs in this test
+        assert sink == {"endpoint": f"127.0.0.1:{sink_port}", "up": False,
+                        "error": f"unreachable: 127.0.0.1:{sink_port} (connection refused)"}
+    finally:
+        pipeline.stop()

@@ -14,7 +14,9 @@ collect of the same source, so the first snapshot has them as null. Keys:
   latency histograms (bridge produce -> ack, worker batch, sink apply to Redis).
 - ``bridges``, ``workers``, ``sinks``: one entry per endpoint (:func:`process_entry`).
 - ``incomplete``: the workers' incomplete events, total and per_s per reason, and ``share``:
-  incomplete/s over consolidated/s in the interval (null when nothing was consolidated).
+  incomplete/s over TP-consolidated events/s in the interval (pass-through events of single-worker
+  replicas cannot be incomplete and are not counted; null when nothing was consolidated), the
+  ratio ``KvbusIncompleteShareHigh`` alerts on.
 - ``dead_letters``: ``rows`` of ``{"stage", "reason", "total", "per_s"}`` from the processes' counters
   (a bridge's dead letters have no reason label: ``"-"``) and ``topic``: records in the dead-letter topic.
 - ``view``: :meth:`kvbus.top.sources.ViewSource.read` plus ``url`` and ``prefix``; or ``{"error"}``.
@@ -68,7 +70,8 @@ def process_entry(role: Role, endpoint: str, got: Samples | BaseException, prev:
     for f, n in role.histograms.items():
         if before is not None:
             now_b, old_b = got.buckets(n), before.buckets(n)
-            histograms[f] = {b: c - old_b.get(b, 0.0) for b, c in now_b.items()}
+            grown = {b: c - old_b.get(b, 0.0) for b, c in now_b.items()}
+            histograms[f] = grown if min(grown.values(), default=0.0) >= 0 else {}  # a restart: no interval
     return {
         "endpoint": endpoint, "up": True, "error": None, "counters": counters, "labelled": labelled,
         "gauges": {f: got.total(n) for f, n in role.gauges.items()},
@@ -154,6 +157,7 @@ class Collector:
         consolidated = role_counter(workers, "consolidated", "passthrough")
         incomplete = role_labelled(workers, "incomplete")
         inc_rate = _sum([v["per_s"] for v in incomplete.values()])
+        tp_rate = role_counter(workers, "consolidated")["per_s"]
         kafka = self._kafka(kafka_f.result(), t)
         freshness = [{"hop": label, **latency(entries[role], field)} for role, field, label in LATENCY_HOPS]
         for e in bridges + workers + sinks:
@@ -167,7 +171,7 @@ class Collector:
             "freshness": freshness,
             "bridges": bridges, "workers": workers, "sinks": sinks,
             "incomplete": {"reasons": incomplete,
-                           "share": (inc_rate or 0.0) / consolidated["per_s"] if consolidated["per_s"] else None},
+                           "share": (inc_rate or 0.0) / tp_rate if tp_rate else None},
             "dead_letters": self._dead_letters(bridges, workers, sinks, kafka),
             "view": self._view(view_f.result()),
         }

@@ -120,7 +120,7 @@ def workers_panel(snap: dict) -> Panel:
     share = "-" if inc["share"] is None else f"{100 * inc['share']:.2f} %"
     return _processes_panel("Faust workers", snap["workers"],
                             ("worker", "consolidated/s", "pending aggregates", "holders", "raw lag"), _worker_cells,
-                            Text(f"incomplete: {reasons}; share of consolidated now {share}"))
+                            Text(f"incomplete: {reasons}; share of TP-consolidated now {share}"))
 
 
 def _sink_cells(e: dict) -> list[RenderableType]:
