@@ -62,9 +62,11 @@ class Oracle:
         self.roots: dict[tuple[str, int], dict[str, set[tuple[int, int]]]] = defaultdict(lambda: defaultdict(set))
         self.clears: set[str] = set()
         self.reannounced: dict[str, int] = defaultdict(int)
+        self.batches: dict[str, list[int]] = defaultdict(list)
 
     def apply(self, holder: str, ts: float, events: list) -> None:
         minute = int((ts - T0) // 60)
+        self.batches[holder].append(len(events))
         for e in events:
             if isinstance(e, AllBlocksCleared):
                 self.clears.add(holder)
@@ -210,7 +212,7 @@ def test_report_matches_the_fleets_ground_truth(fleet_run, tmp_path) -> None:
     settings, fleet, oracle = fleet_run
     produce_extras(settings)
     out = tmp_path / "report"
-    done = run_report(settings, out)
+    done = run_report(settings, out, "--raw")
     assert done.returncode == 0, done.stderr[-3000:]
     lives = pl.read_parquet(out / "lives.parquet")
     got = sorted(((r["holder"], r["tier"], r["block"], r["start"], r["end"], r["ended"])
@@ -274,6 +276,13 @@ def test_report_matches_the_fleets_ground_truth(fleet_run, tmp_path) -> None:
     dlq = {(r["stage"], r["reason_kind"]): r["count"] for r in pl.read_parquet(out / "dead_letters.parquet").iter_rows(named=True)}
     assert dlq == {("bridge", "DecodeError"): 2, ("sink", "UnknownTier"): 1}
     assert "== sharing" in done.stdout and f"{tiers['GPU']['stores']:9d}" in done.stdout
+
+    # kvbus.raw: every published batch, as one record (none was large enough to split)
+    raw = {r["holder"]: r for r in pl.read_parquet(out / "raw.parquet").iter_rows(named=True)}
+    assert set(raw) == set(oracle.batches)
+    for holder, row in raw.items():
+        assert (row["records"] - row["resets"], row["events"] - row["resets"], row["parts"]) == \
+            (len(oracle.batches[holder]), sum(oracle.batches[holder]), 0)
 
     html = (out / "report.html").read_text()
     assert html.count("<svg") == 4 and "<script" not in html and "<link" not in html and " src=" not in html
