@@ -19,6 +19,7 @@ import os
 import shutil
 import tarfile
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from . import tools
@@ -88,8 +89,11 @@ def ensure_app(paths: Paths) -> bool:
     return True
 
 
-def argv(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int) -> list[str]:
-    """Command line of the registry JVM."""
+def argv(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int,
+         extra_props: Mapping[str, str | None] | None = None) -> list[str]:
+    """Command line of the registry JVM; ``extra_props``: system properties to set instead (``None``
+    drops one), e.g. the secured stack's TLS and authentication (:mod:`infra.secure`; secrets go in a
+    config file, never here: a command line is visible to every local user)."""
     data = paths.data / "apicurio"
     del replication  # sized by Apicurio itself from the cluster (see below)
     props = {
@@ -116,6 +120,11 @@ def argv(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int) 
         'quarkus.log.category."org.apache.kafka".level': "WARN",
         "java.util.logging.manager": "org.jboss.logmanager.LogManager",
     }
+    for key, value in (extra_props or {}).items():
+        if value is None:
+            props.pop(key, None)
+        else:
+            props[key] = value
     return [
         java(paths),
         "-Xms64m",
@@ -145,8 +154,10 @@ def running(paths: Paths) -> PidRecord | None:
     return alive_record(pid_path(paths))
 
 
-def start(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int) -> PidRecord | None:
-    """Start the registry unless ours is running. Returns the new record (None if already up)."""
+def start(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int,
+          extra_props: Mapping[str, str | None] | None = None) -> PidRecord | None:
+    """Start the registry unless ours is running (``extra_props``: see :func:`argv`). Returns the new
+    record (None if already up)."""
     if running(paths) is not None:
         return None
     for port in (reg.port, reg.management_port):
@@ -158,7 +169,7 @@ def start(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int)
     data = paths.data / "apicurio"
     data.mkdir(parents=True, exist_ok=True)
     return start_process(
-        NAME, argv(paths, reg, bootstrap, replication), pid_path=pid_path(paths), log_path=log_path(paths), marker=marker(paths), cwd=data
+        NAME, argv(paths, reg, bootstrap, replication, extra_props), pid_path=pid_path(paths), log_path=log_path(paths), marker=marker(paths), cwd=data
     )
 
 

@@ -435,9 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--redis-cluster", type=int, default=None, metavar="MASTERS",
                       help="also start a Redis Cluster of MASTERS masters + 1 replica each (ports from "
                            "$KVBUS_REDIS_CLUSTER_PORT, default 7000); KVBUS_REDIS_URL is then its redis+cluster:// URL")
-    sub.add_parser("down", help="stop everything this stack started")
+    p_up.add_argument("--secure", action="store_true",
+                      help="the secured stack instead (SASL_SSL Kafka with ACLs, TLS Redis with ACL users, a registry "
+                           "requiring credentials for writes; own state dir and ports: infra/secure.py); prints the "
+                           "admin's export lines and where each principal's env file is")
+    p_down = sub.add_parser("down", help="stop everything this stack started")
+    p_down.add_argument("--secure", action="store_true", help="stop the secured stack (infra/stack up --secure) instead")
     p_st = sub.add_parser("status", help="show services; exit 0 if all ready, 3 otherwise")
     p_st.add_argument("--json", action="store_true", help="print the status as JSON")
+    p_st.add_argument("--secure", action="store_true", help="the secured stack's status instead")
     sub.add_parser("restart-registry", help="restart only the registry")
     sub.add_parser("stop-registry", help="stop only the registry (start-registry brings it back)")
     sub.add_parser("start-registry", help="start the registry of a stack that is up, wait until ready")
@@ -448,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="infra: %(message)s", stream=sys.stderr)
 
     try:
+        if getattr(args, "secure", False):
+            return _secure_main(args)
         if args.cmd == "up":
             info = up(args.brokers, timeout=args.timeout, create_topics=not args.no_topics,
                       redis_cluster_masters=args.redis_cluster)
@@ -514,6 +522,39 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 1
     return 2
+
+
+def _secure_main(args: argparse.Namespace) -> int:
+    """``up|down|status --secure``: :mod:`infra.secure`."""
+    from . import secure
+
+    if args.cmd == "up":
+        if args.brokers not in (None, 1) or args.redis_cluster or args.no_topics:
+            raise StackError("up --secure runs one Kafka node with its topics and no Redis Cluster")
+        info = secure.up(timeout=args.timeout)
+        tm = info["timings"]
+        log.info("secured stack up in %.1fs (redis %.1fs, kafka %.1fs, registry %.1fs): Kafka %s SASL_SSL %s | "
+                 "registry (Apicurio %s) %s | redis (TLS) %s", tm["total"], tm["redis"], tm["kafka"], tm["registry"],
+                 info["kafka_version"], info["bootstrap"], info["apicurio_version"], info["registry_url"], info["redis_url"])
+        for key, value in info["env"].items():
+            print(f"export {key}={value}")
+        log.info("per-principal settings (KVBUS_* lines, secrets by file): %s/{%s}.env", info["env_dir"],
+                 ",".join(secure.PRINCIPALS))
+        return 0
+    if args.cmd == "down":
+        res = secure.down()
+        for name, what in res.items():
+            log.info("%s: %s", name, what)
+        if not res:
+            log.info("nothing to stop")
+        return 0
+    st = secure.status()
+    if args.json:
+        print(json.dumps(st, indent=1))
+    else:
+        _print_status(st)
+        print(f"env files: {st['env_dir']}")
+    return 0 if st["ready"] else EXIT_NOT_READY
 
 
 if __name__ == "__main__":

@@ -65,8 +65,10 @@ def ensure_topics(
     replication: int = 1,
     config: Mapping[str, str] | None = None,
     timeout: float = 30.0,
+    client_conf: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Create the missing topics among ``names``; existing topics are left untouched.
+    ``client_conf``: more admin client properties (credentials of a secured cluster).
 
     ``config`` defaults to ``{"min.insync.replicas": default_min_insync(replication)}``.
     Waits until every requested topic has a leader for each partition.
@@ -81,7 +83,7 @@ def ensure_topics(
     cfg = {"min.insync.replicas": str(default_min_insync(replication))}
     if config:
         cfg.update({k: str(v) for k, v in config.items()})
-    client = admin_client(bootstrap)
+    client = admin_client(bootstrap, **(client_conf or {}))
     md = client.list_topics(timeout=timeout)
     missing = [n for n in wanted if n not in md.topics or md.topics[n].error is not None]
     created: list[str] = []
@@ -129,6 +131,8 @@ def kvbus_topics() -> list[str]:
     return list(topic_names().values())
 
 
-def ensure_kvbus_topics(bootstrap: str, replication: int) -> list[str]:
-    """Create the kvbus topics with ``$KVBUS_PARTITIONS`` (default 4) partitions."""
-    return ensure_topics(bootstrap, kvbus_topics(), partitions=kvbus_settings().partitions, replication=replication)
+def ensure_kvbus_topics(bootstrap: str, replication: int, client_conf: Mapping[str, Any] | None = None) -> list[str]:
+    """Create the kvbus topics with ``$KVBUS_PARTITIONS`` (default 4) partitions (``client_conf``:
+    see :func:`ensure_topics`)."""
+    return ensure_topics(bootstrap, kvbus_topics(), partitions=kvbus_settings().partitions, replication=replication,
+                         client_conf=client_conf)

@@ -1,0 +1,145 @@
+"""Who may do what on the secured stack (``infra/stack up --secure``): one principal per kvbus stage,
+its Kafka ACLs, its Redis ACL rules and its registry role. Pure data, derived from the kvbus
+settings (topic names: :mod:`schemas.topics`; the Faust app id and the sink group: the stages'
+option objects); :mod:`infra.secure` applies it, the README's "Security" section tabulates it.
+
+Principals (the same user name in Kafka, Redis and the registry):
+
+| principal | runs | Kafka | Redis | registry |
+|---|---|---|---|---|
+| ``admin`` | infra itself, operators | super user | every key and command | ``sr-admin`` |
+| ``bridge`` | ``kvbus bridge``, the in-process publisher | write raw and DLQ, read raw (restart) | none | ``sr-developer`` |
+| ``streams`` | ``kvbus worker`` | read raw; write blocks*, incomplete, DLQ; its app id's topics and group | none | ``sr-developer`` |
+| ``sink`` | ``kvbus sink`` | read blocks*, its group; write DLQ and snapshots | read/write the view's keys, functions | ``sr-developer`` |
+| ``router`` | ``kvbus lookup``, routers | none (no Kafka user) | read the view's keys, ``FCALL_RO`` | none |
+| ``analytics`` | ``kvbus report``, Flink | read every kvbus topic, its groups | none | ``sr-readonly`` |
+
+The registry's own Kafka client (KafkaSQL storage) is the principal :data:`REGISTRY_KAFKA_USER`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.topics import Topics
+from sinks.config import SinkConfig  # the sink's public options (its group, its key prefix)
+from streams.options import StreamsOptions  # the worker's public options (the Faust app id)
+
+ADMIN = "admin"
+BRIDGE = "bridge"
+STREAMS = "streams"
+SINK = "sink"
+ROUTER = "router"
+ANALYTICS = "analytics"
+PRINCIPALS: tuple[str, ...] = (ADMIN, BRIDGE, STREAMS, SINK, ROUTER, ANALYTICS)
+"""Every principal that gets an env file (``<secure state>/env/<principal>.env``)."""
+
+REGISTRY_KAFKA_USER = "registry"
+"""Kafka principal of the registry's KafkaSQL storage (infra-internal; no env file)."""
+KAFKASQL_TOPIC_PREFIX = "kvbus-registry-"
+"""Prefix of the registry's journal and snapshot topics and of its consumer groups on the secured
+Kafka (set by :mod:`infra.secure` as ``apicurio.kafkasql.*``), so one prefixed ACL covers them."""
+
+# Consumer groups the stages make up per run (uuid suffix), from their code: producers/recovery.py
+# (a bridge reading the tail of the raw topic at start), sinks/snapshot.py (a sink reading the
+# snapshot topic), analytics/reader.py (kvbus report).
+BRIDGE_RECOVERY_GROUPS = "kvbus-recovery-"
+SINK_REBUILD_GROUPS = "kvbus-rebuild-"
+ANALYTICS_GROUPS = "kvbus-report-"
+
+KAFKA_USERS: tuple[str, ...] = (ADMIN, BRIDGE, STREAMS, SINK, ANALYTICS)
+"""Principals with a SCRAM user (the router has no Kafka rights, so no Kafka user)."""
+REGISTRY_ROLES: dict[str, str] = {ADMIN: "sr-admin", BRIDGE: "sr-developer", STREAMS: "sr-developer",
+                                  SINK: "sr-developer", ANALYTICS: "sr-readonly"}
+"""Registry role of each principal with a registry user (Apicurio's role names). Producers
+register their schemas on first use (developer); reads are open to anyone (see the README)."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One Kafka ACL (allow) of a principal."""
+
+    resource: str
+    """``topic`` or ``group``."""
+    name: str
+    """Resource name, or its prefix when ``prefixed``."""
+    prefixed: bool
+    """A PREFIXED pattern (every resource whose name starts with ``name``) rather than LITERAL."""
+    operations: tuple[str, ...]
+    """Kafka operations (``READ``, ``WRITE``, ``CREATE``, ``DESCRIBE``, ``DESCRIBE_CONFIGS``, ``ALL``);
+    READ and WRITE imply DESCRIBE, WRITE on a topic implies IDEMPOTENT_WRITE on the cluster."""
+    why: str
+    """What the stage does with it."""
+
+    def describe(self) -> str:
+        """``READ topic kvbus.raw`` / ``WRITE, CREATE topic kvbus.blocks.*`` (README table form)."""
+        return f"{', '.join(self.operations)} {self.resource} {self.name}{'*' if self.prefixed else ''}"
+
+
+def _topic(name: str, *ops: str, why: str, prefixed: bool = False) -> Grant:
+    return Grant("topic", name, prefixed, ops, why)
+
+
+def _group(name: str, *ops: str, why: str, prefixed: bool = False) -> Grant:
+    return Grant("group", name, prefixed, ops, why)
+
+
+def kafka_grants(topics: Topics, streams: StreamsOptions, sink: SinkConfig) -> dict[str, list[Grant]]:
+    """The ACLs of each principal (``admin`` is a super user and has none; the router none)."""
+    tiers = topics.blocks + "."  # kvbus.blocks.<ownership>: topics.for_ownership
+    app = streams.app_id
+    every = [topics.raw, topics.blocks, topics.incomplete, topics.dlq, topics.snapshots]
+    return {
+        BRIDGE: [
+            _topic(topics.raw, "WRITE", why="produce engine batches"),
+            _topic(topics.dlq, "WRITE", why="dead letters (oversized events)"),
+            _topic(topics.raw, "READ", why="on start, read the tail of its partition to resume its sequence"),
+            _group(BRIDGE_RECOVERY_GROUPS, "READ", prefixed=True, why="the start-up reader's throw-away group"),
+        ],
+        STREAMS: [
+            _topic(topics.raw, "READ", why="consume engine batches"),
+            _group(app, "READ", why="the Faust consumer group (app id)"),
+            _topic(topics.blocks, "WRITE", why="consolidated framework-owned events"),
+            _topic(tiers, "WRITE", "CREATE", prefixed=True, why="tier topics, created on first event of a tier"),
+            _topic(topics.incomplete, "WRITE", why="incomplete events"),
+            _topic(topics.dlq, "WRITE", why="dead letters"),
+            _topic(app + "-", "READ", "WRITE", "CREATE", "DESCRIBE_CONFIGS", prefixed=True,
+                   why="Faust's own topics: the table changelog, the assignor's leader topic"),
+        ],
+        SINK: [
+            _topic(topics.blocks, "READ", why="consume consolidated events"),
+            _topic(tiers, "READ", prefixed=True, why="consume the tier topics (regex subscription)"),
+            _group(sink.group, "READ", why="the sinks' consumer group"),
+            _topic(topics.dlq, "WRITE", why="dead letters"),
+            _topic(topics.snapshots, "READ", "WRITE", "CREATE", why="snapshots of the view (created compacted if missing)"),
+            _group(SINK_REBUILD_GROUPS, "READ", prefixed=True, why="the snapshot reader's throw-away group"),
+        ],
+        ANALYTICS: [
+            *[_topic(t, "READ", why="read records") for t in every],
+            _topic(tiers, "READ", prefixed=True, why="read the tier topics"),
+            _group(ANALYTICS_GROUPS, "READ", prefixed=True, why="kvbus report's throw-away groups"),
+        ],
+    }
+
+
+def registry_grants() -> list[Grant]:
+    """ACLs of the registry's own Kafka principal (its KafkaSQL journal, snapshots and groups)."""
+    return [
+        _topic(KAFKASQL_TOPIC_PREFIX, "ALL", prefixed=True, why="the registry's journal and snapshot topics"),
+        _group(KAFKASQL_TOPIC_PREFIX, "ALL", prefixed=True, why="the registry's journal consumer"),
+    ]
+
+
+def redis_rules(sink: SinkConfig) -> dict[str, str]:
+    """Redis ACL rules (``ACL SETUSER`` syntax, after ``on`` and the password) of each principal with
+    a Redis user; keys are limited to the view's prefix (``KVBUS_SINK_PREFIX``)."""
+    keys = sink.prefix + "*"
+    return {
+        ADMIN: "~* &* +@all",
+        # the view's keys; reads, writes, MULTI, FUNCTION LOAD / FCALL; nothing @dangerous (FLUSHALL,
+        # FUNCTION FLUSH, KEYS, CONFIG, ...) except INFO (the sink reads the server version and run id)
+        SINK: f"resetchannels ~{keys} -@all +@read +@write +@keyspace +@transaction +@connection +@scripting "
+              "-@dangerous +info",
+        # read-only key access (%R~) to the view; FCALL_RO but not FCALL; no writes of any kind
+        ROUTER: f"resetchannels %R~{keys} -@all +@read +@connection +fcall_ro -@dangerous +info",
+    }
