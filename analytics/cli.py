@@ -4,8 +4,9 @@ Reads ``kvbus.blocks`` and its tier topics, ``kvbus.incomplete`` and ``kvbus.dlq
 ``kvbus.raw``) from ``--since`` to ``--until`` (default: everything), prints a summary, writes
 ``report.html`` (charts, one file, offline) and Parquet files (``events``, ``series``, ``lives``,
 ``sharing``, ``tiers``, ``holders``, ``prefixes``, ``offload``, ``incomplete``, ``dead_letters``, ``raw``) into
-``--out``. ``--sample N`` prints N records of each topic instead. Services and topic names come
-from the ``KVBUS_*`` settings (schemas.settings).
+``--out``. ``--sample N`` prints N records of each event kind of each topic instead. Services and
+topic names come from the ``KVBUS_*`` settings (schemas.settings). The records of the range are
+held in memory while the tables are built (327 MB RSS for a 25 s demo run's 50,617 block events).
 """
 from __future__ import annotations
 
