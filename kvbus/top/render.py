@@ -44,19 +44,28 @@ def flow_panel(snap: dict) -> Panel:
 
 
 def lag_panel(snap: dict) -> Panel:
-    """Consumer lag of each hop and partition, from Kafka's committed offsets and watermarks."""
+    """Consumer lag of each hop (lag, end and committed offsets, records/s in and committed) and,
+    per topic, of each partition (``p<n> <lag>``, lagging ones highlighted), from Kafka."""
     k = snap["kafka"]
     if k.get("error"):
         return _unreachable("consumer lag (Kafka)", k["error"])
-    t = _table("hop / topic", "partition", "end", "committed", "lag", right_from=1)
+    lines = []
     for hop in k["hops"]:
-        t.add_row(Text(f"{hop['hop']} ({hop['group']})", style="bold"), "all", fmt(hop["end"]), fmt(hop["committed"]),
-                  Text(fmt(hop["lag"]), style="bold yellow" if hop["lag"] else "bold green"))
-        t.add_row(f"  in {fmt(hop['produced_per_s'], 1)} rec/s, committed {fmt(hop['consumed_per_s'], 1)} rec/s",
-                  "", "", "", "")
+        head = Text(f"{hop['hop']} ({hop['group']}): lag ", style="bold")
+        head.append(fmt(hop["lag"]), style="bold yellow" if hop["lag"] else "bold green")
+        lines.append(head)
+        lines.append(Text(f"  end {fmt(hop['end'])}, committed {fmt(hop['committed'])}; "
+                          f"in {fmt(hop['produced_per_s'], 1)} rec/s, committed {fmt(hop['consumed_per_s'], 1)} rec/s"))
+        topics: dict[str, list[dict]] = {}
         for p in hop["partitions"]:
-            t.add_row(f"  {p['topic']}", str(p["partition"]), fmt(p["end"]), fmt(p["committed"]), fmt(p["lag"]))
-    return Panel(t, title=f"consumer lag (Kafka {k['bootstrap']})", title_align="left")
+            topics.setdefault(p["topic"], []).append(p)
+        for topic, parts in topics.items():
+            line = Text(f"  {topic} lag by partition:")
+            for p in parts:
+                line.append(f" p{p['partition']} ")
+                line.append(fmt(p["lag"]), style="yellow" if p["lag"] else "")
+            lines.append(line)
+    return Panel(Group(*lines), title=f"consumer lag (Kafka {k['bootstrap']})", title_align="left")
 
 
 def freshness_panel(snap: dict) -> Panel:
@@ -166,16 +175,20 @@ def view_panel(snap: dict) -> Panel:
     return Panel(Group(head, t), title=title, title_align="left")
 
 
+TWO_COLUMNS = 180
+"""Terminal width from which the screen has two columns (each panel's table fits without cuts)."""
+
+
 def render(snap: dict, width: int = 200) -> RenderableType:
     """The whole screen; two columns when ``width`` (the terminal's) allows, else one."""
     when = dt.datetime.fromtimestamp(snap["time"]).strftime("%H:%M:%S")
     header = Text(f"kvbus top  {when}  every {snap['interval_s']:g}s  (Ctrl-C quits)", style="bold")
     left = Group(flow_panel(snap), freshness_panel(snap), lag_panel(snap))
     right = Group(bridges_panel(snap), workers_panel(snap), sinks_panel(snap), dead_letters_panel(snap))
-    if width >= 150:
+    if width >= TWO_COLUMNS:
         grid = Table.grid(expand=True)
-        grid.add_column(ratio=1)
-        grid.add_column(ratio=1)
+        grid.add_column(ratio=4)
+        grid.add_column(ratio=5)  # the process tables are the wider ones
         grid.add_row(left, right)
         body: RenderableType = grid
     else:
