@@ -131,7 +131,10 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
                   and rows.get("replica-1") == ["replica-1", "4", "4", "2", "10"]
                   and "bridges: 2 up, 1 down" in text
                   and f"unreachable: 127.0.0.1:{dead_port} (connection refused)" in text
-                  and f"{settings.topics.dlq} holds 1 records" in text)
+                  and f"{settings.topics.dlq} holds 1 records" in text
+                  and f"raw -> worker ({worker_group}): lag 0" in text
+                  and f"{settings.topics.raw} lag by partition: " + " ".join(f"p{i} 0" for i in range(settings.partitions))
+                  in text)
             return text if ok else None
 
         text = eventually(screen_shows, 30, interval=0.5)
