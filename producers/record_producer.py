@@ -38,6 +38,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from producers.metrics import BridgeMetrics
 from producers.split import BatchRef, Splitter, record_limit
 from schemas.events import DeadLetter
+from schemas.security import describe_kafka_error, kafka_security_hint
 from schemas.settings import client_conf
 
 log = logging.getLogger("kvbus.producers.kafka")
@@ -140,6 +141,9 @@ class RecordProducer:
         self.max_backlog_bytes = max_backlog_bytes
         self._err_log = RateLimitedLog()
         self._kafka_log = RateLimitedLog()
+        self._conf = dict(conf or {})
+        """The producer's librdkafka configuration (its security properties name the principal in
+        error messages)."""
         if producer is None:
             producer = Producer({**(conf or {}), "error_cb": self._on_kafka_error})
         self.producer = producer
@@ -228,7 +232,8 @@ class RecordProducer:
     def _refused(self, err: Any, topic: str) -> None:
         self.delivery_failures += 1
         self.metrics.delivery_errors.inc()
-        self._err_log(logging.ERROR, "%srecord to %s refused: %s", self.label, topic, err)
+        self._err_log(logging.ERROR, "%srecord to %s refused: %s", self.label, topic,
+                      describe_kafka_error(err, self._conf))
 
     def _delivered(self, events: int, err: KafkaError | None, msg: Any) -> None:
         if err is not None:
@@ -243,7 +248,8 @@ class RecordProducer:
             self.metrics.delivery_latency.observe(lat)
 
     def _on_kafka_error(self, err: KafkaError) -> None:
-        self._kafka_log(logging.WARNING, "%skafka: %s", self.label, err)
+        level = logging.ERROR if kafka_security_hint(err, self._conf) else logging.WARNING
+        self._kafka_log(level, "%skafka: %s", self.label, describe_kafka_error(err, self._conf))
 
     # -- loop ---------------------------------------------------------------------------------
     def poll(self, timeout: float = 0.0) -> None:

@@ -291,3 +291,39 @@ def redact_url(url: str) -> str:
     if not at or ":" not in userinfo:
         return url
     return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{hosts}"
+
+
+def kafka_security_hint(err: Any, client: "KafkaSecurity | Mapping[str, Any]") -> str | None:
+    """What to fix when ``err`` (a confluent-kafka ``KafkaError``, or any error whose text it is) is
+    Kafka refusing this process's credentials, rights or protocol: a sentence naming the
+    ``KVBUS_KAFKA_*`` settings; None for any other error. ``client``: the process's Kafka security,
+    or the librdkafka configuration it built from it."""
+    from confluent_kafka import KafkaError
+
+    if isinstance(client, KafkaSecurity):
+        client = client.librdkafka()
+    user, mechanism = client.get("sasl.username", ""), client.get("sasl.mechanism", "no SASL")
+    protocol = client.get("security.protocol", "PLAINTEXT")
+    code = err.code() if hasattr(err, "code") else None
+    text = str(err)
+    who = f"user {user!r}" if user else "this client (no SASL user: KVBUS_KAFKA_SASL_USERNAME unset)"
+    if code in (KafkaError._AUTHENTICATION, KafkaError.SASL_AUTHENTICATION_FAILED) or "Authentication failed" in text:
+        return (f"Kafka refused the credentials of {who} ({mechanism}): check "
+                "KVBUS_KAFKA_SASL_USERNAME and KVBUS_KAFKA_SASL_PASSWORD / KVBUS_KAFKA_SASL_PASSWORD_FILE")
+    if code in (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED,
+                KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED) \
+            or "Authorization failed" in text or "not authorized" in text.lower():
+        return (f"Kafka's ACLs do not allow {who} this: run this stage as the principal that has the right "
+                "(KVBUS_KAFKA_SASL_USERNAME; README, Security), or grant it")
+    if code == KafkaError._SSL or "SSL handshake failed" in text or "certificate verify failed" in text:
+        return ("the TLS handshake with Kafka failed: check KVBUS_KAFKA_SSL_CA (the CA that signed the brokers' "
+                f"certificates) and KVBUS_KAFKA_SECURITY_PROTOCOL (now {protocol})")
+    if "security.protocol" in text or "SSL listener" in text:
+        return f"the broker speaks another protocol: check KVBUS_KAFKA_SECURITY_PROTOCOL (now {protocol})"
+    return None
+
+
+def describe_kafka_error(err: Any, client: "KafkaSecurity | Mapping[str, Any]") -> str:
+    """``err``'s text, followed by what to fix when it is a security refusal (:func:`kafka_security_hint`)."""
+    hint = kafka_security_hint(err, client)
+    return f"{err} -- {hint}" if hint else str(err)

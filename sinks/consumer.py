@@ -41,6 +41,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from schemas.events import BlockEvent, dead_letter
 from schemas.codec import FastSerde
+from schemas.security import describe_kafka_error, kafka_security_hint
 from schemas.serde import registry_client
 from schemas.settings import Settings
 from schemas.topics import Topics
@@ -130,6 +131,7 @@ class SinkConsumer:
         self.dlq_serde = FastSerde(registry, "DeadLetter")
         conf = {
             **settings.kafka(),
+            "error_cb": self._on_kafka_error,
             "group.id": config.group,
             "session.timeout.ms": int(config.session_timeout * 1000),
             "enable.auto.commit": False,
@@ -141,7 +143,8 @@ class SinkConsumer:
             conf["group.instance.id"] = config.instance_id
         conf.update(consumer_conf or {})
         self.consumer = Consumer(conf)
-        self.producer = Producer(settings.kafka(**{"enable.idempotence": True, "acks": "all", "linger.ms": 5}))
+        self.producer = Producer(settings.kafka(**{"enable.idempotence": True, "acks": "all", "linger.ms": 5,
+                                                   "error_cb": self._on_kafka_error}))
         self.reader = SnapshotReader(replace(settings, topics=self.topics), store.prefix)
         self.view_id: str | None = None
         self._resync = False
@@ -276,7 +279,7 @@ class SinkConsumer:
                 if err.fatal():
                     raise KafkaException(err)
                 if err.code() != KafkaError._PARTITION_EOF:
-                    log.warning("consumer error: %s", err)
+                    log.warning("consumer error: %s", describe_kafka_error(err, self.settings.security.kafka))
                 continue
             source = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
             try:
@@ -402,6 +405,13 @@ class SinkConsumer:
                 self.step()
         finally:
             self.close()
+
+    def _on_kafka_error(self, err: KafkaError) -> None:
+        """librdkafka's client-level errors (brokers down, credentials or rights refused), logged
+        with what to fix when Kafka refused this sink's security settings."""
+        sec = self.settings.security.kafka
+        level = logging.ERROR if kafka_security_hint(err, sec) else logging.WARNING
+        log.log(level, "kafka: %s", describe_kafka_error(err, sec))
 
     def close(self) -> None:
         """Commit what was applied and leave the group."""

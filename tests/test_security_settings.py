@@ -105,3 +105,20 @@ def test_urls_are_redacted_for_logs():
     assert redact_url("redis+cluster://u:p@h1:7000,h2:7001/0") == "redis+cluster://u:***@h1:7000,h2:7001/0"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert redact_url("redis://user@h:1/0") == "redis://user@h:1/0"
+
+
+def test_kafka_refusals_name_the_setting_to_fix():
+    from confluent_kafka import KafkaError
+
+    from schemas.security import describe_kafka_error, kafka_security_hint
+
+    sasl = KafkaSecurity(protocol="SASL_SSL", mechanism="SCRAM-SHA-512", username="bridge", password=__import__(
+        "schemas.security", fromlist=["Secret"]).Secret("pw"))
+    assert "KVBUS_KAFKA_SASL_PASSWORD" in kafka_security_hint(KafkaError(KafkaError._AUTHENTICATION), sasl)
+    denied = describe_kafka_error(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), sasl.librdkafka())
+    assert "user 'bridge'" in denied and "KVBUS_KAFKA_SASL_USERNAME" in denied and "pw" not in denied.split("--")[1]
+    assert "KVBUS_KAFKA_SSL_CA" in kafka_security_hint(KafkaError(KafkaError._SSL), sasl)
+    wrong = KafkaError(KafkaError._TRANSPORT, "Disconnected while requesting ApiVersion: might be caused by "
+                                              "incorrect security.protocol configuration (connecting to a SSL listener?)")
+    assert "KVBUS_KAFKA_SECURITY_PROTOCOL (now PLAINTEXT)" in kafka_security_hint(wrong, KafkaSecurity())
+    assert kafka_security_hint(KafkaError(KafkaError._MSG_TIMED_OUT), sasl) is None
