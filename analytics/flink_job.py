@@ -9,7 +9,7 @@ nullable with default null; Avro's schema resolution reads every branch into it 
 lacks take their default, fields the reader lacks are skipped). The record schemas stay as they
 are; the SQL file's tables declare these columns (Flink checks that they match).
 
-``python -m analytics.flink_job [SQL_FILE] [--group G] [--follow]`` prints each named query's rows as
+``python -m analytics.flink_job [SQL_FILE] [--group G] [--workdir DIR]`` prints each named query's rows as
 JSON lines (Flink and its jars come from infra/flink.py, made on first use).
 """
 from __future__ import annotations
@@ -120,13 +120,12 @@ def reader_schema(record: str, fields: Iterable[str] = EVENT_FIELDS) -> str:
     return json.dumps(_strip_docs(_define_first_use(schema, defs, set())), separators=(",", ":"))
 
 
-def render(sql: str, settings: Settings, group: str, bounded: bool = True) -> str:
+def render(sql: str, settings: Settings, group: str) -> str:
     """The SQL with its ``{placeholders}`` filled in outside comments (unknown ones are an error)."""
     t = settings.topics
     values = {
         "bootstrap": settings.bootstrap, "registry_url": settings.registry_url, "group": group,
         "blocks_topic_regex": re.escape(t.blocks) + r"(\..+)?", "raw_topic": t.raw,
-        "bounded_mode": "latest-offset" if bounded else "unbounded",
         "blocks_reader_schema": reader_schema("BlockEvent"), "raw_reader_schema": reader_schema("EventBatch"),
     }
 
@@ -140,13 +139,13 @@ def render(sql: str, settings: Settings, group: str, bounded: bool = True) -> st
 
 
 def run(sql_file: Path, settings: Settings, python: Path, jars: list[Path], workdir: Path,
-        group: str | None = None, bounded: bool = True, timeout: float = 600) -> list[dict]:
+        group: str | None = None, timeout: float = 600) -> list[dict]:
     """Run ``sql_file`` with PyFlink (``python`` of the PyFlink venv, connector ``jars``); returns the
     rows printed, ``{"query": name, "row": {...}}``. Raises RuntimeError with Flink's output tail
     when the job fails."""
     workdir.mkdir(parents=True, exist_ok=True)
     rendered = workdir / sql_file.name
-    rendered.write_text(render(sql_file.read_text(), settings, group or f"kvbus-flink-{uuid.uuid4().hex[:8]}", bounded))
+    rendered.write_text(render(sql_file.read_text(), settings, group or f"kvbus-flink-{uuid.uuid4().hex[:8]}"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     proc = subprocess.run([str(python), str(FLINK_DIR / "run_sql.py"), str(rendered), ";".join(map(str, jars))],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)

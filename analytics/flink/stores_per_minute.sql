@@ -32,7 +32,7 @@ CREATE TABLE blocks (
   'properties.bootstrap.servers' = '{bootstrap}',
   'properties.group.id' = '{group}',
   'scan.startup.mode' = 'earliest-offset',
-  'scan.bounded.mode' = '{bounded_mode}',
+  'scan.bounded.mode' = 'latest-offset',
   'format' = 'avro-confluent',
   'avro-confluent.url' = '{registry_url}',
   'avro-confluent.schema' = '{blocks_reader_schema}'
@@ -59,7 +59,7 @@ CREATE TABLE raw_batches (
   'properties.bootstrap.servers' = '{bootstrap}',
   'properties.group.id' = '{group}',
   'scan.startup.mode' = 'earliest-offset',
-  'scan.bounded.mode' = '{bounded_mode}',
+  'scan.bounded.mode' = 'latest-offset',
   'format' = 'avro-confluent',
   'avro-confluent.url' = '{registry_url}',
   'avro-confluent.schema' = '{raw_reader_schema}'
