@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Callable, Sequence
 
+from schemas.security import SecurityConfigError, redis_security_hint
 from schemas.settings import Settings
 
 #: subcommand -> (module, add-arguments function, run function, help)
@@ -67,9 +68,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     module, _add, run, _help = SUBCOMMANDS[args.command]
     try:
-        return int(_load(module, run)(args, Settings.from_env()) or 0)
+        settings = Settings.from_env()
+    except SecurityConfigError as e:
+        print(f"kvbus {args.command}: {e}", file=sys.stderr)
+        return 2
+    try:
+        return int(_load(module, run)(args, settings) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - only security refusals are answered here; the rest re-raised
+        hint = redis_security_hint(e, settings.security.redis)
+        if hint is None:
+            raise
+        logging.getLogger("kvbus").error("%s: %s -- %s", args.command, e, hint)
+        return 2
 
 
 if __name__ == "__main__":

@@ -327,3 +327,23 @@ def describe_kafka_error(err: Any, client: "KafkaSecurity | Mapping[str, Any]") 
     """``err``'s text, followed by what to fix when it is a security refusal (:func:`kafka_security_hint`)."""
     hint = kafka_security_hint(err, client)
     return f"{err} -- {hint}" if hint else str(err)
+
+
+def redis_security_hint(err: BaseException, sec: RedisSecurity) -> str | None:
+    """What to fix when ``err`` (a redis-py error) is Redis refusing this process's credentials,
+    rights or protocol: a sentence naming the ``KVBUS_REDIS_*`` settings; None for other errors."""
+    import redis
+
+    who = f"user {sec.username!r}" if sec.username else "the URL's user (or 'default')"
+    if isinstance(err, redis.AuthenticationError) or "WRONGPASS" in str(err) or "NOAUTH" in str(err):
+        return (f"Redis refused the credentials of {who}: check KVBUS_REDIS_USERNAME and KVBUS_REDIS_PASSWORD / "
+                "KVBUS_REDIS_PASSWORD_FILE (or the user:password in KVBUS_REDIS_URL)")
+    if isinstance(err, redis.exceptions.NoPermissionError) or "NOPERM" in str(err):
+        return (f"Redis's ACL does not allow {who} this: run this stage as the Redis user that has the right "
+                "(KVBUS_REDIS_USERNAME; README, Security)")
+    text = str(err)
+    if isinstance(err, redis.ConnectionError) and ("SSL" in text or "ssl" in text or "Connection reset" in text
+                                                  or "Connection closed by server" in text):
+        return ("the connection to Redis failed at the TLS layer or was closed: a rediss:// URL for a TLS port, "
+                "redis:// for a plain one (KVBUS_REDIS_URL), and KVBUS_REDIS_SSL_CA for the server's CA")
+    return None

@@ -301,6 +301,8 @@ class RedisStore(ResidencyStore):
         for reply in replies:
             if isinstance(reply, redis.ResponseError) and VIEW_CHANGED in str(reply):
                 raise ViewChanged(f"the view under {self.prefix!r} is not view {view_id!r} any more: {reply}")
+            if isinstance(reply, redis.exceptions.NoPermissionError):
+                raise reply  # Redis's ACL refuses this client the call: a setting to fix, not bad events
         for (part, args), reply in zip(calls, replies):
             if isinstance(reply, Exception):
                 self._apply_one_by_one(part, args, reply, res, view_id)

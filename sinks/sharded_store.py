@@ -403,6 +403,8 @@ class ShardedRedisStore(ResidencyStore):
         for (s, _, args), reply in zip(calls, replies):
             if isinstance(reply, redis.ResponseError) and VIEW_CHANGED in str(reply):
                 raise ViewChanged(f"shard {s} of the view under {self.prefix!r} is not view {view_id!r} any more: {reply}")
+            if isinstance(reply, redis.exceptions.NoPermissionError):
+                raise reply  # Redis's ACL refuses this client the call: a setting to fix, not bad events
         last_of = {s: j for j, (s, _, _) in enumerate(calls)}
         for j, ((s, _, args), part, reply) in enumerate(zip(calls, parts, replies)):
             if isinstance(reply, RETRYABLE):
