@@ -61,12 +61,12 @@ class Record:
     ``(full name, dict)``), or None for a record that could not be decoded."""
 
 
-def plain_deserializer(registry_url: str) -> AvroDeserializer:
+def plain_deserializer(settings: Settings) -> AvroDeserializer:
     """confluent-kafka's ``AvroDeserializer`` configured as the README says for analytics users:
-    topic subject-name strategy, a registry client with a timeout, writer's schema, union branches
-    returned with their record name."""
+    topic subject-name strategy, a registry client with a timeout (and the registry credentials of
+    ``settings``, if any), writer's schema, union branches returned with their record name."""
     return AvroDeserializer(
-        registry_client(registry_url),
+        registry_client(settings),
         return_record_name=True,
         conf={"subject.name.strategy": topic_subject_name_strategy},
     )
@@ -74,7 +74,7 @@ def plain_deserializer(registry_url: str) -> AvroDeserializer:
 
 def block_topics(settings: Settings, consumer: Consumer | None = None) -> list[str]:
     """``kvbus.blocks`` and every ``kvbus.blocks.<ownership>`` tier topic that exists, sorted."""
-    own = consumer or Consumer({"bootstrap.servers": settings.bootstrap, "group.id": "kvbus-report-meta"})
+    own = consumer or Consumer(settings.kafka(**{"group.id": "kvbus-report-meta"}))
     try:
         rx = re.compile(settings.topics.blocks_pattern())
         return sorted(t for t in own.list_topics(timeout=10).topics if rx.match(t))
@@ -109,13 +109,12 @@ def read(settings: Settings, topics: list[str], span: TimeRange,
     """Every record of ``topics`` within ``span``, decoded; ``on_plan`` is called once with the
     ranges before reading, ``on_record`` after each record (progress). A record the deserializer
     cannot decode is yielded with ``value`` None (the caller counts it)."""
-    consumer = Consumer({
-        "bootstrap.servers": settings.bootstrap,
+    consumer = Consumer(settings.kafka(**{
         "group.id": f"kvbus-report-{uuid.uuid4().hex[:12]}",
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "isolation.level": "read_committed",
-    })
+    }))
     try:
         ranges = plan(consumer, topics, span)
         if on_plan is not None:
@@ -124,7 +123,7 @@ def read(settings: Settings, topics: list[str], span: TimeRange,
         if not todo:
             return
         consumer.assign([TopicPartition(r.topic, r.partition, r.start) for r in todo.values()])
-        de = plain_deserializer(settings.registry_url)
+        de = plain_deserializer(settings)
         contexts = {t: SerializationContext(t, MessageField.VALUE) for t in topics}
         while todo:
             for msg in consumer.consume(1000, timeout=0.2):  # returns when full or after the timeout
