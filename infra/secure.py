@@ -342,11 +342,14 @@ def redis_argv(layout: SecureLayout, cert: pki.CertFiles) -> list[str]:
 
 
 def redis_client(layout: SecureLayout, principal: str = ADMIN, **kw: Any) -> Any:
-    """A redis-py client of ``principal`` over TLS (short timeouts)."""
+    """A redis-py client of ``principal`` over TLS (short timeouts, no retries: a refusal is final)."""
     redis = redis_server.require_client()
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
     return redis.Redis(host=LOOPBACK, port=layout.ports.redis, ssl=True, ssl_ca_certs=str(layout.ca),
                        username=principal, password=password(layout, principal),
-                       **{"socket_connect_timeout": 2, "socket_timeout": 5, **kw})
+                       **{"socket_connect_timeout": 2, "socket_timeout": 5, "retry": Retry(NoBackoff(), 0), **kw})
 
 
 def _redis_pid(layout: SecureLayout) -> Path:
@@ -433,6 +436,9 @@ def up(layout: SecureLayout | None = None, *, timeout: float | None = None) -> d
         (layout.paths.data / "redis").mkdir(parents=True, exist_ok=True)
         rec = _start("redis", redis_argv(layout, cert), _redis_pid(layout), layout.paths.logs / "redis.log",
                      marker=f"{LOOPBACK}:{layout.ports.redis}", cwd=layout.paths.data / "redis")
+    else:  # running: take the ACL file as written now (rules may have changed)
+        with redis_client(layout) as r:
+            r.acl_load()
     wait_until("redis (secure)", lambda: _redis_ping(layout), timeout=timeout or REDIS_TIMEOUT, records=[rec], interval=0.1)
     timings["redis"] = time.monotonic() - t
 

@@ -137,9 +137,10 @@ def redis_rules(sink: SinkConfig) -> dict[str, str]:
     return {
         ADMIN: "~* &* +@all",
         # the view's keys; reads, writes, MULTI, FUNCTION LOAD / FCALL; nothing @dangerous (FLUSHALL,
-        # FUNCTION FLUSH, KEYS, CONFIG, ...) except INFO (the sink reads the server version and run id)
+        # KEYS, CONFIG, ...) except INFO (the sink reads the server version and run id), and no
+        # FUNCTION FLUSH / DELETE / RESTORE (not @dangerous in Redis 7.0, but they drop libraries)
         SINK: f"resetchannels ~{keys} -@all +@read +@write +@keyspace +@transaction +@connection +@scripting "
-              "-@dangerous +info",
+              "-@dangerous +info -function|flush -function|delete -function|restore",
         # read-only key access (%R~) to the view; FCALL_RO but not FCALL; no writes of any kind
         ROUTER: f"resetchannels %R~{keys} -@all +@read +@connection +fcall_ro -@dangerous +info",
     }

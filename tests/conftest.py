@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import replace
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
 from schemas.settings import Settings
 from schemas.topics import Topics
+
+if TYPE_CHECKING:
+    from infra.secure import SecureLayout
 
 
 def _stack_ready() -> bool:
@@ -40,6 +43,17 @@ def stack() -> Iterator[Settings]:
     yield Settings.from_env()
     if started_here and os.environ.get("KVBUS_KEEP_STACK") != "1":
         infra_stack.down()
+
+
+@pytest.fixture(scope="session")
+def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator["SecureLayout"]:
+    """A secured stack of this session's own (``infra.secure``, the code of ``infra/stack up
+    --secure``; own state directory and free ports, so it runs next to the open dev stack),
+    stopped at the end."""
+    from tests.secure_stack import secured
+
+    with secured(tmp_path_factory.mktemp("secure")) as layout:
+        yield layout
 
 
 @pytest.fixture
