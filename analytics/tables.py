@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import polars as pl
 
 from analytics.reader import Record
+from schemas import tiers
 
 KINDS = pl.Enum(["store", "remove", "clear", "reset"])
 """The ``kind`` column's values."""
@@ -46,14 +47,14 @@ _EVENT_SCHEMA = {
 
 
 def tier_label(medium: pl.Expr, ownership: pl.Expr, group_idx: pl.Expr) -> pl.Expr:
-    """``MEDIUM[@ownership][/g<group>]`` as the sink labels tiers (sinks/tiers.py ``label``; written
-    out here as a polars expression because analytics imports no stage): medium upper-cased, null
-    counted as GPU; group null or 0 not shown."""
-    m = medium.str.to_uppercase().fill_null("GPU")
-    own = pl.when(ownership.is_not_null() & (ownership != "")).then(pl.lit("@") + ownership).otherwise(pl.lit(""))
-    grp = pl.when(group_idx.is_not_null() & (group_idx != 0)).then(pl.lit("/g") + group_idx.cast(pl.String)) \
-        .otherwise(pl.lit(""))
-    return pl.concat_str([m, own, grp])
+    """The tier label of each row (``schemas.tiers.tier_label``, the sink's rule): computed once per
+    distinct (medium, ownership, group) in the batch and mapped back, so the rule is written once."""
+    def labels(s: pl.Series) -> pl.Series:
+        keys = s.unique().to_list()
+        names = [None if k is None else tiers.tier_label(k["m"], k["o"], k["g"]) for k in keys]
+        return s.replace_strict(pl.Series(keys, dtype=s.dtype), pl.Series(names, dtype=pl.String), return_dtype=pl.String)
+
+    return pl.struct(m=medium, o=ownership, g=group_idx).map_batches(labels, return_dtype=pl.String)
 
 
 def _plain(v: Any) -> Any:

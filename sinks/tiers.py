@@ -1,14 +1,15 @@
-"""Tiers: where a holder keeps a block, i.e. (medium, ownership, group_idx), and how lookups weigh them.
+"""Tiers in the view: which are reference-counted, and how lookups weigh them.
 
-A tier is named by a descriptor ``"<MEDIUM>|<ownership>|<group>"`` (the key of the tier table in
-Redis) and shown by a label: ``GPU``, ``CPU@kvcr`` (ownership), ``GPU/g1`` (KV group 1).
+A tier is where a holder keeps a block, i.e. (medium, ownership, group_idx); how it is named (its
+descriptor in Redis, its label) is ``schemas.tiers``, shared with the analytics report.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from schemas.events import BlockRemoved, BlockStored, normalize_medium
+from schemas.events import BlockRemoved, BlockStored
+from schemas.tiers import describe, label  # noqa: F401  (the naming rule; re-exported for the sinks)
 
 DEFAULT_WEIGHTS: dict[str, float] = {
     "GPU": 1.0,
@@ -26,30 +27,6 @@ DEFAULT_WEIGHTS: dict[str, float] = {
 REFCOUNT_MEDIUMS: frozenset[str] = frozenset({"CPU", "STORAGE", "FS", "OBJ"})
 """Mediums of vLLM's OffloadingConnector, which may report the same hash once per chunk
 (protocol doc §6: consumers must reference-count)."""
-
-
-def _clean(s: str) -> str:
-    return s.replace("|", "_")
-
-
-def describe(medium: str | None, ownership: str | None, group_idx: int | None) -> str:
-    """Tier descriptor of an event's fields.
-
-    ``medium`` None (vLLM < 0.10.2, SGLang's GPU pool) counts as GPU; ``group_idx`` None as group 0.
-    """
-    m = normalize_medium(medium) or "GPU"
-    return f"{_clean(m)}|{_clean(ownership or '')}|{int(group_idx or 0)}"
-
-
-def label(descriptor: str) -> str:
-    """Display label of a descriptor: ``MEDIUM[@ownership][/g<group>]``."""
-    medium, ownership, group = descriptor.split("|")
-    out = medium
-    if ownership:
-        out += f"@{ownership}"
-    if group not in ("", "0"):
-        out += f"/g{group}"
-    return out
 
 
 @dataclass(frozen=True)
