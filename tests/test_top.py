@@ -75,10 +75,17 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
                 "--prefix", prefix, "--interval", "0.5")
 
         def settled() -> dict | None:
+            """Everything has gone through and every process's metrics say so (a worker syncs its
+            counters every sweep, a sink its view gauges every few seconds when caught up)."""
             snap = top_once(settings, *args)
             hops = snap["kafka"].get("hops") or []
+            flow = [snap["flow"][k]["total"] for k in ("in", "consolidated", "applied")]
+            dead = [(r["stage"], r["reason"], r["total"]) for r in snap["dead_letters"]["rows"] if r["total"]]
+            sinks = snap["sinks"]
             done = (snap["view"].get("replicas") == VIEW and len(hops) == 2 and all(h["lag"] == 0 for h in hops)
-                    and snap["flow"]["applied"]["total"] and snap["dead_letters"]["topic"]["records"] == 1)
+                    and flow == [ENGINE_EVENTS] * 3 and dead == [("worker", "decode", 1)]
+                    and snap["dead_letters"]["topic"]["records"] == 1
+                    and sinks[0]["up"] and sinks[0]["gauges"]["view_holders"] == 2)
             return snap if done else None
 
         snap = eventually(settled, 120, pipeline, interval=0.2)
