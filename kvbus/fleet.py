@@ -288,6 +288,12 @@ class ModelConfig:
     """Prompts remembered for the manifest and for conversation turns."""
 
 
+def system_prompts(rng: random.Random, cfg: ModelConfig) -> list[list[int]]:
+    """``cfg.system_prompts`` prompts of 3-12 full blocks of random tokens."""
+    return [[rng.randrange(1, cfg.vocab) for _ in range(rng.randint(3, 12) * cfg.block_size)]
+            for _ in range(cfg.system_prompts)]
+
+
 class CacheModel:
     """A prefix cache serving synthetic prompts; emits vLLM-like events and keeps ground truth.
 
@@ -296,7 +302,8 @@ class CacheModel:
     decoder will see them (:func:`kvbus.engine_wire.project`).
     """
 
-    def __init__(self, rng: random.Random, cfg: ModelConfig, fmt: str = DEFAULT_FORMAT, raw_hashes: bool = False) -> None:
+    def __init__(self, rng: random.Random, cfg: ModelConfig, fmt: str = DEFAULT_FORMAT, raw_hashes: bool = False,
+                 system: list[list[int]] | None = None) -> None:
         self.rng = rng
         self.cfg = cfg
         self.fmt = fmt
@@ -305,9 +312,8 @@ class CacheModel:
         self._has_ownership = "ownership" in spec.stored
         self._has_group = "group_idx" in spec.stored
         self._raw = raw_hashes
-        bs = cfg.block_size
-        self.system = [[rng.randrange(1, cfg.vocab) for _ in range(rng.randint(3, 12) * bs)]
-                       for _ in range(cfg.system_prompts)]
+        self.system = system if system is not None else system_prompts(rng, cfg)
+        """The system prompts this cache's requests start with (a fleet's are shared by every replica)."""
         self.truth = Residency()
         self._lru: dict[Tier, OrderedDict[bytes, None]] = {}
         self.prompts: deque[list[int]] = deque(maxlen=cfg.history)
@@ -522,9 +528,11 @@ class Fleet:
         self.publishers: dict[tuple[str, int, int], EnginePublisher] = {}
         mcfg = cfg.model
         mcfg.block_size = cfg.block_size
+        system = system_prompts(random.Random(f"system:{cfg.seed}"), mcfg)  # fleet-wide, as in a deployment
         for i, name in enumerate(self.names):
             for d in range(cfg.dp_ranks):
-                self.models[(name, d)] = CacheModel(random.Random(f"{cfg.seed}:{i}:{d}"), mcfg, cfg.format, cfg.raw_hashes)
+                self.models[(name, d)] = CacheModel(random.Random(f"{cfg.seed}:{i}:{d}"), mcfg, cfg.format, cfg.raw_hashes,
+                                                    system)
                 for w in range(cfg.workers):
                     k = stream_index(cfg, i, d, w)
                     port = cfg.base_port + 2 * k

@@ -150,9 +150,8 @@ def fleet_run(stack: Settings, unique_topics, tmp_path):
     model = ModelConfig(gpu_blocks=192, cpu_blocks=256, kvcr_blocks=128, cpu_rate=0.3, kvcr_rate=0.2,
                         clear_rate=0.004, requests_per_step=(1, 2))
     fleet = Fleet(FleetConfig(replicas=3, base_port=0, seed=13, model=model)).start()
-    system = next(iter(fleet.models.values())).system
-    for m in fleet.models.values():  # the fleet-wide system prompts of a real deployment
-        m.system = system
+    first = next(iter(fleet.models.values())).system
+    assert all(m.system == first for m in fleet.models.values()), "the fleet-wide system prompts"
     pipeline = Pipeline(settings, tmp_path)
     run = uuid.uuid4().hex[:8]
     oracle = Oracle()
