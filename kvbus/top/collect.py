@@ -129,7 +129,7 @@ class Collector:
     def __init__(self, cfg: TopConfig, settings: Settings) -> None:
         self.cfg, self.settings = cfg, settings
         self.kafka = KafkaSource(settings, cfg.worker_group, cfg.sink_group, cfg.timeout)
-        self.view = ViewSource(settings.redis_url, cfg.prefix, cfg.timeout)
+        self.view = ViewSource(settings, cfg.prefix, cfg.timeout)
         self.endpoints = [("bridge", e) for e in cfg.bridges] + [("worker", e) for e in cfg.workers] + \
                          [("sink", e) for e in cfg.sinks]
         self._prev: dict[str, Prev] = {}

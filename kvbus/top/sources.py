@@ -18,14 +18,13 @@ class KafkaSource:
     """Lag of the two consumer hops, per partition, and the ends of the raw and dead-letter topics."""
 
     def __init__(self, settings: Settings, worker_group: str, sink_group: str, timeout: float) -> None:
-        t = settings.topics
+        t, kafka = settings.topics, settings.kafka()  # with the KVBUS_KAFKA_* security settings
         self.bootstrap = settings.bootstrap
         self.hops = {
             "raw -> worker": (worker_group, t.raw,
-                              GroupLag(settings.bootstrap, worker_group, re.escape(t.raw), timeout, QUIET_LIBRDKAFKA)),
+                              GroupLag(kafka, worker_group, re.escape(t.raw), timeout, QUIET_LIBRDKAFKA)),
             "blocks -> sink": (sink_group, t.blocks_pattern(),
-                               GroupLag(settings.bootstrap, sink_group, t.blocks_pattern()[1:], timeout,
-                                        QUIET_LIBRDKAFKA)),
+                               GroupLag(kafka, sink_group, t.blocks_pattern()[1:], timeout, QUIET_LIBRDKAFKA)),
         }
         self.dlq_topic = t.dlq
         self.timeout = timeout
@@ -79,18 +78,17 @@ def redact(url: str) -> str:
 class ViewSource:
     """The residency view, read through ``sinks.sharded_store.open_store`` (single or sharded)."""
 
-    def __init__(self, redis_url: str, prefix: str, timeout: float) -> None:
-        self.url, self.prefix, self.timeout = redis_url, prefix, timeout
+    def __init__(self, settings: Settings, prefix: str, timeout: float) -> None:
+        self.url, self.prefix = settings.redis_url, prefix
+        # credentials and TLS (KVBUS_REDIS_*), and timeouts: a hung Redis must not hang the screen
+        self.client_kwargs = {**settings.redis_kwargs(), "socket_timeout": timeout, "socket_connect_timeout": timeout}
         self._store = None
 
     def _open(self):
         if self._store is None:
-            from sinks.sharded_store import is_cluster_url, open_store
+            from sinks.sharded_store import open_store
 
-            url = self.url
-            if not is_cluster_url(url) and "socket_timeout" not in url:  # a hung Redis must not hang the screen
-                url += ("&" if "?" in url else "?") + f"socket_timeout={self.timeout}&socket_connect_timeout={self.timeout}"
-            self._store = open_store(url, self.prefix, load=False)
+            self._store = open_store(self.url, self.prefix, load=False, client_kwargs=self.client_kwargs)
         return self._store
 
     def read(self) -> dict:
