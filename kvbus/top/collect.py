@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 from kvbus.top.config import TopConfig
 from kvbus.top.metrics import ROLES, Role, Samples, describe_error, fetch, quantile
-from kvbus.top.sources import KafkaSource, ViewSource, redact
+from kvbus.top.sources import KafkaSource, ViewSource
+from schemas.security import redact_url
 from schemas.settings import Settings
 
 Prev = tuple[float, Samples]
@@ -197,7 +198,7 @@ class Collector:
         return {"rows": rows, "topic": kafka.get("dlq")}
 
     def _view(self, got: dict | BaseException) -> dict:
-        where = {"url": redact(self.settings.redis_url), "prefix": self.cfg.prefix}
+        where = {"url": redact_url(self.settings.redis_url), "prefix": self.cfg.prefix}
         if isinstance(got, BaseException):
             return {**where, "error": f"unreachable: Redis at {where['url']} ({describe_error(got)})"}
         return {**where, "error": None, **got}

@@ -4,7 +4,6 @@ or raises; :mod:`kvbus.top.collect` turns a raise into "unreachable: <what>"."""
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
 
 from kvbus.progress import GroupLag
 from schemas.settings import Settings
@@ -63,16 +62,6 @@ class KafkaSource:
     def close(self) -> None:
         for _group, _topics, lag in self.hops.values():
             lag.close()
-
-
-def redact(url: str) -> str:
-    """``url`` without its password (what the console may show)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class ViewSource:
