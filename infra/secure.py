@@ -195,20 +195,22 @@ def _redis_users(principal: str) -> bool:
 
 
 def env_lines(layout: SecureLayout, principal: str) -> dict[str, str]:
-    """The ``KVBUS_*`` settings of ``principal`` (only the services it uses; secrets by file)."""
+    """The ``KVBUS_*`` settings of ``principal``: where every service of the secured stack is (so no
+    process started with them reaches another stack by default) and credentials (by file) for the
+    services it has rights on. Without a Kafka user no SASL settings (a client then speaks PLAINTEXT
+    to the SASL_SSL listener and is dropped); without a Redis or registry user none (Redis refuses
+    the disabled default user; registry reads are open, writes answered 401)."""
     pw = str(layout.password_file(principal))
     ca = str(layout.ca)
-    out: dict[str, str] = {}
+    out = {"KVBUS_BOOTSTRAP": layout.bootstrap, "KVBUS_REGISTRY_URL": layout.registry.url, "KVBUS_REGISTRY_SSL_CA": ca,
+           "KVBUS_REDIS_URL": layout.redis_url, "KVBUS_REDIS_SSL_CA": ca}
     if principal in KAFKA_USERS:
-        out |= {"KVBUS_BOOTSTRAP": layout.bootstrap, "KVBUS_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
-                "KVBUS_KAFKA_SASL_MECHANISM": SCRAM_MECHANISM, "KVBUS_KAFKA_SASL_USERNAME": principal,
-                "KVBUS_KAFKA_SASL_PASSWORD_FILE": pw, "KVBUS_KAFKA_SSL_CA": ca}
+        out |= {"KVBUS_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "KVBUS_KAFKA_SASL_MECHANISM": SCRAM_MECHANISM,
+                "KVBUS_KAFKA_SASL_USERNAME": principal, "KVBUS_KAFKA_SASL_PASSWORD_FILE": pw, "KVBUS_KAFKA_SSL_CA": ca}
     if principal in REGISTRY_ROLES:
-        out |= {"KVBUS_REGISTRY_URL": layout.registry.url, "KVBUS_REGISTRY_USERNAME": principal,
-                "KVBUS_REGISTRY_PASSWORD_FILE": pw, "KVBUS_REGISTRY_SSL_CA": ca}
+        out |= {"KVBUS_REGISTRY_USERNAME": principal, "KVBUS_REGISTRY_PASSWORD_FILE": pw}
     if _redis_users(principal):
-        out |= {"KVBUS_REDIS_URL": layout.redis_url, "KVBUS_REDIS_USERNAME": principal,
-                "KVBUS_REDIS_PASSWORD_FILE": pw, "KVBUS_REDIS_SSL_CA": ca}
+        out |= {"KVBUS_REDIS_USERNAME": principal, "KVBUS_REDIS_PASSWORD_FILE": pw}
     return out
 
 

@@ -90,3 +90,48 @@ def wait_for(check: Callable[[], bool], timeout: float, poll: Callable[[], objec
             poll()
         else:
             time.sleep(0.1)
+
+
+def principal_env(layout: secure.SecureLayout, principal: str, **extra: str) -> dict[str, str]:
+    """This process's environment without any ``KVBUS_*`` variable (a developer's exports of the
+    open stack must not leak in), plus ``principal``'s env file and ``extra``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVBUS_")}
+    return {**base, **secure.read_env_file(layout.env_file(principal)), **extra}
+
+
+class StagePipeline:
+    """kvbus subcommands as processes, each run as a principal with that principal's env file
+    (``kvbus.procs.Children`` per principal, as tests.pipeline.Pipeline does for the open stack)."""
+
+    def __init__(self, layout: secure.SecureLayout, workdir: Path) -> None:
+        self.layout = layout
+        self.workdir = workdir
+        self.children: dict[str, Any] = {}
+
+    def start(self, name: str, principal: str, *args: str) -> None:
+        """Start ``python -m kvbus <args>`` as ``principal``; output in ``<workdir>/<name>.log``."""
+        from kvbus.procs import Children
+
+        if principal not in self.children:
+            self.children[principal] = Children(log_dir=self.workdir, env=principal_env(self.layout, principal), log_prefix="")
+        self.children[principal].start(name, *args)
+
+    def check_alive(self) -> None:
+        """Fail with the log of any process that exited."""
+        for children in self.children.values():
+            report = children.stopped_report(tail=4000)
+            if report:
+                raise AssertionError(report)
+
+    def stop(self) -> None:
+        """SIGTERM every process, SIGKILL what is left."""
+        for children in self.children.values():
+            children.stop_all()
+
+    def run(self, principal: str, *args: str, timeout: float = 60.0, **extra: str) -> Any:
+        """``python -m kvbus <args>`` as ``principal`` to completion: the CompletedProcess."""
+        import subprocess
+        import sys
+
+        return subprocess.run([sys.executable, "-m", "kvbus", *args], env=principal_env(self.layout, principal, **extra),
+                              capture_output=True, text=True, timeout=timeout)
