@@ -3,16 +3,8 @@ its Kafka ACLs, its Redis ACL rules and its registry role. Pure data, derived fr
 settings (topic names: :mod:`schemas.topics`; the Faust app id and the sink group: the stages'
 option objects); :mod:`infra.secure` applies it, the README's "Security" section tabulates it.
 
-Principals (the same user name in Kafka, Redis and the registry):
-
-| principal | runs | Kafka | Redis | registry |
-|---|---|---|---|---|
-| ``admin`` | infra itself, operators | super user | every key and command | ``sr-admin`` |
-| ``bridge`` | ``kvbus bridge``, the in-process publisher | write raw and DLQ, read raw (restart) | none | ``sr-developer`` |
-| ``streams`` | ``kvbus worker`` | read raw; write blocks*, incomplete, DLQ; its app id's topics and group | none | ``sr-developer`` |
-| ``sink`` | ``kvbus sink`` | read blocks*, its group; write DLQ and snapshots | read/write the view's keys, functions | ``sr-developer`` |
-| ``router`` | ``kvbus lookup``, routers | none (no Kafka user) | read the view's keys, ``FCALL_RO`` | none |
-| ``analytics`` | ``kvbus report``, Flink | read every kvbus topic, its groups | none | ``sr-readonly`` |
+Principals: the same user name in Kafka, Redis and the registry; :func:`table` renders who may
+do what (the README's "Security" table is its output, checked by tests/test_secure_plan.py).
 
 The registry's own Kafka client (KafkaSQL storage) is the principal :data:`REGISTRY_KAFKA_USER`.
 """
@@ -33,6 +25,16 @@ ROUTER = "router"
 ANALYTICS = "analytics"
 PRINCIPALS: tuple[str, ...] = (ADMIN, BRIDGE, STREAMS, SINK, ROUTER, ANALYTICS)
 """Every principal that gets an env file (``<secure state>/env/<principal>.env``)."""
+
+RUNS: dict[str, str] = {
+    ADMIN: "infra itself (topics, users, ACLs), operators",
+    BRIDGE: "`kvbus bridge`, the in-process publisher",
+    STREAMS: "`kvbus worker`",
+    SINK: "`kvbus sink`",
+    ROUTER: "`kvbus lookup`, routers",
+    ANALYTICS: "`kvbus report`, other readers",
+}
+"""What runs as each principal."""
 
 REGISTRY_KAFKA_USER = "registry"
 """Kafka principal of the registry's KafkaSQL storage (infra-internal; no env file)."""
@@ -144,3 +146,21 @@ def redis_rules(sink: SinkConfig) -> dict[str, str]:
         # read-only key access (%R~) to the view; FCALL_RO but not FCALL; no writes of any kind
         ROUTER: f"resetchannels %R~{keys} -@all +@read +@connection +fcall_ro -@dangerous +info",
     }
+
+
+def table(topics: Topics, streams: StreamsOptions, sink: SinkConfig) -> str:
+    """The Markdown table of every principal's rights (Kafka ACLs, Redis ACL rules, registry role)."""
+    grants = kafka_grants(topics, streams, sink)
+    redis = redis_rules(sink)
+    rows = ["| principal | runs | Kafka | Redis | registry |", "|---|---|---|---|---|"]
+    for p in PRINCIPALS:
+        if p == ADMIN:
+            kafka = "super user"
+        elif p not in KAFKA_USERS:
+            kafka = "no user"
+        else:
+            kafka = "<br>".join(f"`{g.describe()}`" for g in grants.get(p, []))
+        rule = f"`{redis[p]}`".replace("|", "\\|") if p in redis else "no user"  # a | ends a table cell
+        rows.append(f"| `{p}` | {RUNS[p]} | {kafka} | {rule} | "
+                    f"{REGISTRY_ROLES.get(p, 'no user')} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,45 @@
+"""Who may do what on the secured stack (``infra.secure_plan``) follows the settings it is derived
+from, and the README's "Security" table is what the plan says (no stack needed)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from infra.secure_plan import ANALYTICS, BRIDGE, ROUTER, SINK, STREAMS, kafka_grants, redis_rules, table
+from schemas.topics import Topics
+from sinks.config import SinkConfig
+from streams.options import StreamsOptions
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def names(grants, resource: str, op: str) -> set[str]:
+    return {g.name + ("*" if g.prefixed else "") for g in grants if g.resource == resource and op in g.operations}
+
+
+def test_acls_follow_the_topic_names_app_id_and_sink_group():
+    t = Topics(raw="a.raw", blocks="a.blocks", incomplete="a.inc", dlq="a.dlq", snapshots="a.snap")
+    g = kafka_grants(t, replace(StreamsOptions(), app_id="wk"), replace(SinkConfig(), group="sg"))
+    assert names(g[BRIDGE], "topic", "WRITE") == {"a.raw", "a.dlq"}
+    assert names(g[STREAMS], "topic", "READ") == {"a.raw", "wk-*"}
+    assert names(g[STREAMS], "topic", "WRITE") == {"a.blocks", "a.blocks.*", "a.inc", "a.dlq", "wk-*"}
+    assert names(g[STREAMS], "group", "READ") == {"wk"}
+    assert names(g[SINK], "topic", "READ") == {"a.blocks", "a.blocks.*", "a.snap"}
+    assert names(g[SINK], "topic", "WRITE") == {"a.dlq", "a.snap"}
+    assert "sg" in names(g[SINK], "group", "READ")
+    assert names(g[ANALYTICS], "topic", "WRITE") == set()
+    assert names(g[ANALYTICS], "topic", "READ") == {"a.raw", "a.blocks", "a.blocks.*", "a.inc", "a.dlq", "a.snap"}
+    assert t.for_ownership("kvcr").startswith("a.blocks.")  # the prefixed grant covers tier topics
+
+
+def test_redis_rules_confine_both_users_to_the_views_prefix():
+    rules = redis_rules(replace(SinkConfig(), prefix="view7:"))
+    assert "~view7:*" in rules[SINK].split() and "%R~view7:*" in rules[ROUTER].split()
+    assert "+fcall_ro" in rules[ROUTER].split() and "+@write" not in rules[ROUTER]
+
+
+
+
+
+def test_the_readme_table_is_the_plan():
+    assert table(Topics(), StreamsOptions(), SinkConfig()) in README.read_text()
