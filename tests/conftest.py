@@ -4,6 +4,8 @@
 test session through ``infra.stack`` (the same code as ``infra/stack up``) and
 stopped at the end if this session started them. A stack that does not come up
 is an error, never a skip: integration tests must run in CI.
+``secure_stack``: a secured stack (``infra/stack up --secure``'s code) of the session's own, on free
+ports, for the ``secure`` tests; its :class:`infra.secure.SecureLayout`.
 ``unique_topics``: topic names of one test (uuid suffix), created with explicit
 partition counts; ``sink_topics``: the same for a sink test (blocks, a tier topic, dlq).
 """
