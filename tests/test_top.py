@@ -195,6 +195,15 @@ def test_top_says_what_is_unreachable_and_keeps_running(tmp_path) -> None:
         tmux.close()
 
 
+def test_bad_arguments_exit_2(capsys) -> None:
+    from kvbus.cli import main
+
+    assert main(["top", "--json"]) == 2
+    assert main(["top", "--bridges", "host:port"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "kvbus top: --json needs --once", "kvbus top: not [host:]port or [host:]first-last: 'host:port'"]
+
+
 def test_endpoint_lists_and_quantiles() -> None:
     assert parse_endpoints("9410-9412, host:9401") == (
         "127.0.0.1:9410", "127.0.0.1:9411", "127.0.0.1:9412", "host:9401")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 
 from kvbus.top.config import add_top_config_args, top_config
@@ -36,10 +37,10 @@ def run_top(args: argparse.Namespace, settings: Settings) -> int:
     try:
         cfg = top_config(args)
     except ValueError as e:
-        print(f"kvbus top: {e}")
+        print(f"kvbus top: {e}", file=sys.stderr)
         return 2
     if args.json and not args.once:
-        print("kvbus top: --json needs --once")
+        print("kvbus top: --json needs --once", file=sys.stderr)
         return 2
     if not args.once:  # log lines would tear the screen; what fails shows in its panel
         logging.disable(logging.CRITICAL)
