@@ -340,3 +340,23 @@ def test_no_password_in_logs_configs_or_command_lines(secure_stack):
 def test_status_reports_the_secured_services_ready(secure_stack):
     st = secure.status(secure_stack)
     assert st["ready"] and set(st["services"]) == {"kafka", "registry", "redis"}, st
+
+
+def test_up_again_changes_nothing_and_a_restart_keeps_keys_users_and_schemas(secure_stack):
+    before = {name: svc["pid"] for name, svc in secure.status(secure_stack)["services"].items()}
+    ca = secure_stack.ca.read_bytes()
+    subject = f"t{uuid.uuid4().hex[:8]}-value"
+    schema = Schema('{"type": "record", "name": "R", "fields": [{"name": "b", "type": "long"}]}', "AVRO")
+    sid = registry(secure_stack, SINK).register_schema(subject, schema)
+    secure.up(secure_stack)
+    assert {name: svc["pid"] for name, svc in secure.status(secure_stack)["services"].items()} == before
+    stopped = secure.down(secure_stack)
+    assert set(stopped.values()) <= {"stopped", "killed"} and len(stopped) == 3, stopped
+    assert not secure.status(secure_stack)["ready"]
+    secure.up(secure_stack)
+    assert secure.status(secure_stack)["ready"]
+    assert secure_stack.ca.read_bytes() == ca  # same CA: clients' trust survives a restart
+    assert produce_one(kafka_conf(secure_stack, BRIDGE), T.raw) is None  # SCRAM users are in the metadata log
+    err = produce_one(kafka_conf(secure_stack, BRIDGE), T.blocks)
+    assert err is not None and err.code() == DENIED  # and so are the ACLs
+    assert registry(secure_stack).get_schema(sid).schema_str  # KafkaSQL replayed the journal
