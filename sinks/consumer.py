@@ -64,6 +64,8 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.Cluste
 resume from the view's offsets; never a reason to dead-letter or to stop."""
 SYNC_TIMEOUT = 120.0
 """Seconds a sink given partitions waits for Redis to find where to resume before it gives up."""
+LAG_EVERY = 1.0
+"""Seconds between two updates of the partition lag gauge."""
 VIEW_CHECK_EVERY = 1.0
 """Seconds between checks that the view is where the sink left it, and whether a rebuilt view has
 caught up (then it is marked ready)."""
@@ -149,6 +151,7 @@ class SinkConsumer:
         self.view_id: str | None = None
         self._resync = False
         self._view_checked = 0.0
+        self._lag_at = float("-inf")
         self._expected: Any = {}
         """What this sink last read or wrote of the view's offsets for its partitions, in the
         store's form (:meth:`RedisStore.checkpoint`: (topic, partition) -> offset or None)."""
@@ -179,6 +182,7 @@ class SinkConsumer:
         for tp in partitions:
             tp.offset = off.get((tp.topic, tp.partition), OFFSET_BEGINNING)
         consumer.assign(partitions)
+        self.metrics.lag.clear()  # partitions given to another sink are not this sink's lag any more
         log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in partitions))
 
     def _sync_view(self) -> dict[tuple[str, int], int]:
@@ -233,6 +237,7 @@ class SinkConsumer:
         msgs = self._poll()
         if not msgs:
             self._commit()  # quiet: what was applied is committed now
+        self._update_lag()
         try:
             return self._handle(msgs)
         except ViewChanged as e:
@@ -247,6 +252,21 @@ class SinkConsumer:
                 self._rewind(msgs)
             time.sleep(RETRY_PAUSE)
             return 0
+
+    def _update_lag(self) -> None:
+        """``kvbus_sink_partition_lag`` of every assigned partition, at most once a second: the high
+        watermark of the last fetch minus the position, both known locally (no request)."""
+        now = time.monotonic()
+        if now - self._lag_at < LAG_EVERY:
+            return
+        self._lag_at = now
+        try:
+            for tp in self.consumer.position(self.consumer.assignment()):
+                _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+                if high >= 0 and tp.offset >= 0:
+                    self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, high - tp.offset))
+        except KafkaException:  # assignment changing meanwhile: next second
+            pass
 
     def _poll(self) -> list:
         """Records ready now, up to ``batch``; waits up to ``poll_timeout`` only when none are.

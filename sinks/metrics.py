@@ -26,6 +26,9 @@ class SinkMetrics:
         self.blocks = Gauge("kvbus_sink_view_blocks",
                             "Distinct block hashes in the view (a sharded view: summed over shards)", registry=r)
         self.holders = Gauge("kvbus_sink_view_holders", "Live holders (seen within the stale window)", registry=r)
+        self.lag = Gauge("kvbus_sink_partition_lag",
+                         "Block-topic records not yet read, per assigned partition (last fetch's high watermark "
+                         "minus the position)", ["topic", "partition"], registry=r)
         self.apply_seconds = Histogram(
             "kvbus_sink_apply_seconds", "Latency of one batch write to Redis",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)

@@ -19,7 +19,6 @@ DASHBOARD = ROOT / "ops/grafana/kvbus.json"
 
 EXTERNAL = {
     "up": "Prometheus itself: 1 when the target's last scrape succeeded",
-    "kafka_consumergroup_lag": "danielqsj/kafka_exporter (the kafka-exporter job): lag per consumergroup, topic, partition",
     "vllm:prompt_tokens_total": "vLLM's /metrics (the engine job): prefill tokens processed (vllm/v1/metrics/loggers.py)",
     "sglang:prompt_tokens_total": "SGLang's /metrics (the engine job): prefill tokens processed",
 }

@@ -147,10 +147,12 @@ def test_prometheus_scrapes_a_running_pipeline_and_records_its_rates(test_settin
                           for v in got[q].values()) and all(got[q] for q in got)
             replicas = {dict(k).get("replica") for k in got["kvbus:bridge_events_in:rate5m"]}
             every_up = len(got['up{job=~"kvbus-.*"}']) == 4 and all(v == 1 for v in got['up{job=~"kvbus-.*"}'].values())
-            return got if flowing and replicas == {"replica-0", "replica-1"} and every_up else None
+            hops = {dict(k)["hop"] for k in got["kvbus:hop_lag:records"]}
+            return got if flowing and replicas == {"replica-0", "replica-1"} and every_up and hops == {"raw", "blocks"} \
+                else None
 
         got = eventually(recorded, 90, pipeline, interval=1.0)
-        assert {dict(k)["hop"] for k in got["kvbus:hop_lag:records"]} == {"raw"}  # no kafka_exporter here
+        assert {dict(k)["hop"] for k in got["kvbus:hop_lag:records"]} == {"raw", "blocks"}  # worker's and sink's gauges
         assert _query(web, 'ALERTS{alertname=~"KvbusSinkDown|KvbusWorkerDown|KvbusDeadLetters"}') == []
     finally:
         if prom is not None:
