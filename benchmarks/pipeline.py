@@ -299,8 +299,8 @@ class Sampler(threading.Thread):
         self.samples: list[Sample] = []
         self.stop = threading.Event()
         t = run.settings.topics
-        self.raw_lag = GroupLag(run.settings.bootstrap, run.worker_group, re.escape(t.raw))
-        self.blocks_lag = GroupLag(run.settings.bootstrap, run.sink_group, t.blocks_pattern()[1:])
+        self.raw_lag = GroupLag(run.settings.kafka(), run.worker_group, re.escape(t.raw))
+        self.blocks_lag = GroupLag(run.settings.kafka(), run.sink_group, t.blocks_pattern()[1:])
 
     def take(self) -> Sample:
         run = self.run_

@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
