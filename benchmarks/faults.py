@@ -507,7 +507,7 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
     try:
         for attempt in range(3):  # Apicurio now and then closes a connection unanswered (README)
             try:
-                register(run.settings.registry_url, run.settings.topics, ("kvcr",))
+                register(run.settings.registry_url, run.settings.topics, ("kvcr",), run.settings.security.registry)
                 break
             except OSError as e:
                 if attempt == 2:

@@ -610,7 +610,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         from schemas.registry import register
 
-        register(run.settings.registry_url, run.settings.topics, ("kvcr",))
+        register(run.settings.registry_url, run.settings.topics, ("kvcr",), run.settings.security.registry)
         start_stages(run, args)
         run.pids.update(service_pids(run.settings.redis_url))
         time.sleep(2.0)  # bridges connected before the first batch (replay would cover the rest)

@@ -5,6 +5,11 @@ one bridge per engine stream, the Faust worker and the sink as child processes,
 streams for ``--duration`` seconds with a live progress line, lets the pipeline
 drain, then prints the residency view and one lookup for a prompt the fleet served.
 Ctrl-C stops everything it started (the stack too, if it started it).
+
+``--secure``: the same on the secured stack (``infra/stack up --secure``: SASL_SSL Kafka with ACLs,
+TLS Redis with ACL users, a registry requiring credentials for writes), each stage run as its own
+least-privilege principal from the env files the stack writes (bridge, streams, sink; the lookup as
+router; the demo itself, which registers the schemas and reads the groups' lag, as admin).
 """
 from __future__ import annotations
 
@@ -40,27 +45,38 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="vllm-0.33", help="engine wire format of the fleet (default vllm-0.33)")
     p.add_argument("--keep-stack", action="store_true", help="leave the services running at the end (default: stop them if the demo started them)")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for the sink to catch up after the fleet stops")
+    p.add_argument("--secure", action="store_true",
+                   help="run on the secured stack (infra/stack up --secure), each stage as its own principal")
 
 
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     """Run the demo; exit code 0 when the example lookup agrees with the fleet's ground truth."""
     from infra import stack
 
+    if args.secure:
+        from infra import secure as stack  # noqa: F811 - the secured stack's up/down/status
+    kind = "secured stack" if args.secure else "stack"
     state_dir = Path(os.environ.get("KVBUS_STATE_DIR", Path.cwd() / ".infra"))
     started_stack = not stack.status().get("ready")
     if started_stack:
-        print("== bringing the stack up (Kafka, Apicurio Registry, Redis) ...", flush=True)
+        print(f"== bringing the {kind} up (Kafka, Apicurio Registry, Redis) ...", flush=True)
         t0 = time.monotonic()
         stack.up()
-        print(f"   stack up in {time.monotonic() - t0:.1f}s", flush=True)
+        print(f"   {kind} up in {time.monotonic() - t0:.1f}s", flush=True)
     else:
-        print("== reusing the running stack", flush=True)
+        print(f"== reusing the running {kind}", flush=True)
+    envs = principal_envs() if args.secure else {}
+    if args.secure:
+        settings = Settings.from_env({**os.environ, **envs["admin"]})
+        print("== stages run as their principals: sink=sink, worker=streams, bridges=bridge, lookup=router "
+              "(env files in .infra/secure/env)", flush=True)
     children = Children(log_dir=state_dir / "logs")
     manifest = state_dir / f"demo-manifest-{uuid.uuid4().hex[:6]}.json"
     try:
         _register_schemas(settings)
-        _start_pipeline(children, args, manifest)
-        ok = _stream(children, args, settings, manifest)
+        _start_pipeline(children, args, manifest, envs)
+        ok = _stream(children, args, settings, manifest,
+                     Settings.from_env({**os.environ, **envs["router"]}) if args.secure else settings)
         return 0 if ok else 1
     except KeyboardInterrupt:
         print("\n== interrupted: stopping what the demo started", flush=True)
@@ -76,7 +92,7 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
 def _register_schemas(settings: Settings) -> None:
     from schemas.registry import register
 
-    ids = register(settings.registry_url, settings.topics, ("kvcr",))
+    ids = register(settings.registry_url, settings.topics, ("kvcr",), settings.security.registry)
     print(f"== schemas registered: {', '.join(f'{s}={i}' for s, i in ids.items())}", flush=True)
 
 
@@ -93,18 +109,29 @@ def _streams(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def _start_pipeline(children: Children, args: argparse.Namespace, manifest: Path) -> None:
+def principal_envs() -> dict[str, dict[str, str]]:
+    """The secured stack's ``KVBUS_*`` settings of each principal (its env files)."""
+    from infra import secure
+
+    layout = secure.SecureLayout.default()
+    return {p: secure.read_env_file(layout.env_file(p)) for p in secure.PRINCIPALS}
+
+
+def _start_pipeline(children: Children, args: argparse.Namespace, manifest: Path,
+                    envs: dict[str, dict[str, str]]) -> None:
+    """Start sink, worker, bridges and fleet; ``envs``: principal -> settings (secured stack), or empty."""
     print("== starting sink, Faust worker, bridges and fleet (logs in "
           f"{children.log_dir}/demo-*.log)", flush=True)
-    children.start("sink", "sink", "--group", SINK_GROUP, "--metrics-port", str(SINK_METRICS_PORT))
+    children.start("sink", "sink", "--group", SINK_GROUP, "--metrics-port", str(SINK_METRICS_PORT),
+                   env=envs.get("sink"))
     children.start("worker", "worker", "--app-id", WORKER_GROUP, "--metrics-port", str(WORKER_METRICS_PORT),
-                   "--workdir", str(children.log_dir.parent / "demo"))
+                   "--workdir", str(children.log_dir.parent / "demo"), env=envs.get("streams"))
     for n, (replica, w, pub, replay) in enumerate(_streams(args)):
         children.start(
             f"bridge-{replica}-w{w}", "bridge",
             "--endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}",
             "--replica", replica, "--worker-rank", str(w), "--workers", str(args.workers),
-            "--metrics-port", str(BRIDGE_METRICS_BASE + n),
+            "--metrics-port", str(BRIDGE_METRICS_BASE + n), env=envs.get("bridge"),
         )
     time.sleep(2.0)  # let bridges connect before the fleet's first batch (replay covers the rest)
     children.start(
@@ -114,7 +141,9 @@ def _start_pipeline(children: Children, args: argparse.Namespace, manifest: Path
     )
 
 
-def _stream(children: Children, args: argparse.Namespace, settings: Settings, manifest: Path) -> bool:
+def _stream(children: Children, args: argparse.Namespace, settings: Settings, manifest: Path,
+            reader: Settings) -> bool:
+    """Stream, show progress, drain; then the view and a lookup read with ``reader``'s settings."""
     progress = Progress(
         settings,
         bridge_ports=[BRIDGE_METRICS_BASE + n for n in range(len(_streams(args)))],
@@ -132,7 +161,7 @@ def _stream(children: Children, args: argparse.Namespace, settings: Settings, ma
     print("== fleet stopped; waiting for the pipeline to drain", flush=True)
     drained = wait_for(lambda: progress.drained(), args.drain_timeout, 1.0)
     print("   " + progress.line() + ("" if drained else "  (not fully drained)"), flush=True)
-    return _report(settings, manifest)
+    return _report(reader, manifest)
 
 
 def metrics_endpoints(bridges: int) -> dict[str, str]:

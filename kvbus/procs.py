@@ -39,14 +39,15 @@ class Children:
     """Log files are ``<log_dir>/<log_prefix><name>.log``."""
     started: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, *args: str) -> Child:
-        """Run ``python -m kvbus <args>`` in the background, output to ``<log_dir>/<log_prefix><name>.log``."""
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> Child:
+        """Run ``python -m kvbus <args>`` in the background, output to ``<log_dir>/<log_prefix><name>.log``;
+        ``env``: variables laid over :attr:`env` for this child (e.g. its principal's settings)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{self.log_prefix}{name}.log"
         out = open(path, "ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvbus", *args],
-            stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            stdout=out, stderr=subprocess.STDOUT, env={**self.env, **(env or {})}, start_new_session=True,
         )
         out.close()
         child = Child(name, proc, path, tuple(args))

@@ -23,13 +23,13 @@ def run_schemas(args: argparse.Namespace, settings: Settings) -> int:
     own = tuple(args.ownership)
     if args.action == "register":
         try:
-            ids = register(settings.registry_url, settings.topics, own)
+            ids = register(settings.registry_url, settings.topics, own, settings.security.registry)
         except ValueError as e:
             print(f"refused: {e}")
             return 1
         print(json.dumps(ids) if args.json else "\n".join(f"{s}: id {i}" for s, i in ids.items()))
         return 0
-    results = check(settings.registry_url, settings.topics, own)
+    results = check(settings.registry_url, settings.topics, own, settings.security.registry)
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
     else:

@@ -47,10 +47,11 @@ def subjects(topics: Topics, ownerships: list[str] | tuple[str, ...] = ()) -> di
 
 
 def _request(url: str, method: str = "GET", body: dict | None = None,
-             content_type: str = "application/vnd.schemaregistry.v1+json") -> tuple[int, dict | list]:
-    """One registry request, authenticated as the process's ``KVBUS_REGISTRY_*`` settings say
-    (basic auth, TLS CA: ``schemas.security``); (status, JSON body)."""
-    sec = RegistrySecurity.from_env(os.environ)
+             content_type: str = "application/vnd.schemaregistry.v1+json",
+             security: RegistrySecurity | None = None) -> tuple[int, dict | list]:
+    """One registry request, authenticated as ``security`` says (basic auth, TLS CA:
+    ``schemas.security``; None: the process's ``KVBUS_REGISTRY_*`` settings); (status, JSON body)."""
+    sec = security if security is not None else RegistrySecurity.from_env(os.environ)
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(
         url, data=data, method=method,
@@ -67,7 +68,8 @@ def _request(url: str, method: str = "GET", body: dict | None = None,
             return e.code, {"message": raw.decode(errors="replace")}
 
 
-def check_schema(registry_url: str, subject: str, schema: str) -> tuple[str, list[str]]:
+def check_schema(registry_url: str, subject: str, schema: str,
+                 security: RegistrySecurity | None = None) -> tuple[str, list[str]]:
     """Is ``schema`` (Avro JSON) compatible with the latest version of ``subject``?
 
     Returns (status, messages): ``compatible``, ``incompatible`` with the registry's
@@ -76,12 +78,12 @@ def check_schema(registry_url: str, subject: str, schema: str) -> tuple[str, lis
     base = registry_url.rstrip("/")
     q = urllib.parse.quote(subject, safe="")
     # Apicurio answers "compatible" for a subject it does not have: ask for it first.
-    status, _ = _request(f"{base}/subjects/{q}/versions")
+    status, _ = _request(f"{base}/subjects/{q}/versions", security=security)
     if status == 404:
         return "new", []
     status, body = _request(
         f"{base}/compatibility/subjects/{q}/versions/latest?verbose=true",
-        "POST", {"schema": schema, "schemaType": "AVRO"},
+        "POST", {"schema": schema, "schemaType": "AVRO"}, security=security,
     )
     if status == 404:
         return "new", []
@@ -89,11 +91,12 @@ def check_schema(registry_url: str, subject: str, schema: str) -> tuple[str, lis
         return "error", [f"HTTP {status}: {body}"]
     if body.get("is_compatible"):
         return "compatible", []
-    reasons = [str(m) for m in body.get("messages", [])] or _apicurio_reasons(registry_url, subject, schema)
+    reasons = [str(m) for m in body.get("messages", [])] or _apicurio_reasons(registry_url, subject, schema, security)
     return "incompatible", reasons or ["(the registry gave no reason)"]
 
 
-def _apicurio_reasons(registry_url: str, subject: str, schema: str) -> list[str]:
+def _apicurio_reasons(registry_url: str, subject: str, schema: str,
+                      security: RegistrySecurity | None = None) -> list[str]:
     """Apicurio's ccompat check gives no reasons; its native API's dry-run registration does."""
     base, sep, _ = registry_url.rstrip("/").rpartition("/apis/ccompat/")
     if not sep:
@@ -101,29 +104,31 @@ def _apicurio_reasons(registry_url: str, subject: str, schema: str) -> list[str]
     q = urllib.parse.quote(subject, safe="")
     status, body = _request(
         f"{base}/apis/registry/v3/groups/default/artifacts/{q}/versions?dryRun=true", "POST",
-        {"content": {"content": schema, "contentType": "application/json"}}, "application/json",
+        {"content": {"content": schema, "contentType": "application/json"}}, "application/json", security,
     )
     if status in (200, 201) or not isinstance(body, dict):
         return []
     return [body.get("title") or body.get("detail") or str(body)]
 
 
-def register_schema(registry_url: str, subject: str, schema: str) -> int:
+def register_schema(registry_url: str, subject: str, schema: str, security: RegistrySecurity | None = None) -> int:
     """Register ``schema`` under ``subject``; returns its id. Raises ValueError with the
     registry's message when it refuses (e.g. 409 incompatible)."""
     base = registry_url.rstrip("/")
     q = urllib.parse.quote(subject, safe="")
-    status, body = _request(f"{base}/subjects/{q}/versions", "POST", {"schema": schema, "schemaType": "AVRO"})
+    status, body = _request(f"{base}/subjects/{q}/versions", "POST", {"schema": schema, "schemaType": "AVRO"},
+                            security=security)
     if status != 200 or not isinstance(body, dict):
         raise ValueError(f"registry refused {subject} (HTTP {status}): {body}")
     return int(body["id"])
 
 
-def check(registry_url: str, topics: Topics, ownerships: tuple[str, ...] = ()) -> list[CheckResult]:
+def check(registry_url: str, topics: Topics, ownerships: tuple[str, ...] = (),
+          security: RegistrySecurity | None = None) -> list[CheckResult]:
     """Check every kvbus subject against the registry."""
     results = []
     for subject, record in subjects(topics, ownerships).items():
-        status, messages = check_schema(registry_url, subject, schema_str(record))
+        status, messages = check_schema(registry_url, subject, schema_str(record), security)
         results.append(CheckResult(subject, record, status, messages))
     return results
 
@@ -133,19 +138,22 @@ def check(registry_url: str, topics: Topics, ownerships: tuple[str, ...] = ()) -
 KVBUS_COMPATIBILITY = "FULL_TRANSITIVE"
 
 
-def set_compatibility(registry_url: str, subject: str, level: str = KVBUS_COMPATIBILITY) -> None:
+def set_compatibility(registry_url: str, subject: str, level: str = KVBUS_COMPATIBILITY,
+                      security: RegistrySecurity | None = None) -> None:
     """Set ``subject``'s compatibility level (PUT /config/<subject>)."""
     base = registry_url.rstrip("/")
     q = urllib.parse.quote(subject, safe="")
-    status, body = _request(f"{base}/config/{q}", "PUT", {"compatibility": level})
+    status, body = _request(f"{base}/config/{q}", "PUT", {"compatibility": level}, security=security)
     if status != 200:
         raise ValueError(f"registry refused compatibility {level} for {subject} (HTTP {status}): {body}")
 
 
-def register(registry_url: str, topics: Topics, ownerships: tuple[str, ...] = ()) -> dict[str, int]:
-    """Set every kvbus subject to FULL_TRANSITIVE and register its schema; returns subject -> id."""
+def register(registry_url: str, topics: Topics, ownerships: tuple[str, ...] = (),
+             security: RegistrySecurity | None = None) -> dict[str, int]:
+    """Set every kvbus subject to FULL_TRANSITIVE and register its schema; returns subject -> id.
+    ``security``: the registry credentials (None: the process's ``KVBUS_REGISTRY_*``)."""
     ids = {}
     for subject, record in subjects(topics, ownerships).items():
-        set_compatibility(registry_url, subject)
-        ids[subject] = register_schema(registry_url, subject, schema_str(record))
+        set_compatibility(registry_url, subject, security=security)
+        ids[subject] = register_schema(registry_url, subject, schema_str(record), security)
     return ids

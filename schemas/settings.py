@@ -56,19 +56,21 @@ class Settings:
     """How to authenticate to Kafka, Redis and the registry (``schemas.security``; default: open)."""
 
     @classmethod
-    def from_env(cls) -> "Settings":
-        """Settings from KVBUS_* variables, defaults for the rest."""
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """Settings from KVBUS_* variables (of ``environ``, default the process's), defaults for the rest."""
+        environ = os.environ if environ is None else environ
+
         def env(name: str, default: object) -> str:  # unset or blank: the default
-            return os.environ.get(name, "").strip() or str(default)
+            return environ.get(name, "").strip() or str(default)
 
         return cls(
             bootstrap=env("KVBUS_BOOTSTRAP", DEFAULT_BOOTSTRAP),
             registry_url=env("KVBUS_REGISTRY_URL", DEFAULT_REGISTRY_URL),
             redis_url=env("KVBUS_REDIS_URL", DEFAULT_REDIS_URL),
             partitions=int(env("KVBUS_PARTITIONS", DEFAULT_PARTITIONS)),
-            topics=Topics.from_env(),
+            topics=Topics.from_env(environ),
             max_record_bytes=int(env("KVBUS_MAX_RECORD_BYTES", DEFAULT_MAX_RECORD_BYTES)),
-            security=Security.from_env(),
+            security=Security.from_env(environ),
         )
 
     def kafka(self, **conf: Any) -> dict[str, Any]:

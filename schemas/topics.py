@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Mapping
 
 _ILLEGAL = re.compile(r"[^a-zA-Z0-9._-]")
 
@@ -37,9 +38,9 @@ class Topics:
     """Snapshots of the residency view (compacted; the sinks write and read it)."""
 
     @classmethod
-    def from_env(cls) -> "Topics":
-        """Defaults overridden by KVBUS_TOPIC_* variables."""
-        env = os.environ
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Topics":
+        """Defaults overridden by KVBUS_TOPIC_* variables (of ``environ``, default the process's)."""
+        env = os.environ if environ is None else environ
         return cls(
             raw=env.get("KVBUS_TOPIC_RAW", cls.raw),
             blocks=env.get("KVBUS_TOPIC_BLOCKS", cls.blocks),
