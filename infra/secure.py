@@ -40,10 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sinks.config import SinkConfig  # the stages' public options (group, key prefix, app id)
+from streams.options import StreamsOptions
+
 from . import kafka_broker, pki, redis_server, registry, topics
 from .procs import ServiceError, alive_record, port_open, start_process, stop_process, wait_until
 from .secure_plan import (ADMIN, KAFKA_USERS, KAFKASQL_TOPIC_PREFIX, PRINCIPALS, REGISTRY_KAFKA_USER, REGISTRY_ROLES,
-                          ROUTER, SINK, Grant, kafka_grants, redis_rules, registry_grants)
+                          Grant, kafka_grants, redis_rules, registry_grants)
 from .settings import LOOPBACK, Paths, RedisSettings, RegistrySettings, env_int, kvbus_settings, state_dir
 
 log = logging.getLogger("infra")
@@ -206,7 +209,7 @@ def env_lines(layout: SecureLayout, principal: str) -> dict[str, str]:
                 "KVBUS_KAFKA_SASL_USERNAME": principal, "KVBUS_KAFKA_SASL_PASSWORD_FILE": pw, "KVBUS_KAFKA_SSL_CA": ca}
     if principal in REGISTRY_ROLES:
         out |= {"KVBUS_REGISTRY_USERNAME": principal, "KVBUS_REGISTRY_PASSWORD_FILE": pw}
-    if principal in redis_rules(_sink_config()):
+    if principal in redis_rules(SinkConfig.from_env()):
         out |= {"KVBUS_REDIS_USERNAME": principal, "KVBUS_REDIS_PASSWORD_FILE": pw}
     return out
 
@@ -222,16 +225,6 @@ def read_env_file(path: Path) -> dict[str, str]:
     return out
 
 
-def _sink_config() -> Any:
-    from sinks.config import SinkConfig
-    return SinkConfig.from_env()
-
-
-def _streams_options() -> Any:
-    from streams.options import StreamsOptions
-    return StreamsOptions.from_env()
-
-
 def prepare(layout: SecureLayout) -> pki.CertFiles:
     """Make what the services need before they start (each file only when missing, except the
     generated configs): the CA and the broker's certificate, every password, the env files, Redis'
@@ -245,7 +238,7 @@ def prepare(layout: SecureLayout) -> pki.CertFiles:
         body = "".join(f"{k}={v}\n" for k, v in env_lines(layout, p).items())
         _private_write(layout.env_file(p), f"# kvbus settings of the principal '{p}' on the secured stack "
                                            f"(infra/stack up --secure); secrets are in the *_FILE paths\n{body}")
-    rules = redis_rules(_sink_config())
+    rules = redis_rules(SinkConfig.from_env())
     acl = ["user default off"] + [
         f"user {p} on #{hashlib.sha256(password(layout, p).encode()).hexdigest()} {r}" for p, r in rules.items()]
     _private_write(layout.redis_acl, "\n".join(acl) + "\n")
@@ -316,7 +309,7 @@ def apply_kafka_security(layout: SecureLayout, timeout: float = 30.0) -> dict[st
     ups = [UserScramCredentialUpsertion(u, info, password(layout, u).encode()) for u in users]
     for fut in client.alter_user_scram_credentials(ups, request_timeout=timeout).values():
         fut.result(timeout)
-    plan = kafka_grants(kvbus_settings().topics, _streams_options(), _sink_config())
+    plan = kafka_grants(kvbus_settings().topics, StreamsOptions.from_env(), SinkConfig.from_env())
     plan[REGISTRY_KAFKA_USER] = registry_grants()
     bindings = [b for p, g in plan.items() for b in _acl_bindings(p, g)]
     for fut in client.create_acls(bindings, request_timeout=timeout).values():
@@ -347,7 +340,7 @@ def redis_client(layout: SecureLayout, principal: str = ADMIN, **kw: Any) -> Any
 
     return redis.Redis(host=LOOPBACK, port=layout.ports.redis, ssl=True, ssl_ca_certs=str(layout.ca),
                        username=principal, password=password(layout, principal),
-                       **{"socket_connect_timeout": 2, "socket_timeout": 5, "retry": Retry(NoBackoff(), 0), **kw})
+                       **{"socket_connect_timeout": 5, "socket_timeout": 5, "retry": Retry(NoBackoff(), 0), **kw})
 
 
 def _redis_pid(layout: SecureLayout) -> Path:
