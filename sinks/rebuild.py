@@ -12,7 +12,13 @@ the first sink to see that takes the rebuild lock (``P lock``) and
 4. gives the view a new id.
 
 The sinks then replay the block topics from ``P off`` (sinks/consumer.py); the stored positions
-skip what the snapshot already contains. The view is ``ready`` again once ``P off`` has reached the
+skip what the snapshot already contains.
+
+A sharded view (sinks/sharded_store.py) whose shards lost the view while the others kept it (one
+master lost with its replica) is rebuilt in those shards only (``lost_shards``): only they are
+wiped, get the snapshot's holders of theirs and its offsets, and take the id the others kept; the
+sinks' replay from the minimum offsets over shards is skipped by positions in the shards that kept
+their data. The view is ``ready`` again once ``P off`` has reached the
 end offsets the block topics had when the rebuild began (``target`` in ``P status``): any sink that
 sees this marks it (:func:`mark_ready_if_caught_up`). Other sinks wait for the new id.
 """
@@ -64,8 +70,14 @@ def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[],
     if metrics is not None:
         metrics.rebuilding.set(1)
     target = {f"{t}:{p}": o for (t, p), o in end_offsets().items() if o > 0}
+    lost = store.lost_shards()  # a sharded view that lost some shards only: rebuild just those
+    keep_vid, only = lost if lost else (None, None)
+    scope = {"shards": only} if only is not None else {}
+    if only is not None:
+        log.warning("shards %s of the view lost it (the others keep view %s): rebuilding those shards only",
+                    only, keep_vid)
     t1 = time.monotonic()
-    wiped = store.wipe()
+    wiped = store.wipe(**scope)
     t2 = time.monotonic()
     manifest, holders = reader.read()
     read_in = time.monotonic() - t2
@@ -81,11 +93,13 @@ def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[],
     if manifest is not None:
         for name in manifest.holders:
             rec = holders[name]
+            if only is not None and store.shard(rec.replica, rec.dp_rank) not in only:
+                continue  # its shard kept its data
             entries += store.restore_holder(rec.replica, rec.dp_rank, holder_dump(rec))
             restored += 1
-        store.set_offsets({(o.topic, o.partition): o.offset for o in manifest.offsets})
-    vid = uuid.uuid4().hex
-    store.set_view_id(vid)
+        store.set_offsets({(o.topic, o.partition): o.offset for o in manifest.offsets}, **scope)
+    vid = keep_vid or uuid.uuid4().hex
+    store.set_view_id(vid, **scope)
     took = time.monotonic() - t0
     store.set_status(state=REBUILDING, since=began, phase="replaying", snapshot=manifest.snapshot if manifest else "",
                      holders=restored, entries=entries, restored_in=f"{took:.3f}", read_in=f"{read_in:.3f}", target=json.dumps(target))

@@ -373,6 +373,10 @@ class RedisStore(ResidencyStore):
         v = self.r.hget(self.prefix + "meta", "vid")
         return _s(v) if v is not None else None
 
+    def lost_shards(self) -> None:
+        """Shards that lost the view while others kept it: none on one server (a view is lost whole)."""
+        return None
+
     def set_view_id(self, view_id: str) -> None:
         """Mark the view under this prefix as view ``view_id`` (complete, ready to be applied to)."""
         self.r.hset(self.prefix + "meta", mapping={"vid": view_id, "layout": LAYOUT})

@@ -430,12 +430,15 @@ class ShardedRedisStore(ResidencyStore):
         want = {k: expected.get(k) for k in offsets} if expected is not None else None
         return [self.shards[s].prefix, 0, 0, 0, b"", view_id or "", _offsets_arg(want, offsets)]
 
-    def set_offsets(self, offsets: Offsets, view_id: str | None = None, expected=None) -> None:
-        """Store offsets in every shard without events (one round trip); :class:`ViewChanged` like apply."""
+    def set_offsets(self, offsets: Offsets, view_id: str | None = None, expected=None,
+                    shards: Iterable[int] | None = None) -> None:
+        """Store offsets in every shard (or in ``shards``) without events (one round trip);
+        :class:`ViewChanged` like apply."""
         if not offsets:
             return
         exp = self._expected_per_shard(expected)
-        calls = [(s, "kvbus_apply", self._offsets_call(s, offsets, view_id, exp[s])) for s in range(self.nshards)]
+        calls = [(s, "kvbus_apply", self._offsets_call(s, offsets, view_id, exp[s]))
+                 for s in (range(self.nshards) if shards is None else shards)]
         for s, reply in enumerate(self._execute(calls)):
             if isinstance(reply, redis.ResponseError) and VIEW_CHANGED in str(reply):
                 raise ViewChanged(f"shard {s} of the view under {self.prefix!r} is not view {view_id!r} any more: {reply}")
@@ -451,9 +454,21 @@ class ShardedRedisStore(ResidencyStore):
         ids = set(self.view_ids())
         return ids.pop() if len(ids) == 1 else None
 
-    def set_view_id(self, view_id: str) -> None:
-        for st in self.shards:
-            st.set_view_id(view_id)
+    def set_view_id(self, view_id: str, shards: Iterable[int] | None = None) -> None:
+        """Mark every shard (or ``shards``) as view ``view_id``."""
+        for s in range(self.nshards) if shards is None else shards:
+            self.shards[s].set_view_id(view_id)
+
+    def lost_shards(self) -> tuple[str, list[int]] | None:
+        """(the view id the other shards keep, the shards without one) when some shards lost the view
+        (their master failed over to a replica without the data, or both lost it) while every other
+        shard has the same id: those shards alone are rebuilt (sinks/rebuild.py). None when no shard
+        lost it, or when no shard kept it, or the kept ids differ (then the whole view is rebuilt)."""
+        ids = self.view_ids()
+        kept = {i for i in ids if i is not None}
+        if len(kept) != 1 or None not in ids:
+            return None
+        return kept.pop(), [s for s, i in enumerate(ids) if i is None]
 
     def shard_offsets(self) -> list[dict[tuple[str, int], int]]:
         """``P{s<i>}:off`` of each shard."""
@@ -508,10 +523,10 @@ class ShardedRedisStore(ResidencyStore):
             self.rc.delete(st.prefix + "status")
             self.rc.hset(st.prefix + "status", mapping={k: str(v) for k, v in fields.items()})
 
-    def wipe(self, keep: Sequence[str] = ("status", "lock")) -> int:
-        """Delete every shard's keys but ``<shard prefix><keep>`` (a rebuild starts from nothing);
-        the shard count is written again (it belongs to the view, not to its contents)."""
-        n = sum(st.wipe(keep) for st in self.shards)
+    def wipe(self, keep: Sequence[str] = ("status", "lock"), shards: Iterable[int] | None = None) -> int:
+        """Delete every shard's (or ``shards``') keys but ``<shard prefix><keep>`` (a rebuild starts
+        from nothing); the shard count is written again (it belongs to the view, not to its contents)."""
+        n = sum(self.shards[s].wipe(keep) for s in (range(self.nshards) if shards is None else shards))
         self._check_shards()
         return n
 

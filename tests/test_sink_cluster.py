@@ -92,3 +92,34 @@ def test_a_lost_sharded_view_is_rebuilt_from_its_snapshot(stack, sink_topics):
         wait_for(lambda: _positions(store) == want, 120, "the rebuilt view", step=sink.step)
         assert store.snapshot() == model_of(records).snapshot()
         assert sink.metrics.rebuilds._value.get() == rebuilds + 1
+
+
+def test_a_shard_lost_alone_is_rebuilt_alone(stack, sink_topics):
+    """One master's data lost (FLUSHALL, which its replica copies): the sink rebuilds that master's
+    shards from the snapshot and replays; the other shards are not wiped (a key of each survives),
+    and the view keeps its id."""
+    import dataclasses
+
+    from sinks.snapshot import SnapshotWriter
+
+    records = random_streams(61, sink_topics, holders=12, batches=600, pool=40)
+    half = len(records) // 2
+    with sink_on_a_cluster(stack, sink_topics, records[:half]) as (cluster, store, sink):
+        SnapshotWriter(dataclasses.replace(stack, topics=sink_topics), store).take()
+        vid = store.view_id()
+        lost_port = max((n.port for n in cluster.nodes if n.master),
+                        key=lambda p: sum(store._node(s).port == p for s in range(store.nshards)))
+        lost = {s for s in range(store.nshards) if store._node(s).port == lost_port}
+        for s in range(store.nshards):  # a key in every shard that only a wipe of its shard removes
+            store.rc.set(store.shards[s].prefix + "sentinel", 1)
+        produce(stack, records[half:])
+        cluster.node_client(lost_port).flushall()
+        assert store.lost_shards() == (vid, sorted(lost))
+        rebuilds = sink.metrics.rebuilds._value.get()
+        want = model_of(records).positions()
+        wait_for(lambda: _positions(store) == want, 120, "the view with its lost shards rebuilt", step=sink.step)
+        assert store.snapshot() == model_of(records).snapshot()
+        assert sink.metrics.rebuilds._value.get() == rebuilds + 1
+        assert store.view_id() == vid, "the surviving shards' id is kept"
+        kept = {s for s in range(store.nshards) if store.rc.exists(store.shards[s].prefix + "sentinel")}
+        assert kept == set(range(store.nshards)) - lost, "only the lost shards were rebuilt"
