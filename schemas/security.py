@@ -32,7 +32,7 @@ import os
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 """Kafka security protocols (``security.protocol``)."""
@@ -183,17 +183,31 @@ class KafkaSecurity:
 
 
 @dataclass(frozen=True)
-class RedisSecurity:
-    """Redis ACL ``username`` / ``password`` (override the URL's) and ``ca`` (PEM path) for ``rediss://``."""
+class Credentials:
+    """A user, its password and the CA (PEM path) of the service's TLS certificate, read from
+    ``<PREFIX>_USERNAME``, ``<PREFIX>_PASSWORD`` (or ``..._FILE``) and ``<PREFIX>_SSL_CA``."""
 
+    PREFIX: ClassVar[str] = ""
+    """The variables' common prefix (``KVBUS_REDIS``, ``KVBUS_REGISTRY``)."""
     username: str = ""
     password: Secret = Secret()
     ca: str = ""
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> "RedisSecurity":
-        return cls(env.get("KVBUS_REDIS_USERNAME", "").strip(), read_secret(env, "KVBUS_REDIS_PASSWORD"),
-                   _path(env, "KVBUS_REDIS_SSL_CA"))
+    def from_env(cls, env: Mapping[str, str]):
+        p = cls.PREFIX
+        return cls(env.get(f"{p}_USERNAME", "").strip(), read_secret(env, f"{p}_PASSWORD"), _path(env, f"{p}_SSL_CA"))
+
+    def to_env(self) -> dict[str, str]:
+        p = self.PREFIX
+        return _env({f"{p}_USERNAME": self.username, f"{p}_SSL_CA": self.ca}, f"{p}_PASSWORD", self.password)
+
+
+@dataclass(frozen=True)
+class RedisSecurity(Credentials):
+    """Redis ACL ``username`` / ``password`` (override the URL's) and ``ca`` for ``rediss://``."""
+
+    PREFIX: ClassVar[str] = "KVBUS_REDIS"
 
     def client_kwargs(self, url: str) -> dict[str, Any]:
         """redis-py keyword arguments (``Redis.from_url(url, **kw)`` / ``RedisCluster``) for ``url``."""
@@ -206,23 +220,16 @@ class RedisSecurity:
             kw["ssl_ca_certs"] = self.ca
         return kw
 
-    def to_env(self) -> dict[str, str]:
-        return _env({"KVBUS_REDIS_USERNAME": self.username, "KVBUS_REDIS_SSL_CA": self.ca},
-                    "KVBUS_REDIS_PASSWORD", self.password)
-
 
 @dataclass(frozen=True)
-class RegistrySecurity:
-    """Registry basic-auth ``username`` / ``password`` and ``ca`` (PEM path) for an ``https://`` URL."""
+class RegistrySecurity(Credentials):
+    """Registry basic-auth ``username`` / ``password`` and ``ca`` for an ``https://`` URL."""
 
-    username: str = ""
-    password: Secret = Secret()
-    ca: str = ""
+    PREFIX: ClassVar[str] = "KVBUS_REGISTRY"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "RegistrySecurity":
-        sec = cls(env.get("KVBUS_REGISTRY_USERNAME", "").strip(), read_secret(env, "KVBUS_REGISTRY_PASSWORD"),
-                  _path(env, "KVBUS_REGISTRY_SSL_CA"))
+        sec = super().from_env(env)
         if bool(sec.username) != bool(sec.password):
             raise SecurityConfigError("KVBUS_REGISTRY_USERNAME and KVBUS_REGISTRY_PASSWORD (or ..._FILE) go together")
         return sec
@@ -247,10 +254,6 @@ class RegistrySecurity:
 
     def ssl_context(self) -> ssl.SSLContext | None:
         return ssl.create_default_context(cafile=self.ca) if self.ca else None
-
-    def to_env(self) -> dict[str, str]:
-        return _env({"KVBUS_REGISTRY_USERNAME": self.username, "KVBUS_REGISTRY_SSL_CA": self.ca},
-                    "KVBUS_REGISTRY_PASSWORD", self.password)
 
 
 @dataclass(frozen=True)
