@@ -135,3 +135,22 @@ class StagePipeline:
 
         return subprocess.run([sys.executable, "-m", "kvbus", *args], env=principal_env(self.layout, principal, **extra),
                               capture_output=True, text=True, timeout=timeout)
+
+    def watch(self, principal: str, args: tuple[str, ...], needle: str, timeout: float, **extra: str) -> tuple[int | None, str]:
+        """Run ``python -m kvbus <args>`` as ``principal`` until its output contains ``needle``, it
+        exits, or ``timeout`` seconds pass (then it is stopped): ``(exit code or None, output)``."""
+        import subprocess
+        import sys
+
+        log_path = self.workdir / f"watch-{principal}-{args[0]}-{time.monotonic_ns()}.log"
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "kvbus", *args], stdout=out, stderr=subprocess.STDOUT,
+                                    env=principal_env(self.layout, principal, **extra), start_new_session=True)
+        try:
+            wait_for(lambda: proc.poll() is not None or needle in log_path.read_text(errors="replace"), timeout)
+        finally:
+            code = proc.poll()
+            if code is None:  # only its output matters now
+                proc.kill()
+                proc.wait(10)
+        return code, log_path.read_text(errors="replace")
