@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Callable, Sequence
 
-from schemas.security import SecurityConfigError, redis_security_hint
+from schemas.security import SecurityConfigError, SecurityRefused, redis_security_hint
 from schemas.settings import Settings
 
 #: subcommand -> (module, add-arguments function, run function, help)
@@ -76,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(_load(module, run)(args, settings) or 0)
     except KeyboardInterrupt:
         return 130
+    except SecurityRefused as e:
+        logging.getLogger("kvbus").error("%s: %s", args.command, e)
+        return 2
     except Exception as e:  # noqa: BLE001 - only security refusals are answered here; the rest re-raised
         hint = redis_security_hint(e, settings.security.redis)
         if hint is None:

@@ -25,6 +25,7 @@ from producers.metrics import BridgeMetrics
 from producers.recovery import Resume, find_last_produced, wait_and_recover
 from producers.replay import DEFAULT_TIMEOUT
 from schemas.codec import FastSerde
+from schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
 from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings
 
@@ -60,12 +61,18 @@ class _Stopped(Exception):
     """SIGTERM/SIGINT arrived while waiting for a service."""
 
 
-def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], every: float = 2.0) -> Any:
-    """``fn()`` until it succeeds; raises :class:`_Stopped` if asked to stop meanwhile."""
+def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], every: float = 2.0,
+           registry: RegistrySecurity | None = None) -> Any:
+    """``fn()`` until it succeeds; raises :class:`_Stopped` if asked to stop meanwhile, and
+    :class:`SecurityRefused` if the registry refuses ``registry``'s credentials or rights (no retry
+    can fix that)."""
     while True:
         try:
             return fn()
         except Exception as exc:
+            hint = registry_security_hint(exc, registry) if registry is not None else None
+            if hint:
+                raise SecurityRefused(f"{what}: {exc} -- {hint}") from exc
             log.warning("%s failed (%s); retrying in %.0fs", what, exc, every)
             deadline = time.monotonic() + every
             while time.monotonic() < deadline:
@@ -97,12 +104,14 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
     """Registry, recovery, Kafka sink and the bridge; None if stopped while waiting for services."""
     cfg = config_from_args(args)
     topics = settings.topics
+    check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
     registry = registry_client(settings)
     dl_serde = RecordSerde(registry, "DeadLetter")
     batch_serde = RecordSerde(registry, "EventBatch")
     if args.serializer == "fast":
         fast = FastSerde(registry, "EventBatch")
-        schema_id = _retry("registering the EventBatch schema", lambda: fast.schema_id(topics.raw), stop)
+        schema_id = _retry("registering the EventBatch schema", lambda: fast.schema_id(topics.raw), stop,
+                           registry=settings.security.registry)
         serialize_batch = lambda b: fast.dumps(b, topics.raw)  # noqa: E731
         log.info("EventBatch schema id %d for %s-value", schema_id, topics.raw)
     else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import ssl
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
@@ -321,7 +322,8 @@ def kafka_security_hint(err: Any, client: "KafkaSecurity | Mapping[str, Any]") -
     if code == KafkaError._SSL or "SSL handshake failed" in text or "certificate verify failed" in text:
         return ("the TLS handshake with Kafka failed: check KVBUS_KAFKA_SSL_CA (the CA that signed the brokers' "
                 f"certificates) and KVBUS_KAFKA_SECURITY_PROTOCOL (now {protocol})")
-    if "security.protocol" in text or "SSL listener" in text:
+    if "security.protocol" in text or "SSL listener" in text \
+            or (protocol == "PLAINTEXT" and "in state APIVERSION_QUERY" in text):  # a TLS/SASL listener hangs up
         return f"the broker speaks another protocol: check KVBUS_KAFKA_SECURITY_PROTOCOL (now {protocol})"
     return None
 
@@ -350,3 +352,67 @@ def redis_security_hint(err: BaseException, sec: RedisSecurity) -> str | None:
         return ("the connection to Redis failed at the TLS layer or was closed: a rediss:// URL for a TLS port, "
                 "redis:// for a plain one (KVBUS_REDIS_URL), and KVBUS_REDIS_SSL_CA for the server's CA")
     return None
+
+
+class SecurityRefused(RuntimeError):
+    """A service refused this process's credentials, rights or protocol; the message says which
+    ``KVBUS_*`` setting to fix. ``kvbus`` exits 2 with it."""
+
+
+def registry_security_hint(err: BaseException, sec: RegistrySecurity) -> str | None:
+    """What to fix when ``err`` (confluent-kafka's ``SchemaRegistryError`` or an HTTP error) is the
+    registry refusing this process: 401 (credentials), 403 (rights); None for other errors."""
+    status = getattr(err, "http_status_code", None) or getattr(err, "code", None)
+    who = f"user {sec.username!r}" if sec.username else "anonymous requests (KVBUS_REGISTRY_USERNAME unset)"
+    if status == 401:
+        return (f"the schema registry refused the credentials of {who}: check KVBUS_REGISTRY_USERNAME and "
+                "KVBUS_REGISTRY_PASSWORD / KVBUS_REGISTRY_PASSWORD_FILE")
+    if status == 403:
+        return (f"the schema registry does not let {who} register schemas (a write role is needed): run this "
+                "stage as its own principal (KVBUS_REGISTRY_USERNAME; README, Security)")
+    return None
+
+
+def describe_error(err: BaseException, sec: Security) -> str:
+    """``err``'s text, followed by what to fix when it is Kafka, the registry or Redis refusing this
+    process (the ``*_security_hint`` functions), e.g. for a log line of a retried step."""
+    inner = err.args[0] if err.args and hasattr(err.args[0], "code") else err
+    hint = (kafka_security_hint(inner, sec.kafka) or registry_security_hint(err, sec.registry)
+            or redis_security_hint(err, sec.redis))
+    return f"{err} -- {hint}" if hint else str(err)
+
+
+def check_kafka_access(conf: Mapping[str, Any], timeout: float = 15.0) -> None:
+    """Connect to Kafka with the client configuration ``conf`` (``Settings.kafka()``) and ask for
+    the cluster's metadata; raises :class:`SecurityRefused` naming the setting to fix if Kafka
+    refuses the credentials or the protocol. Other failures (Kafka down) are left to the caller's
+    own retries. For a process whose client library would fail with a bare traceback (aiokafka)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    import logging
+
+    refused: list[str] = []
+
+    def note(err: Any) -> None:  # an error (error_cb) or a librdkafka log line (some refusals are only logged)
+        hint = kafka_security_hint(err, conf)
+        if hint and not refused:
+            refused.append(f"{err} -- {hint}")
+
+    class Capture(logging.Logger):
+        def handle(self, record: logging.LogRecord) -> None:
+            note(record.getMessage())
+
+    admin = AdminClient({**conf, "error_cb": note, "logger": Capture("kvbus.kafka-check")})
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            admin.list_topics(timeout=1.0)
+            return
+        except KafkaException:
+            pass
+        admin.poll(0.1)  # serves error_cb and the log lines
+        if refused:
+            raise SecurityRefused(refused[0])
+        if time.monotonic() > deadline:
+            return  # not a refusal we can name (Kafka down?): the caller's own retries report it

@@ -19,7 +19,7 @@ import threading
 from dataclasses import replace
 
 from schemas.hashing import HASH_ALGOS
-from schemas.security import redact_url
+from schemas.security import check_kafka_access, redact_url
 from schemas.settings import Settings
 
 from sinks.config import SinkConfig
@@ -74,6 +74,7 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     from sinks.sharded_store import open_store
 
     config = sink_config(args)
+    check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
     store = open_store(settings.redis_url, config.prefix, client_kwargs=settings.redis_kwargs())  # a redis+cluster:// URL: the sharded view
     metrics = SinkMetrics()
     if config.metrics_port:

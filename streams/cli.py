@@ -15,6 +15,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+from schemas.security import check_kafka_access
 from schemas.settings import Settings
 from streams.options import StreamsOptions
 
@@ -48,6 +49,7 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
     from streams.agents import build
 
     options = options_from_args(args)
+    check_kafka_access(settings.kafka())  # aiokafka would fail with a bare "Unable to bootstrap" traceback
     app = build(settings, options)
     options.data_dir.mkdir(parents=True, exist_ok=True)
     log.info("starting streams worker app_id=%s datadir=%s", options.app_id, options.data_dir)

@@ -136,9 +136,11 @@ class StagePipeline:
         return subprocess.run([sys.executable, "-m", "kvbus", *args], env=principal_env(self.layout, principal, **extra),
                               capture_output=True, text=True, timeout=timeout)
 
-    def watch(self, principal: str, args: tuple[str, ...], needle: str, timeout: float, **extra: str) -> tuple[int | None, str]:
-        """Run ``python -m kvbus <args>`` as ``principal`` until its output contains ``needle``, it
-        exits, or ``timeout`` seconds pass (then it is stopped): ``(exit code or None, output)``."""
+    def watch(self, principal: str, args: tuple[str, ...], needle: str | None, timeout: float,
+              **extra: str) -> tuple[int | None, str]:
+        """Run ``python -m kvbus <args>`` as ``principal`` until its output contains ``needle`` (None:
+        until it exits), it exits, or ``timeout`` seconds pass (then it is stopped):
+        ``(exit code or None, output)``."""
         import subprocess
         import sys
 
@@ -147,7 +149,8 @@ class StagePipeline:
             proc = subprocess.Popen([sys.executable, "-m", "kvbus", *args], stdout=out, stderr=subprocess.STDOUT,
                                     env=principal_env(self.layout, principal, **extra), start_new_session=True)
         try:
-            wait_for(lambda: proc.poll() is not None or needle in log_path.read_text(errors="replace"), timeout)
+            wait_for(lambda: proc.poll() is not None
+                     or (needle is not None and needle in log_path.read_text(errors="replace")), timeout)
         finally:
             code = proc.poll()
             if code is None:  # only its output matters now

@@ -122,3 +122,19 @@ def test_kafka_refusals_name_the_setting_to_fix():
                                               "incorrect security.protocol configuration (connecting to a SSL listener?)")
     assert "KVBUS_KAFKA_SECURITY_PROTOCOL (now PLAINTEXT)" in kafka_security_hint(wrong, KafkaSecurity())
     assert kafka_security_hint(KafkaError(KafkaError._MSG_TIMED_OUT), sasl) is None
+
+
+def test_registry_and_plaintext_refusals_name_the_setting():
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+    from schemas.security import RegistrySecurity, Secret, kafka_security_hint, registry_security_hint
+
+    ro = RegistrySecurity("analytics", Secret("pw"))
+    assert "KVBUS_REGISTRY_USERNAME" in registry_security_hint(SchemaRegistryError(403, 40301, "not authorized"), ro)
+    assert "KVBUS_REGISTRY_PASSWORD" in registry_security_hint(SchemaRegistryError(401, 40101, "unauthorized"), ro)
+    assert registry_security_hint(SchemaRegistryError(409, 409, "incompatible"), ro) is None
+    hung_up = ("FAIL [rdkafka#producer-2] 127.0.0.1:9190/bootstrap: Disconnected: connection closed by peer: "
+               "receive 0 after POLLIN (after 0ms in state APIVERSION_QUERY)")
+    assert "KVBUS_KAFKA_SECURITY_PROTOCOL (now PLAINTEXT)" in kafka_security_hint(hung_up, KafkaSecurity())
+    sasl = KafkaSecurity(protocol="SASL_SSL", mechanism="SCRAM-SHA-512", username="u", password=Secret("p"))
+    assert kafka_security_hint(hung_up, sasl) is None, "a SASL_SSL client hung up on is not a protocol mismatch"
