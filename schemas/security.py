@@ -373,15 +373,6 @@ def registry_security_hint(err: BaseException, sec: RegistrySecurity) -> str | N
     return None
 
 
-def describe_error(err: BaseException, sec: Security) -> str:
-    """``err``'s text, followed by what to fix when it is Kafka, the registry or Redis refusing this
-    process (the ``*_security_hint`` functions), e.g. for a log line of a retried step."""
-    inner = err.args[0] if err.args and hasattr(err.args[0], "code") else err
-    hint = (kafka_security_hint(inner, sec.kafka) or registry_security_hint(err, sec.registry)
-            or redis_security_hint(err, sec.redis))
-    return f"{err} -- {hint}" if hint else str(err)
-
-
 def check_kafka_access(conf: Mapping[str, Any], timeout: float = 15.0) -> None:
     """Connect to Kafka with the client configuration ``conf`` (``Settings.kafka()``) and ask for
     the cluster's metadata; raises :class:`SecurityRefused` naming the setting to fix if Kafka
