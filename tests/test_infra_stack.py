@@ -111,9 +111,11 @@ def test_schema_ids_survive_registry_restart(stack_info: dict[str, Any]) -> None
 
     infra_stack.restart_registry()
 
-    after = _get_json(f"{stack_info['registry_url']}/schemas/ids/{sid}")
-    assert json.loads(after["schema"]) == json.loads(before["schema"])
+    # read back as kvbus's clients read (confluent's client, with its retries): once a CI run saw the
+    # first plain request after the restart closed unanswered although the registry logged it as
+    # answered 200 (README, Topics: Apicurio now and then leaves a request unanswered)
     fresh = SchemaRegistryClient({"url": stack_info["registry_url"], "timeout": 10})  # no client-side cache
+    assert json.loads(fresh.get_schema(sid).schema_str) == json.loads(before["schema"])
     assert fresh.get_latest_version(subject).schema_id == sid
     assert fresh.register_schema(subject, schema) == sid  # same schema -> same id, no new version
     assert infra_stack.status()["services"]["registry"]["ready"]
