@@ -27,6 +27,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from analytics.timerange import TimeRange
 from schemas.serde import registry_client
 from schemas.settings import Settings
+from schemas.topics import REPORT_GROUP_PREFIX
 
 log = logging.getLogger("kvbus.report")
 
@@ -74,7 +75,7 @@ def plain_deserializer(settings: Settings) -> AvroDeserializer:
 
 def block_topics(settings: Settings, consumer: Consumer | None = None) -> list[str]:
     """``kvbus.blocks`` and every ``kvbus.blocks.<ownership>`` tier topic that exists, sorted."""
-    own = consumer or Consumer(settings.kafka(**{"group.id": "kvbus-report-meta"}))
+    own = consumer or Consumer(settings.kafka(**{"group.id": f"{REPORT_GROUP_PREFIX}meta"}))
     try:
         rx = re.compile(settings.topics.blocks_pattern())
         return sorted(t for t in own.list_topics(timeout=10).topics if rx.match(t))
@@ -110,7 +111,7 @@ def read(settings: Settings, topics: list[str], span: TimeRange,
     ranges before reading, ``on_record`` after each record (progress). A record the deserializer
     cannot decode is yielded with ``value`` None (the caller counts it)."""
     consumer = Consumer(settings.kafka(**{
-        "group.id": f"kvbus-report-{uuid.uuid4().hex[:12]}",
+        "group.id": f"{REPORT_GROUP_PREFIX}{uuid.uuid4().hex[:12]}",
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "isolation.level": "read_committed",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.topics import Topics
+from schemas.topics import REBUILD_GROUP_PREFIX, RECOVERY_GROUP_PREFIX, REPORT_GROUP_PREFIX, Topics
 from sinks.config import SinkConfig  # the sink's public options (its group, its key prefix)
 from streams.options import StreamsOptions  # the worker's public options (the Faust app id)
 
@@ -42,12 +42,10 @@ KAFKASQL_TOPIC_PREFIX = "kvbus-registry-"
 """Prefix of the registry's journal and snapshot topics and of its consumer groups on the secured
 Kafka (set by :mod:`infra.secure` as ``apicurio.kafkasql.*``), so one prefixed ACL covers them."""
 
-# Consumer groups the stages make up per run (uuid suffix), from their code: producers/recovery.py
-# (a bridge reading the tail of the raw topic at start), sinks/snapshot.py (a sink reading the
-# snapshot topic), analytics/reader.py (kvbus report).
-BRIDGE_RECOVERY_GROUPS = "kvbus-recovery-"
-SINK_REBUILD_GROUPS = "kvbus-rebuild-"
-ANALYTICS_GROUPS = "kvbus-report-"
+# Consumer groups the stages make up per run (uuid suffix): schemas/topics.py names their prefixes.
+BRIDGE_RECOVERY_GROUPS = RECOVERY_GROUP_PREFIX
+SINK_REBUILD_GROUPS = REBUILD_GROUP_PREFIX
+ANALYTICS_GROUPS = REPORT_GROUP_PREFIX
 
 KAFKA_USERS: tuple[str, ...] = (ADMIN, BRIDGE, STREAMS, SINK, ANALYTICS)
 """Principals with a SCRAM user (the router has no Kafka rights, so no Kafka user)."""

@@ -36,6 +36,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from producers.sequencer import REASON_BRIDGE_START, REASON_ENGINE_RESTART, REASON_GAP
 from schemas.events import EventBatch, Reset, holder_key
 from schemas.settings import client_conf
+from schemas.topics import RECOVERY_GROUP_PREFIX
 
 log = logging.getLogger("kvbus.producers.recovery")
 
@@ -128,7 +129,7 @@ def find_last_produced(
     key = holder_key(replica, dp_rank).encode()
     consumer = Consumer({
         **client_conf(kafka),
-        "group.id": f"kvbus-recovery-{uuid.uuid4().hex}",
+        "group.id": f"{RECOVERY_GROUP_PREFIX}{uuid.uuid4().hex}",
         "enable.auto.commit": False,
         "enable.partition.eof": False,
         "auto.offset.reset": "earliest",

@@ -21,6 +21,14 @@ from typing import Mapping
 
 _ILLEGAL = re.compile(r"[^a-zA-Z0-9._-]")
 
+RECOVERY_GROUP_PREFIX = "kvbus-recovery-"
+"""Consumer groups a bridge makes up (``<prefix><uuid>``) to read the tail of the raw topic at start
+(producers/recovery.py); it commits nothing. Also what a deployment's ACLs grant (a prefixed ACL)."""
+REBUILD_GROUP_PREFIX = "kvbus-rebuild-"
+"""Consumer groups a sink makes up to read the snapshot topic (sinks/snapshot.py); commits nothing."""
+REPORT_GROUP_PREFIX = "kvbus-report-"
+"""Consumer groups ``kvbus report`` makes up to read the topics (analytics/reader.py); commits nothing."""
+
 
 @dataclass(frozen=True)
 class Topics:

@@ -36,6 +36,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from schemas.events import ViewOffset, ViewPosition, ViewSnapshot, ViewTier
 from schemas.serde import RecordSerde, registry_client
 from schemas.settings import Settings, client_conf
+from schemas.topics import REBUILD_GROUP_PREFIX
 
 from sinks.redis_store import HolderDump, RedisStore
 
@@ -225,7 +226,7 @@ class SnapshotReader:
     def read(self, timeout: float = 120.0) -> tuple[ViewSnapshot | None, dict[str, ViewSnapshot]]:
         """(the latest manifest or None, holder name -> its latest record): the topic read from its
         start to its end as it is now, later records replacing earlier ones (as compaction will)."""
-        conf = {**self.settings.kafka(), "group.id": f"kvbus-rebuild-{uuid.uuid4().hex}",
+        conf = {**self.settings.kafka(), "group.id": f"{REBUILD_GROUP_PREFIX}{uuid.uuid4().hex}",
                 "enable.auto.commit": False, "enable.partition.eof": True,
                 "receive.message.max.bytes": 2 * MAX_RECORD_BYTES, "fetch.max.bytes": MAX_RECORD_BYTES + 65536}
         c = Consumer(conf)

@@ -24,7 +24,7 @@ from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, Schema
 from infra import secure
 from infra.secure_plan import ANALYTICS, BRIDGE, KAFKA_USERS, PRINCIPALS, ROUTER, SINK, STREAMS
 from schemas.events import BlockEvent, BlockStored, canonical_hash
-from schemas.topics import Topics
+from schemas.topics import REPORT_GROUP_PREFIX, Topics
 from sinks.config import SinkConfig
 from sinks.redis_store import RedisStore
 from streams.options import StreamsOptions
@@ -57,7 +57,7 @@ def test_bridge_produces_raw_and_dead_letters_but_not_consolidated_topics(secure
 def test_analytics_reads_every_topic_and_produces_nothing(secure_stack):
     value = uuid.uuid4().bytes
     assert produce_one(kafka_conf(secure_stack, BRIDGE), T.raw, value) is None
-    c = Consumer(group_conf(secure_stack, ANALYTICS, f"kvbus-report-{uuid.uuid4().hex[:8]}"))
+    c = Consumer(group_conf(secure_stack, ANALYTICS, f"{REPORT_GROUP_PREFIX}{uuid.uuid4().hex[:8]}"))
     try:
         parts = c.list_topics(T.raw, timeout=PROMPT).topics[T.raw].partitions
         c.assign([TopicPartition(T.raw, p, 0) for p in parts])
