@@ -38,7 +38,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from producers.metrics import BridgeMetrics
 from producers.split import BatchRef, Splitter, record_limit
 from schemas.events import DeadLetter
-from schemas.security import describe_kafka_error, kafka_security_hint
+from schemas.security import describe_kafka_error, kafka_error_report
 from schemas.settings import client_conf
 
 log = logging.getLogger("kvbus.producers.kafka")
@@ -248,8 +248,8 @@ class RecordProducer:
             self.metrics.delivery_latency.observe(lat)
 
     def _on_kafka_error(self, err: KafkaError) -> None:
-        level = logging.ERROR if kafka_security_hint(err, self._conf) else logging.WARNING
-        self._kafka_log(level, "%skafka: %s", self.label, describe_kafka_error(err, self._conf))
+        level, text = kafka_error_report(err, self._conf)
+        self._kafka_log(level, "%skafka: %s", self.label, text)
 
     # -- loop ---------------------------------------------------------------------------------
     def poll(self, timeout: float = 0.0) -> None:

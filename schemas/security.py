@@ -330,8 +330,16 @@ def kafka_security_hint(err: Any, client: "KafkaSecurity | Mapping[str, Any]") -
 
 def describe_kafka_error(err: Any, client: "KafkaSecurity | Mapping[str, Any]") -> str:
     """``err``'s text, followed by what to fix when it is a security refusal (:func:`kafka_security_hint`)."""
+    return kafka_error_report(err, client)[1]
+
+
+def kafka_error_report(err: Any, client: "KafkaSecurity | Mapping[str, Any]") -> tuple[int, str]:
+    """How a client-level Kafka error is logged: (``logging.ERROR`` for a security refusal, which no
+    retry fixes, else ``logging.WARNING``; :func:`describe_kafka_error`'s text)."""
+    import logging
+
     hint = kafka_security_hint(err, client)
-    return f"{err} -- {hint}" if hint else str(err)
+    return (logging.ERROR, f"{err} -- {hint}") if hint else (logging.WARNING, str(err))
 
 
 def redis_security_hint(err: BaseException, sec: RedisSecurity) -> str | None:

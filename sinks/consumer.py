@@ -41,7 +41,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from schemas.events import BlockEvent, dead_letter
 from schemas.codec import FastSerde
-from schemas.security import describe_kafka_error, kafka_security_hint
+from schemas.security import describe_kafka_error, kafka_error_report
 from schemas.serde import registry_client
 from schemas.settings import Settings
 from schemas.topics import Topics
@@ -429,9 +429,8 @@ class SinkConsumer:
     def _on_kafka_error(self, err: KafkaError) -> None:
         """librdkafka's client-level errors (brokers down, credentials or rights refused), logged
         with what to fix when Kafka refused this sink's security settings."""
-        sec = self.settings.security.kafka
-        level = logging.ERROR if kafka_security_hint(err, sec) else logging.WARNING
-        log.log(level, "kafka: %s", describe_kafka_error(err, sec))
+        level, text = kafka_error_report(err, self.settings.security.kafka)
+        log.log(level, "kafka: %s", text)
 
     def close(self) -> None:
         """Commit what was applied and leave the group."""
