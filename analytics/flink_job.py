@@ -9,7 +9,7 @@ nullable with default null; Avro's schema resolution reads every branch into it 
 lacks take their default, fields the reader lacks are skipped). The record schemas stay as they
 are; the SQL file's tables declare these columns (Flink checks that they match).
 
-``python -m analytics.flink_job [SQL_FILE] [--group G] [--workdir DIR]`` prints each named query's rows as
+``python -m kvbus.analytics.flink_job [SQL_FILE] [--group G] [--workdir DIR]`` prints each named query's rows as
 JSON lines (Flink and its jars come from infra/flink.py, made on first use).
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
-from schemas.avro import schema_str
-from schemas.settings import Settings
+from kvbus.schemas.avro import schema_str
+from kvbus.schemas.settings import Settings
 
 FLINK_DIR = Path(__file__).parent / "flink"
 DEFAULT_SQL = FLINK_DIR / "stores_per_minute.sql"
@@ -156,13 +156,13 @@ def run(sql_file: Path, settings: Settings, python: Path, jars: list[Path], work
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m analytics.flink_job``: run the SQL file on the topics named by ``KVBUS_*``."""
-    p = argparse.ArgumentParser(prog="python -m analytics.flink_job", description=__doc__.splitlines()[0])
+    """``python -m kvbus.analytics.flink_job``: run the SQL file on the topics named by ``KVBUS_*``."""
+    p = argparse.ArgumentParser(prog="python -m kvbus.analytics.flink_job", description=__doc__.splitlines()[0])
     p.add_argument("sql", nargs="?", type=Path, default=DEFAULT_SQL, help=f"SQL file (default {DEFAULT_SQL.name})")
     p.add_argument("--group", default=None, help="Kafka consumer group of the job (default: a fresh one)")
     p.add_argument("--workdir", type=Path, default=Path("kvbus-flink"), help="rendered SQL and Flink's log")
     args = p.parse_args(argv)
-    from infra.flink import ensure  # the PyFlink venv and jars, made on first use
+    from kvbus.infra.flink import ensure  # the PyFlink venv and jars, made on first use
 
     runtime = ensure()
     for row in run(args.sql, Settings.from_env(), runtime.python, runtime.jars, args.workdir, args.group):

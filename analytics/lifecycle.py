@@ -29,7 +29,7 @@ LIFE_KEY = ["holder", "tier", "block", "gen"]
 
 
 def annotate(blocks: pl.DataFrame, framework_topic: str) -> pl.DataFrame:
-    """The store and remove rows of ``blocks`` (:func:`analytics.tables.block_events`), in holder
+    """The store and remove rows of ``blocks`` (:func:`kvbus.analytics.tables.block_events`), in holder
     order, with:
 
     ``gen`` (clears and resets that apply to the row's tier before it), ``reannounce`` (a store of

@@ -4,7 +4,7 @@ Definitions (the tests hold the code to them):
 
 * **series** (per holder, tier and UTC minute of engine time): ``stores`` / ``removes`` = block
   stores / removes in the minute (re-announcements and unmatched removes included), ``live`` =
-  blocks held at the end of the minute (:mod:`analytics.lifecycle`), ``churn`` = removes / live
+  blocks held at the end of the minute (:mod:`kvbus.analytics.lifecycle`), ``churn`` = removes / live
   (null when nothing is live);
 * **lifetimes** (per tier): seconds from the store that made a block resident to the remove, clear
   or reset that ended it; lives still open at the end are not in the distribution (they are counted);
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from analytics.lifecycle import annotate, lives
+from kvbus.analytics.lifecycle import annotate, lives
 
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -36,9 +36,9 @@ class Report:
     """Every table of one report (all polars DataFrames)."""
 
     blocks: pl.DataFrame
-    """The block-events table (analytics.tables)."""
+    """The block-events table (kvbus.analytics.tables)."""
     annotated: pl.DataFrame
-    """Its store/remove rows with life annotations (analytics.lifecycle.annotate)."""
+    """Its store/remove rows with life annotations (kvbus.analytics.lifecycle.annotate)."""
     lives: pl.DataFrame
     """One row per block life."""
     series: pl.DataFrame

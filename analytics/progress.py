@@ -1,6 +1,6 @@
 """What ``kvbus report`` shows while it reads: records read, the span of time they cover, and a bar.
 
-The offsets to read are known before reading starts (:func:`analytics.reader.plan`), so the bar's
+The offsets to read are known before reading starts (:func:`kvbus.analytics.reader.plan`), so the bar's
 total is the number of offsets in the range (transaction markers included, so the bar may end a
 little short of full); with no total (nothing planned yet) it shows the counts alone. Drawn with
 rich (already kvbus's terminal library) on stderr, so stdout keeps only the summary; off when
@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from analytics.reader import PartitionRange, Record
+from kvbus.analytics.reader import PartitionRange, Record
 
 
 def _utc(ts: float) -> str:
@@ -25,7 +25,7 @@ class ReadProgress:
     """A live line ``reading [bar] n/N records <first> .. <last> UTC (<seconds> s)`` (record times).
 
     Use as a context manager; pass :meth:`planned` and :meth:`advance` to
-    :func:`analytics.reader.read` as ``on_plan`` / ``on_record``."""
+    :func:`kvbus.analytics.reader.read` as ``on_plan`` / ``on_record``."""
 
     def __init__(self, enabled: bool | None = None, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True)

@@ -24,10 +24,10 @@ from confluent_kafka.schema_registry import topic_subject_name_strategy
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from analytics.timerange import TimeRange
-from schemas.serde import registry_client
-from schemas.settings import Settings
-from schemas.topics import REPORT_GROUP_PREFIX
+from kvbus.analytics.timerange import TimeRange
+from kvbus.schemas.serde import registry_client
+from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import REPORT_GROUP_PREFIX
 
 log = logging.getLogger("kvbus.report")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterable
 
-from analytics.reader import Record
+from kvbus.analytics.reader import Record
 
 LIST_ITEMS = 6
 """Items of an array shown before the rest is summarised as ``"... N more"``."""

@@ -1,10 +1,10 @@
 """The report's terminal summary: plain text, one section per question, figures from
-:class:`analytics.metrics.Report`."""
+:class:`kvbus.analytics.metrics.Report`."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from analytics.metrics import Report
+from kvbus.analytics.metrics import Report
 
 
 def _fmt_s(v: float | None) -> str:

@@ -21,7 +21,7 @@ consolidated event, plus one row per ``AllBlocksCleared`` / ``Reset`` (``block``
 | ``reason`` | Reset reason (reset rows) |
 
 Flattening one decoded record into rows is the only per-record Python here (it is the decoding);
-everything computed over the rows is polars (:mod:`analytics.metrics`).
+everything computed over the rows is polars (:mod:`kvbus.analytics.metrics`).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from typing import Any, Iterable
 
 import polars as pl
 
-from analytics.reader import Record
-from schemas import tiers
+from kvbus.analytics.reader import Record
+from kvbus.schemas import tiers
 
 KINDS = pl.Enum(["store", "remove", "clear", "reset"])
 """The ``kind`` column's values."""
@@ -47,7 +47,7 @@ _EVENT_SCHEMA = {
 
 
 def tier_label(medium: pl.Expr, ownership: pl.Expr, group_idx: pl.Expr) -> pl.Expr:
-    """The tier label of each row (``schemas.tiers.tier_label``, the sink's rule): computed once per
+    """The tier label of each row (``kvbus.schemas.tiers.tier_label``, the sink's rule): computed once per
     distinct (medium, ownership, group) in the batch and mapped back, so the rule is written once."""
     def labels(s: pl.Series) -> pl.Series:
         keys = s.unique().to_list()

@@ -81,9 +81,9 @@ import redis  # noqa: E402
 
 from kvbus.procs import Child, free_port, free_port_block  # noqa: E402
 from kvbus.progress import scrape  # noqa: E402
-from schemas.settings import Settings  # noqa: E402
-from sinks.sharded_store import open_store  # noqa: E402
-from sinks.store import ResidencyStore  # noqa: E402
+from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.sinks.sharded_store import open_store  # noqa: E402
+from kvbus.sinks.store import ResidencyStore  # noqa: E402
 
 log = logging.getLogger("kvbus.faults")
 
@@ -120,7 +120,7 @@ def fault(name: str, **kw: Any) -> Callable[[Callable[["Ctx"], None]], Callable[
 @fault("broker-leader")
 def broker_leader(ctx: "Ctx") -> None:
     """kill -9 the broker leading most of the run's raw/blocks partitions (not the active controller), restart it."""
-    from infra import stack
+    from kvbus.infra import stack
 
     leaders = ctx.partition_leaders()
     ctl = stack.controller()
@@ -135,7 +135,7 @@ def broker_leader(ctx: "Ctx") -> None:
 @fault("controller")
 def controller(ctx: "Ctx") -> None:
     """kill -9 the active KRaft controller (combined mode: a broker too), restart it."""
-    from infra import stack
+    from kvbus.infra import stack
 
     node = stack.controller()
     ctx.notes.update(controller=node, leads=sorted(ctx.partition_leaders().get(node, [])))
@@ -181,7 +181,7 @@ def bridge(ctx: "Ctx") -> None:
 @fault("registry")
 def registry(ctx: "Ctx") -> None:
     """stop the schema registry for --registry-down s (20), start it again."""
-    from infra import stack
+    from kvbus.infra import stack
 
     ctx.mark("fault")
     ctx.during(stack.stop_registry)
@@ -245,8 +245,8 @@ class OwnRedis:
     ``infra/stack down`` stops a leftover), with an AOF (``aof``: appendfsync policy) or none."""
 
     def __init__(self, run_dir: Path, log_dir: Path, data_dir: Path, aof: Optional[str]) -> None:
-        from infra import redis_server
-        from infra.settings import RedisSettings
+        from kvbus.infra import redis_server
+        from kvbus.infra.settings import RedisSettings
 
         port = free_port()
         self.rs = RedisSettings(f"redis://127.0.0.1:{port}/0", "127.0.0.1", port)
@@ -259,8 +259,8 @@ class OwnRedis:
         self.start()
 
     def start(self) -> None:
-        from infra import redis_server
-        from infra.procs import start_process, wait_until
+        from kvbus.infra import redis_server
+        from kvbus.infra.procs import start_process, wait_until
 
         self.data.mkdir(parents=True, exist_ok=True)
         self.rec = start_process("redis-faults", self.argv, pid_path=self.pid_path, log_path=self.log_path,
@@ -276,7 +276,7 @@ class OwnRedis:
             pass
 
     def stop(self) -> None:
-        from infra.procs import stop_process
+        from kvbus.infra.procs import stop_process
 
         if self.rec is not None:
             stop_process(self.rec, pid_path=self.pid_path, timeout=10)
@@ -284,14 +284,14 @@ class OwnRedis:
 
 
 class OwnRedisCluster:
-    """A Redis Cluster of the benchmark's own (3 masters + 3 replicas, infra.redis_cluster, state in
+    """A Redis Cluster of the benchmark's own (3 masters + 3 replicas, kvbus.infra.redis_cluster, state in
     ``root``): ``kill`` SIGKILLs the master serving most of the view's shards once every replica is
     in sync (a replica that never synced cannot take over), ``start`` starts it again (it rejoins as
     a replica of the master promoted in its place)."""
 
     def __init__(self, root: Path) -> None:
-        from infra import redis_cluster
-        from infra.settings import Paths
+        from kvbus.infra import redis_cluster
+        from kvbus.infra.settings import Paths
 
         self.paths = Paths(root).ensure()
         self.nodes = redis_cluster.plan(3, redis_cluster.free_base_port(3))
@@ -300,13 +300,13 @@ class OwnRedisCluster:
         self.start()
 
     def start(self) -> None:
-        from infra import redis_cluster
+        from kvbus.infra import redis_cluster
 
         redis_cluster.start(self.paths, self.nodes, timeout=60)
 
     def kill(self, prefix: str) -> None:
-        from infra.procs import read_pid
-        from sinks.sharded_store import ShardedRedisStore
+        from kvbus.infra.procs import read_pid
+        from kvbus.sinks.sharded_store import ShardedRedisStore
 
         def in_sync() -> bool:
             return all(redis.Redis(host=n.host, port=n.port).info("replication").get("master_link_status") == "up"
@@ -323,7 +323,7 @@ class OwnRedisCluster:
         os.kill(read_pid(self.killed.pid_path(self.paths)).pid, signal.SIGKILL)
 
     def stop(self) -> None:
-        from infra import redis_cluster
+        from kvbus.infra import redis_cluster
 
         redis_cluster.stop(self.paths, self.nodes)
         shutil.rmtree(self.paths.root, ignore_errors=True)
@@ -432,7 +432,7 @@ class Ctx:
     # Kafka
     def partition_leaders(self) -> dict[int, list[str]]:
         """Broker id -> the run's raw and blocks partitions it leads."""
-        from infra.topics import admin_client
+        from kvbus.infra.topics import admin_client
 
         t = self.run.settings.topics
         md = admin_client(self.run.settings.bootstrap).list_topics(timeout=10)
@@ -443,9 +443,9 @@ class Ctx:
         return out
 
     def kill_broker(self, node_id: int) -> None:
-        from infra import kafka_broker
-        from infra.procs import alive_record
-        from infra.settings import Paths
+        from kvbus.infra import kafka_broker
+        from kvbus.infra.procs import alive_record
+        from kvbus.infra.settings import Paths
 
         node = next(n for n in kafka_broker.plan(Paths(), 3) if n.node_id == node_id)
         rec = alive_record(node.pid_path)
@@ -455,7 +455,7 @@ class Ctx:
         self.mark("fault")
 
     def restart_broker(self, node_id: int) -> None:
-        from infra import stack
+        from kvbus.infra import stack
 
         self.mark("restart")
         res = self.during(lambda: stack.restart_broker(node_id))
@@ -487,7 +487,7 @@ def stage_args(args: argparse.Namespace, f: Fault) -> argparse.Namespace:
 
 def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str, Any]:
     """Run fault ``f`` on a fresh run; returns its figures."""
-    from schemas.registry import register
+    from kvbus.schemas.registry import register
 
     t_start = time.monotonic()
     out: dict[str, Any] = {"fault": f.name, "ok": False}
@@ -794,7 +794,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"unknown faults {unknown}; --list shows them")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvbus.bench").setLevel(logging.WARNING)
-    from infra import stack
+    from kvbus.infra import stack
 
     st = stack.status()
     started = not st.get("ready")

@@ -25,7 +25,7 @@ What it does, in one run on one throw-away ``redis-server`` (free port, ``--save
    time (kvbus: the FCALL_RO; llm-d: the sum of its HKEYS, without their per-command dispatch).
 
 ``--cluster``: the same data in the single Redis and in the sharded view on a private 3-master
-Redis Cluster (``sinks.sharded_store``, started by ``infra/redis_cluster.py``; ``--shards`` virtual
+Redis Cluster (``kvbus.sinks.sharded_store``, started by ``infra/redis_cluster.py``; ``--shards`` virtual
 shards, a comma list measures several), no llm-d; default 1 M entries instead of 10 M (six more
 servers on this box). Reports lookup p50/p99 client-side for both (answers compared: they must be
 identical) and the apply work per master: FCALL calls and Redis-side us from ``INFO commandstats``
@@ -50,13 +50,13 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from schemas.events import BlockEvent, BlockStored  # noqa: E402
-from sinks.redis_store import RedisStore  # noqa: E402
+from kvbus.schemas.events import BlockEvent, BlockStored  # noqa: E402
+from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
 from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402
 from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync  # noqa: E402
-from sinks.sharded_store import ShardedRedisStore, cluster_client  # noqa: E402
-from sinks.tiers import Weights  # noqa: E402
+from kvbus.sinks.sharded_store import ShardedRedisStore, cluster_client  # noqa: E402
+from kvbus.sinks.tiers import Weights  # noqa: E402
 
 TOPIC = "kvbus.blocks"
 LLMD_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}

@@ -60,10 +60,10 @@ import redis  # noqa: E402
 
 from kvbus.procs import Children, cpu_seconds, free_port, free_port_block, wait_for  # noqa: E402
 from kvbus.progress import GroupLag, scrape  # noqa: E402
-from schemas.settings import Settings  # noqa: E402
-from schemas.topics import Topics  # noqa: E402
-from sinks.redis_store import RedisStore  # noqa: E402
-from sinks.sharded_store import open_store  # noqa: E402
+from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.schemas.topics import Topics  # noqa: E402
+from kvbus.sinks.redis_store import RedisStore  # noqa: E402
+from kvbus.sinks.sharded_store import open_store  # noqa: E402
 
 log = logging.getLogger("kvbus.bench")
 
@@ -128,7 +128,7 @@ class Run:
 
 def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
     """Fresh names for topics, groups and the Redis prefix; topics created."""
-    from infra.topics import ensure_topics
+    from kvbus.infra.topics import ensure_topics
 
     run_id = f"bench{uuid.uuid4().hex[:8]}"
     topics = Topics(raw=f"{run_id}.raw", blocks=f"{run_id}.blocks", incomplete=f"{run_id}.incomplete",
@@ -145,8 +145,8 @@ def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
 
 def cluster_replication(bootstrap: str) -> int:
     """Replication factor of a run's topics: 3 on a cluster of three or more brokers (min ISR 2,
-    infra.topics.default_min_insync), else the number of brokers."""
-    from infra.topics import admin_client
+    kvbus.infra.topics.default_min_insync), else the number of brokers."""
+    from kvbus.infra.topics import admin_client
 
     return min(3, len(admin_client(bootstrap).list_topics(timeout=10).brokers))
 
@@ -211,8 +211,8 @@ def start_fleet(run: Run, args: argparse.Namespace, rungs: list[tuple[float, flo
 
 def service_pids(redis_url: str) -> dict[str, list[int]]:
     """Pids of the stack's Kafka brokers and registry (infra's pid files) and of Redis (INFO)."""
-    from infra.procs import read_pid
-    from infra.settings import Paths
+    from kvbus.infra.procs import read_pid
+    from kvbus.infra.settings import Paths
 
     run_dir = Paths().run
     pids: dict[str, list[int]] = {"kafka": [], "registry": [], "redis": []}
@@ -225,7 +225,7 @@ def service_pids(redis_url: str) -> dict[str, list[int]]:
         elif pf.name.startswith("registry"):
             pids["registry"].append(rec.pid)
     if "+cluster://" in redis_url:  # a Redis Cluster: every node's server
-        from sinks.sharded_store import cluster_client
+        from kvbus.sinks.sharded_store import cluster_client
 
         pids["redis"] = sorted(int(info["process_id"]) for info in
                                cluster_client(redis_url).info("server", target_nodes="all").values())
@@ -252,7 +252,7 @@ def cleanup(run: Run) -> None:
         except Exception:  # noqa: BLE001 - a leftover topic is harmless
             pass
     if "+cluster://" in run.settings.redis_url:  # the sharded view: every shard's keys
-        from sinks.sharded_store import ShardedRedisStore
+        from kvbus.sinks.sharded_store import ShardedRedisStore
 
         for shard in ShardedRedisStore(run.settings.redis_url, run.prefix, load=False).shards:
             shard.wipe(keep=())
@@ -505,8 +505,8 @@ def probe_timestamps(settings: Settings, topic: str, kind: str, probes: set[byte
     BlockEvent) that carries it as a one-block BlockStored."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from schemas.codec import FastSerde
-    from schemas.serde import registry_client
+    from kvbus.schemas.codec import FastSerde
+    from kvbus.schemas.serde import registry_client
 
     serde = FastSerde(registry_client(settings), kind, auto_register=False)
     c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"hops-{uuid.uuid4().hex}",
@@ -585,7 +585,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     args.base_port = free_port_block(2 * args.replicas * args.tp)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from infra import stack
+    from kvbus.infra import stack
 
     started_stack = not stack.status().get("ready")
     if started_stack:
@@ -608,7 +608,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                               "partitions": run.settings.partitions, "window_s": args.window, "rungs": {}}
     sampler: Optional[Sampler] = None
     try:
-        from schemas.registry import register
+        from kvbus.schemas.registry import register
 
         register(run.settings.registry_url, run.settings.topics, ("kvcr",), run.settings.security.registry)
         start_stages(run, args)

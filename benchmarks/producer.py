@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvbus.procs import free_port  # noqa: E402
-from schemas.settings import Settings  # noqa: E402
-from schemas.topics import Topics  # noqa: E402
+from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.schemas.topics import Topics  # noqa: E402
 
 BLOCK = 16
 VOCAB = 128_000
@@ -157,11 +157,11 @@ def engine_main(argv: list[str]) -> int:
 
 def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dict[str, Any]:
     """(a): acknowledged events/s through one bridge."""
-    from producers.bridge import Bridge, BridgeConfig
-    from producers.kafka_out import KafkaSink
-    from producers.metrics import BridgeMetrics
-    from schemas.codec import FastSerde
-    from schemas.serde import RecordSerde, registry_client
+    from kvbus.producers.bridge import Bridge, BridgeConfig
+    from kvbus.producers.kafka_out import KafkaSink
+    from kvbus.producers.metrics import BridgeMetrics
+    from kvbus.schemas.codec import FastSerde
+    from kvbus.schemas.serde import RecordSerde, registry_client
 
     topics = settings.topics
     registry = registry_client(settings)
@@ -222,7 +222,7 @@ def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dic
 
 def bench_publisher(settings: Settings, batches: int = 4000) -> dict[str, Any]:
     """(b): CPU µs per event of KafkaEventPublisher.publish()."""
-    from producers.publisher import KafkaEventPublisher
+    from kvbus.producers.publisher import KafkaEventPublisher
 
     data = make_batches(500, seed=2)
     pub = KafkaEventPublisher(0, replica="bench-pub", settings=settings)
@@ -261,7 +261,7 @@ def main() -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO if os.environ.get("BENCH_DEBUG") else logging.WARNING)
-    from infra.topics import ensure_topics
+    from kvbus.infra.topics import ensure_topics
 
     base = Settings.from_env()
     sfx = uuid.uuid4().hex[:8]

@@ -8,9 +8,9 @@ throw-away ``redis-server`` (free port, no persistence):
 
 1. loads a fleet residency into the view through the sink's write path (``benchmarks/lookup.py``'s
    ``load_kvbus``: ``tests.fleet_workload``, GPU and offloaded CPU tiers);
-2. takes one snapshot (``sinks.snapshot.SnapshotWriter``, what ``kvbus sink --snapshot-every`` runs)
+2. takes one snapshot (``kvbus.sinks.snapshot.SnapshotWriter``, what ``kvbus sink --snapshot-every`` runs)
    into a fresh snapshot topic;
-3. rebuilds the view under a second prefix of the same server with ``sinks.rebuild.rebuild`` (what
+3. rebuilds the view under a second prefix of the same server with ``kvbus.sinks.rebuild.rebuild`` (what
    a sink does when the view is gone): read the snapshot from Kafka, restore every holder;
 4. checks the rebuilt view: same size, same per-holder summary, and the same answers to
    ``--queries`` lookups of cached chains.
@@ -35,17 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
 from lookup import load_kvbus, used_memory  # noqa: E402
-from schemas.settings import Settings  # noqa: E402
-from sinks.rebuild import rebuild  # noqa: E402
-from sinks.redis_store import RedisStore  # noqa: E402
-from sinks.snapshot import SnapshotReader, SnapshotWriter  # noqa: E402
+from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.sinks.rebuild import rebuild  # noqa: E402
+from kvbus.sinks.redis_store import RedisStore  # noqa: E402
+from kvbus.sinks.snapshot import SnapshotReader, SnapshotWriter  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.fleet_workload import fleet_workload  # noqa: E402
 
 
 def ensure_stack() -> Settings:
     """The running stack's settings (``infra/stack up`` first when it is not running)."""
-    from infra import stack
+    from kvbus.infra import stack
 
     if not stack.status().get("ready"):
         print("bringing the stack up ...", flush=True)

@@ -23,7 +23,7 @@ HDEL + its delete-if-empty Lua script per removed hash; pipelined per batch (no 
 no per-pod index). Both timed end to end from the same Python client. Also reported: memory per
 (replica, block, tier) entry after the run (``used_memory`` delta; the view has seen removes and
 re-adds, unlike benchmarks/lookup.py's bulk load), and Avro decoding cost per record
-(``schemas.codec``, and confluent's ``schemas.serde`` path), the other half of the sink's
+(``kvbus.schemas.codec``, and confluent's ``kvbus.schemas.serde`` path), the other half of the sink's
 per-record work.
 
 The last line printed is one JSON object with the figures.
@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lookup import pod_entry  # noqa: E402  (the llm-d layout lives in benchmarks/lookup.py)
 
-from schemas.events import BlockEvent, BlockRemoved, BlockStored  # noqa: E402
-from schemas.codec import FastSerde  # noqa: E402
-from schemas.serde import RecordSerde, registry_client  # noqa: E402
-from sinks.redis_store import RedisStore  # noqa: E402
+from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored  # noqa: E402
+from kvbus.schemas.codec import FastSerde  # noqa: E402
+from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
+from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from tests.redis_server import RedisServer, main_thread_cpu, wait_replica_synced  # noqa: E402
 
 TOPIC = "kvbus.blocks"
@@ -140,7 +140,7 @@ def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards:
     CPU over the single node's is the scale-out figure. Also measured, on one server without a
     replica: the same calls' CPU on a plain server, on a one-node cluster (cluster mode's own cost),
     and with the batches split into ``shards`` shards there (the sharding's cost)."""
-    from sinks.sharded_store import ShardedRedisStore
+    from kvbus.sinks.sharded_store import ShardedRedisStore
     from tests.redis_cluster import RedisClusterServer
 
     from tests.redis_cluster import OneNodeCluster

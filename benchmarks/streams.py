@@ -6,7 +6,7 @@ Needs the stack (``infra/stack status``). For each tensor-parallel degree it
 
 1. writes a synthetic trace (tests/trace.py: every worker of a replica reports the same
    ``--events`` events per engine step) to a fresh raw topic, before the worker starts;
-2. starts one ``python -m streams worker`` subprocess and scrapes its Prometheus endpoint:
+2. starts one ``python -m kvbus.streams worker`` subprocess and scrapes its Prometheus endpoint:
    the rate is reports applied / time from the first applied report until every consolidated
    event has been produced and acknowledged (decode, aggregate, encode, produce, state writes);
 3. runs the same trace (already decoded) through the in-process aggregation module alone, and
@@ -41,12 +41,12 @@ sys.path.insert(0, str(REPO))
 
 from confluent_kafka import Producer  # noqa: E402
 
-from schemas.events import BlockRemoved, BlockStored, holder_key  # noqa: E402
-from schemas.serde import RecordSerde, registry_client  # noqa: E402
-from schemas.settings import Settings  # noqa: E402
+from kvbus.schemas.events import BlockRemoved, BlockStored, holder_key  # noqa: E402
+from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
+from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.procs import free_port  # noqa: E402
-from schemas.topics import Topics  # noqa: E402
-from streams.aggregation import Aggregator  # noqa: E402
+from kvbus.schemas.topics import Topics  # noqa: E402
+from kvbus.streams.aggregation import Aggregator  # noqa: E402
 from tests.trace import TraceSpec, batches  # noqa: E402
 
 TARGET = 100_000
@@ -176,14 +176,14 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
 
 def start_worker(settings: Settings, topics: Topics, workdir: Path, suffix: str, port: int,
                  profile: str | None = None) -> subprocess.Popen:
-    """One ``python -m streams worker`` on ``topics`` with metrics on ``port`` (``profile``: write a
+    """One ``python -m kvbus.streams worker`` on ``topics`` with metrics on ``port`` (``profile``: write a
     cProfile of it to this path)."""
     env = {**os.environ, **replace(settings, topics=topics).to_env(),
            "KVBUS_STREAMS_APP_ID": f"bench-{suffix}", "KVBUS_STREAMS_DATADIR": str(workdir / suffix),
            "KVBUS_STREAMS_WINDOW": "600", "KVBUS_STREAMS_METRICS_PORT": str(port)}
     log = open(workdir / f"worker-{suffix}.log", "w")
     prefix = [sys.executable] + (["-m", "cProfile", "-o", profile] if profile else [])
-    return subprocess.Popen(prefix + ["-m", "streams", "worker", "-l", "info"], cwd=REPO, env=env,
+    return subprocess.Popen(prefix + ["-m", "kvbus.streams", "worker", "-l", "info"], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -82,7 +82,7 @@ class Node:
 
 
 def plan(paths: Paths, brokers: int) -> list[Node]:
-    """The nodes of a ``brokers``-node cluster; ports from :func:`infra.settings.broker_ports`."""
+    """The nodes of a ``brokers``-node cluster; ports from :func:`kvbus.infra.settings.broker_ports`."""
     if brokers < 1:
         raise ValueError("brokers must be >= 1")
     ports = broker_ports(brokers)
@@ -149,7 +149,7 @@ def ensure_libs(paths: Paths) -> bool:
 def node_properties(node: Node, nodes: list[Node], overrides: Mapping[str, str | None] | None = None) -> str:
     """server.properties text for ``node`` in a cluster of ``nodes``; ``overrides``: properties to
     set instead (a value ``None`` drops the property), e.g. the secured stack's listeners
-    (:mod:`infra.secure`)."""
+    (:mod:`kvbus.infra.secure`)."""
     n = len(nodes)
     rf = min(3, n)
     min_isr = 2 if n >= 3 else 1

@@ -3,7 +3,7 @@
 * Distribution: ``io.apicurio:apicurio-registry-app:<version>:tar.gz:all`` pinned in
   ``infra/apicurio/pom.xml``, unpacked into ``$STATE/apicurio/app``.
 * Needs Java >= 21 (3.3.3 is compiled to class file version 65); Kafka keeps the
-  default Java 17. See :func:`infra.tools.java_at_least`.
+  default Java 17. See :func:`kvbus.infra.tools.java_at_least`.
 * Runs ``java -jar quarkus-run.jar`` on ``KVBUS_REGISTRY_URL``'s port (8081), management
   (health) on ``127.0.0.1:9001`` -> ``/health/ready``.
 * Confluent API: ``/apis/ccompat/v7``; global rule ``compatibility=BACKWARD`` so an
@@ -92,7 +92,7 @@ def ensure_app(paths: Paths) -> bool:
 def argv(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int,
          extra_props: Mapping[str, str | None] | None = None) -> list[str]:
     """Command line of the registry JVM; ``extra_props``: system properties to set instead (``None``
-    drops one), e.g. the secured stack's TLS and authentication (:mod:`infra.secure`; secrets go in a
+    drops one), e.g. the secured stack's TLS and authentication (:mod:`kvbus.infra.secure`; secrets go in a
     config file, never here: a command line is visible to every local user)."""
     data = paths.data / "apicurio"
     del replication  # sized by Apicurio itself from the cluster (see below)
@@ -141,7 +141,7 @@ def argv(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int,
 
 
 def java(paths: Paths) -> str:
-    """A Java >= 21 for the registry (3.3.x classes are Java 21 bytecode); see :func:`infra.tools.java_at_least`."""
+    """A Java >= 21 for the registry (3.3.x classes are Java 21 bytecode); see :func:`kvbus.infra.tools.java_at_least`."""
     return tools.java_at_least(JAVA_MIN, jdk_dir=paths.root / "jdk", env_var="KVBUS_REGISTRY_JAVA")
 
 

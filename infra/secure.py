@@ -2,7 +2,7 @@
 
 Runs next to the open dev stack, with its own state directory and ports (:class:`SecureLayout`;
 default ``$KVBUS_STATE_DIR/secure`` and ports from ``$KVBUS_SECURE_PORT_BASE``, 9190), sharing only
-the downloaded Kafka jars and registry. Who may do what: :mod:`infra.secure_plan`.
+the downloaded Kafka jars and registry. Who may do what: :mod:`kvbus.infra.secure_plan`.
 
 * **Kafka** 4.x KRaft, one node: clients on a ``SASL_SSL`` listener (SCRAM-SHA-512, no anonymous
   access), ``StandardAuthorizer`` with ``allow.everyone.if.no.acl.found=false``. The controller
@@ -20,7 +20,7 @@ the downloaded Kafka jars and registry. Who may do what: :mod:`infra.secure_plan
   ``<data>/apicurio/config/application.properties`` (mode 0600; Quarkus reads it from the working
   directory), never on its command line.
 
-Files under the secure state directory: ``pki/`` (CA, certificates, keys: :mod:`infra.pki`),
+Files under the secure state directory: ``pki/`` (CA, certificates, keys: :mod:`kvbus.infra.pki`),
 ``secrets/<principal>.password`` (0600), ``env/<principal>.env`` (``KVBUS_*`` lines; secrets by file
 path only), ``redis/users.acl``, and ``run/``, ``logs/``, ``data/`` as the open stack has.
 """
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sinks.config import SinkConfig  # the stages' public options (group, key prefix, app id)
-from streams.options import StreamsOptions
+from kvbus.sinks.config import SinkConfig  # the stages' public options (group, key prefix, app id)
+from kvbus.streams.options import StreamsOptions
 
 from . import kafka_broker, pki, redis_server, registry, topics
 from .procs import ServiceError, alive_record, port_open, start_process, stop_process, wait_until
@@ -85,7 +85,7 @@ class SecurePorts:
 
 @dataclass
 class SecurePaths(Paths):
-    """:class:`infra.settings.Paths` of the secured stack: its own run, logs, data and configs, the
+    """:class:`kvbus.infra.settings.Paths` of the secured stack: its own run, logs, data and configs, the
     open stack's Kafka jars and registry distribution (``shared``)."""
 
     shared: Paths = field(default_factory=Paths)
@@ -267,7 +267,7 @@ def kafka_node(layout: SecureLayout) -> kafka_broker.Node:
 
 
 def kafka_overrides(layout: SecureLayout, cert: pki.CertFiles) -> dict[str, str | None]:
-    """Broker properties laid over :func:`infra.kafka_broker.node_properties` (no secret in them)."""
+    """Broker properties laid over :func:`kvbus.infra.kafka_broker.node_properties` (no secret in them)."""
     p = layout.ports
     return {
         "listeners": f"SASL_SSL://{LOOPBACK}:{p.kafka},CONTROLLER://{LOOPBACK}:{p.controller},INTERNAL://{LOOPBACK}:{p.internal}",
@@ -300,7 +300,7 @@ def _acl_bindings(principal: str, grants: list[Grant]) -> list[Any]:
 
 def apply_kafka_security(layout: SecureLayout, timeout: float = 30.0) -> dict[str, int]:
     """Create or update every SCRAM user (but admin's, set at format) and create every ACL of
-    :mod:`infra.secure_plan` as ``admin``. Returns ``{principal: number of ACLs}``."""
+    :mod:`kvbus.infra.secure_plan` as ``admin``. Returns ``{principal: number of ACLs}``."""
     from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
 
     client = topics.admin_client(layout.bootstrap, **admin_conf(layout))
@@ -356,7 +356,7 @@ def _redis_ping(layout: SecureLayout) -> bool:
 
 
 def registry_props(layout: SecureLayout, cert: pki.CertFiles) -> dict[str, str | None]:
-    """Registry system properties laid over :func:`infra.registry.argv` (no secret in them)."""
+    """Registry system properties laid over :func:`kvbus.infra.registry.argv` (no secret in them)."""
     return {
         "quarkus.http.port": str(layout.ports.registry),
         "quarkus.http.ssl-port": str(layout.ports.registry),

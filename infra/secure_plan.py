@@ -1,7 +1,7 @@
 """Who may do what on the secured stack (``infra/stack up --secure``): one principal per kvbus stage,
 its Kafka ACLs, its Redis ACL rules and its registry role. Pure data, derived from the kvbus
-settings (topic names: :mod:`schemas.topics`; the Faust app id and the sink group: the stages'
-option objects); :mod:`infra.secure` applies it, the README's "Security" section tabulates it.
+settings (topic names: :mod:`kvbus.schemas.topics`; the Faust app id and the sink group: the stages'
+option objects); :mod:`kvbus.infra.secure` applies it, the README's "Security" section tabulates it.
 
 Principals: the same user name in Kafka, Redis and the registry; :func:`table` renders who may
 do what (the README's "Security" table is its output, checked by tests/test_secure_plan.py).
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.topics import REBUILD_GROUP_PREFIX, RECOVERY_GROUP_PREFIX, REPORT_GROUP_PREFIX, Topics
-from sinks.config import SinkConfig  # the sink's public options (its group, its key prefix)
-from streams.options import StreamsOptions  # the worker's public options (the Faust app id)
+from kvbus.schemas.topics import REBUILD_GROUP_PREFIX, RECOVERY_GROUP_PREFIX, REPORT_GROUP_PREFIX, Topics
+from kvbus.sinks.config import SinkConfig  # the sink's public options (its group, its key prefix)
+from kvbus.streams.options import StreamsOptions  # the worker's public options (the Faust app id)
 
 ADMIN = "admin"
 BRIDGE = "bridge"
@@ -40,7 +40,7 @@ REGISTRY_KAFKA_USER = "registry"
 """Kafka principal of the registry's KafkaSQL storage (infra-internal; no env file)."""
 KAFKASQL_TOPIC_PREFIX = "kvbus-registry-"
 """Prefix of the registry's journal and snapshot topics and of its consumer groups on the secured
-Kafka (set by :mod:`infra.secure` as ``apicurio.kafkasql.*``), so one prefixed ACL covers them."""
+Kafka (set by :mod:`kvbus.infra.secure` as ``apicurio.kafkasql.*``), so one prefixed ACL covers them."""
 
 # Consumer groups the stages make up per run (uuid suffix): schemas/topics.py names their prefixes.
 BRIDGE_RECOVERY_GROUPS = RECOVERY_GROUP_PREFIX

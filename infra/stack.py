@@ -2,13 +2,13 @@
 
 Python API (used by tests)::
 
-    from infra import stack
+    from kvbus.infra import stack
     info = stack.up()            # {'bootstrap': ..., 'registry_url': ..., 'redis_url': ..., ...}
     stack.status()               # {'ready': bool, 'services': {...}, ...}
     stack.down()
 
 ``up --secure`` / ``down --secure`` / ``status --secure``: the secured stack instead
-(:mod:`infra.secure`; its own state directory and ports, next to the open one).
+(:mod:`kvbus.infra.secure`; its own state directory and ports, next to the open one).
 
 ``up`` is idempotent: services that are already running (ours, checked by saved pid,
 start time and command line) are left alone. ``down`` stops exactly the processes
@@ -106,7 +106,7 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
     Raises :class:`StackError` if a cluster of another size is running (run ``down`` first),
     or :class:`ServiceError` naming the service (with its log tail) if one does not become ready.
     ``timeout`` overrides every per-service readiness timeout (seconds). ``redis_cluster_masters``:
-    also start a Redis Cluster of that many masters and one replica each (:mod:`infra.redis_cluster`);
+    also start a Redis Cluster of that many masters and one replica each (:mod:`kvbus.infra.redis_cluster`);
     ``redis_url`` is then the cluster's ``redis+cluster://`` URL (the single Redis keeps running).
 
     Returns ``{"brokers", "bootstrap", "registry_url", "redis_url", "topics", "state_dir", "timings"}``.
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _secure_main(args: argparse.Namespace) -> int:
-    """``up|down|status --secure``: :mod:`infra.secure`."""
+    """``up|down|status --secure``: :mod:`kvbus.infra.secure`."""
     from . import secure
 
     if args.cmd == "up":

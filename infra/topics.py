@@ -2,7 +2,7 @@
 
 Reusable by other components, e.g. for ``kvbus.blocks.<ownership>`` topics::
 
-    from infra.topics import ensure_topics
+    from kvbus.infra.topics import ensure_topics
     ensure_topics("127.0.0.1:9092", ["kvbus.blocks.alice"], partitions=4, replication=1)
 """
 
@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from schemas.settings import DEFAULT_PARTITIONS
+from kvbus.schemas.settings import DEFAULT_PARTITIONS
 
 from .settings import kvbus_settings, topic_names
 

@@ -2,7 +2,7 @@
 
 Subcommand names are a contract other tools rely on:
 ``demo fleet bridge worker sink lookup top`` (and ``schemas check|register``).
-Every subcommand honours the ``KVBUS_*`` settings (see ``schemas.settings``).
+Every subcommand honours the ``KVBUS_*`` settings (see ``kvbus.schemas.settings``).
 Stage modules are imported only by the subcommand that needs them.
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ import logging
 import sys
 from typing import Callable, Sequence
 
-from schemas.security import SecurityConfigError, SecurityRefused, redis_security_hint
-from schemas.settings import Settings
+from kvbus import __version__
+from kvbus.schemas.security import SecurityConfigError, SecurityRefused, redis_security_hint
+from kvbus.schemas.settings import Settings
 
 #: subcommand -> (module, add-arguments function, run function, help)
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -22,19 +23,19 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
              "bring the stack up, stream a demo fleet end to end, show the view and a lookup"),
     "fleet": ("kvbus.fleet", "add_fleet_args", "run_fleet",
               "synthetic engine replicas publishing KV events over ZMQ like vLLM/SGLang"),
-    "bridge": ("producers.cli", "add_bridge_args", "run_bridge",
+    "bridge": ("kvbus.producers.cli", "add_bridge_args", "run_bridge",
                "ZMQ subscriber of one engine -> Avro -> Kafka (gap recovery via replay)"),
-    "worker": ("streams.cli", "add_worker_args", "run_worker",
+    "worker": ("kvbus.streams.cli", "add_worker_args", "run_worker",
                "Faust worker: aggregate worker reports, split tiers into topics"),
-    "sink": ("sinks.cli", "add_sink_args", "run_sink",
+    "sink": ("kvbus.sinks.cli", "add_sink_args", "run_sink",
              "consolidated events -> block-residency view in Redis (exactly-once effect)"),
-    "lookup": ("sinks.cli", "add_lookup_args", "run_lookup",
+    "lookup": ("kvbus.sinks.cli", "add_lookup_args", "run_lookup",
                "longest cached prefix per replica for a chain of block hashes or tokens"),
     "top": ("kvbus.top.cli", "add_top_args", "run_top",
             "live console: flow, lag, freshness, bridges, workers, sinks, dead letters, the view"),
-    "schemas": ("schemas.cli", "add_schemas_args", "run_schemas",
+    "schemas": ("kvbus.schemas.cli", "add_schemas_args", "run_schemas",
                 "check or register kvbus's Avro schemas against the registry"),
-    "report": ("analytics.cli", "add_report_args", "run_report",
+    "report": ("kvbus.analytics.cli", "add_report_args", "run_report",
                "analytics: read the block topics for a time range, print a summary, write HTML and Parquet"),
 }
 
@@ -44,6 +45,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     so only that stage's CLI module is imported (a fast ``kvbus lookup``)."""
     parser = argparse.ArgumentParser(prog="kvbus", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-V", "--version", action="version", version=f"kvbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, add_args, _run, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

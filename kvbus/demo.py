@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvbus.procs import Children, wait_for
 from kvbus.progress import Progress
-from schemas.settings import Settings
+from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.demo")
 
@@ -51,10 +51,10 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     """Run the demo; exit code 0 when the example lookup agrees with the fleet's ground truth."""
-    from infra import stack
+    from kvbus.infra import stack
 
     if args.secure:
-        from infra import secure as stack  # noqa: F811 - the secured stack's up/down/status
+        from kvbus.infra import secure as stack  # noqa: F811 - the secured stack's up/down/status
     kind = "secured stack" if args.secure else "stack"
     state_dir = Path(os.environ.get("KVBUS_STATE_DIR", Path.cwd() / ".infra"))
     started_stack = not stack.status().get("ready")
@@ -90,7 +90,7 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _register_schemas(settings: Settings) -> None:
-    from schemas.registry import register
+    from kvbus.schemas.registry import register
 
     ids = register(settings.registry_url, settings.topics, ("kvcr",), settings.security.registry)
     print(f"== schemas registered: {', '.join(f'{s}={i}' for s, i in ids.items())}", flush=True)
@@ -111,7 +111,7 @@ def _streams(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
 
 def principal_envs() -> dict[str, dict[str, str]]:
     """The secured stack's ``KVBUS_*`` settings of each principal (its env files)."""
-    from infra import secure
+    from kvbus.infra import secure
 
     layout = secure.SecureLayout.default()
     return {p: secure.read_env_file(layout.env_file(p)) for p in secure.PRINCIPALS}
@@ -184,8 +184,8 @@ def _check_alive(children: Children) -> None:
 
 
 def _report(settings: Settings, manifest: Path) -> bool:
-    from sinks.cli import add_lookup_args, lookup_answer
-    from sinks.view import summary
+    from kvbus.sinks.cli import add_lookup_args, lookup_answer
+    from kvbus.sinks.view import summary
 
     view = summary(settings.redis_url, client_kwargs=settings.redis_kwargs())
     print("== residency view (blocks per replica per tier):")

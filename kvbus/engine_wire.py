@@ -2,8 +2,8 @@
 
 Used by the synthetic fleet (``kvbus fleet``) and by tests. Pure functions, no zmq.
 What each release writes comes from the engine adapters' release tables
-(:mod:`producers.engines`, the same tables the bridge's decoder is built from); format ids are
-:data:`FORMATS` = ``producers.engines.FORMATS``.
+(:mod:`kvbus.producers.engines`, the same tables the bridge's decoder is built from); format ids are
+:data:`FORMATS` = ``kvbus.producers.engines.FORMATS``.
 
 What each format writes (protocol doc §3-§8, §11):
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 import msgspec
 from msgspec import Raw
 
-from producers import engines
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, canonical_hash, normalize_medium
+from kvbus.producers import engines
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, canonical_hash, normalize_medium
 
 __all__ = [
     "FORMATS",

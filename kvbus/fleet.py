@@ -16,7 +16,7 @@ encoded by :mod:`kvbus.engine_wire` in any supported engine format.
 **Content.** A few system prompts x many user suffixes (and conversation turns that
 extend earlier prompts) are served by a per-(replica, dp) prefix-cache model: the
 cached prefix is reused, new full blocks are announced as one ``BlockStored`` chain
-(parent hash = the last cached block, hashes from :mod:`schemas.hashing`, so
+(parent hash = the last cached block, hashes from :mod:`kvbus.schemas.hashing`, so
 ``kvbus lookup --tokens`` finds them), LRU evictions are one ``BlockRemoved`` per hash
 (like vLLM), some chains are offloaded to CPU (``medium="CPU"``) and some to the
 secondary tier ``ownership="kvcr"``, and rarely the whole cache is reset
@@ -49,8 +49,8 @@ from typing import Any, Iterable, Sequence
 import zmq
 
 from kvbus.engine_wire import FORMATS, encode_batch, encode_frames, encode_replay_reply, project, replay_end, wire_format
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Reset, canonical_hash, normalize_medium
-from schemas.hashing import block_digests
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Reset, canonical_hash, normalize_medium
+from kvbus.schemas.hashing import block_digests
 
 log = logging.getLogger("kvbus.fleet")
 

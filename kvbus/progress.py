@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from schemas.settings import Settings, client_conf
+from kvbus.schemas.settings import Settings, client_conf
 
 
 def scrape(port: int, pattern: str) -> float:

@@ -1,7 +1,7 @@
 """The bridge: one engine publisher stream (ZMQ SUB) -> decoded EventBatch records -> a sink (Kafka).
 
 Per loop pass: serve the producer (delivery callbacks, backlog), poll the live SUB
-socket and the replay DEALER, feed the :class:`~producers.sequencer.Sequencer`,
+socket and the replay DEALER, feed the :class:`~kvbus.producers.sequencer.Sequencer`,
 and hand what it releases, in order, to the sink:
 
 * live frames ``[topic, seq8, payload]`` are parsed (bad frame sets -> DLQ), sequenced,
@@ -10,11 +10,11 @@ and hand what it releases, in order, to the sink:
 * reset markers become ``EventBatch(seq=-1, events=[Reset(...)])`` in the new epoch;
 * events of unknown type are skipped by the decoder, the batch's known events are
   produced and its raw frames dead-lettered, so nothing disappears silently;
-* a batch too large for one Kafka record is split by the sink (:mod:`producers.split`); if the
+* a batch too large for one Kafka record is split by the sink (:mod:`kvbus.producers.split`); if the
   bridge stopped between the parts of one, the restarted bridge produces the missing parts
   (see :meth:`Bridge._same_as_resumed`).
 
-The sink is a seam: :class:`~producers.kafka_out.KafkaSink` in production, any
+The sink is a seam: :class:`~kvbus.producers.kafka_out.KafkaSink` in production, any
 object with the :class:`Sink` methods in unit tests (tests/callback_sink.py).
 """
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import Any, Callable, Protocol
 import msgspec
 import zmq
 
-from producers.decode import DecodeError, decode_batch, parse_frames
-from producers.engines import detect_engine
-from producers.metrics import BridgeMetrics
-from producers.recovery import Resume
-from producers.replay import DEFAULT_TIMEOUT, ReplayBad, ReplayClient, Replayed, ReplayEnd
-from producers.sequencer import Actions, Emit, ResetMarker, Sequencer
-from schemas.events import DeadLetter, EventBatch, Reset, dead_letter
+from kvbus.producers.decode import DecodeError, decode_batch, parse_frames
+from kvbus.producers.engines import detect_engine
+from kvbus.producers.metrics import BridgeMetrics
+from kvbus.producers.recovery import Resume
+from kvbus.producers.replay import DEFAULT_TIMEOUT, ReplayBad, ReplayClient, Replayed, ReplayEnd
+from kvbus.producers.sequencer import Actions, Emit, ResetMarker, Sequencer
+from kvbus.schemas.events import DeadLetter, EventBatch, Reset, dead_letter
 
 log = logging.getLogger("kvbus.producers.bridge")
 
@@ -59,7 +59,7 @@ class BridgeConfig:
     replay_endpoint: str | None = None
     """Engine's replay ROUTER endpoint; None disables gap fill (gaps become resets)."""
     engine: str = "auto"
-    """Payload layout: auto, vllm or sglang (see producers.decode)."""
+    """Payload layout: auto, vllm or sglang (see kvbus.producers.decode)."""
     topic: str = ""
     """ZMQ subscription prefix ('' = everything)."""
     dp_rank: int = 0
@@ -80,7 +80,7 @@ class BridgeConfig:
     def engine_label(self) -> str:
         """Value of EventBatch.engine to start with: the forced engine, else vllm. With ``engine="auto"``
         the bridge relabels its stream once a payload shows which engine sent it
-        (:func:`producers.engines.detect_engine`: e.g. an SGLang map stream becomes "sglang")."""
+        (:func:`kvbus.producers.engines.detect_engine`: e.g. an SGLang map stream becomes "sglang")."""
         return self.engine if self.engine in ("vllm", "sglang") else "vllm"
 
 
@@ -97,7 +97,7 @@ class Sink(Protocol):
 
 class Bridge:
     """Runs one stream. ``resume``: the last position produced before (from
-    :func:`producers.recovery.find_last_produced`), None for a first start."""
+    :func:`kvbus.producers.recovery.find_last_produced`), None for a first start."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """``kvbus bridge``: wire one engine publisher stream to Kafka.
 
-Also runnable on its own: ``python -m producers.cli bridge --endpoint ... --replica ...``.
+Also runnable on its own: ``python -m kvbus.producers.cli bridge --endpoint ... --replica ...``.
 
 Start-up order: schema id from the registry, then the last position this bridge
 produced (read back from the raw topic), then the ZMQ subscription and the
@@ -18,16 +18,16 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from producers.bridge import Bridge, BridgeConfig
-from producers.decode import ENGINES
-from producers.kafka_out import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, KafkaSink
-from producers.metrics import BridgeMetrics
-from producers.recovery import Resume, find_last_produced, wait_and_recover
-from producers.replay import DEFAULT_TIMEOUT
-from schemas.codec import FastSerde
-from schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
-from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings
+from kvbus.producers.bridge import Bridge, BridgeConfig
+from kvbus.producers.decode import ENGINES
+from kvbus.producers.kafka_out import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, KafkaSink
+from kvbus.producers.metrics import BridgeMetrics
+from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
+from kvbus.producers.replay import DEFAULT_TIMEOUT
+from kvbus.schemas.codec import FastSerde
+from kvbus.schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.producers")
 
@@ -172,7 +172,7 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m producers.cli bridge ...``."""
+    """``python -m kvbus.producers.cli bridge ...``."""
     parser = argparse.ArgumentParser(prog="producers")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)

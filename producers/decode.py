@@ -1,4 +1,4 @@
-"""Decode engine KV-event payloads (ZMQ frame 2) into :mod:`schemas.events` structs.
+"""Decode engine KV-event payloads (ZMQ frame 2) into :mod:`kvbus.schemas.events` structs.
 
 Every wire format of ``shared/docs/kv-events-protocol.md`` is accepted:
 
@@ -6,9 +6,9 @@ Every wire format of ``shared/docs/kv-events-protocol.md`` is accepted:
   SGLang); further elements (the reserved ``publisher_id`` of open vLLM PRs) are ignored;
 - events as **maps** (vLLM >= 0.24, SGLang >= 0.5.20), decoded by name, unknown keys ignored;
 - events as **tagged arrays** (vLLM 0.9.0 - 0.23, SGLang <= 0.5.19), decoded by position
-  (see :mod:`producers.wire_structs` for why one layout per engine covers every length).
+  (see :mod:`kvbus.producers.wire_structs` for why one layout per engine covers every length).
 
-Normalization (schemas.events): hashes become canonical 8-byte values (signed ints by
+Normalization (kvbus.schemas.events): hashes become canonical 8-byte values (signed ints by
 their two's complement, bytes digests by their last 8 bytes with the digest kept in
 ``block_digests``); ``medium`` is upper-cased, unknown values kept; ``extra_keys`` is kept
 as the exact msgpack bytes the engine sent; SGLang bigram ``token_ids`` pairs go to
@@ -31,7 +31,7 @@ layout is accepted defensively.) ``engine="sglang"`` / ``"vllm"`` force a layout
 dead-letters the whole batch. Unknown event types raise too (unless ``skip_unknown``).
 Only what kvbus cannot represent or what no engine can send is rejected: values out of
 the Avro ranges, negative ``block_size``/``dp_rank``, mixed int/bytes hashes in one
-event, and the size limits ``MAX_*`` (re-exported from :mod:`producers.wire_structs`).
+event, and the size limits ``MAX_*`` (re-exported from :mod:`kvbus.producers.wire_structs`).
 ``len(token_ids) == block_size * len(block_hashes)`` is deliberately **not** enforced:
 LMCache's last chunk and vLLM's partial-block and placeholder events break it.
 
@@ -49,8 +49,8 @@ from typing import Annotated, Any, Optional
 import msgspec
 from msgspec import Meta, Raw
 
-from producers.engines import FORMATS
-from producers.wire_structs import (
+from kvbus.producers.engines import FORMATS
+from kvbus.producers.wire_structs import (
     ARRAY_FIELDS,
     CLEARED,
     ENVELOPE_DECODERS,
@@ -66,7 +66,7 @@ from producers.wire_structs import (
     STORED_PAIRS,
     NonNegInt32,
 )
-from schemas.events import (
+from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -94,7 +94,7 @@ __all__ = [
 
 ENGINE_FORMATS: tuple[str, ...] = FORMATS
 """Wire-format ids: each is the first release of a layout change, from the engine adapters' release
-tables (:mod:`producers.engines`; protocol doc §4 field history, §7, §8). A release between two ids
+tables (:mod:`kvbus.producers.engines`; protocol doc §4 field history, §7, §8). A release between two ids
 speaks the older one (vLLM 0.27 = "vllm-0.26"). ``kvbus.engine_wire.FORMATS`` is the same tuple."""
 
 ENGINES = ("auto", *LAYOUTS[1:])
@@ -140,7 +140,7 @@ _STORED_HEAD = ("block_hashes", "parent_block_hash", "token_ids", "block_size", 
 
 def _stored_converter(layout: str) -> Any:
     """The wire-struct -> BlockStored conversion of ``layout``, generated from its field list
-    (:data:`producers.wire_structs.LAYOUT_FIELDS`): fields the layout lacks keep their defaults."""
+    (:data:`kvbus.producers.wire_structs.LAYOUT_FIELDS`): fields the layout lacks keep their defaults."""
     tail = [f for f in LAYOUT_FIELDS[layout][0] if f not in _STORED_HEAD]
     args = "".join(f"{f}=_extra(w.{f}), " if f == "extra_keys" else f"{f}=w.{f}, " for f in tail)
     src = (
@@ -158,7 +158,7 @@ def _stored_converter(layout: str) -> Any:
     )
     ns = {"canonical_hashes": canonical_hashes, "canonical_parent": canonical_parent, "_extra": _extra,
           "BlockStored": BlockStored}
-    exec(compile(src, f"<producers.decode stored converter {layout}>", "exec"), ns)
+    exec(compile(src, f"<kvbus.producers.decode stored converter {layout}>", "exec"), ns)
     return ns["convert"]
 
 

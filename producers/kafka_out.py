@@ -1,5 +1,5 @@
 """Kafka side of the bridge: :class:`KafkaSink` turns the bridge's EventBatch structs into records
-of the shared :class:`~producers.record_producer.RecordProducer` (backlog, delivery reports,
+of the shared :class:`~kvbus.producers.record_producer.RecordProducer` (backlog, delivery reports,
 splitting, dead-letter topic, metrics: see there for the delivery contract and memory bounds).
 
 When the backlog reaches its bound, :meth:`KafkaSink.accepting` turns False and the
@@ -11,7 +11,7 @@ replay buffer, or announces with a ``Reset(gap-unrecoverable)`` marker.
 
 A batch whose value exceeds ``max_record_bytes`` is produced as several records (parts, in
 order, consecutive ``first_index``); an event too large for any record is dead-lettered
-(:mod:`producers.split`).
+(:mod:`kvbus.producers.split`).
 """
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ from typing import Any, Callable, Mapping
 
 import msgspec
 
-from producers.metrics import BridgeMetrics
-from producers.record_producer import (
+from kvbus.producers.metrics import BridgeMetrics
+from kvbus.producers.record_producer import (
     DEFAULT_MAX_BACKLOG,
     DEFAULT_MAX_BACKLOG_BYTES,
     DEFAULT_PRODUCER_CONF,
     RecordProducer,
     producer_conf,
 )
-from producers.split import DEFAULT_MAX_RECORD_BYTES, BatchRef
-from schemas.events import DeadLetter, EventBatch, holder_key
-from schemas.codec import encode_event
+from kvbus.producers.split import DEFAULT_MAX_RECORD_BYTES, BatchRef
+from kvbus.schemas.events import DeadLetter, EventBatch, holder_key
+from kvbus.schemas.codec import encode_event
 
 log = logging.getLogger("kvbus.producers.kafka")
 
@@ -83,13 +83,13 @@ class KafkaSink(RecordProducer):
     ) -> "KafkaSink":
         """A sink with its own producer configured by :func:`producer_conf` (``kafka``: a bootstrap
         string or ``Settings.kafka()``); ``max_record_bytes``
-        is lowered to what the producer's ``message.max.bytes`` takes (:func:`~producers.split.record_limit`)."""
+        is lowered to what the producer's ``message.max.bytes`` takes (:func:`~kvbus.producers.split.record_limit`)."""
         return cls(None, raw_topic, dlq_topic, serialize_batch, serialize_dead_letter, metrics,
                    max_record_bytes=max_record_bytes, conf=producer_conf(kafka, conf_overrides), **kw)
 
     def produce_batch(self, batch: EventBatch) -> None:
         """Queue one EventBatch, keyed ``<replica>#<dp_rank>``: as one record, or as several
-        (in order) when its value exceeds the record limit (:mod:`producers.split`)."""
+        (in order) when its value exceeds the record limit (:mod:`kvbus.producers.split`)."""
         value = self._ser(batch)
         key = holder_key(batch.replica, batch.dp_rank).encode()
         if self.splitter.fits(len(value)):

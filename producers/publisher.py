@@ -5,7 +5,7 @@ Same constructor shape and ``publish``/``shutdown`` interface as vLLM's
 vLLM plugin (or any engine) can construct it like its ZMQ publisher. It writes the
 same Avro ``EventBatch`` records to the raw topic as the bridge does, with
 ``engine="kvbus"``; a batch too large for one record is produced as several
-(:mod:`producers.split`).
+(:mod:`kvbus.producers.split`).
 
 Usage::
 
@@ -22,11 +22,11 @@ from operator import itemgetter
 from typing import Any, Protocol
 
 import msgspec
-from producers.metrics import BridgeMetrics
-from producers.record_producer import RecordProducer, producer_conf
-from producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
-from producers.split import BatchRef
-from schemas.events import (
+from kvbus.producers.metrics import BridgeMetrics
+from kvbus.producers.record_producer import RecordProducer, producer_conf
+from kvbus.producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
+from kvbus.producers.split import BatchRef
+from kvbus.schemas.events import (
     HASH_MASK,
     AllBlocksCleared,
     BlockRemoved,
@@ -37,7 +37,7 @@ from schemas.events import (
     canonical_parent,
     holder_key,
 )
-from schemas.codec import (
+from kvbus.schemas.codec import (
     FastSerde,
     batch_from_head,
     batch_head,
@@ -47,8 +47,8 @@ from schemas.codec import (
     event_array,
     event_writer,
 )
-from schemas.serde import registry_client, value_schema_id
-from schemas.settings import Settings
+from kvbus.schemas.serde import registry_client, value_schema_id
+from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.producers.publisher")
 
@@ -95,7 +95,7 @@ _REMOVED_CONVERTED = ("block_hashes", "medium", "block_digests")
 
 def _copied(cls: type, converted: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
     """(field, default) of the kvbus struct's fields copied as they are: derived from the struct, so
-    a field added to :mod:`schemas.events` is carried without a change here."""
+    a field added to :mod:`kvbus.schemas.events` is carried without a change here."""
     out = []
     for f in msgspec.structs.fields(cls):
         if f.name not in converted:
@@ -109,7 +109,7 @@ _REMOVED_COPIED = _copied(BlockRemoved, _REMOVED_CONVERTED)
 
 
 def to_kvbus_event(e: Any) -> Any:
-    """A vLLM/SGLang event object (or a kvbus struct) as a :mod:`schemas.events` struct.
+    """A vLLM/SGLang event object (or a kvbus struct) as a :mod:`kvbus.schemas.events` struct.
 
     Duck-typed by class name: BlockStored, BlockRemoved, AllBlocksCleared; fields the
     object lacks take the kvbus struct's default. Raises ValueError for any other event type.
@@ -172,7 +172,7 @@ _STORED_FAST = ("block_size", "group_idx", "kv_cache_spec_kind")
 def _plan(cls: type) -> Any:
     """An encoder specialised to one engine event class: msgspec structs are read with one
     ``astuple`` call and field positions found once, and the common shape goes straight to the
-    codec's positional writer of those fields (:func:`schemas.codec.event_writer`); other objects use
+    codec's positional writer of those fields (:func:`kvbus.schemas.codec.event_writer`); other objects use
     :func:`to_kvbus_event`. Either way the bytes are written by the codec."""
     if cls in (BlockStored, BlockRemoved, AllBlocksCleared, Reset):
         return encode_event
@@ -277,7 +277,7 @@ class KafkaEventPublisher:
     * **Large batches.** A batch whose value exceeds ``max_record_bytes`` (default
       ``settings.max_record_bytes``) becomes several records of the same seq with consecutive
       ``first_index``, in order; an event too large for any record is dead-lettered to
-      ``settings.topics.dlq`` (truncated; :mod:`producers.split`). ``metrics`` counts them.
+      ``settings.topics.dlq`` (truncated; :mod:`kvbus.producers.split`). ``metrics`` counts them.
     * **Never blocks the engine.** ``publish()`` encodes and queues; delivery is
       asynchronous. While Kafka is unreachable records wait in librdkafka's bounded queue
       (``hwm`` records) plus a backlog of ``max_queue_size`` records; beyond that batches
@@ -292,7 +292,7 @@ class KafkaEventPublisher:
     kvbus arguments: ``replica`` (required), ``settings`` (topics, registry; default from the
     environment), ``worker_rank``/``workers``, ``producer_overrides`` (librdkafka settings),
     ``schema_id`` (skip the registry lookup), ``producer`` (an injected producer, tests),
-    ``max_record_bytes``, ``metrics`` (a :class:`~producers.metrics.BridgeMetrics`; records out and
+    ``max_record_bytes``, ``metrics`` (a :class:`~kvbus.producers.metrics.BridgeMetrics`; records out and
     acknowledged, delivery errors, dropped batches, markers, queue and backlog depth),
     ``metrics_port`` (serve those at ``http://0.0.0.0:<port>/metrics``; default: not served).
 
@@ -390,7 +390,7 @@ class KafkaEventPublisher:
 
     def publish(self, events: Any) -> None:
         """Publish one batch: an object with ``ts``, ``events`` and optionally
-        ``data_parallel_rank`` (vLLM KVEventBatch, schemas.events.EventBatch or alike)."""
+        ``data_parallel_rank`` (vLLM KVEventBatch, kvbus.schemas.events.EventBatch or alike)."""
         if self._closed:
             raise RuntimeError("publish() after shutdown()")
         batch = events

@@ -1,10 +1,10 @@
-"""The one Kafka record producer of kvbus: used by the bridge (:class:`~producers.kafka_out.KafkaSink`)
-and the in-process publisher (:class:`~producers.publisher.KafkaEventPublisher`).
+"""The one Kafka record producer of kvbus: used by the bridge (:class:`~kvbus.producers.kafka_out.KafkaSink`)
+and the in-process publisher (:class:`~kvbus.producers.publisher.KafkaEventPublisher`).
 
 It owns everything the two paths share: the idempotent confluent-kafka producer and its
 configuration, a bounded backlog in front of librdkafka's queue, delivery reports, the
-rate-limited error log, splitting of batches too large for one record (:mod:`producers.split`),
-the dead-letter topic and the :class:`~producers.metrics.BridgeMetrics`. What differs is only
+rate-limited error log, splitting of batches too large for one record (:mod:`kvbus.producers.split`),
+the dead-letter topic and the :class:`~kvbus.producers.metrics.BridgeMetrics`. What differs is only
 how a batch's value is encoded: each path hands over the encoded value (and, for a split, a
 callback encoding one part).
 
@@ -35,11 +35,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from producers.metrics import BridgeMetrics
-from producers.split import BatchRef, Splitter, record_limit
-from schemas.events import DeadLetter
-from schemas.security import describe_kafka_error, kafka_error_report
-from schemas.settings import client_conf
+from kvbus.producers.metrics import BridgeMetrics
+from kvbus.producers.split import BatchRef, Splitter, record_limit
+from kvbus.schemas.events import DeadLetter
+from kvbus.schemas.security import describe_kafka_error, kafka_error_report
+from kvbus.schemas.settings import client_conf
 
 log = logging.getLogger("kvbus.producers.kafka")
 
@@ -112,7 +112,7 @@ class RecordProducer:
     librdkafka errors go to the rate-limited log. ``serialize_dead_letter(dl) -> bytes``: the
     Confluent-wire-format value of a DeadLetter (it may raise, e.g. registry unreachable: the
     letter is then logged and not written). ``max_record_bytes``: largest value produced as one
-    record (with ``conf``, lowered to what its ``message.max.bytes`` takes: :func:`~producers.split.record_limit`).
+    record (with ``conf``, lowered to what its ``message.max.bytes`` takes: :func:`~kvbus.producers.split.record_limit`).
     ``stage``: the DeadLetter stage of split batches' oversized events ("bridge", "publisher").
     ``label``: prefix of this producer's log messages (e.g. ``"kvbus publisher pod-a: "``).
     """
@@ -178,7 +178,7 @@ class RecordProducer:
         under ``key``, in order; ``encoded``: each event's Avro encoding; ``fixed``: size of the
         batch's value with no events; ``part_value(start, end)``: the value of the part holding
         events ``[start, end)`` (its ``first_index`` shifted by ``start``). Events too large for any
-        record are dead-lettered (:class:`~producers.split.Splitter`)."""
+        record are dead-lettered (:class:`~kvbus.producers.split.Splitter`)."""
 
         def produce_part(start: int, end: int) -> None:
             self.produce(self.raw_topic, key, part_value(start, end), end - start)

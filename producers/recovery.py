@@ -5,13 +5,13 @@ partition that holds its key (``<replica>#<dp_rank>``; the partition is computed
 with Kafka's murmur2 partitioner, the one the producer uses) and takes the last
 record written for its (replica, dp_rank, worker_rank). It then resumes that epoch
 and asks the engine to replay from ``seq + 1``, so nothing the engine still
-buffers is lost (see :mod:`producers.sequencer`).
+buffers is lost (see :mod:`kvbus.producers.sequencer`).
 
 Records of other workers and other replicas share the partition; the scan walks
 back from the end in growing windows until it finds one of ours or gives up
 after ``max_scan`` records (then the stream starts fresh, in a new epoch).
 
-Split batches (:mod:`producers.split`): the parts of one engine batch share its seq, so
+Split batches (:mod:`kvbus.producers.split`): the parts of one engine batch share its seq, so
 the last record may be a part (``first_index`` and its event count say which events it
 holds). The bridge's start-up replay begins at that seq to check the engine did not
 restart; the check compares the part with its slice of the engine's copy, and when the
@@ -33,10 +33,10 @@ from typing import Any, Callable, Mapping
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from producers.sequencer import REASON_BRIDGE_START, REASON_ENGINE_RESTART, REASON_GAP
-from schemas.events import EventBatch, Reset, holder_key
-from schemas.settings import client_conf
-from schemas.topics import RECOVERY_GROUP_PREFIX
+from kvbus.producers.sequencer import REASON_BRIDGE_START, REASON_ENGINE_RESTART, REASON_GAP
+from kvbus.schemas.events import EventBatch, Reset, holder_key
+from kvbus.schemas.settings import client_conf
+from kvbus.schemas.topics import RECOVERY_GROUP_PREFIX
 
 log = logging.getLogger("kvbus.producers.recovery")
 

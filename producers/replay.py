@@ -20,7 +20,7 @@ from typing import Iterator, Union
 
 import zmq
 
-from producers.decode import DecodeError, parse_replay_reply
+from kvbus.producers.decode import DecodeError, parse_replay_reply
 
 log = logging.getLogger("kvbus.producers.replay")
 

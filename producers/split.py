@@ -3,8 +3,8 @@
 An engine batch is one ``EventBatch`` record on the raw topic, and a record must fit
 librdkafka's ``message.max.bytes`` (1,000,000 bytes by default) and the topic's
 ``max.message.bytes``; a long prefill's ``BlockStored`` carries its token ids, so one batch can
-reach several MB. Both producers (the bridge's :class:`~producers.kafka_out.KafkaSink` and the
-in-process :class:`~producers.publisher.KafkaEventPublisher`) therefore check the encoded value
+reach several MB. Both producers (the bridge's :class:`~kvbus.producers.kafka_out.KafkaSink` and the
+in-process :class:`~kvbus.producers.publisher.KafkaEventPublisher`) therefore check the encoded value
 against a limit (``KVBUS_MAX_RECORD_BYTES``, default 900,000) and, when it is larger, produce the
 batch as consecutive parts, in order, under the same key, epoch and seq:
 part k holds events ``[start_k, end_k)`` and says so with ``first_index = start_k``, so every
@@ -16,7 +16,7 @@ Avro size, which is the same whichever serializer writes the record. An event th
 exceeds the limit can never be produced: it is counted (``kvbus_bridge_oversized_events``),
 logged as an error naming replica, dp rank, worker, epoch, seq, index and size, and sent to the
 dead-letter topic as a ``DeadLetter`` whose reason carries that metadata and whose payload is
-the first :data:`DLQ_PAYLOAD_BYTES` of the event's Avro encoding (:func:`schemas.events.dead_letter`) (for a ``BlockStored`` its
+the first :data:`DLQ_PAYLOAD_BYTES` of the event's Avro encoding (:func:`kvbus.schemas.events.dead_letter`) (for a ``BlockStored`` its
 block hashes come first). The events around it are produced as usual; its index is skipped.
 
 :class:`Splitter` plans, counts, logs and dead-letters; each producer says how it encodes and
@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from producers.metrics import BridgeMetrics
-from schemas.events import DLQ_PAYLOAD_BYTES, DeadLetter, dead_letter, holder_key
-from schemas.settings import DEFAULT_MAX_RECORD_BYTES
+from kvbus.producers.metrics import BridgeMetrics
+from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, DeadLetter, dead_letter, holder_key
+from kvbus.schemas.settings import DEFAULT_MAX_RECORD_BYTES
 
 log = logging.getLogger("kvbus.producers.split")
 

@@ -1,6 +1,6 @@
-"""Typed msgspec structs of the engines' wire events, used by :mod:`producers.decode`.
+"""Typed msgspec structs of the engines' wire events, used by :mod:`kvbus.producers.decode`.
 
-The layouts are derived from the engine adapters' release tables (:mod:`producers.engines`);
+The layouts are derived from the engine adapters' release tables (:mod:`kvbus.producers.engines`);
 this module adds the msgspec type of each wire field (:data:`WIRE_TYPES`).
 
 Three layouts exist (protocol doc §3, §4, §7):
@@ -32,8 +32,8 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 from msgspec import Meta, Raw
 
-from producers.engines import ADAPTERS, RELEASES, union
-from schemas import events
+from kvbus.producers.engines import ADAPTERS, RELEASES, union
+from kvbus.schemas import events
 
 MAX_EVENTS_PER_BATCH = 1_000_000
 """More events than this in one batch is rejected as absurd (vLLM publishes one batch per engine step)."""
@@ -87,7 +87,7 @@ WIRE_TYPES: dict[str, tuple[Any, Any]] = {
 }
 """Wire field -> (msgspec type, default when absent) of the fields whose wire type is not the kvbus
 event struct's (Avro ranges, engine hashes, raw msgpack, bigram pairs). Any other field a release
-table names is decoded with its type and default in :mod:`schemas.events` (:func:`wire_type`), so a
+table names is decoded with its type and default in :mod:`kvbus.schemas.events` (:func:`wire_type`), so a
 new optional field that engines send as kvbus stores it needs no entry here."""
 
 

@@ -3,3 +3,6 @@
 Every stage (producers, streams, sinks) and every external consumer shares
 only what is defined here.
 """
+
+if __name__ != "kvbus.schemas":  # schemas/ is installed as kvbus.schemas (pyproject.toml, package-dir)
+    raise ImportError(f"import kvbus.schemas, not {__name__}")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import msgspec
 from fastavro.schema import load_schema
 
-from schemas.events import (
+from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
     BlockRemoved,

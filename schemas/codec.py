@@ -1,14 +1,14 @@
 """The fast Avro codec of kvbus's records, derived from the ``.avsc`` files at import: one facade
 for encoding, decoding and scanning, and :class:`FastSerde`, the Confluent-wire-format serde.
 
-:func:`build` parses ``schemas/avro`` (or a copy of it), has :mod:`schemas.codegen` write the
+:func:`build` parses ``schemas/avro`` (or a copy of it), has :mod:`kvbus.schemas.codegen` write the
 Python source of an encoder, a decoder and a skipper per record, and executes it. Adding an
 optional field to a record is then an edit of its ``.avsc`` and of its struct in
-:mod:`schemas.events`, nothing else (tests/test_codec.py shows it on a copy of the schemas).
+:mod:`kvbus.schemas.events`, nothing else (tests/test_codec.py shows it on a copy of the schemas).
 The output is byte for byte what fastavro and confluent's ``AvroSerializer``
-(:class:`schemas.serde.RecordSerde`) write; the decoders return what ``RecordSerde.loads``
+(:class:`kvbus.schemas.serde.RecordSerde`) write; the decoders return what ``RecordSerde.loads``
 returns, reading the canonical encoding only and raising
-:class:`~schemas.codec_runtime.WireError` for anything else.
+:class:`~kvbus.schemas.codec_runtime.WireError` for anything else.
 
 Module-level names are those of the codec of ``schemas/avro``:
 
@@ -17,7 +17,7 @@ Module-level names are those of the codec of ``schemas/avro``:
   positional for the given ``fields``;
 * ``encode_event(e)``: the event-union encoding (branch index + record) of an event struct, or
   the ``avro`` bytes of a pre-encoded one (any object with that attribute, e.g.
-  :class:`streams.raw_event.RawEvent`); ``encode_events`` / ``event_array``: an ``events``
+  :class:`kvbus.streams.raw_event.RawEvent`); ``encode_events`` / ``event_array``: an ``events``
   array; ``decode_event(data, pos=0)``;
 * ``batch_head(replica, dp_rank, worker_rank, workers, engine)`` and
   ``batch_from_head(head, epoch, seq, ts, topic, events, first_index=0)``: an EventBatch body
@@ -41,11 +41,11 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 from fastavro import parse_schema
 from fastavro.schema import load_schema, to_parsing_canonical_form
 
-from schemas import codec_runtime, events as _events
-from schemas.avro import RECORDS, SCHEMA_DIR
-from schemas.codec_runtime import HEADER_SIZE, READ_ERRORS, WireError, confluent_header
-from schemas.codegen import HEADER, generator, mangle
-from schemas.serde import RecordSerde, value_schema_id
+from kvbus.schemas import codec_runtime, events as _events
+from kvbus.schemas.avro import RECORDS, SCHEMA_DIR
+from kvbus.schemas.codec_runtime import HEADER_SIZE, READ_ERRORS, WireError, confluent_header
+from kvbus.schemas.codegen import HEADER, generator, mangle
+from kvbus.schemas.serde import RecordSerde, value_schema_id
 
 log = logging.getLogger("kvbus.schemas")
 
@@ -61,7 +61,7 @@ RawFactory = Callable[[bytes, Optional[str], Optional[bytes]], Any]
 
 
 def default_structs() -> dict[str, type]:
-    """Avro record full name -> struct: ``kvbus.X`` is :class:`schemas.events.X`."""
+    """Avro record full name -> struct: ``kvbus.X`` is :class:`kvbus.schemas.events.X`."""
     return {f"kvbus.{n}": c for n, c in vars(_events).items() if isinstance(c, type)}
 
 
@@ -98,18 +98,18 @@ class Codec:
         return self.readers[record](data, pos)
 
     def _exec(self, source: str, what: str) -> None:
-        filename = f"<schemas.codec {what} {id(self):x}>"
+        filename = f"<kvbus.schemas.codec {what} {id(self):x}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         exec(compile(source, filename, "exec"), self.ns)
 
     def event_writer(self, record: str, fields: Optional[tuple[str, ...]] = None) -> Callable[..., bytes]:
         """The event-union encoding of a ``kvbus.<record>`` event from its field values, for a
-        producer that converts an engine's event without building the struct (producers.publisher).
+        producer that converts an engine's event without building the struct (kvbus.producers.publisher).
 
         ``fields`` None: ``write(<field>=value, ...)`` (fields with a default may be left out).
         ``fields`` given: ``write(<those values, in that order>)``, positional, every other field
         at its schema default: the writer of a producer's common event shape, generated on
-        first request (:meth:`schemas.codegen.Generator.positional_writer`) and kept."""
+        first request (:meth:`kvbus.schemas.codegen.Generator.positional_writer`) and kept."""
         union = self.ns["SCAN_UNION"]
         if fields is None:
             return self.ns[f"wv{union}_kvbus_{record}"]
@@ -152,7 +152,7 @@ class Codec:
 
     def batch_scanner(self, raw: RawFactory, shared: Any = None) -> Callable[[bytes, int], Any]:
         """``scan(data, pos=0) -> EventBatch`` with block events made by ``raw`` (module doc).
-        ``shared``: see :meth:`schemas.codegen.Generator.scan_fn` (streams.codec.SharedEvents)."""
+        ``shared``: see :meth:`kvbus.schemas.codegen.Generator.scan_fn` (kvbus.streams.codec.SharedEvents)."""
         scan = self._scan
 
         def scanner(data: bytes, pos: int = 0) -> Any:
@@ -167,7 +167,7 @@ def load_records(schema_dir: Path | str = SCHEMA_DIR, records: tuple[str, ...] =
 
 
 def build(schema_dir: Path | str = SCHEMA_DIR, structs: Optional[dict[str, type]] = None) -> Codec:
-    """The codec of the schemas in ``schema_dir`` for ``structs`` (default: :mod:`schemas.events`)."""
+    """The codec of the schemas in ``schema_dir`` for ``structs`` (default: :mod:`kvbus.schemas.events`)."""
     return Codec(load_records(schema_dir), structs or default_structs())
 
 
@@ -196,7 +196,7 @@ def canonical_form(schema: str | dict) -> str:
 
 class FastSerde:
     """Serializer and deserializer of one kvbus record kind in the Confluent wire format, a
-    drop-in for :class:`schemas.serde.RecordSerde` (same ``dumps(obj, topic)`` /
+    drop-in for :class:`kvbus.schemas.serde.RecordSerde` (same ``dumps(obj, topic)`` /
     ``loads(data, topic)``), built on the generated codec.
 
     * Encoding: the schema id of ``<topic>-value`` is registered (or looked up) once per topic

@@ -1,4 +1,4 @@
-"""Avro binary primitives that the code :mod:`schemas.codegen` generates calls: encoders of
+"""Avro binary primitives that the code :mod:`kvbus.schemas.codegen` generates calls: encoders of
 longs, strings, fixed arrays and long arrays, their readers and skippers, and the Confluent header.
 
 Hand-written on purpose: fastavro and confluent's serializer resolve every ``["null", X]``

@@ -1,19 +1,19 @@
 """Python source of the Avro encoders, decoders and event scanners of kvbus's records, generated
-from the parsed ``.avsc`` schemas (:func:`schemas.avro.parsed_schema`); :mod:`schemas.codec`
+from the parsed ``.avsc`` schemas (:func:`kvbus.schemas.avro.parsed_schema`); :mod:`kvbus.schemas.codec`
 executes it at import.
 
 Why generated: a generic Avro library walks the schema for every value (fastavro's writer and
 confluent's serializer take 20-60 µs per kvbus record, most of it resolving ``["null", X]``
 unions); code written for one schema does the same in 1-3 µs. Writing that code by hand meant
 seven modules to edit for each new field; generating it from the schema means none. The
-generated functions call the primitives of :mod:`schemas.codec_runtime`.
+generated functions call the primitives of :mod:`kvbus.schemas.codec_runtime`.
 
 For each record ``R`` (``kvbus.BlockStored`` -> ``kvbus_BlockStored``) and each union of
 records it makes:
 
 * ``w_R(obj) -> bytes``: the body fastavro's ``schemaless_writer`` writes for the struct;
 * ``r_R(data, pos) -> (struct, pos)``: the struct at ``pos`` (canonical encoding only, else
-  :class:`~schemas.codec_runtime.WireError`); ``d_R(data, pos=0)``: a whole value;
+  :class:`~kvbus.schemas.codec_runtime.WireError`); ``d_R(data, pos=0)``: a whole value;
 * ``k_R(data, pos) -> pos``: past a value without decoding it;
 * ``wu_N`` / ``ru_N`` / ``ku_N``: the same for union number N (a union of records is
   written from the struct's type, or from the ``avro`` bytes of a pre-encoded value);
@@ -29,7 +29,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Iterable, Optional
 
-from schemas import codec_runtime
+from kvbus.schemas import codec_runtime
 
 PRIMITIVES = ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
 
@@ -38,7 +38,7 @@ SCALAR_ENC = {
     "null": "NULL", "boolean": "(b'\\x01' if {v} else NULL)", "int": "LONG[{v}]", "long": "LONG[{v}]",
     "float": "FLOAT({v})", "double": "DOUBLE({v})", "string": "STR[{v}]", "bytes": "LONG[len({v})] + {v}",
 }
-"""Expression encoding a local ``{v}`` of each primitive type (runtime names: schemas.codec_runtime)."""
+"""Expression encoding a local ``{v}`` of each primitive type (runtime names: kvbus.schemas.codec_runtime)."""
 
 
 RESERVED = {n for n in dir(codec_runtime) if not n.startswith("__")} | {"e", "enc", "head"}
@@ -732,5 +732,5 @@ def generate(records: dict[str, dict], structs: dict[str, type],
              split: Optional[tuple[str, tuple[str, ...], str]] = None) -> str:
     """Python source of the codec of the parsed top-level ``records`` (see :func:`generator`).
     The source refers to the structs as ``S_<mangled name>`` and to
-    :mod:`schemas.codec_runtime`'s names."""
+    :mod:`kvbus.schemas.codec_runtime`'s names."""
     return HEADER + "\n\n\n".join(generator(records, structs, scan, split).out) + "\n"

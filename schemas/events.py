@@ -2,7 +2,7 @@
 
 Engines (vLLM 0.9 -> 0.33, SGLang 0.5.x, LMCache inside vLLM) send many wire
 layouts; producers decode them all into these structs, which mirror the Avro
-schemas in ``schemas/avro`` field for field (``schemas.avro`` converts).
+schemas in ``schemas/avro`` field for field (``kvbus.schemas.avro`` converts).
 
 Normalization rules (see ``shared/docs/kv-events-protocol.md``):
 - block hashes are 8 bytes big-endian (:func:`canonical_hash`); a full digest

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import cbor2
 import xxhash
 
-from schemas.events import canonical_hash
+from kvbus.schemas.events import canonical_hash
 
 HashFn = Callable[[Any], bytes]
 

@@ -13,9 +13,9 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
-from schemas.avro import schema_str
-from schemas.security import RegistrySecurity
-from schemas.topics import Topics
+from kvbus.schemas.avro import schema_str
+from kvbus.schemas.security import RegistrySecurity
+from kvbus.schemas.topics import Topics
 
 
 @dataclass
@@ -50,7 +50,7 @@ def _request(url: str, method: str = "GET", body: dict | None = None,
              content_type: str = "application/vnd.schemaregistry.v1+json",
              security: RegistrySecurity | None = None) -> tuple[int, dict | list]:
     """One registry request, authenticated as ``security`` says (basic auth, TLS CA:
-    ``schemas.security``; None: the process's ``KVBUS_REGISTRY_*`` settings); (status, JSON body)."""
+    ``kvbus.schemas.security``; None: the process's ``KVBUS_REGISTRY_*`` settings); (status, JSON body)."""
     sec = security if security is not None else RegistrySecurity.from_env(os.environ)
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(

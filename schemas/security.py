@@ -1,6 +1,6 @@
 """How every kvbus process authenticates to Kafka, Redis and the schema registry (issue 12).
 
-One place for the security settings, read from the environment like :mod:`schemas.settings`, and
+One place for the security settings, read from the environment like :mod:`kvbus.schemas.settings`, and
 for turning them into each client library's configuration: librdkafka properties (confluent-kafka:
 bridge, publisher, sink, the worker's output producer, admin clients), Faust's
 ``broker_credentials`` (aiokafka: the worker's consumer and changelog), redis-py keyword arguments

@@ -11,10 +11,10 @@ from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, topic_
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from schemas.avro import FROM_AVRO, TO_AVRO, schema_str
+from kvbus.schemas.avro import FROM_AVRO, TO_AVRO, schema_str
 
 if TYPE_CHECKING:
-    from schemas.settings import Settings
+    from kvbus.schemas.settings import Settings
 
 
 REGISTRY_TIMEOUT_S = 10.0
@@ -24,7 +24,7 @@ REGISTRY_TIMEOUT_S = 10.0
 
 def registry_client(target: "str | Settings", timeout: float = REGISTRY_TIMEOUT_S) -> SchemaRegistryClient:
     """A registry client for ``target``: a URL (``mock://...`` gives confluent's in-process mock) or
-    :class:`~schemas.settings.Settings` (its URL and registry credentials, ``schemas.security``);
+    :class:`~kvbus.schemas.settings.Settings` (its URL and registry credentials, ``kvbus.schemas.security``);
     requests time out after ``timeout`` seconds and are retried (confluent's ``max.retries``)."""
     if isinstance(target, str):
         return SchemaRegistryClient.new_client({"url": target, "timeout": timeout})
@@ -36,7 +36,7 @@ def value_schema_id(registry: SchemaRegistryClient, topic: str, record: str, aut
     """Id of ``kvbus.<record>``'s schema under ``<topic>-value`` (TopicNameStrategy), as
     :class:`RecordSerde` writes it: registered when ``auto_register`` (the registry refuses
     it if it breaks compatibility), else looked up (SchemaRegistryError 404 if absent).
-    The client caches the answer; callers keep the id (see schemas.codec.FastSerde)."""
+    The client caches the answer; callers keep the id (see kvbus.schemas.codec.FastSerde)."""
     subject = f"{topic}-value"
     schema = Schema(schema_str(record), "AVRO")
     if auto_register:

@@ -7,8 +7,8 @@
 | ``KVBUS_REDIS_URL`` | ``redis://127.0.0.1:6379/0`` | Redis holding the residency view |
 | ``KVBUS_PARTITIONS`` | ``4`` | partitions of kvbus topics (Faust needs them co-partitioned) |
 | ``KVBUS_MAX_RECORD_BYTES`` | ``900000`` | largest raw EventBatch value produced; larger engine batches are split |
-| ``KVBUS_TOPIC_*`` | see ``schemas.topics`` | topic names |
-| ``KVBUS_KAFKA_*``, ``KVBUS_REDIS_USERNAME`` / ``..._PASSWORD`` / ``..._SSL_CA``, ``KVBUS_REGISTRY_USERNAME`` / ... | unset: open | how to authenticate: ``schemas.security`` |
+| ``KVBUS_TOPIC_*`` | see ``kvbus.schemas.topics`` | topic names |
+| ``KVBUS_KAFKA_*``, ``KVBUS_REDIS_USERNAME`` / ``..._PASSWORD`` / ``..._SSL_CA``, ``KVBUS_REGISTRY_USERNAME`` / ... | unset: open | how to authenticate: ``kvbus.schemas.security`` |
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from schemas.security import Security
-from schemas.topics import Topics
+from kvbus.schemas.security import Security
+from kvbus.schemas.topics import Topics
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_REGISTRY_URL = "http://127.0.0.1:8081/apis/ccompat/v7"
@@ -53,7 +53,7 @@ class Settings:
     """Largest raw EventBatch value (bytes, Confluent header included) produced as one record;
     an engine batch whose value is larger is produced as several records (``first_index``)."""
     security: Security = field(default_factory=Security)
-    """How to authenticate to Kafka, Redis and the registry (``schemas.security``; default: open)."""
+    """How to authenticate to Kafka, Redis and the registry (``kvbus.schemas.security``; default: open)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":

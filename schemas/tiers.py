@@ -7,7 +7,7 @@ A tier is where a holder keeps a block: (medium, ownership, group_idx). Its desc
 """
 from __future__ import annotations
 
-from schemas.events import normalize_medium
+from kvbus.schemas.events import normalize_medium
 
 
 def _clean(s: str) -> str:

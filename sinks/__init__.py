@@ -13,3 +13,6 @@ Modules:
   cli.py           ``kvbus sink`` / ``kvbus lookup``
 Layout and semantics: docs/sinks-layout.md.
 """
+
+if __name__ != "kvbus.sinks":  # sinks/ is installed as kvbus.sinks (pyproject.toml, package-dir)
+    raise ImportError(f"import kvbus.sinks, not {__name__}")

@@ -1,6 +1,6 @@
-"""``python -m sinks {sink,lookup} ...``: the sinks stage's commands without the ``kvbus`` wrapper."""
+"""``python -m kvbus.sinks {sink,lookup} ...``: the sinks stage's commands without the ``kvbus`` wrapper."""
 import sys
 
-from sinks.cli import main
+from kvbus.sinks.cli import main
 
 sys.exit(main())

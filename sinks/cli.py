@@ -6,7 +6,7 @@
                   [--algo sha256|sha256_cbor|xxhash|xxhash_cbor] [--hash-seed S])
                  [--replicas a,b#1] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
 
-Standalone: ``python -m sinks.cli sink ...`` / ``python -m sinks.cli lookup ...``.
+Standalone: ``python -m kvbus.sinks.cli sink ...`` / ``python -m kvbus.sinks.cli lookup ...``.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import sys
 import threading
 from dataclasses import replace
 
-from schemas.hashing import HASH_ALGOS
-from schemas.security import check_kafka_access, redact_url
-from schemas.settings import Settings
+from kvbus.schemas.hashing import HASH_ALGOS
+from kvbus.schemas.security import check_kafka_access, redact_url
+from kvbus.schemas.settings import Settings
 
-from sinks.config import SinkConfig
-from sinks.redis_store import DEFAULT_PREFIX
+from kvbus.sinks.config import SinkConfig
+from kvbus.sinks.redis_store import DEFAULT_PREFIX
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -32,7 +32,7 @@ log = logging.getLogger("kvbus.sinks")
 
 
 def add_sink_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``kvbus sink``; each defaults to its ``KVBUS_SINK_*`` variable (:mod:`sinks.config`)."""
+    """Options of ``kvbus sink``; each defaults to its ``KVBUS_SINK_*`` variable (:mod:`kvbus.sinks.config`)."""
     d = SinkConfig.from_env()
     p.add_argument("--group", default=d.group, help=f"Kafka consumer group (KVBUS_SINK_GROUP; now {d.group})")
     p.add_argument("--prefix", default=d.prefix, help=f"Redis key prefix of the view (KVBUS_SINK_PREFIX; now {d.prefix})")
@@ -69,9 +69,9 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     """Run the sink until SIGTERM/SIGINT."""
     from prometheus_client import start_http_server
 
-    from sinks.consumer import SinkConsumer
-    from sinks.metrics import SinkMetrics
-    from sinks.sharded_store import open_store
+    from kvbus.sinks.consumer import SinkConsumer
+    from kvbus.sinks.metrics import SinkMetrics
+    from kvbus.sinks.sharded_store import open_store
 
     config = sink_config(args)
     check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
@@ -87,7 +87,7 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     log.info("sink writing the view to %s under prefix %r", redact_url(settings.redis_url), config.prefix)
     snapshotter = None
     if config.snapshot_every > 0:
-        from sinks.snapshot import Snapshotter
+        from kvbus.sinks.snapshot import Snapshotter
 
         snapshotter = Snapshotter(settings, open_store(settings.redis_url, config.prefix, load=False, client_kwargs=settings.redis_kwargs()),
                                   config.snapshot_every, metrics)
@@ -125,10 +125,10 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
 
 def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dict]:
     """The ``--json`` answer of ``kvbus lookup``: holders by display name, best first."""
-    from sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
-    from sinks.rebuild import view_status
-    from sinks.sharded_store import open_store
-    from sinks.tiers import Weights
+    from kvbus.sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
+    from kvbus.sinks.rebuild import view_status
+    from kvbus.sinks.sharded_store import open_store
+    from kvbus.sinks.tiers import Weights
 
     if args.hashes is not None:
         chain = parse_hashes(args.hashes)
@@ -148,7 +148,7 @@ def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dic
 
 def run_lookup(args: argparse.Namespace, settings: Settings) -> int:
     """Print which holders hold the longest prefix of a chain."""
-    from sinks.functions import FunctionsUnavailable
+    from kvbus.sinks.functions import FunctionsUnavailable
 
     try:
         answer = lookup_answer(args, settings)
@@ -169,7 +169,7 @@ def run_lookup(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sinks.cli {sink,lookup} ...``."""
+    """``python -m kvbus.sinks.cli {sink,lookup} ...``."""
     ap = argparse.ArgumentParser(prog="kvbus-sinks")
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_sink_args(sub.add_parser("sink", help="apply block events to the Redis view"))

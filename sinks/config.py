@@ -1,4 +1,4 @@
-"""Options of the sink stage (besides the shared :class:`schemas.settings.Settings`).
+"""Options of the sink stage (besides the shared :class:`kvbus.schemas.settings.Settings`).
 
 ``kvbus sink`` flags default to these variables; :class:`SinkConfig` is what the sink runs with.
 

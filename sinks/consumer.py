@@ -39,19 +39,19 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from schemas.events import BlockEvent, dead_letter
-from schemas.codec import FastSerde
-from schemas.security import describe_kafka_error, kafka_error_report
-from schemas.serde import registry_client
-from schemas.settings import Settings
-from schemas.topics import Topics
+from kvbus.schemas.events import BlockEvent, dead_letter
+from kvbus.schemas.codec import FastSerde
+from kvbus.schemas.security import describe_kafka_error, kafka_error_report
+from kvbus.schemas.serde import registry_client
+from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import Topics
 
-from sinks.config import SinkConfig
-from sinks.metrics import SinkMetrics
-from sinks.rebuild import ensure_view, mark_ready_if_caught_up
-from sinks.redis_store import RedisStore, ViewChanged
-from sinks.snapshot import SnapshotReader
-from sinks.validate import problem
+from kvbus.sinks.config import SinkConfig
+from kvbus.sinks.metrics import SinkMetrics
+from kvbus.sinks.rebuild import ensure_view, mark_ready_if_caught_up
+from kvbus.sinks.redis_store import RedisStore, ViewChanged
+from kvbus.sinks.snapshot import SnapshotReader
+from kvbus.sinks.validate import problem
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -99,7 +99,7 @@ class SinkConsumer:
     """Kafka -> residency view.
 
     ``settings``: where Kafka and the registry are; ``store``: the view; ``config``: how the sink
-    runs (:class:`sinks.config.SinkConfig`: group, staleness, batch, commits, session timeout);
+    runs (:class:`kvbus.sinks.config.SinkConfig`: group, staleness, batch, commits, session timeout);
     ``topics``: topic names (default ``settings.topics``); ``metrics``: its Prometheus metrics;
     ``consumer_conf``: extra librdkafka consumer settings.
     """

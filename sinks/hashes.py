@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from schemas.events import canonical_hash
-from schemas.hashing import block_hashes
+from kvbus.schemas.events import canonical_hash
+from kvbus.schemas.hashing import block_hashes
 
 U64 = 1 << 64
 I64_MIN = -(1 << 63)
@@ -46,7 +46,7 @@ def chain_from_tokens(
 ) -> list[bytes]:
     """The chain of block hashes vLLM publishes for a prompt (full blocks only; protocol doc §5).
 
-    ``algo``: any of ``schemas.hashing.HASH_ALGOS``; ``seed``: the engine's PYTHONHASHSEED (None:
+    ``algo``: any of ``kvbus.schemas.hashing.HASH_ALGOS``; ``seed``: the engine's PYTHONHASHSEED (None:
     this process's PYTHONHASHSEED, else vLLM's default). ValueError for an unknown algorithm;
-    ``schemas.hashing.UnmatchableSeed`` (a ValueError) for the xxhash family without a seed."""
+    ``kvbus.schemas.hashing.UnmatchableSeed`` (a ValueError) for the xxhash family without a seed."""
     return block_hashes(tokens, block_size, algo, seed=seed)

@@ -30,8 +30,8 @@ import time
 import uuid
 from typing import Callable
 
-from sinks.redis_store import RedisStore
-from sinks.snapshot import SnapshotReader, holder_dump
+from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.snapshot import SnapshotReader, holder_dump
 
 log = logging.getLogger("kvbus.sinks")
 

@@ -15,10 +15,10 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import redis
 
-from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
+from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
 
-from sinks import functions
-from sinks.store import (
+from kvbus.sinks import functions
+from kvbus.sinks.store import (
     ApplyResult,
     HolderMatch,
     ResidencyStore,
@@ -26,7 +26,7 @@ from sinks.store import (
     split_holder,
     summary_from_counts,
 )
-from sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
+from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -156,7 +156,7 @@ class RedisStore(ResidencyStore):
     version and load the function library now (a read-only lookup client passes False).
     ``declare_keys``: every FCALL declares ``P meta`` and ``P guard`` (a key never written), so it
     routes on Redis Cluster and is refused (ASK, TRYAGAIN: retried) while ``P``'s slot is being
-    migrated (one shard of :class:`sinks.sharded_store.ShardedRedisStore`).
+    migrated (one shard of :class:`kvbus.sinks.sharded_store.ShardedRedisStore`).
     """
 
     def __init__(

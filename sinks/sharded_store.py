@@ -27,7 +27,7 @@ own slot migration (``redis-cli --cluster reshard`` / ``rebalance``).
   half-moved shard for up to :data:`MIGRATION_CHECK` s (docs/sinks-layout.md).
 
 ``KVBUS_REDIS_URL`` names a cluster by its seed nodes: ``redis+cluster://h:p[,h:p...][/0][?shards=S][&read_from=replica]``
-(:func:`open_store` picks this store for such a URL, :class:`~sinks.redis_store.RedisStore` otherwise).
+(:func:`open_store` picks this store for such a URL, :class:`~kvbus.sinks.redis_store.RedisStore` otherwise).
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ import redis
 from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
 from redis.exceptions import AskError, ClusterDownError, ClusterError, MovedError, TryAgainError
 
-from schemas.events import BlockEvent, holder_key
+from kvbus.schemas.events import BlockEvent, holder_key
 
-from sinks import functions
-from sinks.redis_store import (
+from kvbus.sinks import functions
+from kvbus.sinks.redis_store import (
     DEFAULT_PREFIX,
     DEFAULT_WEIGHTS,
     NAMES_TTL,
@@ -58,8 +58,8 @@ from sinks.redis_store import (
     holder_names,
     parse_lookup,
 )
-from sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, split_holder, summary_from_counts
-from sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
+from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, split_holder, summary_from_counts
+from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -172,7 +172,7 @@ class ShardedRedisStore(ResidencyStore):
         self.migration_check = migration_check
         self._migrating: set[int] = set()
         self._migrating_at = float("-inf")
-        self.r = self.rc  # what RedisStore callers read plain keys through (sinks.rebuild.view_status)
+        self.r = self.rc  # what RedisStore callers read plain keys through (kvbus.sinks.rebuild.view_status)
         self.prefix = prefix
         self.policy = policy
         self.nshards = shards
@@ -482,7 +482,7 @@ class ShardedRedisStore(ResidencyStore):
         return {k: min(p[k] for p in per) for k in sorted(common)}
 
     def status(self) -> dict[str, str]:
-        """The view's status for routers (``sinks.rebuild.view_status``): a shard rebuilding makes the
+        """The view's status for routers (``kvbus.sinks.rebuild.view_status``): a shard rebuilding makes the
         view rebuilding; no shard with a view: missing."""
         sts = [st.status() for st in self.shards]
         for st in sts:

@@ -33,12 +33,12 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from schemas.events import ViewOffset, ViewPosition, ViewSnapshot, ViewTier
-from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings, client_conf
-from schemas.topics import REBUILD_GROUP_PREFIX
+from kvbus.schemas.events import ViewOffset, ViewPosition, ViewSnapshot, ViewTier
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.settings import Settings, client_conf
+from kvbus.schemas.topics import REBUILD_GROUP_PREFIX
 
-from sinks.redis_store import HolderDump, RedisStore
+from kvbus.sinks.redis_store import HolderDump, RedisStore
 
 log = logging.getLogger("kvbus.sinks")
 

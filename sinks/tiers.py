@@ -1,15 +1,15 @@
 """Tiers in the view: which are reference-counted, and how lookups weigh them.
 
 A tier is where a holder keeps a block, i.e. (medium, ownership, group_idx); how it is named (its
-descriptor in Redis, its label) is ``schemas.tiers``, shared with the analytics report.
+descriptor in Redis, its label) is ``kvbus.schemas.tiers``, shared with the analytics report.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from schemas.events import BlockRemoved, BlockStored
-from schemas.tiers import describe, label  # noqa: F401  (the naming rule; re-exported for the sinks)
+from kvbus.schemas.events import BlockRemoved, BlockStored
+from kvbus.schemas.tiers import describe, label  # noqa: F401  (the naming rule; re-exported for the sinks)
 
 DEFAULT_WEIGHTS: dict[str, float] = {
     "GPU": 1.0,

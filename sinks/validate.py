@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from schemas.events import BlockEvent, BlockRemoved, BlockStored, holder_key
-from schemas.topics import Topics
+from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored, holder_key
+from kvbus.schemas.topics import Topics
 
 
 @lru_cache(maxsize=1 << 16)

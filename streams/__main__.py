@@ -1,13 +1,13 @@
-"""``python -m streams worker -l info [--datadir DIR]``: the streams Faust app's own command line
-(options from KVBUS_* / KVBUS_STREAMS_* variables; see streams.options). Faust's web server stays
+"""``python -m kvbus.streams worker -l info [--datadir DIR]``: the streams Faust app's own command line
+(options from KVBUS_* / KVBUS_STREAMS_* variables; see kvbus.streams.options). Faust's web server stays
 off unless KVBUS_STREAMS_WEB_PORT is set."""
 from __future__ import annotations
 
 import sys
 
-from schemas.settings import Settings
-from streams.agents import build
-from streams.options import StreamsOptions
+from kvbus.schemas.settings import Settings
+from kvbus.streams.agents import build
+from kvbus.streams.options import StreamsOptions
 
 if __name__ == "__main__":
     options = StreamsOptions.from_env()

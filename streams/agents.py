@@ -1,5 +1,5 @@
 """Topics, the state table and the agents of the streams stage (a thin shell over
-:mod:`streams.runtime` and :mod:`streams.aggregation`), declared on an app by :func:`build`.
+:mod:`kvbus.streams.runtime` and :mod:`kvbus.streams.aggregation`), declared on an app by :func:`build`.
 
 * ``consolidate``: reads raw EventBatch records in batches and hands them to the runtime.
 * ``sweep`` (timer): expires partial aggregates older than the window.
@@ -18,10 +18,10 @@ from typing import Any, Optional
 import faust
 from faust.types import AppT, Message
 
-from schemas.settings import Settings
-from streams.app import create_app
-from streams.options import StreamsOptions
-from streams.runtime import Runtime
+from kvbus.schemas.settings import Settings
+from kvbus.streams.app import create_app
+from kvbus.streams.options import StreamsOptions
+from kvbus.streams.runtime import Runtime
 
 log = logging.getLogger("kvbus.streams")
 
@@ -41,7 +41,7 @@ class RawBytes(faust.Schema):
 
 
 def build(settings: Settings, options: StreamsOptions) -> faust.App:
-    """The streams stage's Faust app (:func:`streams.app.create_app`) with its topic, table and agents."""
+    """The streams stage's Faust app (:func:`kvbus.streams.app.create_app`) with its topic, table and agents."""
     app = create_app(settings, options)
 
     raw = app.topic(

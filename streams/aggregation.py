@@ -9,7 +9,7 @@ different times, twice, or never. This module is that rule over plain state:
 * :class:`Aggregator` holds a ``dict`` of :class:`HolderState` (one per ``(replica, dp_rank)``),
   passed in, and turns decoded batches into :class:`Output` records (``apply``), expires what
   was not completed in time (``expire``), and tells what changed for the durable store
-  (``flush``/``load``). The Faust agent in :mod:`streams.agents` is a thin shell around it.
+  (``flush``/``load``). The Faust agent in :mod:`kvbus.streams.agents` is a thin shell around it.
 
 Rules (see docs/streams.md for the reasoning):
 
@@ -26,7 +26,7 @@ Rules (see docs/streams.md for the reasoning):
    redelivered part of a split batch too (the parts of one batch share its ``(epoch, seq)``;
    event ``i`` of a record has index ``first_index + i``), so parts behave as the whole batch.
 4. **Expiry**: an aggregate not completed ``window`` seconds (processing time) after its first
-   report becomes an :class:`~schemas.events.Incomplete`.
+   report becomes an :class:`~kvbus.schemas.events.Incomplete`.
 5. **Order**: consolidated positions only grow per holder; a completion that would go back
    (workers disagreeing on order) is reported as Incomplete instead and counted.
 6. **AllBlocksCleared** is aggregated like any event (each worker reports it); once complete it
@@ -51,7 +51,7 @@ from typing import Iterable, Iterator, Optional, Union
 
 import msgspec
 
-from schemas.events import (
+from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
     BlockRemoved,
@@ -62,9 +62,9 @@ from schemas.events import (
     Reset,
     holder_key,
 )
-from schemas.codec import encode_event
-from schemas.topics import Topics
-from streams.raw_event import RawEvent
+from kvbus.schemas.codec import encode_event
+from kvbus.schemas.topics import Topics
+from kvbus.streams.raw_event import RawEvent
 
 Position = tuple[int, int, int]
 """(epoch, seq, index) of a report; see docs/CONTRACT-NOTES.md."""

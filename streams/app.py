@@ -1,7 +1,7 @@
 """The Faust application of the streams stage: :func:`create_app` (its topics, table and agents are
-declared by :func:`streams.agents.build`).
+declared by :func:`kvbus.streams.agents.build`).
 
-Configured by objects (:class:`schemas.settings.Settings`, :class:`streams.options.StreamsOptions`),
+Configured by objects (:class:`kvbus.schemas.settings.Settings`, :class:`kvbus.streams.options.StreamsOptions`),
 never by the environment at import: ``kvbus worker`` builds them from its flags, ``python -m
 streams worker`` from the ``KVBUS_*`` variables.
 """
@@ -12,9 +12,9 @@ from typing import Any
 import faust
 from faust.sensors import Monitor
 
-from schemas.settings import Settings
-from streams import transport
-from streams.options import StreamsOptions
+from kvbus.schemas.settings import Settings
+from kvbus.streams import transport
+from kvbus.streams.options import StreamsOptions
 
 CHANGELOG_LINGER = 0.005
 """Seconds Faust's producer (the table changelog only) waits to batch records: without it every
@@ -23,7 +23,7 @@ table write became its own produce request (a quarter of the worker's time in pr
 
 class RecordQuietMonitor(Monitor):
     """Faust's Monitor without its per-record, per-table-write and per-send statistics (they
-    feed Faust's web views, off here; kvbus exports its own metrics: :mod:`streams.metrics`).
+    feed Faust's web views, off here; kvbus exports its own metrics: :mod:`kvbus.streams.metrics`).
     Offsets, commits and rebalances are still tracked."""
 
     def on_message_in(self, *args: Any) -> None:
@@ -61,13 +61,13 @@ flight per broker; with 1 MiB the worker waited on fetches a third of the time u
 
 def broker_url(bootstrap: str, scheme: str = transport.SCHEME) -> str:
     """Faust broker URL for comma-separated bootstrap servers: ``kvbus://h1:p1;h2:p2``
-    (:mod:`streams.transport`: Faust's aiokafka transport, cheaper per fetched record)."""
+    (:mod:`kvbus.streams.transport`: Faust's aiokafka transport, cheaper per fetched record)."""
     return f"{scheme}://" + ";".join(s.strip() for s in bootstrap.split(",") if s.strip())
 
 
 def create_app(settings: Settings, options: StreamsOptions) -> faust.App:
     """The streams stage's Faust app for ``settings`` (Kafka, topics) and ``options``, without its
-    agents (:func:`streams.agents.build` declares them)."""
+    agents (:func:`kvbus.streams.agents.build` declares them)."""
     return faust.App(
         options.app_id,
         broker=broker_url(settings.bootstrap),

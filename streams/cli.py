@@ -3,9 +3,9 @@
     kvbus worker [--workdir DIR] [--window SEC] [--metrics-port P] [--app-id ID]
                  [--datadir DIR] [--store URL] [--loglevel LEVEL]
 
-Every flag defaults to its ``KVBUS_STREAMS_*`` variable (see :mod:`streams.options`);
+Every flag defaults to its ``KVBUS_STREAMS_*`` variable (see :mod:`kvbus.streams.options`);
 Kafka, registry and topic names come from the Settings (``KVBUS_*``). The worker runs in this
-process and stops cleanly on SIGTERM/SIGINT. ``python -m streams worker -l info`` runs the
+process and stops cleanly on SIGTERM/SIGINT. ``python -m kvbus.streams worker -l info`` runs the
 same app with options from the environment only.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from schemas.security import check_kafka_access
-from schemas.settings import Settings
-from streams.options import StreamsOptions
+from kvbus.schemas.security import check_kafka_access
+from kvbus.schemas.settings import Settings
+from kvbus.streams.options import StreamsOptions
 
 log = logging.getLogger("kvbus.streams")
 
@@ -46,7 +46,7 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
     """Run a streams worker until SIGTERM/SIGINT; returns the exit code."""
     from faust.worker import Worker
 
-    from streams.agents import build
+    from kvbus.streams.agents import build
 
     options = options_from_args(args)
     check_kafka_access(settings.kafka())  # aiokafka would fail with a bare "Unable to bootstrap" traceback
@@ -63,7 +63,7 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m streams.cli [options]``."""
+    """Standalone entry: ``python -m kvbus.streams.cli [options]``."""
     p = argparse.ArgumentParser(prog="kvbus worker", description=__doc__.splitlines()[0])
     add_worker_args(p)
     return run_worker(p.parse_args(argv), Settings.from_env())

@@ -1,12 +1,12 @@
 """Record values of the streams stage: raw EventBatch in, BlockEvent/Incomplete/DeadLetter out.
 
 Everything is Confluent wire format (magic byte, schema id, Avro body), exactly what
-:class:`schemas.serde.RecordSerde` writes and reads, through the codec generated from the
-schemas (:class:`schemas.codec.FastSerde`):
+:class:`kvbus.schemas.serde.RecordSerde` writes and reads, through the codec generated from the
+schemas (:class:`kvbus.schemas.codec.FastSerde`):
 
 * decoding: a raw value written with kvbus's current ``EventBatch`` schema is scanned by
-  :func:`schemas.codec.batch_scanner`, which keeps each block event as its Avro bytes
-  (:class:`~streams.raw_event.RawEvent`) instead of decoding token ids. Every TP worker of a
+  :func:`kvbus.schemas.codec.batch_scanner`, which keeps each block event as its Avro bytes
+  (:class:`~kvbus.streams.raw_event.RawEvent`) instead of decoding token ids. Every TP worker of a
   replica reports the same events, so the other workers' records of a batch usually carry the
   very same bytes from the events array on: :class:`SharedEvents` lets the scanner scan those
   once and hand the later records the same event objects (only their other fields are read);
@@ -22,9 +22,9 @@ from typing import Union
 import msgspec
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
-from schemas.codec import FastSerde, batch_scanner, decode_event
-from schemas.events import BlockEvent, DeadLetter, Event, EventBatch, Incomplete
-from streams.raw_event import RawEvent
+from kvbus.schemas.codec import FastSerde, batch_scanner, decode_event
+from kvbus.schemas.events import BlockEvent, DeadLetter, Event, EventBatch, Incomplete
+from kvbus.streams.raw_event import RawEvent
 
 SHARED_EVENTS = 4096
 """Events lists :class:`SharedEvents` keeps for the other workers' records (oldest dropped first)."""
@@ -32,7 +32,7 @@ SHARED_EVENTS = 4096
 
 class SharedEvents:
     """The scanned events lists of recent EventBatch records, for the batch's other
-    ``workers - 1`` reports (the ``shared`` of :func:`schemas.codec.batch_scanner`).
+    ``workers - 1`` reports (the ``shared`` of :func:`kvbus.schemas.codec.batch_scanner`).
 
     ``key`` is a record's events array bytes (up to the int fields that end the record:
     ``first_index``); the scan of identical bytes gives identical events and

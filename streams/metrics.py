@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from streams.aggregation import Stats
+from kvbus.streams.aggregation import Stats
 
 
 class StreamsMetrics:

@@ -1,7 +1,7 @@
-"""Options of the streams stage (besides the shared :class:`schemas.settings.Settings`).
+"""Options of the streams stage (besides the shared :class:`kvbus.schemas.settings.Settings`).
 
-An object handed to :func:`streams.agents.build`: ``kvbus worker`` lays its flags over
-:meth:`StreamsOptions.from_env`, ``python -m streams worker`` uses the variables alone.
+An object handed to :func:`kvbus.streams.agents.build`: ``kvbus worker`` lays its flags over
+:meth:`StreamsOptions.from_env`, ``python -m kvbus.streams worker`` uses the variables alone.
 
 | variable | default | meaning |
 |---|---|---|

@@ -9,10 +9,10 @@ import msgspec
 class RawEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """A ``BlockStored`` or ``BlockRemoved`` kept as its Avro encoding (union branch index +
     record, exactly as in the raw EventBatch and as re-emitted in BlockEvent/Incomplete).
-    Made by :func:`schemas.codec.batch_scanner` (``raw(avro, ownership, without_lora_name)``);
-    :func:`schemas.codec.encode_event` writes it as its ``avro`` bytes.
+    Made by :func:`kvbus.schemas.codec.batch_scanner` (``raw(avro, ownership, without_lora_name)``);
+    :func:`kvbus.schemas.codec.encode_event` writes it as its ``avro`` bytes.
 
-    :func:`streams.aggregation.identity` of a RawEvent equals that of the decoded struct.
+    :func:`kvbus.streams.aggregation.identity` of a RawEvent equals that of the decoded struct.
     Not tracked by the cyclic garbage collector (``gc=False``): it holds only bytes and str.
     """
 

@@ -1,7 +1,7 @@
 """What the Faust agent and timer call: decode, aggregate, publish, persist, ack.
 
 One :class:`Runtime` per worker process. It owns the process's share of aggregation state
-(:class:`streams.aggregation.Aggregator` over plain dicts), the output producer, the codec and
+(:class:`kvbus.streams.aggregation.Aggregator` over plain dicts), the output producer, the codec and
 the metrics. Each batch of raw records (and each expiry sweep) goes through:
 
 1. decode and check each record (bad ones become DeadLetters) and apply it to the state;
@@ -32,13 +32,13 @@ from typing import Any, Iterable, Optional, Sequence
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from schemas.events import DeadLetter, dead_letter, holder_key
-from schemas.serde import registry_client
-from schemas.settings import Settings
-from streams.aggregation import Aggregator, Output, check, is_meta_key, load
-from streams.codec import Codec
-from streams.metrics import StreamsMetrics
-from streams.options import StreamsOptions
+from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
+from kvbus.schemas.serde import registry_client
+from kvbus.schemas.settings import Settings
+from kvbus.streams.aggregation import Aggregator, Output, check, is_meta_key, load
+from kvbus.streams.codec import Codec
+from kvbus.streams.metrics import StreamsMetrics
+from kvbus.streams.options import StreamsOptions
 
 log = logging.getLogger("kvbus.streams")
 

@@ -8,7 +8,7 @@ of the event loop's time per raw record. :class:`Consumer` keeps the same loop a
 semantics but waits that way once per *fetch*: the records of one ``getmany`` are delivered by one
 coroutine, which ``wait_first`` cancels wherever it is blocked when the flow is suspended, the
 worker stops or crashes (the records not yet delivered are dropped, as Faust drops them per record;
-after the rebalance the consumer seeks back to committed offsets: :meth:`streams.runtime.Runtime._rewind`).
+after the rebalance the consumer seeks back to committed offsets: :meth:`kvbus.streams.runtime.Runtime._rewind`).
 
 Everything else (fetching thread, rebalancing, commits, producer, tables) is Faust's
 ``faust.transport.drivers.aiokafka``.

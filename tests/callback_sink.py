@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from schemas.events import DeadLetter, EventBatch
+from kvbus.schemas.events import DeadLetter, EventBatch
 
 
 class CallbackSink:

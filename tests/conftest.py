@@ -1,11 +1,11 @@
 """Shared fixtures.
 
 ``stack``: the real services (Kafka, Apicurio Registry, Redis), started once per
-test session through ``infra.stack`` (the same code as ``infra/stack up``) and
+test session through ``kvbus.infra.stack`` (the same code as ``infra/stack up``) and
 stopped at the end if this session started them. A stack that does not come up
 is an error, never a skip: integration tests must run in CI.
 ``secure_stack``: a secured stack (``infra/stack up --secure``'s code) of the session's own, on free
-ports, for the ``secure`` tests; its :class:`infra.secure.SecureLayout`.
+ports, for the ``secure`` tests; its :class:`kvbus.infra.secure.SecureLayout`.
 ``unique_topics``: topic names of one test (uuid suffix), created with explicit
 partition counts; ``sink_topics``: the same for a sink test (blocks, a tier topic, dlq).
 """
@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
-from schemas.settings import Settings
-from schemas.topics import Topics
+from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import Topics
 
 if TYPE_CHECKING:
-    from infra.secure import SecureLayout
+    from kvbus.infra.secure import SecureLayout
 
 
 def _stack_ready() -> bool:
-    from infra import stack
+    from kvbus.infra import stack
 
     try:
         return bool(stack.status().get("ready"))
@@ -37,7 +37,7 @@ def _stack_ready() -> bool:
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Settings]:
     """Settings of a running real stack; brought up (and later down) if it was not running."""
-    from infra import stack as infra_stack
+    from kvbus.infra import stack as infra_stack
 
     started_here = not _stack_ready()
     if started_here:
@@ -49,7 +49,7 @@ def stack() -> Iterator[Settings]:
 
 @pytest.fixture(scope="session")
 def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator["SecureLayout"]:
-    """A secured stack of this session's own (``infra.secure``, the code of ``infra/stack up
+    """A secured stack of this session's own (``kvbus.infra.secure``, the code of ``infra/stack up
     --secure``; own state directory and free ports, so it runs next to the open dev stack),
     stopped at the end."""
     from tests.secure_stack import secured
@@ -62,7 +62,7 @@ def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator["SecureLa
 def unique_topics(stack: Settings) -> Iterator[Topics]:
     """Fresh topic names for one test, created with the stack's partition count, deleted
     afterwards (with any tier topic the test made) so a developer's stack does not grow."""
-    from infra.topics import ensure_topics
+    from kvbus.infra.topics import ensure_topics
 
     suffix = uuid.uuid4().hex[:8]
     t = Topics(
@@ -82,7 +82,7 @@ def sink_topics(stack: Settings) -> Iterator[Topics]:
     """Fresh topics for a sink test: the block topic and its ``kvcr`` tier topic (2 partitions
     each, so records of several holders interleave), a dead-letter topic, and a snapshot topic
     name (the sink creates it); all deleted afterwards."""
-    from infra.topics import ensure_topics
+    from kvbus.infra.topics import ensure_topics
 
     suffix = uuid.uuid4().hex[:8]
     t = Topics(blocks=f"s{suffix}.blocks", dlq=f"s{suffix}.dlq", snapshots=f"s{suffix}.snapshots")

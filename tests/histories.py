@@ -6,8 +6,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
-from schemas.topics import Topics
+from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
+from kvbus.schemas.topics import Topics
 
 
 @dataclass

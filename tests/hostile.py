@@ -9,7 +9,7 @@ Each generator yields inputs tagged with what the stage under test is designed t
 
 Shapes are derived from the real formats, not rewritten: engine payloads start from what
 :func:`kvbus.engine_wire.encode_batch` writes (vLLM 0.33 maps), decoded to plain msgpack values and
-mutated; Kafka values start from what :class:`schemas.serde.RecordSerde` writes (Confluent wire
+mutated; Kafka values start from what :class:`kvbus.schemas.serde.RecordSerde` writes (Confluent wire
 format) and are cut, re-headed or mutated.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import msgspec
 
 from kvbus.engine_wire import encode_batch
-from schemas.events import BlockStored, canonical_hash
+from kvbus.schemas.events import BlockStored, canonical_hash
 
 REJECT = "reject"
 ACCEPT = "accept"

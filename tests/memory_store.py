@@ -1,6 +1,6 @@
 """``InMemoryStore``: the residency view as plain Python dicts.
 
-The model of the contract (:mod:`sinks.store`): simple enough to be obviously right, the oracle
+The model of the contract (:mod:`kvbus.sinks.store`): simple enough to be obviously right, the oracle
 of the Redis store in the tests (a test helper: the product's view is the Redis one).
 """
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
+from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
 
-from sinks.store import (
+from kvbus.sinks.store import (
     ApplyResult,
     HolderMatch,
     ResidencyStore,
@@ -18,7 +18,7 @@ from sinks.store import (
     split_holder,
     summary_from_counts,
 )
-from sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
+from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
 
 MAX_TIERS = 64
 

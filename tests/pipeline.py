@@ -13,9 +13,9 @@ from typing import Callable
 from confluent_kafka import Producer
 
 from kvbus.procs import Children
-from schemas.events import EventBatch, holder_key
-from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings
+from kvbus.schemas.events import EventBatch, holder_key
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.settings import Settings
 
 
 def env_for(settings: Settings) -> dict[str, str]:

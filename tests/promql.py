@@ -27,9 +27,9 @@ def metric_names(expr: str) -> set[str]:
 def exported_names() -> dict[str, set[str]]:
     """Sample names each kind of kvbus process serves, per role (``bridge``, ``worker``, ``sink``),
     from the registries the processes serve (counters ``_total``, histograms ``_bucket``/``_sum``/``_count``)."""
-    from producers.metrics import BridgeMetrics
-    from sinks.metrics import SinkMetrics
-    from streams.metrics import StreamsMetrics
+    from kvbus.producers.metrics import BridgeMetrics
+    from kvbus.sinks.metrics import SinkMetrics
+    from kvbus.streams.metrics import StreamsMetrics
 
     out = {}
     for role, registry in (("bridge", BridgeMetrics().registry), ("worker", StreamsMetrics().registry),

@@ -1,5 +1,5 @@
 """A throw-away Redis Cluster for tests and benchmarks, started by the project's own infra code
-(:mod:`infra.redis_cluster`, what ``infra/stack up --redis-cluster 3`` runs) in its own state
+(:mod:`kvbus.infra.redis_cluster`, what ``infra/stack up --redis-cluster 3`` runs) in its own state
 directory, on free ports."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Sequence
 import redis
 from redis.cluster import ClusterNode as PyClusterNode, RedisCluster
 
-from infra import redis_cluster
-from infra.settings import Paths
+from kvbus.infra import redis_cluster
+from kvbus.infra.settings import Paths
 from tests.redis_server import RedisServer
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from confluent_kafka import Consumer, KafkaError, Producer
 
-from infra import secure
+from kvbus.infra import secure
 from kvbus.procs import free_port_block
 
 QUIET = logging.getLogger("tests.secure.librdkafka")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, EventBatch,
+from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, EventBatch,
                             Incomplete, Reset)
 
 h8 = st.binary(min_size=8, max_size=8)

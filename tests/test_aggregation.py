@@ -1,4 +1,4 @@
-"""Unit tests of streams.aggregation (pure: no Kafka, no Faust).
+"""Unit tests of kvbus.streams.aggregation (pure: no Kafka, no Faust).
 
 The reference is vLLM's KVEventAggregator rule written out directly: per engine step, a
 ``Counter`` of events hashed the way vLLM's ``__hash__`` does; an event is real when its count
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.events import (
+from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
     BlockRemoved,
@@ -25,8 +25,8 @@ from schemas.events import (
     Reset,
     canonical_hash,
 )
-from schemas.topics import Topics
-from streams.aggregation import AFTER_BATCH, Aggregator, Output, check, identity, load
+from kvbus.schemas.topics import Topics
+from kvbus.streams.aggregation import AFTER_BATCH, Aggregator, Output, check, identity, load
 
 TOPICS = Topics(raw="raw", blocks="blocks", incomplete="incomplete", dlq="dlq")
 WINDOW = 5.0
@@ -487,7 +487,7 @@ def test_part_overlapping_what_was_applied_skips_exactly_the_overlap():
 
 def test_high_water_marks_written_before_split_batches_still_drop_redeliveries():
     """A state in the changelog from before first_index holds (epoch, seq) per rank: the whole batch."""
-    from streams.aggregation import HolderMeta, encode_meta, meta_key
+    from kvbus.streams.aggregation import HolderMeta, encode_meta, meta_key
 
     legacy = encode_meta(HolderMeta(REPLICA, 0, 0, {0: (100, 3), 1: (101, 3)}))  # the old layout's bytes
     agg = Aggregator(TOPICS, window=WINDOW, holders=load([(meta_key("r1#0"), legacy)]))
@@ -571,8 +571,8 @@ def test_restart_from_store_loses_nothing_and_keeps_positions(trace, data):
 def test_merged_state_changes_keep_last_values_and_write_metas_last():
     """Runtime completes delivered batches together: one write per key (its last value), every
     aggregate entry before every holder meta, as within one batch."""
-    from streams.aggregation import aggregate_key, is_meta_key, meta_key
-    from streams.runtime import _Batch, merge_changes
+    from kvbus.streams.aggregation import aggregate_key, is_meta_key, meta_key
+    from kvbus.streams.runtime import _Batch, merge_changes
 
     a, b = _Batch(()), _Batch(())
     ident = b"\x00" * 15 + b"\x01"

@@ -1,6 +1,6 @@
 """Bridge against the real stack: Kafka + schema registry (integration).
 
-The bridge runs as its own process (``python -m producers.cli bridge``) against an
+The bridge runs as its own process (``python -m kvbus.producers.cli bridge``) against an
 in-process synthetic engine; what it wrote is read back with a plain confluent
 Consumer and the registry's AvroDeserializer (not kvbus's RecordSerde).
 """
@@ -24,10 +24,10 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from kvbus.engine_wire import FORMATS, project
 from kvbus.fleet import Fleet, FleetConfig
 from kvbus.procs import free_port_block
-from producers.recovery import partition_for
-from producers.sequencer import REASON_ENGINE_RESTART
-from schemas.events import BlockStored, holder_key
-from schemas.settings import Settings
+from kvbus.producers.recovery import partition_for
+from kvbus.producers.sequencer import REASON_ENGINE_RESTART
+from kvbus.schemas.events import BlockStored, holder_key
+from kvbus.schemas.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -82,13 +82,13 @@ class RawReader:
 
 
 class BridgeProcess:
-    """``python -m producers.cli bridge`` with this test's topics."""
+    """``python -m kvbus.producers.cli bridge`` with this test's topics."""
 
     def __init__(self, settings: Settings, endpoint: str, replay_endpoint: str | None, *extra: str) -> None:
         env = dict(os.environ, KVBUS_BOOTSTRAP=settings.bootstrap, KVBUS_REGISTRY_URL=settings.registry_url,
                    KVBUS_TOPIC_RAW=settings.topics.raw, KVBUS_TOPIC_DLQ=settings.topics.dlq,
                    KVBUS_TOPIC_BLOCKS=settings.topics.blocks, KVBUS_TOPIC_INCOMPLETE=settings.topics.incomplete)
-        argv = [sys.executable, "-m", "producers.cli", "bridge", "--endpoint", endpoint, "--replica", REPLICA,
+        argv = [sys.executable, "-m", "kvbus.producers.cli", "bridge", "--endpoint", endpoint, "--replica", REPLICA,
                 "--topic", ZMQ_TOPIC, "--flush-timeout", "10", *extra]
         if replay_endpoint:
             argv += ["--replay-endpoint", replay_endpoint]
@@ -250,12 +250,12 @@ def test_bad_input_lands_in_the_dlq_topic(test_settings: Settings, fleet: Fleet)
 # -- Kafka outage: a private single-node broker this test can stop and start -------------
 
 class PrivateKafka:
-    """A throw-away 1-node KRaft broker (infra.kafka_broker) in its own state dir and ports,
+    """A throw-away 1-node KRaft broker (kvbus.infra.kafka_broker) in its own state dir and ports,
     so the test can kill it without touching the shared stack. Only pids it started are killed."""
 
     def __init__(self, root, monkeypatch) -> None:
-        from infra import kafka_broker
-        from infra.settings import Paths
+        from kvbus.infra import kafka_broker
+        from kvbus.infra.settings import Paths
 
         shared_libs = Paths().kafka_libs
         assert shared_libs.is_dir(), "the shared stack's Kafka jars are needed (infra/stack up)"
@@ -296,8 +296,8 @@ def test_bridge_rides_out_a_kafka_outage(stack: Settings, tmp_path, monkeypatch,
     """Kafka dies mid-stream: the engine is never slowed, the bridge holds what it can
     (librdkafka queue, then its backlog), sheds the rest, and once Kafka is back recovers
     the shed batches from the engine's replay buffer: every batch lands, in order, once."""
-    from infra.topics import ensure_topics
-    from schemas.topics import Topics
+    from kvbus.infra.topics import ensure_topics
+    from kvbus.schemas.topics import Topics
 
     kafka = PrivateKafka(tmp_path / "kafka-state", monkeypatch)
     bridge = None

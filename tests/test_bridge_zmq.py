@@ -13,9 +13,9 @@ import pytest
 
 from kvbus.engine_wire import project
 from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
-from producers.bridge import Bridge, BridgeConfig
-from producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
-from schemas.events import (
+from kvbus.producers.bridge import Bridge, BridgeConfig
+from kvbus.producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
+from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -23,7 +23,7 @@ from schemas.events import (
     EventBatch,
     Reset,
 )
-from schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.serde import RecordSerde, registry_client
 from tests.callback_sink import CallbackSink
 from tests.recording_producer import RecordingProducer
 
@@ -241,7 +241,7 @@ def test_engine_restart_gives_reset_marker_and_new_epoch(harness_factory):
 def _restart_after(hs: Harness, produced: int) -> tuple[Bridge, list[EventBatch], threading.Thread]:
     """Stop ``hs``'s bridge and start another whose last record was the first ``produced`` events of
     the last batch (the first run stopped between the parts of a split batch)."""
-    from producers.recovery import Resume
+    from kvbus.producers.recovery import Resume
 
     hs.bridge.stop()
     hs._thread.join(timeout=5)
@@ -415,8 +415,8 @@ def _vllm_events():
 
 
 def test_publisher_encodes_vllm_objects_like_the_normalized_structs():
-    from schemas.codec import encode_events
-    from producers.publisher import encode_engine_events, to_kvbus_event
+    from kvbus.schemas.codec import encode_events
+    from kvbus.producers.publisher import encode_engine_events, to_kvbus_event
 
     events = _vllm_events()
     converted = [to_kvbus_event(e) for e in events]
@@ -434,9 +434,9 @@ def test_publisher_encodes_vllm_objects_like_the_normalized_structs():
 def publisher_factory():
     from dataclasses import replace as dc_replace
 
-    from producers.publisher import KafkaEventPublisher
-    from schemas.settings import Settings
-    from schemas.topics import Topics
+    from kvbus.producers.publisher import KafkaEventPublisher
+    from kvbus.schemas.settings import Settings
+    from kvbus.schemas.topics import Topics
 
     serde = RecordSerde(registry_client("mock://publisher"), "EventBatch")
     topic = "pub.raw"
@@ -491,7 +491,7 @@ def test_publisher_never_blocks_and_announces_what_it_had_to_drop(publisher_fact
 
 
 def test_create_publisher_and_null_publisher():
-    from producers.publisher import NullEventPublisher, create_publisher
+    from kvbus.producers.publisher import NullEventPublisher, create_publisher
 
     null = create_publisher("null", replica="x", data_parallel_rank=0)
     assert isinstance(null, NullEventPublisher)
@@ -521,11 +521,11 @@ def test_publisher_metrics_count_records_drops_and_markers_and_are_served(publis
 
 
 def test_the_publisher_carries_every_kvbus_field_an_engine_event_sets():
-    """The publisher copies the kvbus struct's fields by name (derived from schemas.events, not
+    """The publisher copies the kvbus struct's fields by name (derived from kvbus.schemas.events, not
     listed by hand), and its common-shape fast path steps aside for any of them that is set: each
     optional field set on an engine event comes out in the kvbus event, through either path."""
-    from producers.publisher import _STORED_COPIED, encode_engine_event
-    from schemas.codec import decode_event
+    from kvbus.producers.publisher import _STORED_COPIED, encode_engine_event
+    from kvbus.schemas.codec import decode_event
 
     base = dict(block_hashes=[7], parent_block_hash=None, token_ids=list(range(16)), block_size=16, lora_id=None,
                 medium="gpu", lora_name=None)

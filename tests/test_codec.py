@@ -1,5 +1,5 @@
-"""The codec generated from the schemas (schemas.codec) writes and reads exactly what fastavro
-and schemas.serde.RecordSerde (confluent's serializer) do, hands every value it was not built
+"""The codec generated from the schemas (kvbus.schemas.codec) writes and reads exactly what fastavro
+and kvbus.schemas.serde.RecordSerde (confluent's serializer) do, hands every value it was not built
 for (other schema ids, non-canonical encodings, garbage) to RecordSerde, and follows a schema
 change with no other edit than the .avsc and the struct."""
 from __future__ import annotations
@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 
 from hypothesis import strategies as st
 
-from schemas import codec as fast
-from schemas.avro import SCHEMA_DIR, TO_AVRO, parsed_schema, schema_str
-from schemas.codec import FastSerde, batch_scanner, build, confluent_header, default_structs
-from schemas.codec_runtime import WireError
-from schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Incomplete, Reset,
+from kvbus.schemas import codec as fast
+from kvbus.schemas.avro import SCHEMA_DIR, TO_AVRO, parsed_schema, schema_str
+from kvbus.schemas.codec import FastSerde, batch_scanner, build, confluent_header, default_structs
+from kvbus.schemas.codec_runtime import WireError
+from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Incomplete, Reset,
                             ViewOffset, ViewPosition, ViewSnapshot, ViewTier)
-from schemas.serde import RecordSerde, registry_client, value_schema_id
+from kvbus.schemas.serde import RecordSerde, registry_client, value_schema_id
 from tests.strategies import batches, events, ints, longs, maybe, records, text
 
 KINDS = ("EventBatch", "BlockEvent", "Incomplete", "DeadLetter")
@@ -78,7 +78,7 @@ def test_batch_head_path_equals_whole_batch(batch):
     assert fast.event_array(encoded) == fast.encode_events(batch.events)
 
 
-PUBLISHER_SHAPES = {  # the common event shapes producers.publisher writes positionally
+PUBLISHER_SHAPES = {  # the common event shapes kvbus.producers.publisher writes positionally
     BlockStored: ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx",
                   "kv_cache_spec_kind"),
     BlockRemoved: ("block_hashes", "medium", "group_idx"),

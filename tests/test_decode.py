@@ -1,4 +1,4 @@
-"""producers.decode: every engine wire format, the protocol doc §11 vectors, bad input, frames.
+"""kvbus.producers.decode: every engine wire format, the protocol doc §11 vectors, bad input, frames.
 
 Payloads here are built by hand (msgspec on plain lists/dicts or doc hex), independent of
 kvbus.engine_wire, so decoder and encoder are checked against the doc, not each other.
@@ -8,8 +8,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from producers import decode as dec
-from producers.decode import (
+from kvbus.producers import decode as dec
+from kvbus.producers.decode import (
     END_SEQ,
     ENGINE_FORMATS,
     DecodedBatch,
@@ -18,8 +18,8 @@ from producers.decode import (
     parse_frames,
     parse_replay_reply,
 )
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, canonical_hash, hash_to_int
-from schemas.hashing import block_hashes
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, canonical_hash, hash_to_int
+from kvbus.schemas.hashing import block_hashes
 
 H0 = 1403909460543360175
 H1 = 1643945449041937783

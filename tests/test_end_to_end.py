@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
-from schemas.hashing import block_hashes
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbus.schemas.hashing import block_hashes
 from tests.pipeline import Pipeline, eventually
 
 pytestmark = pytest.mark.integration
@@ -80,7 +80,7 @@ def test_known_sequence_gives_exact_view_and_lookup(pipeline, tmp_path) -> None:
                                          "--prefix", prefix)
         assert by_tokens == got
 
-        from sinks.view import summary
+        from kvbus.sinks.view import summary
 
         assert summary(pipeline.settings.redis_url, prefix) == {
             "replica-0": {"GPU": 3},

@@ -14,9 +14,9 @@ from confluent_kafka import Consumer
 
 from kvbus.engine_wire import project
 from kvbus.fleet import Fleet, FleetConfig, ModelConfig
-from schemas.events import Event
-from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings
+from kvbus.schemas.events import Event
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.settings import Settings
 from tests.pipeline import Pipeline, eventually
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from schemas.events import BlockStored, EventBatch, Reset, canonical_hash
-from sinks.view import summary
+from kvbus.schemas.events import BlockStored, EventBatch, Reset, canonical_hash
+from kvbus.sinks.view import summary
 from tests.pipeline import Pipeline, RawProducer, eventually
 
 pytestmark = pytest.mark.integration

@@ -15,8 +15,8 @@ from kvbus.engine_wire import (
     resolve_format,
     wire_format,
 )
-from producers.decode import ENGINE_FORMATS, decode_batch, parse_frames, parse_replay_reply
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Reset, canonical_hash
+from kvbus.producers.decode import ENGINE_FORMATS, decode_batch, parse_frames, parse_replay_reply
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Reset, canonical_hash
 
 # Protocol doc §11 (the seq-1 hex with the "x" of "group_idx" the doc's hex dump drops; it states 76 bytes).
 H0 = 1403909460543360175

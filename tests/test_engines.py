@@ -8,9 +8,9 @@ import msgspec
 import pytest
 
 from kvbus import engine_wire
-from producers import decode, engines, wire_structs
-from producers.engines import ADAPTERS, Adapter, detect_engine, new_adapter, release, resolve_format, row, vllm
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbus.producers import decode, engines, wire_structs
+from kvbus.producers.engines import ADAPTERS, Adapter, detect_engine, new_adapter, release, resolve_format, row, vllm
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 TOP = (0x8000_0000_0000_0001).to_bytes(8, "big")
 """A hash with the top bit set: negative where a release writes signed ints."""

@@ -22,9 +22,9 @@ from kvbus.fleet import (
     parse_schedule,
     stream_index,
 )
-from producers.decode import decode_batch, parse_frames, parse_replay_reply
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
-from schemas.hashing import block_hashes
+from kvbus.producers.decode import decode_batch, parse_frames, parse_replay_reply
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbus.schemas.hashing import block_hashes
 
 pytestmark = pytest.mark.timeout(60)
 

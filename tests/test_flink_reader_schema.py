@@ -1,4 +1,4 @@
-"""The reader schema analytics.flink_job gives Flink's avro-confluent format: the record schemas
+"""The reader schema kvbus.analytics.flink_job gives Flink's avro-confluent format: the record schemas
 with each union of records replaced by one record of nullable branch fields, everything else as
 written; and the SQL's tables declare exactly those fields."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import re
 
 import fastavro
 
-from analytics.flink_job import DEFAULT_SQL, EVENT_FIELDS, reader_schema
-from schemas.avro import schema_str
+from kvbus.analytics.flink_job import DEFAULT_SQL, EVENT_FIELDS, reader_schema
+from kvbus.schemas.avro import schema_str
 
 
 def _strip(node):

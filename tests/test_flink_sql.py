@@ -16,13 +16,13 @@ import polars as pl
 import pytest
 from confluent_kafka import Producer
 
-from analytics.cli import build_report
-from analytics.flink_job import DEFAULT_SQL, run
-from analytics.reader import read
-from analytics.timerange import TimeRange
-from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, holder_key
-from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings
+from kvbus.analytics.cli import build_report
+from kvbus.analytics.flink_job import DEFAULT_SQL, run
+from kvbus.analytics.reader import read
+from kvbus.analytics.timerange import TimeRange
+from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, holder_key
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.settings import Settings
 from tests.pipeline import RawProducer
 
 pytestmark = [pytest.mark.integration, pytest.mark.analytics]
@@ -82,7 +82,7 @@ RAW = [  # (replica, worker, minute, second, events): two workers' reports of re
 
 @pytest.fixture
 def topics_with_history(stack: Settings, unique_topics):
-    from infra.topics import ensure_topics
+    from kvbus.infra.topics import ensure_topics
 
     settings = replace(stack, topics=unique_topics)
     tier = unique_topics.for_ownership("kvcr")
@@ -103,7 +103,7 @@ def topics_with_history(stack: Settings, unique_topics):
 
 
 def test_flink_sql_counts_stores_and_removes_per_replica_and_minute(topics_with_history, tmp_path) -> None:
-    from infra.flink import ensure
+    from kvbus.infra.flink import ensure
 
     settings = topics_with_history
     runtime = ensure()

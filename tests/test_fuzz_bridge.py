@@ -43,11 +43,11 @@ from pathlib import Path
 import pytest
 
 from kvbus.fleet import Fleet, FleetConfig
-from producers.decode import DecodeError, decode_batch, parse_frames
-from schemas.events import DLQ_PAYLOAD_BYTES
-from schemas.events import EventBatch, Reset
-from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings
+from kvbus.producers.decode import DecodeError, decode_batch, parse_frames
+from kvbus.schemas.events import DLQ_PAYLOAD_BYTES
+from kvbus.schemas.events import EventBatch, Reset
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.settings import Settings
 from tests.hostile import (ACCEPT, BACKWARD, FRAMES, PARTIAL, REJECT, TopicReader, engine_inputs,
                            good_payload, marker_hash, rss_mib)
 
@@ -89,7 +89,7 @@ def test_bridge_survives_10000_hostile_messages(test_settings: Settings, tmp_pat
     env = {**os.environ, **s.to_env(), "PYTHONUNBUFFERED": "1"}
     log_path = tmp_path / "bridge.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "producers.cli", "bridge", "--endpoint", stream.endpoint,
+    proc = subprocess.Popen([sys.executable, "-m", "kvbus.producers.cli", "bridge", "--endpoint", stream.endpoint,
                              "--replica", REPLICA, "--no-recover", "--flush-timeout", "20"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     reg = registry_client(s.registry_url)

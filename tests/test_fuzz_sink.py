@@ -6,7 +6,7 @@ Designed outcomes, asserted exactly:
 
 * REJECT, dead-lettered with reason ``decode: ...``: garbage bytes, truncated Avro of a good record, a
   wrong magic byte, schema ids the registry does not have, the EventBatch schema's id on the topic;
-* REJECT, dead-lettered by ``sinks.validate.problem``: a key naming another holder, an empty replica,
+* REJECT, dead-lettered by ``kvbus.sinks.validate.problem``: a key naming another holder, an empty replica,
   a negative dp_rank, impossible positions (epoch < 0, seq < -1, index < 0), a tier event on the
   framework topic;
 * ACCEPT, legitimately: a good event whose position goes backwards is skipped by the stored position
@@ -25,15 +25,15 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from producers.recovery import partition_for
-from schemas.events import DLQ_PAYLOAD_BYTES, BlockEvent, BlockStored, DeadLetter, EventBatch, holder_key
-from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings
-from schemas.topics import Topics
-from sinks.config import SinkConfig
-from sinks.consumer import SinkConsumer
+from kvbus.producers.recovery import partition_for
+from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, BlockEvent, BlockStored, DeadLetter, EventBatch, holder_key
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import Topics
+from kvbus.sinks.config import SinkConfig
+from kvbus.sinks.consumer import SinkConsumer
 from tests.memory_store import InMemoryStore
-from sinks.redis_store import RedisStore
+from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer
 from tests.hostile import ACCEPT, GOOD, REJECT, TopicReader, good_stored, marker_hash, rss_mib
 

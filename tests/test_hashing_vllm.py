@@ -1,4 +1,4 @@
-"""Router-side block hashing (schemas.hashing, ``kvbus lookup --tokens``) against vLLM's own hashes,
+"""Router-side block hashing (kvbus.schemas.hashing, ``kvbus lookup --tokens``) against vLLM's own hashes,
 for all four ``--prefix-caching-hash-algo`` values, and the seed rules (docs/lookup-protocol.md).
 Vectors and how they were made: tests/vllm_hash_vectors.py.
 """
@@ -11,12 +11,12 @@ import uuid
 
 import pytest
 
-from schemas.events import BlockEvent, BlockStored, canonical_hash
-from schemas.hashing import HASH_ALGOS, NONE_HASH_SEED, UnmatchableSeed, block_digests, none_hash, resolve_seed
-from schemas.settings import Settings
-from sinks import cli
-from sinks.hashes import chain_from_tokens
-from sinks.redis_store import RedisStore
+from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
+from kvbus.schemas.hashing import HASH_ALGOS, NONE_HASH_SEED, UnmatchableSeed, block_digests, none_hash, resolve_seed
+from kvbus.schemas.settings import Settings
+from kvbus.sinks import cli
+from kvbus.sinks.hashes import chain_from_tokens
+from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import PROMPTS, VECTORS
 

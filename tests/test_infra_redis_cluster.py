@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import redis
 
-from infra import redis_cluster, stack
-from infra.procs import port_open
+from kvbus.infra import redis_cluster, stack
+from kvbus.infra.procs import port_open
 
 
 def test_up_status_down_a_three_master_cluster(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """Integration test of the local stack (infra/stack): Kafka topics, registry rules and persistence, Redis.
 
-Brings the stack up through :func:`infra.stack.up` (a no-op when it is already up) and
+Brings the stack up through :func:`kvbus.infra.stack.up` (a no-op when it is already up) and
 leaves it running; teardown belongs to the session fixture of the suite.
 """
 
@@ -21,10 +21,10 @@ from confluent_kafka.admin import AdminClient  # noqa: E402
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient  # noqa: E402
 from confluent_kafka.schema_registry.error import SchemaRegistryError  # noqa: E402
 
-from infra import stack as infra_stack  # noqa: E402
-from infra import topics as infra_topics  # noqa: E402
-from infra.settings import env_int  # noqa: E402
-from schemas.settings import DEFAULT_PARTITIONS  # noqa: E402
+from kvbus.infra import stack as infra_stack  # noqa: E402
+from kvbus.infra import topics as infra_topics  # noqa: E402
+from kvbus.infra.settings import env_int  # noqa: E402
+from kvbus.schemas.settings import DEFAULT_PARTITIONS  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas.events import BlockEvent, BlockStored, canonical_hash
-from schemas.settings import Settings
-from sinks import cli
-from sinks.hashes import chain_from_tokens, parse_hash, parse_hashes
-from sinks.redis_store import RedisStore
+from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
+from kvbus.schemas.settings import Settings
+from kvbus.sinks import cli
+from kvbus.sinks.hashes import chain_from_tokens, parse_hash, parse_hashes
+from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer
 
 # protocol doc §11: tokens 1..32, block size 16, PYTHONHASHSEED unset

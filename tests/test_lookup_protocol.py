@@ -2,7 +2,7 @@
 
 A view is written by the real sink store (``RedisStore.apply``; ``ShardedRedisStore`` on a Redis
 Cluster) on a private Redis, then every case is asked three ways and must give the same answer:
-``kvbus lookup --json`` (sinks.cli), ``redis-cli`` (the reply and the holder table read with
+``kvbus lookup --json`` (kvbus.sinks.cli), ``redis-cli`` (the reply and the holder table read with
 ``--quoted-json``, decoded here by the rules of the protocol document, not by sinks' code), and the
 Go example ``examples/go-lookup`` (go-redis), whose stdout must equal kvbus lookup's byte for byte.
 """
@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from schemas.events import BlockEvent, BlockStored, canonical_hash
-from schemas.settings import Settings
-from sinks import cli, functions
-from sinks.rebuild import view_status
-from sinks.redis_store import RedisStore
-from sinks.sharded_store import ShardedRedisStore, shard_of
+from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
+from kvbus.schemas.settings import Settings
+from kvbus.sinks import cli, functions
+from kvbus.sinks.rebuild import view_status
+from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.sharded_store import ShardedRedisStore, shard_of
 from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import PROMPTS, VECTORS
 
@@ -202,8 +202,8 @@ def view():
 
 def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str]]:
     """What kvbus lookup sends for these flags: the chain, ARGV[3] and the candidates."""
-    from sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
-    from sinks.tiers import Weights
+    from kvbus.sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
+    from kvbus.sinks.tiers import Weights
 
     p = argparse.ArgumentParser()
     cli.add_lookup_args(p)

@@ -10,9 +10,9 @@ import sys
 import pytest
 import redis
 
-from schemas.topics import Topics
-from sinks.redis_store import RedisStore
-from sinks.sharded_store import open_store
+from kvbus.schemas.topics import Topics
+from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.sharded_store import open_store
 from tests.histories import random_streams
 from tests.redis_server import RedisServer
 

@@ -24,13 +24,13 @@ import polars as pl
 import pytest
 from confluent_kafka import Producer
 
-from analytics.reader import read
-from analytics.timerange import TimeRange
+from kvbus.analytics.reader import read
+from kvbus.analytics.timerange import TimeRange
 from kvbus.fleet import Fleet, FleetConfig, ModelConfig
-from schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, Incomplete,
+from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, Incomplete,
                             normalize_medium)
-from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.settings import Settings
 from tests.pipeline import Pipeline, env_for, eventually
 
 pytestmark = pytest.mark.integration
@@ -143,7 +143,7 @@ class Oracle:
 @pytest.fixture
 def fleet_run(stack: Settings, unique_topics, tmp_path):
     """The known run: (settings of the test's topics, the fleet, the oracle)."""
-    from infra.topics import ensure_topics
+    from kvbus.infra.topics import ensure_topics
 
     settings = replace(stack, topics=unique_topics)
     ensure_topics(settings.bootstrap, [unique_topics.for_ownership("kvcr")], settings.partitions, 1)

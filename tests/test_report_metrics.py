@@ -5,8 +5,8 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from analytics.metrics import compute
-from analytics.tables import _EVENT_SCHEMA, explode_blocks, tier_label
+from kvbus.analytics.metrics import compute
+from kvbus.analytics.tables import _EVENT_SCHEMA, explode_blocks, tier_label
 
 T0 = 1_700_000_040.0  # a whole minute
 FW, KVCR = "b", "b.kvcr"

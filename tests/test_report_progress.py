@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from analytics.progress import ReadProgress
-from analytics.reader import PartitionRange, Record
+from kvbus.analytics.progress import ReadProgress
+from kvbus.analytics.reader import PartitionRange, Record
 
 T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
 

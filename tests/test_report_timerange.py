@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
-from analytics.cli import add_report_args
-from analytics.timerange import TimeRange, parse_time
+from kvbus.analytics.cli import add_report_args
+from kvbus.analytics.timerange import TimeRange, parse_time
 
 NOW = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
 

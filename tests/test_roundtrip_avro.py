@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbus.engine_wire import FORMATS, encode_batch, project, wire_format
-from producers import decode as dec
-from schemas.events import KNOWN_MEDIUMS, BlockRemoved, BlockStored, AllBlocksCleared, EventBatch, canonical_hash
-from schemas.serde import RecordSerde, registry_client
+from kvbus.producers import decode as dec
+from kvbus.schemas.events import KNOWN_MEDIUMS, BlockRemoved, BlockStored, AllBlocksCleared, EventBatch, canonical_hash
+from kvbus.schemas.serde import RecordSerde, registry_client
 
 SGLANG_ONLY = {"CPU_PINNED", "DISK", "EXTERNAL"}
 I32 = st.integers(-(2**31), 2**31 - 1)

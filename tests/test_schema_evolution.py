@@ -12,11 +12,11 @@ import pytest
 from confluent_kafka.schema_registry import Schema
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
-from schemas.avro import batch_to_avro, schema_str
-from schemas.events import BlockRemoved, BlockStored, EventBatch
-from schemas.codec import FastSerde, batch_scanner, confluent_header
-from schemas.registry import check_schema, register_schema, set_compatibility
-from schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.avro import batch_to_avro, schema_str
+from kvbus.schemas.events import BlockRemoved, BlockStored, EventBatch
+from kvbus.schemas.codec import FastSerde, batch_scanner, confluent_header
+from kvbus.schemas.registry import check_schema, register_schema, set_compatibility
+from kvbus.schemas.serde import RecordSerde, registry_client
 
 NEW_FIELDS = {"locality", "ownership"}
 
@@ -114,7 +114,7 @@ def test_registry_accepts_additions_and_refuses_breaking_changes(stack) -> None:
 
 @pytest.mark.integration
 def test_kvbus_schemas_check_reports_new_then_compatible(test_settings, capsys) -> None:
-    from schemas.cli import add_schemas_args, run_schemas
+    from kvbus.schemas.cli import add_schemas_args, run_schemas
     import argparse
 
     p = argparse.ArgumentParser()
@@ -179,7 +179,7 @@ def test_kvbus_readers_decode_old_batches_with_first_index_0(reader) -> None:
 
 
 class Raw:
-    """A scanned block event (schemas.codec.batch_scanner's ``raw`` factory)."""
+    """A scanned block event (kvbus.schemas.codec.batch_scanner's ``raw`` factory)."""
 
     def __init__(self, avro, ownership, without_lora_name):
         self.avro = avro

@@ -10,10 +10,10 @@ import uuid
 
 import pytest
 
-from infra.secure_plan import ANALYTICS, BRIDGE, ROUTER, SINK, STREAMS
+from kvbus.infra.secure_plan import ANALYTICS, BRIDGE, ROUTER, SINK, STREAMS
 from kvbus.procs import free_port
 from kvbus.fleet import Fleet, FleetConfig
-from sinks.config import SinkConfig
+from kvbus.sinks.config import SinkConfig
 from tests.pipeline import eventually
 from tests.secure_stack import StagePipeline
 from tests.test_end_to_end import HASHES, SCRIPT

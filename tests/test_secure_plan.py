@@ -1,14 +1,14 @@
-"""Who may do what on the secured stack (``infra.secure_plan``) follows the settings it is derived
+"""Who may do what on the secured stack (``kvbus.infra.secure_plan``) follows the settings it is derived
 from, and the README's "Security" table is what the plan says (no stack needed)."""
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
-from infra.secure_plan import ANALYTICS, BRIDGE, ROUTER, SINK, STREAMS, kafka_grants, redis_rules, table
-from schemas.topics import Topics
-from sinks.config import SinkConfig
-from streams.options import StreamsOptions
+from kvbus.infra.secure_plan import ANALYTICS, BRIDGE, ROUTER, SINK, STREAMS, kafka_grants, redis_rules, table
+from kvbus.schemas.topics import Topics
+from kvbus.sinks.config import SinkConfig
+from kvbus.streams.options import StreamsOptions
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -21,13 +21,13 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import NewTopic
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, SchemaRegistryError
 
-from infra import secure
-from infra.secure_plan import ANALYTICS, BRIDGE, KAFKA_USERS, PRINCIPALS, ROUTER, SINK, STREAMS
-from schemas.events import BlockEvent, BlockStored, canonical_hash
-from schemas.topics import REPORT_GROUP_PREFIX, Topics
-from sinks.config import SinkConfig
-from sinks.redis_store import RedisStore
-from streams.options import StreamsOptions
+from kvbus.infra import secure
+from kvbus.infra.secure_plan import ANALYTICS, BRIDGE, KAFKA_USERS, PRINCIPALS, ROUTER, SINK, STREAMS
+from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
+from kvbus.schemas.topics import REPORT_GROUP_PREFIX, Topics
+from kvbus.sinks.config import SinkConfig
+from kvbus.sinks.redis_store import RedisStore
+from kvbus.streams.options import StreamsOptions
 from tests.secure_stack import Errors, first_message, kafka_conf, produce_one, wait_for
 
 pytestmark = pytest.mark.secure

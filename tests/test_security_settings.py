@@ -8,8 +8,8 @@ import ssl
 import faust
 import pytest
 
-from schemas.security import KafkaSecurity, Security, SecurityConfigError, redact_url
-from schemas.settings import Settings
+from kvbus.schemas.security import KafkaSecurity, Security, SecurityConfigError, redact_url
+from kvbus.schemas.settings import Settings
 
 
 @pytest.fixture
@@ -110,10 +110,10 @@ def test_urls_are_redacted_for_logs():
 def test_kafka_refusals_name_the_setting_to_fix():
     from confluent_kafka import KafkaError
 
-    from schemas.security import describe_kafka_error, kafka_security_hint
+    from kvbus.schemas.security import describe_kafka_error, kafka_security_hint
 
     sasl = KafkaSecurity(protocol="SASL_SSL", mechanism="SCRAM-SHA-512", username="bridge", password=__import__(
-        "schemas.security", fromlist=["Secret"]).Secret("pw"))
+        "kvbus.schemas.security", fromlist=["Secret"]).Secret("pw"))
     assert "KVBUS_KAFKA_SASL_PASSWORD" in kafka_security_hint(KafkaError(KafkaError._AUTHENTICATION), sasl)
     denied = describe_kafka_error(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), sasl.librdkafka())
     assert "user 'bridge'" in denied and "KVBUS_KAFKA_SASL_USERNAME" in denied and "pw" not in denied.split("--")[1]
@@ -127,7 +127,7 @@ def test_kafka_refusals_name_the_setting_to_fix():
 def test_registry_and_plaintext_refusals_name_the_setting():
     from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-    from schemas.security import RegistrySecurity, Secret, kafka_security_hint, registry_security_hint
+    from kvbus.schemas.security import RegistrySecurity, Secret, kafka_security_hint, registry_security_hint
 
     ro = RegistrySecurity("analytics", Secret("pw"))
     assert "KVBUS_REGISTRY_USERNAME" in registry_security_hint(SchemaRegistryError(403, 40301, "not authorized"), ro)

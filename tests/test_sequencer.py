@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 
-from producers.sequencer import (
+from kvbus.producers.sequencer import (
     REASON_BRIDGE_START,
     REASON_ENGINE_RESTART,
     REASON_GAP,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import os
 
-from schemas.settings import Settings
-from schemas.topics import Topics
+from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import Topics
 
 
 def test_to_env_gives_a_child_process_the_same_settings(monkeypatch):

@@ -10,10 +10,10 @@ import uuid
 
 import pytest
 
-from infra.procs import read_pid
-from sinks.config import SinkConfig
-from sinks.consumer import SinkConsumer
-from sinks.sharded_store import ShardedRedisStore
+from kvbus.infra.procs import read_pid
+from kvbus.sinks.config import SinkConfig
+from kvbus.sinks.consumer import SinkConsumer
+from kvbus.sinks.sharded_store import ShardedRedisStore
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
 from tests.redis_cluster import RedisClusterServer
@@ -76,7 +76,7 @@ def test_a_lost_sharded_view_is_rebuilt_from_its_snapshot(stack, sink_topics):
     snapshot writer took of the sharded view, and replays from its offsets."""
     import dataclasses
 
-    from sinks.snapshot import SnapshotWriter
+    from kvbus.sinks.snapshot import SnapshotWriter
 
     records = random_streams(59, sink_topics, holders=8, batches=600, pool=40)
     half = len(records) // 2
@@ -100,7 +100,7 @@ def test_a_shard_lost_alone_is_rebuilt_alone(stack, sink_topics):
     and the view keeps its id."""
     import dataclasses
 
-    from sinks.snapshot import SnapshotWriter
+    from kvbus.sinks.snapshot import SnapshotWriter
 
     records = random_streams(61, sink_topics, holders=12, batches=600, pool=40)
     half = len(records) // 2

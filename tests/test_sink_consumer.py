@@ -14,14 +14,14 @@ import pytest
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from schemas.events import BlockEvent, BlockStored, DeadLetter, canonical_hash, holder_key
-from schemas.serde import RecordSerde, registry_client
-from schemas.settings import Settings
-from schemas.topics import Topics
-from sinks.config import SinkConfig
-from sinks.consumer import SinkConsumer
+from kvbus.schemas.events import BlockEvent, BlockStored, DeadLetter, canonical_hash, holder_key
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import Topics
+from kvbus.sinks.config import SinkConfig
+from kvbus.sinks.consumer import SinkConsumer
 from tests.memory_store import InMemoryStore
-from sinks.redis_store import RedisStore
+from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer
 from tests.histories import random_streams
 
@@ -124,7 +124,7 @@ def test_sink_killed_mid_stream_and_restarted_leaves_the_exact_view(settings, to
     env = dict(os.environ, KVBUS_TOPIC_BLOCKS=topics.blocks, KVBUS_TOPIC_DLQ=topics.dlq,
                KVBUS_REDIS_URL=redis_server.url, KVBUS_BOOTSTRAP=settings.bootstrap,
                KVBUS_REGISTRY_URL=settings.registry_url)
-    cmd = [sys.executable, "-m", "sinks.cli", "sink", "--group", f"g-{uuid.uuid4().hex}", "--prefix", prefix,
+    cmd = [sys.executable, "-m", "kvbus.sinks.cli", "sink", "--group", f"g-{uuid.uuid4().hex}", "--prefix", prefix,
            "--batch", "7", "--stale-after", "0"]
 
     def applied() -> int:

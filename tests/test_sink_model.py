@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from schemas.topics import Topics
+from kvbus.schemas.topics import Topics
 from tests.memory_store import InMemoryStore
-from sinks.redis_store import RedisStore
+from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer
 from tests.histories import random_streams, redeliver
 

@@ -8,9 +8,9 @@ import uuid
 import pytest
 import redis
 
-from schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
-from sinks import functions
-from sinks.redis_store import RedisStore
+from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
+from kvbus.sinks import functions
+from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer
 
 TOPIC = "kvbus.blocks"

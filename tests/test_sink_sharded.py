@@ -13,12 +13,12 @@ import uuid
 import pytest
 import redis
 
-from schemas.settings import Settings
-from schemas.topics import Topics
-from sinks.cli import lookup_answer
-from sinks.redis_store import RedisStore
-from sinks.sharded_store import ShardedRedisStore, open_store, parse_cluster_url, shard_prefix
-from sinks.tiers import Weights
+from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import Topics
+from kvbus.sinks.cli import lookup_answer
+from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.sharded_store import ShardedRedisStore, open_store, parse_cluster_url, shard_prefix
+from kvbus.sinks.tiers import Weights
 from tests.histories import random_streams, redeliver
 from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync
 from tests.redis_server import RedisServer
@@ -105,7 +105,7 @@ def test_offsets_are_stored_in_every_shard_and_resume_from_the_lowest(redis_serv
     # one shard rolls back (its master failed over to a lagging replica): the sink resumes from the minimum
     sharded.rc.hset(shard_prefix(sharded.prefix, 5) + "off", "tb:0", 11)
     assert sharded.offsets() == {("tb", 0): 11}
-    from sinks.redis_store import ViewChanged
+    from kvbus.sinks.redis_store import ViewChanged
     with pytest.raises(ViewChanged):
         sharded.apply(records[:1], view_id="v1", offsets={("tb", 0): 13}, expected={("tb", 0): 12})
     exp = sharded.shard_offsets()

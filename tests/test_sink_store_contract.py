@@ -10,15 +10,15 @@ import uuid
 
 import pytest
 
-from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
-from schemas.topics import Topics
+from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
+from kvbus.schemas.topics import Topics
 from tests.memory_store import InMemoryStore
-from sinks.redis_store import RedisStore
-from sinks.sharded_store import ShardedRedisStore
-from sinks.store import ResidencyStore
+from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.sharded_store import ShardedRedisStore
+from kvbus.sinks.store import ResidencyStore
 from tests.redis_cluster import RedisClusterServer
 from tests.redis_server import RedisServer
-from sinks.tiers import Weights
+from kvbus.sinks.tiers import Weights
 
 T = Topics(blocks="tb")
 MAIN = T.blocks

@@ -5,12 +5,12 @@ import pytest
 import redis
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
-from schemas.topics import Topics
-from sinks.consumer import is_transient
-from sinks.store import display_names
-from sinks.tiers import DEFAULT_POLICY, Weights, describe, label
-from sinks.validate import problem
+from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
+from kvbus.schemas.topics import Topics
+from kvbus.sinks.consumer import is_transient
+from kvbus.sinks.store import display_names
+from kvbus.sinks.tiers import DEFAULT_POLICY, Weights, describe, label
+from kvbus.sinks.validate import problem
 
 T = Topics()
 

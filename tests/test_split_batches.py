@@ -14,14 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producers.kafka_out import KafkaSink
-from producers.metrics import BridgeMetrics
-from producers.split import MIN_RECORD_BYTES, RECORD_MARGIN, plan_split, record_limit
-from schemas.codec import FastSerde, encode_event
-from schemas.events import DLQ_PAYLOAD_BYTES, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from schemas.serde import registry_client
-from schemas.settings import Settings
-from schemas.topics import Topics
+from kvbus.producers.kafka_out import KafkaSink
+from kvbus.producers.metrics import BridgeMetrics
+from kvbus.producers.split import MIN_RECORD_BYTES, RECORD_MARGIN, plan_split, record_limit
+from kvbus.schemas.codec import FastSerde, encode_event
+from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvbus.schemas.serde import registry_client
+from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import Topics
 from tests.recording_producer import RecordingProducer
 
 REGISTRY = registry_client("mock://split-batches")
@@ -141,7 +141,7 @@ def test_sink_dead_letters_an_event_too_large_for_any_record(caplog):
 
 def test_sink_split_uses_the_configured_serializer():
     """With confluent's serializer (bridge --serializer confluent) the parts are the same bytes."""
-    from schemas.serde import RecordSerde
+    from kvbus.schemas.serde import RecordSerde
 
     slow = RecordSerde(REGISTRY, "EventBatch")
     fast_sink, fast_producer, _ = sink(3000)
@@ -165,8 +165,8 @@ class Batch(msgspec.Struct):
 
 @pytest.fixture
 def publisher(monkeypatch):
-    from producers import publisher as module
-    from producers.publisher import KafkaEventPublisher
+    from kvbus.producers import publisher as module
+    from kvbus.producers.publisher import KafkaEventPublisher
 
     monkeypatch.setattr(module, "registry_client", lambda url: REGISTRY)  # one mock registry for the test
     made = []

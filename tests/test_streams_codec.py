@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.events import BlockEvent
-from schemas.serde import RecordSerde, registry_client
-from streams.codec import Codec
+from kvbus.schemas.events import BlockEvent
+from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.streams.codec import Codec
 from tests.strategies import batches, block_events, dead_letters, incompletes
 
 REGISTRY = registry_client("mock://streams-codec")
@@ -30,8 +30,8 @@ def test_codec_encodes_like_record_serde(value):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches)
 def test_fast_decoding_matches_record_serde(batch):
-    from streams.codec import materialize
-    from streams.raw_event import RawEvent
+    from kvbus.streams.codec import materialize
+    from kvbus.streams.raw_event import RawEvent
 
     data = SERDES["EventBatch"].dumps(batch, "codec.raw")
     fast = CODEC.decode(data, "codec.raw")
@@ -54,10 +54,10 @@ def test_bad_values_raise_like_record_serde(data):
 def test_scanned_events_have_the_identity_and_bytes_of_decoded_ones(batch):
     """The fast path keeps block events as Avro bytes; identity, ownership and re-emitted bytes
     are those of the decoded struct."""
-    from schemas.codec import encode_event
-    from streams.aggregation import identity
-    from streams.codec import materialize
-    from streams.raw_event import RawEvent
+    from kvbus.schemas.codec import encode_event
+    from kvbus.streams.aggregation import identity
+    from kvbus.streams.codec import materialize
+    from kvbus.streams.raw_event import RawEvent
 
     data = SERDES["EventBatch"].dumps(batch, "codec.raw")
     scanned = CODEC.decode(data, "codec.raw")

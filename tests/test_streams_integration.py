@@ -22,11 +22,11 @@ import pytest
 from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
-from schemas.events import (AllBlocksCleared, BlockEvent, BlockStored, EventBatch, Incomplete, Reset,
+from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockStored, EventBatch, Incomplete, Reset,
                             canonical_hash, holder_key)
-from schemas.serde import RecordSerde, registry_client
+from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.procs import free_port
-from schemas.settings import Settings
+from kvbus.schemas.settings import Settings
 from tests.trace import TraceSpec, batches, expected
 from tests.pipeline import RawProducer
 
@@ -62,7 +62,7 @@ class Workers:
 
     def start(self, name: str, env: dict[str, str], argv: Optional[list[str]] = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
-        argv = argv or [sys.executable, "-m", "streams", "worker", "-l", "info"]
+        argv = argv or [sys.executable, "-m", "kvbus.streams", "worker", "-l", "info"]
         p = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = p
         return p
@@ -169,14 +169,14 @@ def st(n: int, **kw) -> BlockStored:
 
 def test_worker_consolidates_routes_expires_and_dead_letters(test_settings: Settings, workers: Workers,
                                                              collector: Collector, tmp_path: Path):
-    """One worker started through the ``kvbus worker`` code path (streams.cli)."""
+    """One worker started through the ``kvbus worker`` code path (kvbus.streams.cli)."""
     s = test_settings
     t = s.topics
     app_id = f"it-{uuid.uuid4().hex[:8]}"
     metrics_port = free_port()
     window = 2.0
     env = worker_env(s, app_id, tmp_path / "w1", window)
-    workers.start("w1", env, [sys.executable, "-c", "import sys; from streams.cli import main; sys.exit(main())",
+    workers.start("w1", env, [sys.executable, "-c", "import sys; from kvbus.streams.cli import main; sys.exit(main())",
                               "--app-id", app_id, "--window", str(window), "--metrics-port", str(metrics_port),
                               "--datadir", str(tmp_path / "w1")])
     raw = RawProducer(s)

@@ -1,15 +1,15 @@
-"""docs/topics.md is what analytics.topics_doc makes of the schemas, and shows every field."""
+"""docs/topics.md is what kvbus.analytics.topics_doc makes of the schemas, and shows every field."""
 from __future__ import annotations
 
 import json
 
-from analytics.topics_doc import DOC, current_examples, named_types, render
-from schemas.avro import SCHEMA_DIR
+from kvbus.analytics.topics_doc import DOC, current_examples, named_types, render
+from kvbus.schemas.avro import SCHEMA_DIR
 
 
 def test_committed_doc_is_up_to_date() -> None:
     assert DOC.read_text() == render(current_examples()), \
-        "docs/topics.md is out of date: run .venv/bin/python -m analytics.topics_doc"
+        "docs/topics.md is out of date: run .venv/bin/python -m kvbus.analytics.topics_doc"
 
 
 def test_every_field_of_every_schema_is_documented_with_its_doc() -> None:

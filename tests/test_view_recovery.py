@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-from schemas.topics import Topics
+from kvbus.schemas.topics import Topics
 from tests.memory_store import InMemoryStore
-from sinks.redis_store import RedisStore, ViewChanged
+from kvbus.sinks.redis_store import RedisStore, ViewChanged
 from tests.redis_server import RedisServer
 from tests.histories import random_streams
 
@@ -77,9 +77,9 @@ def test_an_incomplete_snapshot_is_not_restored(redis_server):
     """A manifest naming a holder whose record is older than it (two snapshot writers interleaved,
     a record lost): restoring it and replaying from its offsets would miss that holder's events, so
     the view is rebuilt by replaying the topics from their start instead."""
-    from schemas.events import ViewOffset, ViewSnapshot
-    from sinks.rebuild import rebuild
-    from sinks.snapshot import holder_record
+    from kvbus.schemas.events import ViewOffset, ViewSnapshot
+    from kvbus.sinks.rebuild import rebuild
+    from kvbus.sinks.snapshot import holder_record
 
     live = fresh(redis_server)
     live.apply(random_streams(9, TOPICS, holders=2, batches=40, pool=20))
@@ -121,9 +121,9 @@ import dataclasses  # noqa: E402
 from confluent_kafka import TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
-from sinks.config import SinkConfig
-from sinks.consumer import SinkConsumer  # noqa: E402
-from sinks.snapshot import SnapshotWriter  # noqa: E402
+from kvbus.sinks.config import SinkConfig
+from kvbus.sinks.consumer import SinkConsumer  # noqa: E402
+from kvbus.sinks.snapshot import SnapshotWriter  # noqa: E402
 from tests.test_sink_consumer import produce, wait_for  # noqa: E402
 
 

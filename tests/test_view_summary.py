@@ -1,13 +1,13 @@
-"""``sinks.view.summary``: the demo's per-replica, per-tier block counts."""
+"""``kvbus.sinks.view.summary``: the demo's per-replica, per-tier block counts."""
 from __future__ import annotations
 
 import time
 import uuid
 
-from schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
-from sinks.redis_store import RedisStore
+from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
+from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer
-from sinks.view import summary
+from kvbus.sinks.view import summary
 
 H = [canonical_hash(i * 31337 + 5) for i in range(10)]
 

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from schemas.events import BlockRemoved, BlockStored, EventBatch, canonical_hash, holder_key
+from kvbus.schemas.events import BlockRemoved, BlockStored, EventBatch, canonical_hash, holder_key
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 -- Flink SQL over kvbus's topics, read with Flink's standard Kafka connector and avro-confluent
 -- format through the registry's Confluent-compatible API (Apicurio ccompat). Run it with
---   .venv/bin/python -m analytics.flink_job            (or: ./dev test -m analytics)
+--   .venv/bin/python -m kvbus.analytics.flink_job            (or: ./dev test -m analytics)
 -- which fills in the {placeholders} from the KVBUS_* settings and the reader schemas, and prints
 -- each named query's rows as JSON lines.
 --

@@ -16,7 +16,7 @@ import sys
 import time
 
 from kvbus.top.config import add_top_config_args, top_config
-from schemas.settings import Settings
+from kvbus.schemas.settings import Settings
 
 
 def add_top_args(p: argparse.ArgumentParser) -> None:

@@ -32,8 +32,8 @@ from typing import Any, Callable
 from kvbus.top.config import TopConfig
 from kvbus.top.metrics import ROLES, Role, Samples, describe_error, fetch, quantile
 from kvbus.top.sources import KafkaSource, ViewSource
-from schemas.security import redact_url
-from schemas.settings import Settings
+from kvbus.schemas.security import redact_url
+from kvbus.schemas.settings import Settings
 
 Prev = tuple[float, Samples]
 """(monotonic time, samples) of an endpoint's previous good scrape."""

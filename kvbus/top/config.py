@@ -50,7 +50,7 @@ def demo_endpoints() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class TopConfig:
-    """Everything ``kvbus top`` watches besides :class:`schemas.settings.Settings` (Kafka, Redis, topics)."""
+    """Everything ``kvbus top`` watches besides :class:`kvbus.schemas.settings.Settings` (Kafka, Redis, topics)."""
 
     bridges: tuple[str, ...]
     """``host:port`` of each bridge's metrics endpoint."""
@@ -72,8 +72,8 @@ class TopConfig:
 
 def add_top_config_args(p: argparse.ArgumentParser) -> None:
     """The flags of :class:`TopConfig`, each defaulting to its variable (module doc)."""
-    from sinks.config import SinkConfig
-    from streams.options import StreamsOptions
+    from kvbus.sinks.config import SinkConfig
+    from kvbus.streams.options import StreamsOptions
 
     env, demo = os.environ, demo_endpoints()
     for role, what in (("bridges", "bridges"), ("workers", "Faust workers"), ("sinks", "sinks")):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from kvbus.progress import GroupLag
-from schemas.settings import Settings
+from kvbus.schemas.settings import Settings
 
 QUIET_LIBRDKAFKA = {"log_level": 0}
 """librdkafka settings of the console's clients: no log lines on stderr (they would tear the
@@ -65,7 +65,7 @@ class KafkaSource:
 
 
 class ViewSource:
-    """The residency view, read through ``sinks.sharded_store.open_store`` (single or sharded)."""
+    """The residency view, read through ``kvbus.sinks.sharded_store.open_store`` (single or sharded)."""
 
     def __init__(self, settings: Settings, prefix: str, timeout: float) -> None:
         self.url, self.prefix = settings.redis_url, prefix
@@ -75,7 +75,7 @@ class ViewSource:
 
     def _open(self):
         if self._store is None:
-            from sinks.sharded_store import open_store
+            from kvbus.sinks.sharded_store import open_store
 
             self._store = open_store(self.url, self.prefix, load=False, client_kwargs=self.client_kwargs)
         return self._store
@@ -87,7 +87,7 @@ class ViewSource:
         ``<replica>#<dp_rank>``) holds per tier label (``GPU``, ``CPU``, ``CPU@kvcr``), ``tiers`` every
         label in it, ``stale`` the holders expired for silence. Raises redis errors when Redis cannot
         answer (the store is opened again on the next read)."""
-        from sinks.rebuild import view_status
+        from kvbus.sinks.rebuild import view_status
 
         try:
             store = self._open()

@@ -3,7 +3,7 @@ declaring its release table once, and the registry mapping engine names to them 
 ``NewAdapter`` does).
 
 Derived from the tables: :data:`FORMATS` (every wire-format id), the decoder's wire structs
-(:mod:`producers.wire_structs`: the map layout is the union of every family's fields, each array
+(:mod:`kvbus.producers.wire_structs`: the map layout is the union of every family's fields, each array
 layout its family's), the fleet's encoder (:mod:`kvbus.engine_wire`) and :func:`detect_engine`
 (``--engine auto`` labelling).
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from producers.engines import lmcache, sglang, vllm
-from producers.engines.base import Adapter, Release, row, union
+from kvbus.producers.engines import lmcache, sglang, vllm
+from kvbus.producers.engines.base import Adapter, Release, row, union
 
 __all__ = ["ADAPTERS", "FORMATS", "Adapter", "Release", "detect_engine", "new_adapter", "release",
            "resolve_format", "row", "union"]

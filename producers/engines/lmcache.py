@@ -5,7 +5,7 @@ Its streams are labelled ``vllm``.
 """
 from __future__ import annotations
 
-from producers.engines.base import Adapter, Release, row
+from kvbus.producers.engines.base import Adapter, Release, row
 
 TABLE = (
     row("lmcache-0.5.6", stored=("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",

@@ -7,7 +7,7 @@ is accepted defensively.
 """
 from __future__ import annotations
 
-from producers.engines.base import Adapter, Release, row
+from kvbus.producers.engines.base import Adapter, Release, row
 
 TABLE = (
     row("sglang-0.5.10", stored=("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",

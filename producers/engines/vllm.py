@@ -2,8 +2,8 @@
 
 :data:`TABLE` is the release table: one row per release that changed the layout, saying what it
 appended or switched. Adding a vLLM release is one row, e.g. a 0.35 that appends a field ``tier``
-to BlockStored (a field kvbus knows: ``BlockStored.tier`` in :mod:`schemas.events`, whose type and
-default the decoder takes unless :data:`producers.wire_structs.WIRE_TYPES` says otherwise)::
+to BlockStored (a field kvbus knows: ``BlockStored.tier`` in :mod:`kvbus.schemas.events`, whose type and
+default the decoder takes unless :data:`kvbus.producers.wire_structs.WIRE_TYPES` says otherwise)::
 
     row("vllm-0.35", stored=("tier",)),
 
@@ -12,7 +12,7 @@ formats and ``--engine auto`` detection all follow from it (tests/test_engines.p
 """
 from __future__ import annotations
 
-from producers.engines.base import Adapter, Release, row
+from kvbus.producers.engines.base import Adapter, Release, row
 
 TABLE = (
     # [ts, events]; Stored [tag, hashes, parent, tokens, block_size, lora_id]; Removed [tag, hashes];

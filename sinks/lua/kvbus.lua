@@ -12,7 +12,7 @@ Terms
   holder  (replica, dp_rank), interned as a small integer hid (0, 1, ...)
   tier    (medium, ownership, group_idx), interned as a code 0..K-1
   member  hid * K + tier code: one (holder, tier) holding a block
-  raw     a block hash: 8 raw bytes, big-endian (schemas.events.canonical_hash)
+  raw     a block hash: 8 raw bytes, big-endian (kvbus.schemas.events.canonical_hash)
 
 Keys (P = prefix)
   P meta                 HASH  hid_next, tier_next, bL, bS (block table split state), blocks, entries,
