@@ -1,5 +1,5 @@
 """Who may do what on the secured stack (``kvbus.infra.secure_plan``) follows the settings it is derived
-from, and the README's "Security" table is what the plan says (no stack needed)."""
+from, and docs/security.md's table is what the plan says (no stack needed)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,7 +10,7 @@ from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.streams.options import StreamsOptions
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 
 
 def names(grants, resource: str, op: str) -> set[str]:
