@@ -94,7 +94,7 @@ def render(examples: str) -> str:
         "Values are Avro in the Confluent wire format (magic byte 0, 4-byte schema id, Avro body); subjects follow",
         "TopicNameStrategy (`<topic>-value`) at compatibility `FULL_TRANSITIVE`: fields are only added, with defaults.",
         "Readers that cannot declare a union of records (Flink SQL tables) read the `event`/`events` unions through a",
-        "reader schema: see `analytics/flink/stores_per_minute.sql` and the README's Analytics section.",
+        "reader schema: see `analytics/flink/stores_per_minute.sql` and docs/analytics.md.",
         "",
         "## Topics",
         "",

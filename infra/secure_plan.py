@@ -1,10 +1,10 @@
 """Who may do what on the secured stack (``infra/stack up --secure``): one principal per kvbus stage,
 its Kafka ACLs, its Redis ACL rules and its registry role. Pure data, derived from the kvbus
 settings (topic names: :mod:`kvbus.schemas.topics`; the Faust app id and the sink group: the stages'
-option objects); :mod:`kvbus.infra.secure` applies it, the README's "Security" section tabulates it.
+option objects); :mod:`kvbus.infra.secure` applies it, docs/security.md tabulates it.
 
 Principals: the same user name in Kafka, Redis and the registry; :func:`table` renders who may
-do what (the README's "Security" table is its output, checked by tests/test_secure_plan.py).
+do what (docs/security.md's principals table is its output, checked by tests/test_secure_plan.py).
 
 The registry's own Kafka client (KafkaSQL storage) is the principal :data:`REGISTRY_KAFKA_USER`.
 """
@@ -52,7 +52,7 @@ KAFKA_USERS: tuple[str, ...] = (ADMIN, BRIDGE, STREAMS, SINK, ANALYTICS)
 REGISTRY_ROLES: dict[str, str] = {ADMIN: "sr-admin", BRIDGE: "sr-developer", STREAMS: "sr-developer",
                                   SINK: "sr-developer", ANALYTICS: "sr-readonly"}
 """Registry role of each principal with a registry user (Apicurio's role names). Producers
-register their schemas on first use (developer); reads are open to anyone (see the README)."""
+register their schemas on first use (developer); reads are open to anyone (docs/security.md)."""
 
 
 @dataclass(frozen=True)

@@ -366,5 +366,5 @@ class Bridge:
         log.warning("dead letter from %s: %s: %s", source, type(exc).__name__, exc)
         self.metrics.dlq.inc()
         # the frames are kept up to DLQ_PAYLOAD_BYTES in all: a rejected ~1 MB payload (e.g. 1,000,001
-        # hashes) made a DeadLetter larger than a record may be, and it was lost (issue 9, part 4)
+        # hashes) would make a DeadLetter larger than a record may be, and it would be lost
         self.sink.produce_dead_letter(dead_letter("bridge", source, f"{type(exc).__name__}: {exc}", frames, time.time()))

@@ -206,8 +206,8 @@ def decode_batch(payload: bytes, engine: str = "auto", *, skip_unknown: bool = F
     except RecursionError:
         # msgspec raises RecursionError (not a MsgspecError) for nesting deeper than the
         # interpreter's recursion limit, e.g. ``[[[[...]]]]`` 2,000 levels deep as an event or an
-        # extra_keys value (issue 9, part 4: it escaped the bridge's DecodeError handling and
-        # killed the bridge process). No engine nests that deep: reject the batch.
+        # extra_keys value; uncaught, it would escape the bridge's DecodeError handling and kill
+        # the bridge process. No engine nests that deep: reject the batch.
         raise DecodeError("payload is nested too deeply to decode") from None
 
 
@@ -378,10 +378,10 @@ MAX_SEQ = 2**63 - 1
 
 
 def _in_range(seq: int) -> int:
-    # A seq frame of 2^63 or more (e.g. ff*8 on the live socket) was sequenced and then written
+    # A seq frame of 2^63 or more (e.g. ff*8 on the live socket) would be sequenced and then written
     # by the fast encoder as a varint no Avro reader decodes to the same number (fast reader
-    # -2^64, fastavro -2^63): an invalid record on kvbus.raw (issue 9, part 4). No engine counts
-    # that far; reject the frame set instead.
+    # -2^64, fastavro -2^63): an invalid record on kvbus.raw. No engine counts that far; reject the
+    # frame set instead.
     if seq > MAX_SEQ:
         raise DecodeError(f"sequence number {seq} is beyond the int64 range EventBatch.seq can hold")
     return seq

@@ -1,4 +1,4 @@
-"""How every kvbus process authenticates to Kafka, Redis and the schema registry (issue 12).
+"""How every kvbus process authenticates to Kafka, Redis and the schema registry.
 
 One place for the security settings, read from the environment like :mod:`kvbus.schemas.settings`, and
 for turning them into each client library's configuration: librdkafka properties (confluent-kafka:
@@ -318,7 +318,7 @@ def kafka_security_hint(err: Any, client: "KafkaSecurity | Mapping[str, Any]") -
                 KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED) \
             or "Authorization failed" in text or "not authorized" in text.lower():
         return (f"Kafka's ACLs do not allow {who} this: run this stage as the principal that has the right "
-                "(KVBUS_KAFKA_SASL_USERNAME; README, Security), or grant it")
+                "(KVBUS_KAFKA_SASL_USERNAME; docs/security.md), or grant it")
     if code == KafkaError._SSL or "SSL handshake failed" in text or "certificate verify failed" in text:
         return ("the TLS handshake with Kafka failed: check KVBUS_KAFKA_SSL_CA (the CA that signed the brokers' "
                 f"certificates) and KVBUS_KAFKA_SECURITY_PROTOCOL (now {protocol})")
@@ -353,7 +353,7 @@ def redis_security_hint(err: BaseException, sec: RedisSecurity) -> str | None:
                 "KVBUS_REDIS_PASSWORD_FILE (or the user:password in KVBUS_REDIS_URL)")
     if isinstance(err, redis.exceptions.NoPermissionError) or "NOPERM" in str(err):
         return (f"Redis's ACL does not allow {who} this: run this stage as the Redis user that has the right "
-                "(KVBUS_REDIS_USERNAME; README, Security)")
+                "(KVBUS_REDIS_USERNAME; docs/security.md)")
     text = str(err)
     if isinstance(err, redis.ConnectionError) and ("SSL" in text or "ssl" in text or "Connection reset" in text
                                                   or "Connection closed by server" in text):
@@ -377,7 +377,7 @@ def registry_security_hint(err: BaseException, sec: RegistrySecurity) -> str | N
                 "KVBUS_REGISTRY_PASSWORD / KVBUS_REGISTRY_PASSWORD_FILE")
     if status == 403:
         return (f"the schema registry does not let {who} register schemas (a write role is needed): run this "
-                "stage as its own principal (KVBUS_REGISTRY_USERNAME; README, Security)")
+                "stage as its own principal (KVBUS_REGISTRY_USERNAME; docs/security.md)")
     return None
 
 

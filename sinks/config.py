@@ -43,13 +43,12 @@ class SinkConfig:
     after every small batch would buy nothing but an OffsetCommit request per batch."""
     session_timeout: float = 10.0
     """Consumer-group session timeout, seconds: how long a killed sink's partitions wait before
-    another sink (or its restart) takes them (Kafka's default, 45 s, was most of a sink kill's
-    recovery time)."""
+    another sink (or its restart) takes them. Kafka's own default is 45 s (docs/performance.md,
+    "Tuning values")."""
     instance_id: str | None = None
-    """Static group membership (Kafka's ``group.instance.id``), one id per sink process: a sink
-    restarted under its id gets its partitions back at once instead of after the session timeout
-    (measured by benchmarks/faults.py: 1.3-1.6 s after the restart, against 1.3-2.5 s with the 10 s
-    timeout after 10 s of downtime). None: dynamic membership."""
+    """Static group membership (Kafka's ``group.instance.id``), one id per sink process, unique in the
+    group: a sink restarted under its id gets its partitions back at once instead of after the session
+    timeout (figures: docs/performance.md, "Tuning values"). None: dynamic membership."""
     snapshot_every: float = 300.0
     """Seconds between snapshots of the view to the snapshot topic (one sink of the group takes
     each); 0 = none. The block topics must retain more than this."""

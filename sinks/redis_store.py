@@ -47,8 +47,8 @@ NAMES_TTL = 10.0
 MAX_EVENTS_PER_CALL = 256
 MAX_HASHES_PER_CALL = 1024
 """Events and block hashes per FCALL: bound how long one call keeps Redis busy, i.e. how long a lookup
-may wait behind it (~2.5 us per hash inside Redis on the development VM, ~7 us with layout 2: ~3 ms
-per call at most, ~7 ms when the VM is loaded)."""
+may wait behind it (~2.5 us per hash inside Redis on a 2-core VM: ~3 ms per call at most, ~7 ms when
+the VM is loaded; docs/sinks-layout.md)."""
 MAX_HOLDERS_PER_CALL = 65535
 """Holders per FCALL (the event header's holder index is 16 bits)."""
 

@@ -67,7 +67,7 @@ from kvbus.schemas.topics import Topics
 from kvbus.streams.raw_event import RawEvent
 
 Position = tuple[int, int, int]
-"""(epoch, seq, index) of a report; see docs/CONTRACT-NOTES.md."""
+"""(epoch, seq, index) of a report; see docs/architecture.md, "Positions and resets"."""
 
 DEFAULT_WINDOW = 5.0
 """Seconds an aggregate may stay incomplete before it expires."""

@@ -54,9 +54,9 @@ class RecordQuietMonitor(Monitor):
         """Not counted."""
 
 MAX_FETCH_BYTES = 8 * 1024**2
-"""Bytes per partition one fetch may return (Faust's default 1 MiB). aiokafka keeps one fetch in
-flight per broker; with 1 MiB the worker waited on fetches a third of the time under a backlog
-(benchmarks/streams.py: ~75 k reports/s at the same CPU per record as ~100 k with 8 MiB)."""
+"""Bytes per partition one fetch may return (Faust's ``consumer_max_fetch_size``; Faust's default is
+1 MiB). aiokafka keeps one fetch in flight per broker, so this bounds how much a worker under a backlog
+gets per round trip (why 8 MiB: docs/performance.md, "Tuning values")."""
 
 
 def broker_url(bootstrap: str, scheme: str = transport.SCHEME) -> str:

@@ -58,10 +58,9 @@ class StreamsOptions:
     """Maximum raw records per processing batch."""
     batch_within: float = 0.002
     """Seconds to wait for a batch to fill before processing what arrived: the latency an idle
-    worker adds (Faust's take_events waits this long, then processes what is buffered). 0.02 cost
-    no less CPU per record than 0.005 in benchmarks/streams.py; 0.002 cost ~10% more there, and
-    with the bridge's linger 5 -> 2 ms took the pipeline's freshness p99 at 2k events/s from ~28
-    to ~20 ms (benchmarks/pipeline.py, docs/performance.md)."""
+    worker adds (Faust's take_events waits this long, then processes what is buffered). A positive
+    number of seconds: smaller values answer sooner and cost more CPU per record (measured trade-off:
+    docs/performance.md, "Tuning values")."""
     commit_interval: float = 1.0
     """Seconds between offset commits (replay after a crash is at most about this long)."""
 

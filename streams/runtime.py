@@ -230,8 +230,8 @@ class Runtime:
         log.warning("dead letter %s: %s", source, reason)
         self.metrics.dead_letters.labels(kind).inc()
         value = msg.value if isinstance(msg.value, (bytes, bytearray)) else b""
-        # the payload is cut to DLQ_PAYLOAD_BYTES: a ~1 MB raw value made a DeadLetter larger than a
-        # record may be, produce() raised and the worker crashed on every replay (issue 9, part 4)
+        # the payload is cut to DLQ_PAYLOAD_BYTES: a ~1 MB raw value would make a DeadLetter larger than
+        # a record may be, produce() would raise and the worker crash on every replay
         return dead_letter("streams", source, f"{kind}: {reason}", [value], time.time())
 
     # -- the timer ------------------------------------------------------------

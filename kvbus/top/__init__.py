@@ -1,4 +1,4 @@
-"""``kvbus top``: the operators' live console of a running pipeline (issue 14).
+"""``kvbus top``: the operators' live console of a running pipeline.
 
 It reads what the processes and services publish, never a stage's internals:
 the bridges', Faust workers' and sinks' Prometheus endpoints, Kafka (committed offsets and
