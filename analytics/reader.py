@@ -1,6 +1,6 @@
 """Read kvbus topics for a time range with a plain registry-aware consumer.
 
-This is the consumer the README tells analytics users to configure: confluent-kafka's ``Consumer``,
+This is the consumer docs/reading-topics.md tells analytics users to configure: confluent-kafka's ``Consumer``,
 ``SchemaRegistryClient`` (with a timeout) and ``AvroDeserializer`` with the topic subject-name strategy
 and no reader schema, so each record is decoded with the writer's schema the registry holds for
 its id (records of older schema versions read as they were written). Nothing of kvbus's own
@@ -63,7 +63,7 @@ class Record:
 
 
 def plain_deserializer(settings: Settings) -> AvroDeserializer:
-    """confluent-kafka's ``AvroDeserializer`` configured as the README says for analytics users:
+    """confluent-kafka's ``AvroDeserializer`` configured as docs/reading-topics.md says for analytics users:
     topic subject-name strategy, a registry client with a timeout (and the registry credentials of
     ``settings``, if any), writer's schema, union branches returned with their record name."""
     return AvroDeserializer(

@@ -72,7 +72,7 @@ class Grant:
     """What the stage does with it."""
 
     def describe(self) -> str:
-        """``READ topic kvbus.raw`` / ``WRITE, CREATE topic kvbus.blocks.*`` (README table form)."""
+        """``READ topic kvbus.raw`` / ``WRITE, CREATE topic kvbus.blocks.*`` (the table form of docs/security.md)."""
         return f"{', '.join(self.operations)} {self.resource} {self.name}{'*' if self.prefixed else ''}"
 
 
