@@ -47,7 +47,8 @@ from . import kafka_broker, pki, redis_server, registry, topics
 from .procs import ServiceError, alive_record, port_open, start_process, stop_process, wait_until
 from .secure_plan import (ADMIN, KAFKA_USERS, KAFKASQL_TOPIC_PREFIX, PRINCIPALS, REGISTRY_KAFKA_USER, REGISTRY_ROLES,
                           Grant, kafka_grants, redis_rules, registry_grants)
-from .settings import LOOPBACK, Paths, RedisSettings, RegistrySettings, env_int, kvbus_settings, state_dir
+from .settings import (LOOPBACK, Paths, RedisSettings, RegistrySettings, env_int, kvbus_settings, read_env_file,
+                       state_dir)
 
 log = logging.getLogger("infra")
 
@@ -211,17 +212,6 @@ def env_lines(layout: SecureLayout, principal: str) -> dict[str, str]:
         out |= {"KVBUS_REGISTRY_USERNAME": principal, "KVBUS_REGISTRY_PASSWORD_FILE": pw}
     if principal in redis_rules(SinkConfig.from_env()):
         out |= {"KVBUS_REDIS_USERNAME": principal, "KVBUS_REDIS_PASSWORD_FILE": pw}
-    return out
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """The ``KEY=value`` lines of an env file (comments and blank lines skipped)."""
-    out = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            key, _, value = line.partition("=")
-            out[key.strip()] = value.strip()
     return out
 
 

@@ -115,6 +115,18 @@ def env_opts(name: str) -> list[str]:
     return shlex.split(os.environ.get(name, ""))
 
 
+def read_env_file(path: Path) -> dict[str, str]:
+    """The ``KEY=value`` lines of an env file (comments and blank lines skipped): the secured stack's
+    per-principal files and the Kubernetes settings file (``deploy/kubernetes/base/kvbus.env``)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
 def kvbus_settings() -> Settings:
     """The kvbus settings (``KVBUS_*``: URLs, partitions, topic names), read the way every kvbus
     command reads them (:class:`kvbus.schemas.settings.Settings`); infra derives its ports from them."""

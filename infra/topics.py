@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvbus.schemas.settings import DEFAULT_PARTITIONS
+from kvbus.schemas.topics import min_insync, record_topic_config
 
 from .settings import kvbus_settings, topic_names
 
@@ -54,8 +55,9 @@ def admin_client(bootstrap: str, **extra: Any) -> Any:
 
 
 def default_min_insync(replication: int) -> int:
-    """``min.insync.replicas`` for a replication factor: 2 when RF >= 3, else 1."""
-    return 2 if replication >= 3 else 1
+    """``min.insync.replicas`` for a replication factor: 2 when RF >= 3, else 1
+    (:func:`kvbus.schemas.topics.min_insync`)."""
+    return min_insync(replication)
 
 
 def ensure_topics(
@@ -132,7 +134,7 @@ def kvbus_topics() -> list[str]:
 
 
 def ensure_kvbus_topics(bootstrap: str, replication: int, client_conf: Mapping[str, Any] | None = None) -> list[str]:
-    """Create the kvbus topics with ``$KVBUS_PARTITIONS`` (default 4) partitions (``client_conf``:
-    see :func:`ensure_topics`)."""
+    """Create the kvbus topics with ``$KVBUS_PARTITIONS`` (default 4) partitions and the record topics'
+    configuration (:func:`kvbus.schemas.topics.record_topic_config`; ``client_conf``: see :func:`ensure_topics`)."""
     return ensure_topics(bootstrap, kvbus_topics(), partitions=kvbus_settings().partitions, replication=replication,
-                         client_conf=client_conf)
+                         config=record_topic_config(replication), client_conf=client_conf)

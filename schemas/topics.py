@@ -11,12 +11,17 @@
 
 Each name can be overridden by ``KVBUS_TOPIC_RAW``, ``KVBUS_TOPIC_BLOCKS``,
 ``KVBUS_TOPIC_INCOMPLETE``, ``KVBUS_TOPIC_DLQ``, ``KVBUS_TOPIC_SNAPSHOTS``.
+
+How each topic must be configured on the cluster (partitions, replicas, ``cleanup.policy``,
+``retention.ms``, ``max.message.bytes``, ``min.insync.replicas``) is declared here too
+(:func:`topic_specs`): the development stack creates the topics from it, the sinks the snapshot
+topic, the worker the tier topics, and the Kubernetes ``KafkaTopic`` resources are generated from it.
 """
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 _ILLEGAL = re.compile(r"[^a-zA-Z0-9._-]")
@@ -28,6 +33,55 @@ REBUILD_GROUP_PREFIX = "kvbus-rebuild-"
 """Consumer groups a sink makes up to read the snapshot topic (sinks/snapshot.py); commits nothing."""
 REPORT_GROUP_PREFIX = "kvbus-report-"
 """Consumer groups ``kvbus report`` makes up to read the topics (analytics/reader.py); commits nothing."""
+
+RETENTION_MS = 7 * 24 * 3600 * 1000
+"""``retention.ms`` of the record topics (raw, blocks and the tier topics, incomplete, dlq): 7 days,
+Kafka's default, stated so that a cluster whose default is shorter does not drop what kvbus needs:
+the block topics must retain more than the sinks' snapshot period (``KVBUS_SINK_SNAPSHOT_EVERY``,
+default 300 s) for a lost view to be rebuilt exactly, and the raw topic what the workers have not
+consumed yet (an outage of the workers longer than this loses events)."""
+MAX_MESSAGE_BYTES = 1_048_588
+"""``max.message.bytes`` of the record topics: Kafka's default. The producers keep a value under
+``KVBUS_MAX_RECORD_BYTES`` (default 900,000) and split larger engine batches."""
+SNAPSHOT_MAX_RECORD_BYTES = 64 << 20
+"""Largest record of the snapshot topic: one holder's state (8 bytes per block and tier: 8 M blocks)."""
+SNAPSHOT_MAX_MESSAGE_BYTES = SNAPSHOT_MAX_RECORD_BYTES + 65536
+"""``max.message.bytes`` of the snapshot topic: its largest record and room for the key and framing."""
+SNAPSHOT_PARTITIONS = 1
+"""The snapshot topic is one ordered log: a manifest follows the holder records it names."""
+
+
+def min_insync(replicas: int) -> int:
+    """``min.insync.replicas`` for a replication factor: 2 when it is 3 or more, else 1."""
+    return 2 if replicas >= 3 else 1
+
+
+def record_topic_config(replicas: int) -> dict[str, str]:
+    """Kafka topic configuration of a record topic (raw, blocks, a tier topic, incomplete, dlq) replicated
+    ``replicas`` times: deleted after :data:`RETENTION_MS`, records up to :data:`MAX_MESSAGE_BYTES`."""
+    return {"cleanup.policy": "delete", "retention.ms": str(RETENTION_MS),
+            "max.message.bytes": str(MAX_MESSAGE_BYTES), "min.insync.replicas": str(min_insync(replicas))}
+
+
+def snapshot_topic_config(replicas: int) -> dict[str, str]:
+    """Kafka topic configuration of the snapshot topic: compacted (the latest record per key is kept,
+    so it holds one snapshot however long the service runs), records up to :data:`SNAPSHOT_MAX_RECORD_BYTES`."""
+    return {"cleanup.policy": "compact", "max.message.bytes": str(SNAPSHOT_MAX_MESSAGE_BYTES),
+            "min.insync.replicas": str(min_insync(replicas))}
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """How one kvbus topic is created on the cluster."""
+
+    name: str
+    """Kafka topic name."""
+    partitions: int
+    """Partition count (``KVBUS_PARTITIONS`` for the co-partitioned record topics, 1 for snapshots)."""
+    replicas: int
+    """Replication factor."""
+    config: Mapping[str, str] = field(default_factory=dict)
+    """Topic configuration (``cleanup.policy``, ``retention.ms``, ``max.message.bytes``, ``min.insync.replicas``)."""
 
 
 @dataclass(frozen=True)
@@ -67,3 +121,16 @@ class Topics:
     def blocks_pattern(self) -> str:
         """Regex subscription (librdkafka ``^`` form) matching the framework and all tier topics."""
         return "^" + re.escape(self.blocks) + r"(\..+)?$"
+
+
+def topic_specs(topics: Topics, partitions: int, replicas: int) -> tuple[TopicSpec, ...]:
+    """Every topic a deployment declares up front, with ``partitions`` (``KVBUS_PARTITIONS``) and
+    ``replicas`` (``KVBUS_REPLICATION``): raw, blocks, incomplete, dlq, snapshots. Tier topics
+    (``<blocks>.<ownership>``) are created by the worker on a tier's first event, with
+    :func:`record_topic_config`."""
+    record = record_topic_config(replicas)
+    return (
+        *(TopicSpec(name, partitions, replicas, record)
+          for name in (topics.raw, topics.blocks, topics.incomplete, topics.dlq)),
+        TopicSpec(topics.snapshots, SNAPSHOT_PARTITIONS, replicas, snapshot_topic_config(replicas)),
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,9 @@ class SinkConfig:
     """Port of the Prometheus endpoint; 0 disables it."""
 
     @classmethod
-    def from_env(cls) -> "SinkConfig":
-        """Options from KVBUS_SINK_*, defaults for the rest."""
-        env = os.environ
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "SinkConfig":
+        """Options from KVBUS_SINK_* of ``environ`` (default the process's), defaults for the rest."""
+        env = os.environ if environ is None else environ
         return cls(
             group=env.get("KVBUS_SINK_GROUP", cls.group),
             prefix=env.get("KVBUS_SINK_PREFIX", cls.prefix),

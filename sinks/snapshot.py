@@ -36,7 +36,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from kvbus.schemas.events import ViewOffset, ViewPosition, ViewSnapshot, ViewTier
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings, client_conf
-from kvbus.schemas.topics import REBUILD_GROUP_PREFIX
+from kvbus.schemas.topics import (REBUILD_GROUP_PREFIX, SNAPSHOT_MAX_MESSAGE_BYTES, SNAPSHOT_MAX_RECORD_BYTES,
+                                  SNAPSHOT_PARTITIONS, snapshot_topic_config)
 
 from kvbus.sinks.redis_store import HolderDump, RedisStore
 
@@ -50,22 +51,21 @@ def record_key(prefix: str, blocks: str, holder: str | None) -> bytes:
 LOCK_MS = 3_600_000
 """How long the snapshot lock is held at most while a snapshot is written (a sink killed while
 writing one frees it then)."""
-MAX_RECORD_BYTES = 64 << 20
+MAX_RECORD_BYTES = SNAPSHOT_MAX_RECORD_BYTES
 """Largest snapshot record: one holder's state (8 bytes per block and tier: 8 M blocks)."""
 
 
 def ensure_snapshot_topic(kafka: str | Mapping[str, Any], topic: str) -> None:
     """Create the snapshot topic if it is missing: one partition (one ordered log), compacted,
-    records up to :data:`MAX_RECORD_BYTES`, replicated like the cluster allows (RF 3, min ISR 2).
-    ``kafka``: a bootstrap string or ``Settings.kafka()``."""
+    records up to :data:`MAX_RECORD_BYTES` (:func:`kvbus.schemas.topics.snapshot_topic_config`),
+    replicated like the cluster allows (RF 3, min ISR 2). ``kafka``: a bootstrap string or ``Settings.kafka()``."""
     admin = AdminClient(client_conf(kafka))
     md = admin.list_topics(timeout=10)
     if topic in md.topics:
         return
     rf = min(3, len(md.brokers))
-    config = {"cleanup.policy": "compact", "max.message.bytes": str(MAX_RECORD_BYTES + 65536),
-              "min.insync.replicas": "2" if rf >= 3 else "1"}
-    fut = admin.create_topics([NewTopic(topic, 1, rf, config=config)], operation_timeout=30)[topic]
+    fut = admin.create_topics([NewTopic(topic, SNAPSHOT_PARTITIONS, rf, config=snapshot_topic_config(rf))],
+                              operation_timeout=30)[topic]
     try:
         fut.result(30)
         log.info("created snapshot topic %s (compacted, RF %d)", topic, rf)
@@ -121,7 +121,7 @@ class SnapshotWriter:
         ensure_snapshot_topic(settings.kafka(), self.topic)
         self.serde = RecordSerde(registry_client(settings), "ViewSnapshot")
         self.producer = Producer(settings.kafka(**{
-            "enable.idempotence": True, "acks": "all", "linger.ms": 20, "message.max.bytes": MAX_RECORD_BYTES + 65536,
+            "enable.idempotence": True, "acks": "all", "linger.ms": 20, "message.max.bytes": SNAPSHOT_MAX_MESSAGE_BYTES,
             "compression.type": "lz4"}))
         self._errors: list[str] = []
         self._previous: set[str] = set()
@@ -228,7 +228,7 @@ class SnapshotReader:
         start to its end as it is now, later records replacing earlier ones (as compaction will)."""
         conf = {**self.settings.kafka(), "group.id": f"{REBUILD_GROUP_PREFIX}{uuid.uuid4().hex}",
                 "enable.auto.commit": False, "enable.partition.eof": True,
-                "receive.message.max.bytes": 2 * MAX_RECORD_BYTES, "fetch.max.bytes": MAX_RECORD_BYTES + 65536}
+                "receive.message.max.bytes": 2 * MAX_RECORD_BYTES, "fetch.max.bytes": SNAPSHOT_MAX_MESSAGE_BYTES}
         c = Consumer(conf)
         try:
             md = c.list_topics(self.topic, timeout=10)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,10 @@ class StreamsOptions:
     """Seconds between offset commits (replay after a crash is at most about this long)."""
 
     @classmethod
-    def from_env(cls) -> "StreamsOptions":
-        """Options from KVBUS_STREAMS_* (and KVBUS_REPLICATION), defaults for the rest."""
-        env = os.environ
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "StreamsOptions":
+        """Options from KVBUS_STREAMS_* (and KVBUS_REPLICATION) of ``environ`` (default the process's),
+        defaults for the rest."""
+        env = os.environ if environ is None else environ
         web = env.get("KVBUS_STREAMS_WEB_PORT")
         return cls(
             app_id=env.get("KVBUS_STREAMS_APP_ID", cls.app_id),

@@ -35,6 +35,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
 from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import record_topic_config
 from kvbus.streams.aggregation import Aggregator, Output, check, is_meta_key, load
 from kvbus.streams.codec import Codec
 from kvbus.streams.metrics import StreamsMetrics
@@ -448,11 +449,12 @@ class Runtime:
             self._ensure_topic(name)
 
     def _ensure_topic(self, name: str) -> None:
-        """Create ``name`` with the stage's partition count unless it exists."""
+        """Create ``name`` with the stage's partition count and the record topics' configuration unless it exists."""
         if name in self._partitions:
             return
         fut = self._admin.create_topics(
-            [NewTopic(name, self.settings.partitions, self.options.replication)], operation_timeout=30
+            [NewTopic(name, self.settings.partitions, self.options.replication,
+                      config=record_topic_config(self.options.replication))], operation_timeout=30
         )[name]
         try:
             fut.result()
