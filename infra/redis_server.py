@@ -197,5 +197,6 @@ def check_version(rs: RedisSettings) -> str:
     except ValueError:
         major = MIN_MAJOR
     if major < MIN_MAJOR:
-        log.warning("Redis %s at %s is older than 7.0: FUNCTION LOAD is unavailable", info.get(REDIS.version_field), rs.url)
+        log.warning("Redis %s at %s is older than 7.0: FUNCTION LOAD is unavailable",
+                    info.get(REDIS.version_field), rs.url)
     return str(info.get(kind_of(info).version_field, "")) if info else ""

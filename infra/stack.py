@@ -270,7 +270,8 @@ def up_valkey(*, timeout: float | None = None) -> dict[str, Any]:
 def down(timeout: float = 30.0) -> dict[str, str]:
     """Stop every process this stack started (by saved pid files); leave external services alone.
 
-    Order: registry, Kafka nodes (concurrently), Redis Cluster nodes, Valkey, Redis. Returns ``{name: "stopped"|"killed"|"not running"}``.
+    Order: registry, Kafka nodes (concurrently), Redis Cluster nodes, Valkey, Redis.
+    Returns ``{name: "stopped"|"killed"|"not running"}``.
     """
     paths = Paths()
     if not paths.run.is_dir():
