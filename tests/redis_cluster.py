@@ -1,6 +1,6 @@
-"""A throw-away Redis Cluster for tests and benchmarks, started by the project's own infra code
-(:mod:`kvbus.infra.redis_cluster`, what ``infra/stack up --redis-cluster 3`` runs) in its own state
-directory, on free ports."""
+"""A throw-away Redis Cluster (of Redis, or of Valkey) for tests and benchmarks, started by the project's
+own infra code (:mod:`kvbus.infra.redis_cluster`, what ``infra/stack up --redis-cluster 3`` runs) in its
+own state directory, on free ports."""
 from __future__ import annotations
 
 import os
@@ -15,17 +15,19 @@ from redis.cluster import ClusterNode as PyClusterNode, RedisCluster
 
 from kvbus.infra import redis_cluster
 from kvbus.infra.settings import Paths
+from kvbus.infra.redis_server import REDIS, ServerKind
 from tests.redis_server import RedisServer
 
 
 class RedisClusterServer:
-    """``masters`` masters + one replica each; a context manager. ``url`` is its ``redis+cluster://`` URL."""
+    """``masters`` masters + one replica each, ``kind`` servers (Redis by default); a context manager.
+    ``url`` is its ``redis+cluster://`` URL."""
 
-    def __init__(self, masters: int = 3):
+    def __init__(self, masters: int = 3, kind: ServerKind = REDIS):
         self.masters = masters
-        self.root = Path(tempfile.mkdtemp(prefix="kvbus-rcluster-"))
+        self.root = Path(tempfile.mkdtemp(prefix=f"kvbus-{kind.name}-cluster-"))
         self.paths = Paths(self.root).ensure()
-        self.nodes = redis_cluster.plan(masters, redis_cluster.free_base_port(masters))
+        self.nodes = redis_cluster.plan(masters, redis_cluster.free_base_port(masters), kind)
 
     @property
     def url(self) -> str:

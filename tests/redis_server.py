@@ -1,30 +1,35 @@
-"""A throw-away ``redis-server`` for tests and benchmarks (a private Redis they may kill and restart)."""
+"""A throw-away Redis-protocol server for tests and benchmarks (a private Redis, or Valkey, they may kill
+and restart), started with the stack's own command line (:func:`kvbus.infra.redis_server.server_argv`)."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Sequence
 
 import redis
 
+from kvbus.infra.redis_server import REDIS, VALKEY, ServerKind, server_argv
+from kvbus.infra.settings import RedisSettings
 from kvbus.procs import free_port
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+__all__ = ["REDIS", "VALKEY", "RedisServer", "main_thread_cpu", "wait_replica_synced"]
 
 
 class RedisServer:
-    """A throw-away ``redis-server`` on a free loopback port, no persistence, in a temp dir.
+    """A throw-away server of ``kind`` (Debian's ``redis-server`` by default, ``VALKEY`` for Valkey) on a
+    free loopback port, no persistence, in a temp dir (its log there too).
 
     Use as a context manager; ``url`` is its URL. ``args`` are extra server arguments
     (e.g. ``["--maxmemory", "4gb"]``, ``["--replicaof", "127.0.0.1", "6379"]``).
     """
 
-    def __init__(self, args: Sequence[str] = ()):
+    def __init__(self, args: Sequence[str] = (), kind: ServerKind = REDIS):
         self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvbus-redis-")
+        self.kind = kind
+        self.dir = tempfile.mkdtemp(prefix=f"kvbus-{kind.name}-")
         self.args = list(args)
         self.proc: subprocess.Popen | None = None
 
@@ -37,9 +42,10 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, **kw)
 
     def start(self) -> "RedisServer":
-        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", self.dir, "--logfile", os.path.join(self.dir, "redis.log"), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rs = RedisSettings(self.url, "127.0.0.1", self.port)
+        cmd = [*server_argv(rs, Path(self.dir), kind=self.kind), *self.args]
+        with open(Path(self.dir) / f"{self.kind.name}.log", "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.time() + 10
         while True:
             try:
@@ -47,8 +53,15 @@ class RedisServer:
                     return self
             except redis.ConnectionError:
                 if self.proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"redis-server did not start: {cmd}")
+                    raise RuntimeError(f"{self.kind.name} did not start: {cmd}; its log: {self.log_tail()}")
                 time.sleep(0.05)
+
+    def log_tail(self, chars: int = 2000) -> str:
+        """The end of the server's log."""
+        try:
+            return (Path(self.dir) / f"{self.kind.name}.log").read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
 
     def kill(self) -> None:
         """SIGKILL the server, keeping its directory (``start`` again restarts it on the same port,

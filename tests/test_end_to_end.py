@@ -1,9 +1,11 @@
 """The walking skeleton on the real stack: a fleet publishes a known sequence of events,
 bridges -> Kafka -> Faust worker -> Kafka -> sink -> Redis, and the view and
-``kvbus lookup --json`` give exactly the expected answer."""
+``kvbus lookup --json`` give exactly the expected answer; the view once on the stack's Redis and once
+on a Valkey 9.1 (a private valkey-server)."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +13,7 @@ from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
 from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvbus.schemas.hashing import block_hashes
 from tests.pipeline import Pipeline, eventually
+from tests.redis_server import VALKEY, RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -42,9 +45,19 @@ SCRIPT = [
 ]
 
 
-@pytest.fixture
-def pipeline(test_settings, tmp_path):
-    p = Pipeline(test_settings, tmp_path)
+@pytest.fixture(scope="module")
+def valkey():
+    with RedisServer(kind=VALKEY) as srv:
+        yield srv
+
+
+@pytest.fixture(params=["redis", "valkey"])
+def pipeline(request, test_settings, tmp_path):
+    """The pipeline's processes, writing the view on the stack's Redis or on a Valkey."""
+    settings = test_settings
+    if request.param == "valkey":
+        settings = replace(test_settings, redis_url=request.getfixturevalue("valkey").url)
+    p = Pipeline(settings, tmp_path)
     yield p
     p.stop()
 

