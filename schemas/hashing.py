@@ -179,6 +179,17 @@ class LoRA:
     call gave); required where the release hashes it (:attr:`HashRules.lora_key` ``"name_path"``)."""
 
 
+def _own(text: str) -> str:
+    """An equal string that is no other object (CPython shares only those of at most one character).
+
+    pickle writes a string object met twice in one tuple once and refers back to it, so the ``sha256``
+    and ``xxhash`` inputs depend on which strings are the same object. In an engine, the adapter's name
+    and path and the request's salt are distinct objects, also from the tags ``"lora"`` and
+    ``"cache_salt"``; a caller's ``LoRA("lora", p)`` or one string given as both name and salt would
+    otherwise be the same object here and change the hash."""
+    return (text + " ")[:-1]
+
+
 def extra_keys(n_blocks: int, lora: LoRA | None = None, cache_salt: str | None = None,
                engine_version: str | None = None) -> list[tuple[Any, ...] | None]:
     """Per block, the extra keys vLLM ``engine_version`` (None: the newest row of :data:`HASH_RELEASES`)
@@ -196,18 +207,18 @@ def extra_keys(n_blocks: int, lora: LoRA | None = None, cache_salt: str | None =
                              f"(before {first_release(lora_key='name')}), which each engine assigns as it loads "
                              "adapters: no router can compute those hashes")
         if rules.lora_key == "name":
-            lora_keys.append(lora.name)
+            lora_keys.append(_own(lora.name))
         else:
             if not lora.path:
                 raise ValueError(f"vLLM {first_release(lora_key='name_path')} and later hash a LoRA adapter's path "
                                  f"with its name{f' (here {engine_version})' if engine_version else ''}: give the "
                                  "path the engines loaded it from (--lora-path)")
-            lora_keys.append(("lora", lora.name, lora.path))
+            lora_keys.append(("lora", _own(lora.name), _own(lora.path)))
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise ValueError(f"a cache salt is a string, got {type(cache_salt).__name__}")
     salt_keys: list[Any] = []
     if cache_salt:
-        salt_keys.append(("cache_salt", cache_salt) if rules.tagged else cache_salt)
+        salt_keys.append(("cache_salt", _own(cache_salt)) if rules.tagged else _own(cache_salt))
     out: list[tuple[Any, ...] | None] = []
     for i in range(n_blocks):
         keys = lora_keys + (salt_keys if i == 0 else [])

@@ -272,3 +272,15 @@ def test_lookup_refuses_options_that_cannot_apply(lora_view, capsys):
     # unseeded sha256 before 0.29.0: the engine's seed was random
     code, out, err = _run(tokens[:2] + ["--prefix", prefix, "--engine-version", "0.28.0"], settings, capsys)
     assert code == 2 and err.startswith("kvbus lookup: --algo sha256 needs the engine's hash seed: vLLM 0.28.0")
+
+
+@pytest.mark.parametrize("algo", sorted(HASH_ALGOS))
+def test_names_equal_to_the_tags_hash_as_in_the_engine(algo):
+    """pickle refers back to a string object met before in the same tuple: a caller's literal "lora" is the
+    tag's own object here, not in the engine (vLLM's vector was made with separate objects)."""
+    v = _vector(NEWEST, algo, ("lora", "cache_salt"), "lora", prompt="A")
+    assert block_hashes(PROMPTS["A"], 16, algo, "0", lora=LoRA("lora", "cache_salt"), cache_salt="lora") == [
+        canonical_hash(h) for h in v.hashes]
+    one = _vector(NEWEST, algo, ("a", "/"), "a", prompt="A")  # 1-character strings: shared in every CPython
+    assert block_hashes(PROMPTS["A"], 16, algo, "0", lora=LoRA("a", "/"), cache_salt="a") == [
+        canonical_hash(h) for h in one.hashes]

@@ -37,12 +37,23 @@ PROMPTS = {
     "A": list(range(1, 33)),
     "B": [(i * 7919 + 13) % 32000 for i in range(50)],
 }
+
+
+def fresh(text: str) -> str:
+    """``text`` as a string object of its own, as an engine's parsed names and salts are (pickle refers
+    back to a string object it met before in the same tuple; CPython shares only 1-character strings)."""
+    return "".join(list(text))
+
+
 LORAS = {
     "sql-v1": ("sql-adapter", "/adapters/sql-adapter/v1"),
     "sql-v2": ("sql-adapter", "/adapters/sql-adapter/v2"),   # the same name re-pointed at another path
     "long": ("Ünïcode-адаптер-" + "x" * 40, "/mnt/loras/" + "p" * 300),  # non-ASCII, > 255 UTF-8 bytes
+    "tag-like": (fresh("lora"), fresh("cache_salt")),          # equal to the tags, not the same objects
+    "one-char": ("a", "/"),                                      # shared objects: pickle refers back
 }
-SALTS = {"tenant-a": "tenant-a", "unicode": "tenant-ü-🙂", "long": "s" * 256}
+SALTS = {"tenant-a": "tenant-a", "unicode": "tenant-ü-🙂", "long": "s" * 256, "tag-like": fresh("lora"),
+         "one-char": "a"}
 
 
 # ------------------------------------------------------------------ permissive stubs for vllm's other modules
@@ -272,6 +283,7 @@ def main(out_path: str) -> None:
                 cases += [(algo, "12345", "B", 16, None, None), (algo, "12345", "B", 16, "sql-v2", "tenant-a"),
                           (algo, "0", "A", 16, None, "tenant-a"), (algo, "0", "B", 8, "sql-v1", "tenant-a"),
                           (algo, "0", "A", 16, "long", "unicode"), (algo, "0", "A", 16, None, "long"),
+                          (algo, "0", "A", 16, "tag-like", "tag-like"), (algo, "0", "A", 16, "one-char", "one-char"),
                           (algo, None, "B", 16, "sql-v1", "tenant-a")]
         seen_cases = set()
         for algo, seed, prompt, bs, lora_id, salt_id in cases:
