@@ -284,3 +284,16 @@ def test_names_equal_to_the_tags_hash_as_in_the_engine(algo):
     one = _vector(NEWEST, algo, ("a", "/"), "a", prompt="A")  # 1-character strings: shared in every CPython
     assert block_hashes(PROMPTS["A"], 16, algo, "0", lora=LoRA("a", "/"), cache_salt="a") == [
         canonical_hash(h) for h in one.hashes]
+
+
+def test_the_protocol_doc_shows_the_release_table():
+    """docs/lookup-protocol.md's table of hashing releases is HASH_RELEASES, row for row."""
+    from pathlib import Path
+
+    lora = {"int_id": "`lora_int_id` (refused)", "name": "`name`", "name_path": '`("lora", name, path)`'}
+    seed = {True: "`vllm-none-hash` for the sha256 family", False: "random (refused)"}
+    salt = {True: '`("cache_salt", salt)`', False: "`salt`"}
+    rows = [f"| {r.release} | {', '.join(r.algos)} | {seed[r.fixed_default_seed]} | {lora[r.lora_key]} | "
+            f"{salt[r.tagged]} |" for r in HASH_RELEASES]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lookup-protocol.md").read_text()
+    assert [line for line in text.splitlines() if line.startswith("| 0.") or line.startswith("| 1.")] == rows
