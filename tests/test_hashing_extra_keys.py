@@ -11,13 +11,25 @@ import time
 import uuid
 
 import pytest
-
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
-from kvbus.schemas.hashing import (HASH_ALGOS, HASH_RELEASES, LoRA, UnmatchableSeed, block_digests, block_hashes,
-                                   extra_keys, first_release, hash_rules, none_hash, release_tuple, resolve_seed)
+from kvbus.schemas.hashing import (
+    HASH_ALGOS,
+    HASH_RELEASES,
+    LoRA,
+    UnmatchableSeed,
+    block_digests,
+    block_hashes,
+    extra_keys,
+    first_release,
+    hash_rules,
+    none_hash,
+    release_tuple,
+    resolve_seed,
+)
 from kvbus.schemas.settings import Settings
 from kvbus.sinks import cli
 from kvbus.sinks.redis_store import RedisStore
+
 from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import ALL, NEWEST, PROMPTS, RELEASES, Vector
 
@@ -254,8 +266,8 @@ def test_lookup_refuses_options_that_cannot_apply(lora_view, capsys):
     tokens = ["--tokens", ",".join(map(str, PROMPTS["B"])), "--hash-seed", "0", "--prefix", prefix, "--json"]
     hashes = ["--hashes", "1,2", "--prefix", prefix, "--json"]
     refusals = [
-        (tokens + ["--lora-name", "sql-adapter"], "vLLM 0.31.0 and later hash a LoRA adapter's path with its name: "
-                                                   "give the path the engines loaded it from (--lora-path)"),
+        (tokens + ["--lora-name", "sql-adapter"], ("vLLM 0.31.0 and later hash a LoRA adapter's path with its name: "
+                                                   "give the path the engines loaded it from (--lora-path)")),
         (tokens + ["--lora-name", "a", "--engine-version", "0.32.0"], "(here 0.32.0)"),
         (tokens + ["--lora-path", "/p"], "--lora-path needs --lora-name"),
         (tokens + ["--lora-name", "a", "--engine-version", "0.11.0"], "lora_int_id"),
@@ -296,4 +308,4 @@ def test_the_protocol_doc_shows_the_release_table():
     rows = [f"| {r.release} | {', '.join(r.algos)} | {seed[r.fixed_default_seed]} | {lora[r.lora_key]} | "
             f"{salt[r.tagged]} |" for r in HASH_RELEASES]
     text = (Path(__file__).resolve().parents[1] / "docs" / "lookup-protocol.md").read_text()
-    assert [line for line in text.splitlines() if line.startswith("| 0.") or line.startswith("| 1.")] == rows
+    assert [line for line in text.splitlines() if line.startswith(("| 0.", "| 1."))] == rows

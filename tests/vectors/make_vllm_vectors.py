@@ -159,12 +159,14 @@ def load_release(version: str):
             setattr(utils, k, v)
     sys.modules["vllm.utils"] = vllm.utils = utils
     if "vllm.utils.hashing" in real:
-        import vllm.utils.hashing as hashing
+        import vllm.utils.hashing as hashing  # noqa: PLR0402 (the stub package would answer a from-import)
         utils.hashing = hashing
         get_hash_fn_by_name = hashing.get_hash_fn_by_name
     else:
         get_hash_fn_by_name = utils.get_hash_fn_by_name
     import vllm.v1.core.kv_cache_utils as kcu
+    probe = get_hash_fn_by_name("sha256")("probe")  # a stub in its place would answer anything
+    assert isinstance(probe, bytes) and len(probe) == 32, f"vLLM {version}'s sha256 is not loaded: {probe!r}"
     return kcu, get_hash_fn_by_name
 
 
@@ -300,7 +302,8 @@ def main(out_path: str) -> None:
             res = run_case(kcu, get_hash_fn_by_name, algo, seed, PROMPTS[prompt], bs, lora, salt)
             vectors.append({"vllm": version, "algo": algo, "pythonhashseed": seed, "prompt": prompt,
                             "block_size": bs, "lora": lora_json, "cache_salt": salt, **res})
-    import cbor2, xxhash  # noqa: E401
+    import cbor2
+    import xxhash
     doc = {
         "about": (
             "Block-hash vectors made by running vLLM's own hashing code, from the PyPI wheels named in "
