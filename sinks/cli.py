@@ -3,7 +3,8 @@
     kvbus sink [--group G] [--prefix kvbus:] [--stale-after SEC] [--metrics-port P] [--batch N]
                [--session-timeout SEC] [--instance-id ID] [--snapshot-every SEC]     (defaults: KVBUS_SINK_*, sinks/config.py)
     kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16]
-                  [--algo sha256|sha256_cbor|xxhash|xxhash_cbor] [--hash-seed S])
+                  [--algo sha256|sha256_cbor|xxhash|xxhash_cbor] [--hash-seed S]
+                  [--lora-name NAME [--lora-path PATH]] [--cache-salt SALT] [--engine-version V])
                  [--replicas a,b#1] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
 
 Standalone: ``python -m kvbus.sinks.cli sink ...`` / ``python -m kvbus.sinks.cli lookup ...``.
@@ -18,7 +19,7 @@ import sys
 import threading
 from dataclasses import replace
 
-from kvbus.schemas.hashing import HASH_ALGOS
+from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, first_release
 from kvbus.schemas.security import check_kafka_access, redact_url
 from kvbus.schemas.settings import Settings
 
@@ -116,6 +117,15 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
                    help="the engines' PYTHONHASHSEED with --tokens (default: this process's PYTHONHASHSEED, "
                         "else vLLM's default seed; required for xxhash and xxhash_cbor, whose seed vLLM "
                         "otherwise draws at random per process)")
+    p.add_argument("--lora-name", default=None,
+                   help="with --tokens: the request's LoRA adapter (vLLM lora_name; default: the base model)")
+    p.add_argument("--lora-path", default=None,
+                   help="with --lora-name: the path the engines loaded the adapter from (--lora-modules NAME=PATH), "
+                        f"which vLLM hashes from {first_release(lora_key='name_path')} on")
+    p.add_argument("--cache-salt", default=None, help="with --tokens: the request's cache_salt (default none)")
+    p.add_argument("--engine-version", default=None,
+                   help="with --tokens: the engines' vLLM release, e.g. 0.30.0, where it hashes differently "
+                        f"(default: {HASH_RELEASES[-1].release} and later)")
     p.add_argument("--replicas", help="only these candidates: replica names or <replica>#<dp_rank>, comma-separated")
     p.add_argument("--weights", help="tier weights NAME=W over the defaults GPU=1,CPU=0.8,STORAGE=0.5,*=0.5 "
                                      "(NAME: a medium or an ownership)")
@@ -123,18 +133,26 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help='print {"<replica>": {"matched": N, ...}, ...}')
 
 
+TOKEN_KEYS = ("lora_name", "lora_path", "cache_salt", "engine_version")
+"""``kvbus lookup`` options that change how --tokens are hashed (refused with --hashes)."""
+
+
 def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dict]:
     """The ``--json`` answer of ``kvbus lookup``: holders by display name, best first."""
-    from kvbus.sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
+    from kvbus.sinks.hashes import chain_from_tokens, lora_of, parse_hashes, parse_tokens
     from kvbus.sinks.rebuild import view_status
     from kvbus.sinks.sharded_store import open_store
     from kvbus.sinks.tiers import Weights
 
     if args.hashes is not None:
+        given = [f"--{k.replace('_', '-')}" for k in TOKEN_KEYS if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --tokens: --hashes are hashed already")
         chain = parse_hashes(args.hashes)
     else:
-        chain = chain_from_tokens(parse_tokens(args.tokens), args.block_size, args.algo,
-                                  args.hash_seed)
+        chain = chain_from_tokens(parse_tokens(args.tokens), args.block_size, args.algo, args.hash_seed,
+                                  lora=lora_of(args.lora_name, args.lora_path), cache_salt=args.cache_salt,
+                                  engine_version=args.engine_version)
     candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
     store = open_store(settings.redis_url, args.prefix, load=False, client_kwargs=settings.redis_kwargs())  # redis+cluster://: the sharded view
     found = store.lookup(chain, weights=Weights.parse(args.weights), candidates=candidates)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvbus.schemas.events import canonical_hash
-from kvbus.schemas.hashing import block_hashes
+from kvbus.schemas.hashing import LoRA, block_hashes
 
 U64 = 1 << 64
 I64_MIN = -(1 << 63)
@@ -42,11 +42,26 @@ def parse_tokens(text: str) -> list[int]:
 
 
 def chain_from_tokens(
-    tokens: Sequence[int], block_size: int, algo: str = "sha256", seed: str | None = None
+    tokens: Sequence[int], block_size: int, algo: str = "sha256", seed: str | None = None, *,
+    lora: LoRA | None = None, cache_salt: str | None = None, engine_version: str | None = None,
 ) -> list[bytes]:
-    """The chain of block hashes vLLM publishes for a prompt (full blocks only; protocol doc §5).
+    """The chain of block hashes vLLM publishes for a prompt (full blocks only; protocol doc §5):
+    :func:`kvbus.schemas.hashing.block_hashes`, whose arguments these are.
 
     ``algo``: any of ``kvbus.schemas.hashing.HASH_ALGOS``; ``seed``: the engine's PYTHONHASHSEED (None:
-    this process's PYTHONHASHSEED, else vLLM's default). ValueError for an unknown algorithm;
-    ``kvbus.schemas.hashing.UnmatchableSeed`` (a ValueError) for the xxhash family without a seed."""
-    return block_hashes(tokens, block_size, algo, seed=seed)
+    this process's PYTHONHASHSEED, else vLLM's default); ``lora``, ``cache_salt``: the request's adapter
+    and salt; ``engine_version``: the engines' vLLM release (None: the newest rules). ValueError for an
+    unknown algorithm or what the release cannot be matched on; ``kvbus.schemas.hashing.UnmatchableSeed``
+    (a ValueError) for a seed the engine draws at random."""
+    return block_hashes(tokens, block_size, algo, seed, lora=lora, cache_salt=cache_salt,
+                        engine_version=engine_version)
+
+
+def lora_of(name: str | None, path: str | None) -> LoRA | None:
+    """The adapter of ``--lora-name`` / ``--lora-path`` (None without a name); ValueError for a path
+    without a name."""
+    if name is None:
+        if path is not None:
+            raise ValueError("--lora-path needs --lora-name")
+        return None
+    return LoRA(name, path or "")
