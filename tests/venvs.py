@@ -49,6 +49,35 @@ def build_wheel(source: Path, out: Path) -> Path:
     return wheels[0]
 
 
+def lowest_versions(pyproject: Mapping, extra: str) -> list[str]:
+    """``name==<lower bound>`` of every library ``pip install 'kvbus[<extra>]'`` asks for by name: the
+    base dependencies and those of ``extra`` and of the extras it names (``kvbus[...]``), from the
+    parsed ``pyproject``. A requirement without a lower bound is left out."""
+    from packaging.requirements import Requirement
+
+    project = pyproject["project"]
+    extras, pins, todo = set(), {}, [extra]
+    for req in map(Requirement, project["dependencies"]):
+        pins[req.name] = req
+    while todo:
+        name = todo.pop()
+        if name in extras:
+            continue
+        extras.add(name)
+        for req in map(Requirement, project["optional-dependencies"][name]):
+            if req.name == project["name"]:
+                todo.extend(req.extras)
+            else:
+                pins[req.name] = req
+    out = []
+    for name, req in sorted(pins.items()):
+        lower = [s.version for s in req.specifier if s.operator in (">=", "==")]
+        if lower:
+            extras_part = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+            out.append(f"{name}{extras_part}=={lower[0]}")
+    return out
+
+
 def clean_env(bin_dir: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """An environment with ``bin_dir`` first on PATH, no PYTHONPATH and no ``KVBUS_*`` of the test
     process, plus ``extra``."""
@@ -108,7 +137,8 @@ import importlib, json, pkgutil, sys
 failed = {}
 for pkg in sys.argv[1:]:
     root = importlib.import_module(pkg)
-    names = [pkg] + [m.name for m in pkgutil.walk_packages(root.__path__, pkg + ".") if not m.name.endswith(".__main__")]
+    subs = pkgutil.walk_packages(root.__path__, pkg + ".")
+    names = [pkg] + [m.name for m in subs if not m.name.endswith(".__main__")]
     for name in names:
         try:
             importlib.import_module(name)
