@@ -9,7 +9,7 @@ brings.
 * ``[publisher]``: the in-process publisher writes to the real Kafka + registry and the batches are read
   back from the raw topic, with no faust, polars or redis there;
 * both with the newest releases in range and with every library at its lower bound;
-* ``[bridge]``, ``[streams]``, ``[sink]``, ``[top]``: every module of the role's stage imports and its
+* ``[bridge]``, ``[streams]``, ``[sink]``, ``[top]``, ``[analytics]``: every module of the role's stage imports and its
   subcommands answer ``--help``, without the other roles' libraries;
 * the image's install script (deploy/image/install.sh, what the Dockerfile runs) into a fresh prefix:
   ``kvbus --version`` and ``kvbus worker --help`` run from it.
@@ -32,6 +32,8 @@ from typing import Iterator
 
 import pytest
 from confluent_kafka import Consumer
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 import kvbus
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART
@@ -70,8 +72,11 @@ def wheel(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def role_venv(wheel: Path, role: str, path: Path, versions: str = "newest") -> Venv:
     """A fresh venv with the wheel and ``role``'s extra: the newest releases pip finds in range, or with
     ``versions="lowest"`` each library at the lower bound pyproject.toml gives it."""
+    pins = lowest_versions(PYPROJECT, role) if versions == "lowest" else []
     venv = Venv.create(path)
-    venv.install(f"{wheel}[{role}]", *(lowest_versions(PYPROJECT, role) if versions == "lowest" else ()))
+    venv.install(f"{wheel}[{role}]", *pins)
+    wanted = {Requirement(p).name: Version(str(Requirement(p).specifier).removeprefix("==")) for p in pins}
+    assert {n: Version(v) for n, v in venv.versions(wanted).items()} == wanted
     return venv
 
 
@@ -225,6 +230,7 @@ ROLES = {
     "streams": (["kvbus.streams"], ["worker"], ["redis", "zmq", "polars", "matplotlib"]),
     "sink": (["kvbus.sinks"], ["sink", "lookup"], ["faust", "zmq", "polars", "matplotlib"]),
     "top": (["kvbus.top"], ["top"], ["faust", "zmq", "polars", "matplotlib"]),
+    "analytics": (["kvbus.analytics"], ["report"], ["faust", "redis", "zmq", "pyarrow"]),
 }
 
 

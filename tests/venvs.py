@@ -123,6 +123,12 @@ class Venv:
         assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
         return done.stdout
 
+    def versions(self, distributions: Iterable[str]) -> dict[str, str]:
+        """The installed version of each of ``distributions`` (names as pip knows them)."""
+        code = ("import importlib.metadata as m, json, sys\n"
+                "print(json.dumps({d: m.version(d) for d in sys.argv[1:]}))")
+        return json.loads(self.check(["python", "-I", "-c", code, *distributions]).strip().splitlines()[-1])
+
     def importable(self, modules: Iterable[str]) -> list[str]:
         """Those of the top-level ``modules`` this venv can import."""
         code = ("import importlib.util, sys\n"
