@@ -1,7 +1,7 @@
 """The ``kvbus`` command: one subcommand per stage, plus the demo.
 
 Subcommand names are a contract other tools rely on:
-``demo fleet bridge worker sink lookup top`` (and ``schemas check|register``).
+``demo fleet bridge worker sink lookup top report`` (and ``schemas check|register``), and ``-V``/``--version``.
 Every subcommand honours the ``KVBUS_*`` settings (see ``kvbus.schemas.settings``).
 Stage modules are imported only by the subcommand that needs them.
 """

@@ -28,10 +28,12 @@ import json
 import logging
 import time
 import uuid
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.snapshot import SnapshotReader, holder_dump
+
+if TYPE_CHECKING:  # the snapshot reader needs confluent-kafka, which a router's `kvbus lookup` (view_status) lacks
+    from kvbus.sinks.snapshot import SnapshotReader
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -65,6 +67,8 @@ def ensure_view(store: RedisStore, reader: SnapshotReader, end_offsets: Callable
 def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[], dict[tuple[str, int], int]],
             metrics=None) -> str:
     """Rebuild the view from the latest snapshot (see the module docstring); returns its new id."""
+    from kvbus.sinks.snapshot import holder_dump  # confluent-kafka: imported by the sink, not by view_status
+
     t0, began = time.monotonic(), time.time()
     store.set_status(state=REBUILDING, since=began, phase="restoring")
     if metrics is not None:
