@@ -27,6 +27,8 @@ from kvbus.analytics.summary import clock_text, span_text  # noqa: E402
 
 CHART_POINTS = 500
 """Most points per tier on the live chart (about one per two pixels of its width)."""
+BIN_MINUTES = (1, 2, 5, 10, 15, 30, 60, 120, 180, 360, 720, 1440, 2880, 10080)
+"""Widths the live chart's bins may have, in minutes (past a week: whole weeks)."""
 MARKERS_UP_TO = 60
 """Points per tier up to which each point gets a marker."""
 
@@ -77,7 +79,8 @@ def live_points(series: pl.DataFrame, max_points: int = CHART_POINTS) -> tuple[p
            .select("tier", "minute", live=pl.col("change").cum_sum().over("tier")))
     lo, hi = per["minute"].min(), per["minute"].max()
     span = int((hi - lo).total_seconds() // 60) + 1
-    width = max(1, math.ceil(span / max(max_points - 1, 1)))
+    need = math.ceil(span / max(max_points - 1, 1))
+    width = next((w for w in BIN_MINUTES if w >= need), math.ceil(need / 10080) * 10080)
     if width == 1:
         return per, 1
     return (per.with_columns(bin=((pl.col("minute") - lo).dt.total_minutes() // width))
@@ -86,12 +89,11 @@ def live_points(series: pl.DataFrame, max_points: int = CHART_POINTS) -> tuple[p
 
 
 def _minutes_text(n: int) -> str:
-    """``minute``, ``15 minutes``, ``2 hours``, ``3 days`` (the largest unit ``n`` minutes is a whole number of)."""
-    if n == 1:
-        return "minute"
-    for unit, size in (("days", 1440), ("hours", 60)):
+    """``minute``, ``15 minutes``, ``hour``, ``2 hours``, ``day``, ``2 weeks`` (the largest unit ``n`` minutes
+    is a whole number of)."""
+    for unit, size in (("week", 10080), ("day", 1440), ("hour", 60), ("minute", 1)):
         if n % size == 0:
-            return f"{n // size} {unit}"
+            return unit if n == size else f"{n // size} {unit}s"
     return f"{n} minutes"
 
 

@@ -255,14 +255,16 @@ def raw_summary(raw: pl.DataFrame) -> pl.DataFrame:
 def clocks(blocks: pl.DataFrame, skew_s: float = CLOCK_SKEW_S) -> pl.DataFrame:
     """Per holder: ``events`` (engine events: records other than kvbus's Reset markers, whose time is
     the bridge's), ``off`` (of those, ``|clock_skew_s| > skew_s``), ``ahead`` / ``behind`` (off with
-    the engine's clock ahead of / behind the record time), and ``clock_skew_s`` ``median``, ``min``,
-    ``max`` (seconds, engine time minus record time). Holders with events off first."""
+    the engine's clock ahead of / behind the record time), ``off_median_skew_s`` (the median
+    ``clock_skew_s`` of the events off: how far off the clock was, null when none), and the
+    ``median_skew_s``, ``min_skew_s``, ``max_skew_s`` of all its events (seconds, engine time minus
+    record time). Holders with events off first."""
     ev = blocks.filter(pl.col("kind") != "reset").unique(["topic", "partition", "offset"])
     skew = pl.col("clock_skew_s")
     return ev.group_by("holder").agg(
         events=pl.len().cast(pl.Int64), off=(skew.abs() > skew_s).sum().cast(pl.Int64),
         ahead=(skew > skew_s).sum().cast(pl.Int64), behind=(skew < -skew_s).sum().cast(pl.Int64),
-        median_skew_s=skew.median(), min_skew_s=skew.min(), max_skew_s=skew.max(),
+        off_median_skew_s=skew.filter(skew.abs() > skew_s).median(), median_skew_s=skew.median(), min_skew_s=skew.min(), max_skew_s=skew.max(),
     ).sort(["off", "holder"], descending=[True, False])
 
 

@@ -96,8 +96,8 @@ def render(report: Report, header: str = "") -> str:
     add("== engine clocks (the report is timed by the Kafka record time; ts - record time per holder)")
     add(f"   {clock_text(report)}")
     for r in report.clocks.filter(pl.col("off") > 0).iter_rows(named=True):
-        add(f"   {r['holder']:14s} {r['off']:7d} of {r['events']:7d} events off, engine clock "
-            f"{_fmt_s(r['median_skew_s'])} (median; {_fmt_s(r['min_skew_s'])} .. {_fmt_s(r['max_skew_s'])})")
+        add(f"   {r['holder']:14s} {r['off']:7d} of {r['events']:7d} events off, by {_fmt_s(r['off_median_skew_s'])} "
+            f"(median of those; all: {_fmt_s(r['min_skew_s'])} .. {_fmt_s(r['max_skew_s'])})")
     if report.raw is not None:
         add("== kvbus.raw per holder and worker (records, engine batches, split parts, events)")
         for r in report.raw.iter_rows(named=True):

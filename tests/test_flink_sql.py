@@ -9,6 +9,7 @@ First run on a machine: PyFlink's venv (~300 MB from PyPI) and the two jars are 
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -27,7 +28,9 @@ from kvbus.schemas.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.analytics]
 
-T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC: record times from here
+T0 = float(int(time.time()) // 60 * 60 - 3600)
+"""Record times from here: a whole minute an hour ago (records older than the topics' 7-day retention
+would be deleted by the broker's next retention check)."""
 ENGINE_CLOCK = -365 * 86400.0
 """The engines' ``ts`` is a year behind the record times."""
 
