@@ -230,9 +230,9 @@ def render(report: Report, title: str, command: str) -> str:
         "<h2>Incomplete aggregates</h2>", _table(report.incomplete, ("holder", "kind", "missing")),
         "<h2>Dead letters</h2>", _table(report.dead_letters, ("stage", "reason_kind", "example")),
         "<h2>Engine clocks</h2>", f"<p>{html.escape(clock_text(report))}</p>", _table(report.clocks, ("holder",)),
-        f"<p class='note'>clock_skew_s: the engine's ts minus the Kafka record time, seconds; off: more than "
-        f"{report.clock_skew_s:g} s either way (ahead / behind). Everything above is timed by the record time; "
-        "ts is kept in events.parquet</p>",
+        (f"<p class='note'>clock_skew_s: the engine's ts minus the Kafka record time, seconds; off: more than "
+         f"{report.clock_skew_s:g} s either way (ahead / behind). Everything above is timed by the record time; "
+         "ts is kept in events.parquet</p>"),
     ]
     if report.raw is not None:
         parts += ["<h2>kvbus.raw per holder and worker</h2>", _table(report.raw, ("holder",))]

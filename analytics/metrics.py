@@ -101,7 +101,8 @@ def series(annotated: pl.DataFrame, life: pl.DataFrame) -> pl.DataFrame:
     out = (counts.join(deltas, on=SERIES_KEY, how="full", coalesce=True)
            .with_columns(pl.col("stores", "removes", "delta").fill_null(0))
            .sort(SERIES_KEY))
-    step = pl.col("minute").shift(-1).over("holder", "tier").fill_null(pl.col("minute").max() + pl.duration(minutes=1))
+    after_last = pl.col("minute").max() + pl.duration(minutes=1)
+    step = pl.col("minute").shift(-1).over("holder", "tier").fill_null(after_last)
     return out.with_columns(
         live=pl.col("delta").cum_sum().over("holder", "tier"),
         minutes=((step - pl.col("minute")).dt.total_minutes()).cast(pl.Int64),
@@ -264,7 +265,8 @@ def clocks(blocks: pl.DataFrame, skew_s: float = CLOCK_SKEW_S) -> pl.DataFrame:
     return ev.group_by("holder").agg(
         events=pl.len().cast(pl.Int64), off=(skew.abs() > skew_s).sum().cast(pl.Int64),
         ahead=(skew > skew_s).sum().cast(pl.Int64), behind=(skew < -skew_s).sum().cast(pl.Int64),
-        off_median_skew_s=skew.filter(skew.abs() > skew_s).median(), median_skew_s=skew.median(), min_skew_s=skew.min(), max_skew_s=skew.max(),
+        off_median_skew_s=skew.filter(skew.abs() > skew_s).median(),
+        median_skew_s=skew.median(), min_skew_s=skew.min(), max_skew_s=skew.max(),
     ).sort(["off", "holder"], descending=[True, False])
 
 

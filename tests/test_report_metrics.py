@@ -124,10 +124,8 @@ def test_a_year_of_record_time_stays_small() -> None:
     """One holder storing and removing a block every 20 minutes for a year, another once a week,
     its engine clock a year behind: the series has one row per minute with an event, the live chart
     at most CHART_POINTS points per tier, and the HTML stays well under a megabyte."""
-    history, seq = [], 0
-    for i in range(0, 365 * 72):                   # every 20 minutes
-        history.append(ev("A", seq, i * 1200.0, "store" if i % 2 == 0 else "remove", [1 + i // 2]))
-        seq += 1
+    history = [ev("A", i, i * 1200.0, "store" if i % 2 == 0 else "remove", [1 + i // 2])
+               for i in range(365 * 72)]           # every 20 minutes
     for w in range(52):
         history.append(ev("B", w, w * 7 * 86400.0 + 30, "store", [10_000_000 + w]))
     r = report_of(history)
