@@ -3,8 +3,10 @@
 Reads ``kvbus.blocks`` and its tier topics, ``kvbus.incomplete`` and ``kvbus.dlq`` (``--raw``: also
 ``kvbus.raw``) from ``--since`` to ``--until`` (default: everything), prints a summary, writes
 ``report.html`` (charts, one file, offline) and Parquet files (``events``, ``series``, ``lives``,
-``sharing``, ``tiers``, ``holders``, ``prefixes``, ``offload``, ``incomplete``, ``dead_letters``, ``raw``) into
-``--out``. ``--sample N`` prints N records of each event kind of each topic instead. Services and
+``sharing``, ``tiers``, ``holders``, ``prefixes``, ``offload``, ``incomplete``, ``dead_letters``,
+``clocks``, ``raw``) into ``--out``. Everything is timed by the Kafka record time; the engines' ``ts``
+is a column, and the summary counts the events whose ``ts`` lies more than ``--clock-skew`` seconds
+from it. ``--sample N`` prints N records of each event kind of each topic instead. Services and
 topic names come from the ``KVBUS_*`` settings (kvbus.schemas.settings). The records of the range are
 held in memory while the tables are built (327 MB RSS for a 25 s demo run's 50,617 block events).
 """
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 
 from kvbus.analytics import html_report, sample, summary
-from kvbus.analytics.metrics import Report, compute
+from kvbus.analytics.metrics import CLOCK_SKEW_S, Report, compute
 from kvbus.analytics.progress import ReadProgress
 from kvbus.analytics.reader import Record, block_topics, read
 from kvbus.analytics.tables import block_events, dead_letter_table, incomplete_table, raw_table
@@ -37,6 +39,9 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-html", action="store_true", help="do not write report.html")
     p.add_argument("--no-parquet", action="store_true", help="do not write Parquet files")
     p.add_argument("--top", type=int, default=10, help="shared prefixes listed (default 10)")
+    p.add_argument("--clock-skew", type=float, default=CLOCK_SKEW_S, metavar="SECONDS",
+                   help="count an event's engine clock as off when its ts lies more than this from its Kafka "
+                        f"record time (default {CLOCK_SKEW_S:g})")
     p.add_argument("--sample", type=int, nargs="?", const=2, default=None, metavar="N",
                    help="print N records of each event kind of every topic read as JSON (default 2) and stop")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -49,7 +54,8 @@ def topics_to_read(settings: Settings, raw: bool) -> list[str]:
     return block_topics(settings) + [t.incomplete, t.dlq] + ([t.raw] if raw else [])
 
 
-def build_report(settings: Settings, records: list[Record], raw: bool, top: int = 10) -> Report:
+def build_report(settings: Settings, records: list[Record], raw: bool, top: int = 10,
+                 clock_skew_s: float = CLOCK_SKEW_S) -> Report:
     """All tables of a report from the records read."""
     t = settings.topics
     by_topic: dict[str, list[Record]] = {}
@@ -59,7 +65,7 @@ def build_report(settings: Settings, records: list[Record], raw: bool, top: int 
     return compute(
         block_events(block_recs), t.blocks, incomplete_table(by_topic.get(t.incomplete, [])),
         dead_letter_table(by_topic.get(t.dlq, [])),
-        raw_table(by_topic.get(t.raw, [])) if raw else None, top_prefixes=top,
+        raw_table(by_topic.get(t.raw, [])) if raw else None, top_prefixes=top, clock_skew_s=clock_skew_s,
     )
 
 
@@ -68,7 +74,7 @@ def write_parquet(report: Report, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     tables = {"events": report.blocks, "series": report.series, "lives": report.lives, "sharing": report.sharing,
               "tiers": report.tiers, "holders": report.holders, "prefixes": report.prefixes, "offload": report.offload,
-              "incomplete": report.incomplete, "dead_letters": report.dead_letters}
+              "incomplete": report.incomplete, "dead_letters": report.dead_letters, "clocks": report.clocks}
     if report.raw is not None:
         tables["raw"] = report.raw
     paths = []
@@ -95,7 +101,7 @@ def run_report(args: argparse.Namespace, settings: Settings) -> int:
         print(sample.render(samples))
         return 0
     undecodable = sum(1 for r in records if r.value is None)
-    report = build_report(settings, records, args.raw, args.top)
+    report = build_report(settings, records, args.raw, args.top, args.clock_skew)
     print(summary.render(report, span.describe()))
     if undecodable:
         print(f"== {undecodable} records could not be decoded (left out)")

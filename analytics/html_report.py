@@ -3,12 +3,16 @@ no script and nothing fetched (it opens offline, from a mail attachment or a CI 
 
 Charts: live blocks per tier over time (fleet-wide), the block lifetime histogram per tier, the
 sharing distribution (blocks by the most holders that had them at once), churn per holder.
+
+The file stays small whatever the range: the live chart has at most :data:`CHART_POINTS` points per
+tier (minutes merged into wider bins over a long range), the other charts have a fixed number of bins
+or one bar per holder, and the tables one row per tier, holder or stage.
 """
 from __future__ import annotations
 
 import html
 import io
-from datetime import datetime, timezone
+import math
 from pathlib import Path
 
 import matplotlib
@@ -19,6 +23,14 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from kvbus.analytics.metrics import Report  # noqa: E402
+from kvbus.analytics.summary import clock_text, span_text  # noqa: E402
+
+CHART_POINTS = 500
+"""Most points per tier on the live chart (about one per two pixels of its width)."""
+BIN_MINUTES = (1, 2, 5, 10, 15, 30, 60, 120, 180, 360, 720, 1440, 2880, 10080)
+"""Widths the live chart's bins may have, in minutes (past a week: whole weeks)."""
+MARKERS_UP_TO = 60
+"""Points per tier up to which each point gets a marker."""
 
 plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False})
 
@@ -53,15 +65,49 @@ def _empty(fig_title: str) -> str:
     return _svg(fig)
 
 
-def live_chart(series: pl.DataFrame, colors: dict[str, str]) -> str:
-    """Live blocks per tier over time, summed over holders."""
-    title = "Live blocks per tier (all holders, end of each minute)"
+def live_points(series: pl.DataFrame, max_points: int = CHART_POINTS) -> tuple[pl.DataFrame, int]:
+    """(per tier: ``minute``, ``live`` = blocks all holders held at its end, at most ``max_points`` rows
+    per tier; the bin width in minutes). From the sparse series: each holder's live count holds until
+    its next row, so the fleet's count changes only at rows; over a long range the minutes are merged
+    into bins of ``width`` minutes, each shown by its last minute's count (the live count at the bin's end)."""
     if series.is_empty():
+        return pl.DataFrame(schema={"tier": pl.String, "minute": pl.Datetime("ms", "UTC"), "live": pl.Int64}), 1
+    key = ["holder", "tier"]
+    change = series.sort(*key, "minute").select(
+        "tier", "minute", change=pl.col("live") - pl.col("live").shift(1, fill_value=0).over(key))
+    per = (change.group_by("tier", "minute").agg(pl.col("change").sum()).sort("tier", "minute")
+           .select("tier", "minute", live=pl.col("change").cum_sum().over("tier")))
+    lo, hi = per["minute"].min(), per["minute"].max()
+    span = int((hi - lo).total_seconds() // 60) + 1
+    need = math.ceil(span / max(max_points - 1, 1))
+    width = next((w for w in BIN_MINUTES if w >= need), math.ceil(need / 10080) * 10080)
+    if width == 1:
+        return per, 1
+    return (per.with_columns(bin=((pl.col("minute") - lo).dt.total_minutes() // width))
+            .group_by("tier", "bin").agg(pl.col("minute").last(), pl.col("live").last())
+            .sort("tier", "minute").select("tier", "minute", "live")), width
+
+
+def _minutes_text(n: int) -> str:
+    """``minute``, ``15 minutes``, ``hour``, ``2 hours``, ``day``, ``2 weeks`` (the largest unit ``n`` minutes
+    is a whole number of)."""
+    for unit, size in (("week", 10080), ("day", 1440), ("hour", 60), ("minute", 1)):
+        if n % size == 0:
+            return unit if n == size else f"{n // size} {unit}s"
+    return f"{n} minutes"
+
+
+def live_chart(series: pl.DataFrame, colors: dict[str, str], max_points: int = CHART_POINTS) -> str:
+    """Live blocks per tier over record time, summed over holders, as steps (:func:`live_points`)."""
+    points, width = live_points(series, max_points)
+    title = f"Live blocks per tier (all holders, end of each {_minutes_text(width)})"
+    if points.is_empty():
         return _empty(title)
-    per = series.group_by("tier", "minute").agg(pl.col("live").sum()).sort("tier", "minute")
     fig, ax = plt.subplots(figsize=(10.5, 3.4))
-    for (tier,), g in per.group_by("tier", maintain_order=True):
-        ax.plot(g["minute"].to_list(), g["live"].to_list(), marker="o", ms=3, label=tier, color=colors.get(tier))
+    for (tier,), g in points.group_by("tier", maintain_order=True):
+        marker = {"marker": "o", "ms": 3} if g.height <= MARKERS_UP_TO else {}
+        ax.step(g["minute"].to_list(), g["live"].to_list(), where="post", label=tier, color=colors.get(tier),
+                **marker)
     ax.set_title(title)
     ax.set_ylabel("blocks")
     ax.legend(loc="upper left", fontsize=8)
@@ -149,11 +195,9 @@ def _table(df: pl.DataFrame, left: tuple[str, ...] = ()) -> str:
 def render(report: Report, title: str, command: str) -> str:
     """The whole HTML document."""
     b = report.blocks
-    span = "no block events"
+    span = span_text(report)
     if not b.is_empty():
-        fmt = lambda t: datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")  # noqa: E731
-        span = f"engine time {fmt(b['ts'].min())} .. {fmt(b['ts'].max())} UTC, {b.height} block events, " \
-               f"{b['holder'].n_unique()} holders"
+        span += f", {b.height} block events, {b['holder'].n_unique()} holders"
     tiers = report.tiers.select(
         "tier", "stores", "removes", "reannounced", "unmatched_removes", "live_end", "lives_ended",
         "p50_s", "p90_s", "p99_s", "mean_s")
@@ -172,7 +216,7 @@ def render(report: Report, title: str, command: str) -> str:
         "<h2>Per tier</h2>", _table(tiers, ("tier",)),
         "<p class='note'>block stores and removes; reannounced: stores of a block the tier held already; "
         "unmatched: removes of a block not held (stored before the range); lifetimes (p50_s ... mean_s) in "
-        "seconds of engine time, of lives that ended in the range</p>",
+        "seconds of Kafka record time, of lives that ended in the range</p>",
         "<h2>Sharing per tier</h2>", _table(shared, ("tier",)),
         "<p class='note'>shared_blocks: held by 2 or more holders at once; held_elsewhere: stores that opened a "
         "block's life while another holder already had it on that tier (prefill a prefix-aware router could "
@@ -185,6 +229,10 @@ def render(report: Report, title: str, command: str) -> str:
         "<h2>Churn per holder</h2>", churn_chart(report.holders, colors), _table(report.holders, ("holder", "tier")),
         "<h2>Incomplete aggregates</h2>", _table(report.incomplete, ("holder", "kind", "missing")),
         "<h2>Dead letters</h2>", _table(report.dead_letters, ("stage", "reason_kind", "example")),
+        "<h2>Engine clocks</h2>", f"<p>{html.escape(clock_text(report))}</p>", _table(report.clocks, ("holder",)),
+        (f"<p class='note'>clock_skew_s: the engine's ts minus the Kafka record time, seconds; off: more than "
+         f"{report.clock_skew_s:g} s either way (ahead / behind). Everything above is timed by the record time; "
+         "ts is kept in events.parquet</p>"),
     ]
     if report.raw is not None:
         parts += ["<h2>kvbus.raw per holder and worker</h2>", _table(report.raw, ("holder",))]

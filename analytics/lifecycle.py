@@ -13,6 +13,10 @@ The rules are the residency view's (sinks/store.py, docs/sinks-layout.md), on se
 * ``AllBlocksCleared`` (on ``kvbus.blocks``) ends every life of the holder on the tiers of that topic
   (the framework's own cache); a ``Reset`` marker ends every life of the holder on every tier.
 
+Times are Kafka record times (:data:`kvbus.analytics.tables.TIME`), not the engine's ``ts``: a life
+of a holder whose engine clock is off is as long as the records say, and lives of different holders
+compare on one clock.
+
 Lives that began before the range was read are unknown: with ``--since``, live counts start at 0
 and removes of older blocks are unmatched. From the beginning of the topics (and with retention
 longer than the run) they are exact.
@@ -20,6 +24,8 @@ longer than the run) they are exact.
 from __future__ import annotations
 
 import polars as pl
+
+from kvbus.analytics.tables import TIME
 
 ORDER = ["holder", "epoch", "seq", "index", "block_idx", "topic"]
 """Sort order of a holder's rows: position, then block within the event."""
@@ -34,7 +40,7 @@ def annotate(blocks: pl.DataFrame, framework_topic: str) -> pl.DataFrame:
 
     ``gen`` (clears and resets that apply to the row's tier before it), ``reannounce`` (a store of
     a held block), ``opening`` (a store that opened a life), ``closing`` (a remove that ended one),
-    ``unmatched`` (a remove of a block not held), ``open_ts`` (engine time the current life began),
+    ``unmatched`` (a remove of a block not held), ``open_ts`` (record time the current life began),
     ``lifetime_s`` (closing removes: seconds since the life began), ``end_ts`` / ``ended`` (the
     last row of a life still open at its last event: time and kind of the clear or reset that ended
     it, null while it is live at the end of the range)."""
@@ -46,10 +52,10 @@ def annotate(blocks: pl.DataFrame, framework_topic: str) -> pl.DataFrame:
         resets_before=is_reset.cast(pl.Int32).cum_sum().over("holder"),
         clears_before=is_clear.cast(pl.Int32).cum_sum().over("holder"),
         # time and kind of the next marker that ends lives of a framework tier / any tier
-        next_end_fw=pl.when(is_reset | is_clear).then(pl.col("ts")).backward_fill().over("holder"),
+        next_end_fw=pl.when(is_reset | is_clear).then(pl.col(TIME)).backward_fill().over("holder"),
         next_end_fw_kind=pl.when(is_reset | is_clear).then(pl.col("kind").cast(pl.String))
         .backward_fill().over("holder"),
-        next_end_any=pl.when(is_reset).then(pl.col("ts")).backward_fill().over("holder"),
+        next_end_any=pl.when(is_reset).then(pl.col(TIME)).backward_fill().over("holder"),
     )
     df = df.filter(pl.col("kind").is_in(["store", "remove"])).with_columns(
         gen=pl.col("resets_before") + pl.when(fw).then(pl.col("clears_before")).otherwise(0),
@@ -63,11 +69,11 @@ def annotate(blocks: pl.DataFrame, framework_topic: str) -> pl.DataFrame:
         last_of_life=pl.int_range(pl.len()).over(LIFE_KEY) == pl.len().over(LIFE_KEY) - 1,
     ).with_columns(
         unmatched=remove & ~pl.col("closing"),
-        open_ts=pl.when(pl.col("opening")).then(pl.col("ts")).forward_fill().over(LIFE_KEY),
+        open_ts=pl.when(pl.col("opening")).then(pl.col(TIME)).forward_fill().over(LIFE_KEY),
     )
     open_at_end = pl.col("last_of_life") & store
     return df.with_columns(
-        lifetime_s=pl.when(pl.col("closing")).then(pl.col("ts") - pl.col("open_ts")),
+        lifetime_s=pl.when(pl.col("closing")).then(pl.col(TIME) - pl.col("open_ts")),
         end_ts=pl.when(open_at_end).then(pl.when(fw).then(pl.col("next_end_fw")).otherwise(pl.col("next_end_any"))),
         ended=pl.when(open_at_end).then(pl.when(fw).then(pl.col("next_end_fw_kind")).otherwise(
             pl.when(pl.col("next_end_any").is_not_null()).then(pl.lit("reset")))),
@@ -75,12 +81,12 @@ def annotate(blocks: pl.DataFrame, framework_topic: str) -> pl.DataFrame:
 
 
 def lives(annotated: pl.DataFrame) -> pl.DataFrame:
-    """One row per life: ``holder``, ``tier``, ``block``, ``start`` (engine time of the opening
+    """One row per life: ``holder``, ``tier``, ``block``, ``start`` (record time of the opening
     store, seconds since the epoch), ``end`` (of the remove, clear or reset that ended it; null while
     live at the end of the range), ``ended`` (``remove``, ``clear``, ``reset`` or null), ``seconds``."""
     cols = ["holder", "tier", "block"]
     closed = annotated.filter(pl.col("closing")).select(
-        *cols, start=pl.col("open_ts"), end=pl.col("ts"), ended=pl.lit("remove"))
+        *cols, start=pl.col("open_ts"), end=pl.col(TIME), ended=pl.lit("remove"))
     tail = annotated.filter(pl.col("last_of_life") & (pl.col("kind") == "store")).select(
         *cols, start=pl.col("open_ts"), end=pl.col("end_ts"), ended=pl.col("ended"))
     return pl.concat([closed, tail]).with_columns(seconds=pl.col("end") - pl.col("start"))

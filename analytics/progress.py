@@ -1,10 +1,10 @@
 """What ``kvbus report`` shows while it reads: records read, the span of time they cover, and a bar.
 
 The offsets to read are known before reading starts (:func:`kvbus.analytics.reader.plan`), so the bar's
-total is the number of offsets in the range (transaction markers included, so the bar may end a
-little short of full); with no total (nothing planned yet) it shows the counts alone. Drawn with
-rich (already kvbus's terminal library) on stderr, so stdout keeps only the summary; off when
-stderr is not a terminal unless forced.
+total is the number of offsets in the range (transaction markers and records whose time lies outside
+the range included, so the bar may end a little short of full); with no total (nothing planned yet)
+it shows the counts alone. Drawn with rich (already kvbus's terminal library) on stderr, so stdout
+keeps only the summary; off when stderr is not a terminal unless forced.
 """
 from __future__ import annotations
 

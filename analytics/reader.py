@@ -9,7 +9,9 @@ generated codec is used.
 The consumer has a fresh group id and commits nothing: it assigns every partition of the chosen
 topics from the first offset at or after ``since`` (``offsets_for_times``) and stops at the first
 offset at or after ``until``, or at the end offset when reading starts, so the number of records
-to read is known before the first one arrives.
+to read is known before the first one arrives. Record times need not grow with the offsets (several
+producers, a clock stepped back): records between those offsets whose time is outside the range are
+left out, and a record after the end offset with a time inside the range is not read.
 """
 from __future__ import annotations
 
@@ -134,13 +136,16 @@ def read(settings: Settings, topics: list[str], span: TimeRange,
                 r = todo.get(key)
                 if r is None or msg.offset() >= r.end:
                     continue
+                record_ts = msg.timestamp()[1] / 1000.0
+                if not span.contains(record_ts):
+                    continue
                 try:
                     value = de(msg.value(), contexts[msg.topic()])
                 except Exception as exc:  # noqa: BLE001 - an undecodable record is data, counted by the caller
                     log.debug("undecodable %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
                     value = None
                 raw_key = msg.key()
-                rec = Record(msg.topic(), msg.partition(), msg.offset(), msg.timestamp()[1] / 1000.0,
+                rec = Record(msg.topic(), msg.partition(), msg.offset(), record_ts,
                              raw_key.decode("utf-8", "replace") if raw_key is not None else None, value)
                 if on_record is not None:
                     on_record(rec)

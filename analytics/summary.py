@@ -4,26 +4,46 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+import polars as pl
+
 from kvbus.analytics.metrics import Report
+from kvbus.analytics.tables import TIME
 
 
 def _fmt_s(v: float | None) -> str:
+    """A duration in seconds as ``12.3 s``, ``4.5 min``, ``6.7 h`` or ``365.0 d`` (signed), ``-`` for None."""
     if v is None:
         return "-"
-    return f"{v:.1f} s" if v < 120 else f"{v / 60:.1f} min"
+    for unit, size, up_to in (("s", 1, 120), ("min", 60, 7200), ("h", 3600, 172800)):
+        if abs(v) < up_to:
+            return f"{v / size:.1f} {unit}"
+    return f"{v / 86400:.1f} d"
 
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f} %"
 
 
-def _span(report: Report) -> str:
+def _utc(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def span_text(report: Report) -> str:
+    """``record time <first> .. <last> UTC (<seconds> s)`` of the block events, or ``no block events``."""
     b = report.blocks
     if b.is_empty():
         return "no block events"
-    lo, hi = b["ts"].min(), b["ts"].max()
-    fmt = lambda t: datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")  # noqa: E731
-    return f"engine time {fmt(lo)} .. {fmt(hi)} UTC ({hi - lo:.0f} s)"
+    lo, hi = b[TIME].min(), b[TIME].max()
+    return f"record time {_utc(lo)} .. {_utc(hi)} UTC ({hi - lo:.0f} s)"
+
+
+def clock_text(report: Report) -> str:
+    """How many engine events carried a clock more than ``report.clock_skew_s`` from their record time."""
+    c = report.clocks
+    events, off = int(c["events"].sum() or 0), int(c["off"].sum() or 0)
+    frac = f" ({_pct(off / events)})" if events else ""
+    return (f"{off} of {events} events{frac} carried an engine clock more than {report.clock_skew_s:g} s from their "
+            f"record time ({int(c['ahead'].sum() or 0)} ahead, {int(c['behind'].sum() or 0)} behind)")
 
 
 def render(report: Report, header: str = "") -> str:
@@ -33,7 +53,7 @@ def render(report: Report, header: str = "") -> str:
     b = report.blocks
     add(f"== kvbus report{': ' + header if header else ''}")
     holders = b["holder"].n_unique() if not b.is_empty() else 0
-    add(f"   {b.height} block events from {holders} holders; {_span(report)}")
+    add(f"   {b.height} block events from {holders} holders; {span_text(report)}")
     add("== tiers: stores, removes, live at the end, block lifetime (store -> remove/clear)")
     add(f"   {'tier':12s} {'stores':>9s} {'removes':>9s} {'re-ann.':>8s} {'unmatched':>9s} {'live':>8s} "
         f"{'p50':>9s} {'p90':>9s} {'p99':>9s} {'lives':>7s}")
@@ -73,6 +93,11 @@ def render(report: Report, header: str = "") -> str:
         add("   none")
     for r in report.dead_letters.iter_rows(named=True):
         add(f"   {r['stage']:10s} {r['reason_kind'][:40]:40s} {r['count']:6d}  e.g. {r['example'][:80]}")
+    add("== engine clocks (the report is timed by the Kafka record time; ts - record time per holder)")
+    add(f"   {clock_text(report)}")
+    for r in report.clocks.filter(pl.col("off") > 0).iter_rows(named=True):
+        add(f"   {r['holder']:14s} {r['off']:7d} of {r['events']:7d} events off, by {_fmt_s(r['off_median_skew_s'])} "
+            f"(median of those; all: {_fmt_s(r['min_skew_s'])} .. {_fmt_s(r['max_skew_s'])})")
     if report.raw is not None:
         add("== kvbus.raw per holder and worker (records, engine batches, split parts, events)")
         for r in report.raw.iter_rows(named=True):

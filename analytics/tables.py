@@ -6,10 +6,11 @@ consolidated event, plus one row per ``AllBlocksCleared`` / ``Reset`` (``block``
 | column | meaning |
 |---|---|
 | ``topic``, ``partition``, ``offset`` | where the record was read |
-| ``record_time`` | Kafka record timestamp (UTC) |
+| ``record_time`` | Kafka record timestamp (UTC), ``record_ts`` the same in epoch seconds (the report's clock) |
 | ``holder`` | ``<replica>#<dp_rank>``; also ``replica``, ``dp_rank`` |
 | ``epoch``, ``seq``, ``index`` | the event's position (docs/architecture.md) |
-| ``time`` | engine time of the event's batch (UTC), ``ts`` the same in seconds since the epoch |
+| ``time`` | engine time of the event's batch (UTC), ``ts`` the same in seconds since the epoch, as the engine sent it |
+| ``clock_skew_s`` | ``ts - record_ts``: how far the engine's clock was from the record time (normally ms behind) |
 | ``kind`` | ``store``, ``remove``, ``clear`` (AllBlocksCleared), ``reset`` (kvbus Reset marker) |
 | ``medium``, ``ownership``, ``group_idx`` | the event's tier fields as sent |
 | ``tier`` | tier label ``MEDIUM[@ownership][/g<group>]``, medium null counted as GPU (the sink's labels); null for clear/reset |
@@ -19,6 +20,12 @@ consolidated event, plus one row per ``AllBlocksCleared`` / ``Reset`` (``block``
 | ``event_root`` | the event's first block when the event starts a prefix (``parent_block_hash`` null), else null |
 | ``block_size`` | tokens per block (stores; 0 in placeholders) |
 | ``reason`` | Reset reason (reset rows) |
+
+Every figure of the report is timed by the record time (:data:`TIME`): the stage that wrote the record
+(the streams worker) stamps it, the residency view times its records the same way, and ``--since`` /
+``--until`` select by it. An engine's clock can be wrong by any amount (a host without NTP, a replayed
+trace); its ``ts`` is kept as a column and compared with the record time (``clock_skew_s``), never used
+to place an event in time.
 
 Flattening one decoded record into rows is the only per-record Python here (it is the decoding);
 everything computed over the rows is polars (:mod:`kvbus.analytics.metrics`).
@@ -32,6 +39,9 @@ import polars as pl
 from kvbus.analytics.reader import Record
 from kvbus.schemas import tiers
 
+TIME = "record_ts"
+"""The column the report times events by: the Kafka record time, seconds since the Unix epoch."""
+
 KINDS = pl.Enum(["store", "remove", "clear", "reset"])
 """The ``kind`` column's values."""
 
@@ -44,6 +54,12 @@ _EVENT_SCHEMA = {
     "ts": pl.Float64, "kind": pl.String, "medium": pl.String, "ownership": pl.String, "group_idx": pl.Int32,
     "hashes": pl.List(pl.Binary), "parent_hash": pl.Binary, "block_size": pl.Int32, "reason": pl.String,
 }
+
+
+def utc(seconds: pl.Expr, unit: str = "ms") -> pl.Expr:
+    """Seconds since the Unix epoch as a UTC datetime of ``unit`` (``ms``, ``us``), rounded to it."""
+    scale = {"ms": 1e3, "us": 1e6}[unit]
+    return pl.from_epoch((seconds * scale).round().cast(pl.Int64), time_unit=unit).dt.replace_time_zone("UTC")
 
 
 def tier_label(medium: pl.Expr, ownership: pl.Expr, group_idx: pl.Expr) -> pl.Expr:
@@ -98,12 +114,11 @@ def explode_blocks(ev: pl.DataFrame) -> pl.DataFrame:
     u64 = lambda c: pl.col(c).bin.reinterpret(dtype=pl.UInt64, endianness="big")  # noqa: E731
     return out.select(
         "topic", "partition", "offset",
-        pl.from_epoch((pl.col("record_ts") * 1000).cast(pl.Int64), time_unit="ms").dt.replace_time_zone("UTC")
-        .alias("record_time"),
+        utc(pl.col("record_ts")).alias("record_time"), "record_ts",
         pl.concat_str([pl.col("replica"), pl.lit("#"), pl.col("dp_rank").cast(pl.String)]).alias("holder"),
         "replica", "dp_rank", "epoch", "seq", "index",
-        pl.from_epoch((pl.col("ts") * 1e6).cast(pl.Int64), time_unit="us").dt.replace_time_zone("UTC").alias("time"),
-        "ts", pl.col("kind").cast(KINDS), "medium", "ownership", "group_idx",
+        utc(pl.col("ts"), "us").alias("time"), "ts", (pl.col("ts") - pl.col("record_ts")).alias("clock_skew_s"),
+        pl.col("kind").cast(KINDS), "medium", "ownership", "group_idx",
         pl.when(pl.col("kind").is_in(["store", "remove"]))
         .then(tier_label(pl.col("medium"), pl.col("ownership"), pl.col("group_idx"))).alias("tier"),
         u64("hashes").alias("block"), pl.col("block_idx").cast(pl.Int32),

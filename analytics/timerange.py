@@ -4,8 +4,8 @@ A value is an ISO 8601 time (``2026-12-01T13:00:00``, ``2026-12-01 13:00``, a ``
 suffix; without one it is UTC), seconds since the Unix epoch (``1764594000``), or an age before now
 (``15m``, ``2h``, ``1d``, ``90s``, also written ``-15m``). The range selects Kafka records by their
 record timestamp (the producing stage's clock when it wrote the record), which is what Kafka can
-seek by (``offsets_for_times``); the series are then bucketed by the engine time ``ts`` the events
-carry.
+seek by (``offsets_for_times``), and the report times everything by the same clock (its series are
+per minute of record time), so the range and the charts agree whatever the engines' clocks say.
 """
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ class TimeRange:
     def __post_init__(self) -> None:
         if self.since is not None and self.until is not None and self.until <= self.since:
             raise ValueError("--until must be after --since")
+
+    def contains(self, ts: float) -> bool:
+        """Whether a record time ``ts`` (seconds since the epoch) is in the range."""
+        return (self.since is None or ts >= self.since) and (self.until is None or ts < self.until)
 
     def describe(self) -> str:
         """``from the beginning to the end``, or the bounds in UTC."""

@@ -1,13 +1,15 @@
 """Apache Flink SQL (PyFlink from PyPI, the Kafka SQL connector and the avro-confluent format from
 Maven Central) reads kvbus.blocks, its tier topics and kvbus.raw through the registry's
 Confluent-compatible API, and analytics/flink/stores_per_minute.sql gives the per-replica counts
-the records hold; they also equal ``kvbus report``'s per-minute series of the same topics.
+the records hold per minute of Kafka record time (the engines' clocks, here a year behind, do not
+place them); they also equal ``kvbus report``'s per-minute series of the same topics.
 
 First run on a machine: PyFlink's venv (~300 MB from PyPI) and the two jars are made in
 ``$KVBUS_STATE_DIR/flink`` (infra/flink.py); later runs reuse them.
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -23,11 +25,14 @@ from kvbus.analytics.timerange import TimeRange
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
-from tests.pipeline import RawProducer
 
 pytestmark = [pytest.mark.integration, pytest.mark.analytics]
 
-T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
+T0 = float(int(time.time()) // 60 * 60 - 3600)
+"""Record times from here: a whole minute an hour ago (records older than the topics' 7-day retention
+would be deleted by the broker's next retention check)."""
+ENGINE_CLOCK = -365 * 86400.0
+"""The engines' ``ts`` is a year behind the record times."""
 
 
 def minute(m: int) -> str:
@@ -91,14 +96,17 @@ def topics_with_history(stack: Settings, unique_topics):
     p = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True})
     for seq, (replica, m, s, suffix, e) in enumerate(HISTORY):
         topic = tier if suffix else unique_topics.blocks
-        value = BlockEvent(replica=replica, epoch=1, seq=seq, index=0, ts=T0 + 60 * m + s, event=e)
-        p.produce(topic, serde.dumps(value, topic), holder_key(replica, 0).encode())
-    assert p.flush(30) == 0
-    raw = RawProducer(settings)
+        at = T0 + 60 * m + s
+        value = BlockEvent(replica=replica, epoch=1, seq=seq, index=0, ts=at + ENGINE_CLOCK, event=e)
+        p.produce(topic, serde.dumps(value, topic), holder_key(replica, 0).encode(), timestamp=int(at * 1000))
+    raw_serde = RecordSerde(registry_client(settings.registry_url), "EventBatch")
     for seq, (replica, worker, m, s, events) in enumerate(RAW):
-        raw.send(EventBatch(replica=replica, worker_rank=worker, workers=2, epoch=1, seq=seq, ts=T0 + 60 * m + s,
-                            events=events))
-    raw.flush()
+        at = T0 + 60 * m + s
+        batch = EventBatch(replica=replica, worker_rank=worker, workers=2, epoch=1, seq=seq, ts=at + ENGINE_CLOCK,
+                           events=events)
+        p.produce(unique_topics.raw, raw_serde.dumps(batch, unique_topics.raw), holder_key(replica, 0).encode(),
+                  timestamp=int(at * 1000))
+    assert p.flush(30) == 0
     return settings
 
 

@@ -1,11 +1,14 @@
 """``kvbus report`` on the real stack.
 
-A fleet of three replicas sharing their system prompts publishes a known history (engine times
-1.5 s apart, over about five minutes) through bridges and the Faust worker into a test's own
-topics; ``kvbus report`` (a process, as a user runs it) must then give the figures an independent
-replay of the published events gives: every block life, lifetimes, live blocks at the end (equal to
-the fleet's manifest on the framework's tiers), per-minute stores and removes, sharing, what the
-CPU and kvcr tiers kept of what GPU dropped, and the shared system prompts; plus the incomplete and dead-letter summaries and the time range.
+A fleet of three replicas sharing their system prompts publishes a known history through bridges and
+the Faust worker into a test's own topics; one replica's engine clock is right, one's is a year
+behind, one's a year ahead. ``kvbus report`` (a process, as a user runs it) must then give the
+figures an independent replay of the published events gives on the Kafka record times the worker
+stamped: every block life, lifetimes, live blocks at the end (equal to the fleet's manifest on the
+framework's tiers), per-minute stores and removes, sharing, what the CPU and kvcr tiers kept of what
+GPU dropped, and the shared system prompts; the engines' ``ts`` as sent, the events of the two
+clocks a year off counted, and files as small as a run of a few seconds makes; plus the incomplete
+and dead-letter summaries and the time range.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ import polars as pl
 import pytest
 from confluent_kafka import Producer
 
-from kvbus.analytics.reader import read
+from kvbus.analytics.cli import build_report
+from kvbus.analytics.reader import Record, read
 from kvbus.analytics.timerange import TimeRange
 from kvbus.fleet import Fleet, FleetConfig, ModelConfig
 from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, Incomplete,
@@ -36,8 +40,10 @@ from tests.pipeline import Pipeline, env_for, eventually
 pytestmark = pytest.mark.integration
 
 STEPS = 200
-STEP_S = 1.5
 T0 = float(int(time.time()) // 60 * 60 - 3600)  # a whole minute, an hour ago
+YEAR = 365 * 86400.0
+ENGINE_CLOCK = {"replica-0": 0.0, "replica-1": -YEAR, "replica-2": YEAR}
+"""Seconds each replica's engine clock is off: replica-1 stamps its batches a year early, replica-2 a year late."""
 
 
 def tier_of(e: BlockStored | BlockRemoved) -> str:
@@ -47,6 +53,13 @@ def tier_of(e: BlockStored | BlockRemoved) -> str:
 
 def u64(h: bytes) -> int:
     return int.from_bytes(h, "big")
+
+
+def life_order(life: tuple) -> tuple:
+    """Sort key of a life (holder, tier, block, start, end, ended): lives of a block can start in one
+    millisecond of record time (a store, a clear and a store again), so the end breaks ties."""
+    h, t, b, start, end, ended = life
+    return h, t, b, start, end is None, end or 0.0, ended or ""
 
 
 class Oracle:
@@ -63,11 +76,13 @@ class Oracle:
         self.clears: set[str] = set()
         self.reannounced: dict[str, int] = defaultdict(int)
         self.batches: dict[str, list[int]] = defaultdict(list)
+        self.engine_ts: dict[str, set[float]] = defaultdict(set)
 
-    def apply(self, holder: str, ts: float, events: list) -> None:
-        minute = int((ts - T0) // 60)
+    def apply(self, holder: str, times: list[float], events: list) -> None:
+        """One published batch of ``holder``: its ``events`` and the Kafka record time of each."""
         self.batches[holder].append(len(events))
-        for e in events:
+        for ts, e in zip(times, events, strict=True):
+            minute = int(ts // 60)
             if isinstance(e, AllBlocksCleared):
                 self.clears.add(holder)
                 for (h, tier), blocks in self.live.items():
@@ -96,7 +111,7 @@ class Oracle:
 
     def all_lives(self) -> list[tuple]:
         still = [(h, t, b, start, None, None) for (h, t), blocks in self.live.items() for b, start in blocks.items()]
-        return sorted(self.lives + still, key=lambda r: (r[0], r[1], r[2], r[3]))
+        return sorted(self.lives + still, key=life_order)
 
     def held_elsewhere(self, tier: str) -> tuple[int, int]:
         """(life-opening stores on ``tier``, those while another holder had the block)."""
@@ -160,28 +175,52 @@ def fleet_run(stack: Settings, unique_topics, tmp_path):
         for s in fleet.streams():
             pipeline.start(f"bridge-{s.replica}", "bridge", "--endpoint", s.endpoint,
                            "--replay-endpoint", s.replay_endpoint, "--replica", s.replica)
-        published = 0
-        for i in range(STEPS):
-            ts = T0 + i * STEP_S
+        batches: list[tuple[str, float, list]] = []
+        for _ in range(STEPS):
             for (name, d), m in fleet.models.items():
                 events = m.step()
                 if events:
+                    ts = time.time() + ENGINE_CLOCK[name]
                     fleet.publish_events(name, events, d, ts)
-                    oracle.apply(f"{name}#{d}", ts, events)
-                    published += len(events)
-        assert oracle.clears, "the run should hold at least one AllBlocksCleared (change the seed)"
+                    batches.append((f"{name}#{d}", ts, events))
         topics = [unique_topics.blocks, unique_topics.for_ownership("kvcr")]
-        eventually(lambda: consolidated(settings, topics) == published, 180, pipeline)
+        published = sum(len(events) for _, _, events in batches)
+        seen: list[int] = []
+
+        def all_consolidated() -> bool:
+            seen.append(sum(len(rs) for rs in consolidated(settings, topics).values()))
+            return seen[-1] == published
+
+        try:
+            eventually(all_consolidated, 180, pipeline)
+        except AssertionError:
+            raise AssertionError(f"waited 180 s for the {published} published events in {topics}; "
+                                 f"saw {seen[-1:]}") from None
+        # each published event at the record time the worker gave its consolidated record
+        records = consolidated(settings, topics)
+        for holder, ts, events in batches:
+            mine = records[holder][:len(events)]
+            del records[holder][:len(events)]
+            assert [r.value["ts"] for r in mine] == [ts] * len(events), holder
+            oracle.apply(holder, [r.timestamp for r in mine], events)
+            oracle.engine_ts[holder].add(ts)
+        assert oracle.clears, "the run should hold at least one AllBlocksCleared (change the seed)"
         yield settings, fleet, oracle
     finally:
         pipeline.stop()
         fleet.stop()
 
 
-def consolidated(settings: Settings, topics: list[str]) -> int:
-    """Consolidated engine events in ``topics`` so far (Reset markers the bridges add not counted)."""
-    return sum(1 for r in read(settings, topics, TimeRange())
-               if isinstance(r.value, dict) and r.value["event"][0] != "kvbus.Reset")
+def consolidated(settings: Settings, topics: list[str]) -> dict[str, list[Record]]:
+    """Per holder, the consolidated engine events in ``topics`` so far in position order (Reset
+    markers the bridges add left out)."""
+    out: dict[str, list[Record]] = defaultdict(list)
+    for r in read(settings, topics, TimeRange()):
+        if isinstance(r.value, dict) and r.value["event"][0] != "kvbus.Reset":
+            out[f"{r.value['replica']}#{r.value['dp_rank']}"].append(r)
+    for rs in out.values():
+        rs.sort(key=lambda r: (r.value["epoch"], r.value["seq"], r.value["index"]))
+    return out
 
 
 def produce_extras(settings: Settings) -> None:
@@ -215,7 +254,7 @@ def test_report_matches_the_fleets_ground_truth(fleet_run, tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lives = pl.read_parquet(out / "lives.parquet")
     got = sorted(((r["holder"], r["tier"], r["block"], r["start"], r["end"], r["ended"])
-                  for r in lives.iter_rows(named=True)), key=lambda r: (r[0], r[1], r[2], r[3]))
+                  for r in lives.iter_rows(named=True)), key=life_order)
     assert got == oracle.all_lives()
 
     # live blocks at the end: the fleet's manifest on the framework's tiers, and on the kvcr tier
@@ -244,8 +283,7 @@ def test_report_matches_the_fleets_ground_truth(fleet_run, tmp_path) -> None:
         assert row["shared_blocks"] == sum(1 for n in holders_at_once.values() if n >= 2)
     assert tiers["GPU"]["held_elsewhere"] > 0 and tiers["GPU"]["max_holders"] == 3
 
-    series = pl.read_parquet(out / "series.parquet").with_columns(
-        m=((pl.col("minute").dt.epoch("s") - int(T0)) // 60))
+    series = pl.read_parquet(out / "series.parquet").with_columns(m=pl.col("minute").dt.epoch("s") // 60)
     got_stores = {(r["holder"], r["tier"], r["m"]): r["stores"] for r in series.iter_rows(named=True) if r["stores"]}
     got_removes = {(r["holder"], r["tier"], r["m"]): r["removes"] for r in series.iter_rows(named=True) if r["removes"]}
     assert got_stores == dict(oracle.stores)
@@ -286,6 +324,25 @@ def test_report_matches_the_fleets_ground_truth(fleet_run, tmp_path) -> None:
     html = (out / "report.html").read_text()
     assert html.count("<svg") == 4 and "<script" not in html and "<link" not in html and " src=" not in html
 
+    # the engines' clocks: ts kept as sent; the two a year off counted; nothing timed by them
+    events = pl.read_parquet(out / "events.parquet").filter(pl.col("kind") != "reset")
+    sent = {h: set(g["ts"].to_list()) for (h,), g in events.group_by("holder")}
+    assert sent == oracle.engine_ts
+    clocks = {r["holder"]: r for r in pl.read_parquet(out / "clocks.parquet").iter_rows(named=True)}
+    counts = {h: (sum(n), 0, 0) for h, n in oracle.batches.items()}
+    counts["replica-1#0"] = (counts["replica-1#0"][0], 0, counts["replica-1#0"][0])
+    counts["replica-2#0"] = (counts["replica-2#0"][0], counts["replica-2#0"][0], 0)
+    assert {h: (r["events"], r["ahead"], r["behind"]) for h, r in clocks.items()} == counts
+    assert clocks["replica-1#0"]["off_median_skew_s"] == pytest.approx(-YEAR, abs=300)
+    assert clocks["replica-2#0"]["off_median_skew_s"] == pytest.approx(YEAR, abs=300)
+    off, total = counts["replica-1#0"][0] + counts["replica-2#0"][0], sum(c[0] for c in counts.values())
+    assert f"{off} of {total} events" in done.stdout and "more than 300 s from their record time" in done.stdout
+    # sparse series within the minutes the records span; files the size of a run of seconds
+    minutes = events["record_time"].dt.epoch("s") // 60
+    first, last = minutes.min(), minutes.max()
+    assert first <= series["m"].min() and series["m"].max() <= last and series.height <= 9 * (last - first + 1)
+    assert (out / "report.html").stat().st_size < 500_000 and (out / "series.parquet").stat().st_size < 100_000
+
 
 def test_sample_prints_records_of_every_topic(fleet_run, tmp_path) -> None:
     settings, _, _ = fleet_run
@@ -312,19 +369,28 @@ def sections_of(text: str) -> list[str]:
     return out
 
 
-def test_time_range_selects_records_by_their_kafka_time(stack: Settings, unique_topics) -> None:
+def test_time_range_and_series_follow_the_kafka_record_time(stack: Settings, unique_topics) -> None:
+    """Four records of one partition at record times T0, T0 + 1000 s, T0 + 2000 s and, out of order,
+    T0 + 500 s, their engine clock a year behind: the range selects by record time (a record between
+    the range's offsets whose time is outside it is left out), and the series are per record minute."""
     settings = replace(stack, topics=unique_topics)
     serde = RecordSerde(registry_client(settings.registry_url), "BlockEvent")
     p = Producer({"bootstrap.servers": settings.bootstrap})
-    base_ms = int(T0 * 1000)
-    for i in range(3):   # record times T0, T0 + 1000 s, T0 + 2000 s
-        ev = BlockEvent(replica="r", epoch=1, seq=i, index=0, ts=T0 + i,
+    offsets_s = [0, 1000, 2000, 500]
+    for i, at in enumerate(offsets_s):
+        ev = BlockEvent(replica="r", epoch=1, seq=i, index=0, ts=T0 + at - YEAR,
                         event=BlockStored(block_hashes=[bytes([i + 1]) * 8], block_size=16, medium="GPU"))
-        p.produce(unique_topics.blocks, serde.dumps(ev, unique_topics.blocks), b"r#0", timestamp=base_ms + i * 1_000_000)
+        p.produce(unique_topics.blocks, serde.dumps(ev, unique_topics.blocks), b"r#0", timestamp=int((T0 + at) * 1000))
     assert p.flush(30) == 0
     seqs = lambda span: sorted(r.value["seq"] for r in read(settings, [unique_topics.blocks], span))  # noqa: E731
-    assert seqs(TimeRange()) == [0, 1, 2]
-    assert seqs(TimeRange(since=T0 + 500, until=T0 + 1500)) == [1]
-    assert seqs(TimeRange(since=T0 + 1000)) == [1, 2]
+    assert seqs(TimeRange()) == [0, 1, 2, 3]
+    assert seqs(TimeRange(since=T0 + 500, until=T0 + 1500)) == [1]   # the one at 500 s lies after the end offset
+    assert seqs(TimeRange(since=T0 + 1000)) == [1, 2]                # the one at 500 s is read and left out
     assert seqs(TimeRange(until=T0 + 1000)) == [0]
     assert seqs(TimeRange(since=T0 + 3000)) == []
+
+    t = unique_topics
+    report = build_report(settings, list(read(settings, [t.blocks, t.incomplete, t.dlq], TimeRange())), raw=False)
+    minutes = sorted(m.timestamp() for m in report.series["minute"])
+    assert minutes == sorted((T0 + at) // 60 * 60 for at in offsets_s)
+    assert report.clocks.select("holder", "events", "behind").rows() == [("r#0", 4, 4)]

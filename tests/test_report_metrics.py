@@ -1,15 +1,27 @@
 """kvbus report's figures on a small hand-made history whose answers are worked out below:
-lives, re-announcements, unmatched removes, clears, per-minute series, sharing and prefixes."""
+lives, re-announcements, unmatched removes, clears, per-minute series, sharing and prefixes, all timed
+by the Kafka record time while holder B's engine clock is a year behind; and the report over a
+year of record time stays small."""
 from __future__ import annotations
+
+import itertools
 
 import polars as pl
 import pytest
 
-from kvbus.analytics.metrics import compute
+from kvbus.analytics import html_report
+from kvbus.analytics.html_report import CHART_POINTS, live_points
+from kvbus.analytics.metrics import Report, compute
+from kvbus.analytics.summary import clock_text, render
 from kvbus.analytics.tables import _EVENT_SCHEMA, explode_blocks, tier_label
 
 T0 = 1_700_000_040.0  # a whole minute
 FW, KVCR = "b", "b.kvcr"
+YEAR = 365 * 86400.0
+ENGINE_CLOCK = {"A": 0.0, "B": -YEAR}
+"""How far each replica's engine clock is from the record time: B's is a year behind."""
+OFFSETS = itertools.count()
+"""Each event's Kafka offset (one partition)."""
 
 
 def h(n: int) -> bytes:
@@ -18,8 +30,9 @@ def h(n: int) -> bytes:
 
 def ev(replica: str, seq: int, t: float, kind: str, hashes: list[int] | None = None, parent: int | None = None,
        topic: str = FW, medium: str | None = "GPU", ownership: str | None = None) -> dict:
-    return {"topic": topic, "partition": 0, "offset": seq, "record_ts": T0 + t, "replica": replica, "dp_rank": 0,
-            "epoch": 1, "seq": seq, "index": 0, "ts": T0 + t, "kind": kind, "medium": medium, "ownership": ownership,
+    return {"topic": topic, "partition": 0, "offset": next(OFFSETS), "record_ts": T0 + t, "replica": replica,
+            "dp_rank": 0, "epoch": 1, "seq": seq, "index": 0, "ts": T0 + t + ENGINE_CLOCK[replica], "kind": kind,
+            "medium": medium, "ownership": ownership,
             "group_idx": None, "hashes": [h(x) for x in hashes] if hashes is not None else None,
             "parent_hash": h(parent) if parent is not None else None, "block_size": 16 if kind == "store" else None,
             "reason": None}
@@ -40,14 +53,18 @@ HISTORY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def report():
-    blocks = explode_blocks(pl.DataFrame(HISTORY, schema=_EVENT_SCHEMA, orient="row"))
+def report_of(history: list[dict]) -> Report:
+    blocks = explode_blocks(pl.DataFrame(history, schema=_EVENT_SCHEMA, orient="row"))
     empty = pl.DataFrame(schema={"holder": pl.String, "kind": pl.String, "blocks": pl.Int32,
                                  "missing": pl.List(pl.Int32)})
     dlq = pl.DataFrame(schema={"stage": pl.String, "reason_kind": pl.String, "payload_bytes": pl.Int64,
                                "reason": pl.String})
     return compute(blocks, FW, empty, dlq)
+
+
+@pytest.fixture(scope="module")
+def report() -> Report:
+    return report_of(HISTORY)
 
 
 def test_lives_end_at_removes_and_at_the_clear_of_their_topic(report) -> None:
@@ -80,12 +97,46 @@ def test_tier_totals_lifetimes_and_sharing(report) -> None:
 
 def test_per_minute_series(report) -> None:
     s = report.series.filter(pl.col("tier") == "GPU").sort("holder", "minute")
-    got = [(r["holder"], int((r["minute"].timestamp() - T0) // 60), r["stores"], r["removes"], r["live"], r["churn"])
-           for r in s.iter_rows(named=True)]
+    got = [(r["holder"], int((r["minute"].timestamp() - T0) // 60), r["stores"], r["removes"], r["live"], r["churn"],
+            r["minutes"]) for r in s.iter_rows(named=True)]
+    # sparse: B had no event in minute 2, its minute-1 row stands for minutes 1 and 2 (the range's last)
     assert got == [
-        ("A#0", 0, 2, 0, 2, 0.0), ("A#0", 1, 2, 1, 2, 0.5), ("A#0", 2, 2, 0, 2, 0.0),
-        ("B#0", 0, 2, 0, 2, 0.0), ("B#0", 1, 0, 2, 1, 2.0), ("B#0", 2, 0, 0, 1, 0.0),
+        ("A#0", 0, 2, 0, 2, 0.0, 1), ("A#0", 1, 2, 1, 2, 0.5, 1), ("A#0", 2, 2, 0, 2, 0.0, 1),
+        ("B#0", 0, 2, 0, 2, 0.0, 1), ("B#0", 1, 0, 2, 1, 2.0, 2),
     ]
+    # mean churn over the minutes something was live: A (0 + 0.5 + 0) / 3, B (0 + 2 + 0) / 3
+    churn = {r["holder"]: r["mean_churn"] for r in report.holders.filter(pl.col("tier") == "GPU").iter_rows(named=True)}
+    assert churn == pytest.approx({"A#0": 0.5 / 3, "B#0": 2 / 3})
+
+
+def test_clocks_count_the_events_of_the_engine_a_year_off(report) -> None:
+    rows = {r["holder"]: r for r in report.clocks.iter_rows(named=True)}
+    assert (rows["B#0"]["events"], rows["B#0"]["off"], rows["B#0"]["ahead"], rows["B#0"]["behind"]) == (3, 3, 0, 3)
+    assert rows["B#0"]["off_median_skew_s"] == pytest.approx(-YEAR) and rows["A#0"]["off_median_skew_s"] is None
+    assert (rows["A#0"]["events"], rows["A#0"]["off"], rows["A#0"]["max_skew_s"]) == (8, 0, 0.0)
+    assert report.clocks["holder"].to_list() == ["B#0", "A#0"]   # holders with clocks off first
+    assert clock_text(report) == ("3 of 11 events (27.3 %) carried an engine clock more than 300 s from their record "
+                                  "time (0 ahead, 3 behind)")
+    assert "B#0                  3 of       3 events off, by -365.0 d (median of those" in render(report)
+
+
+def test_a_year_of_record_time_stays_small() -> None:
+    """One holder storing and removing a block every 20 minutes for a year, another once a week,
+    its engine clock a year behind: the series has one row per minute with an event, the live chart
+    at most CHART_POINTS points per tier, and the HTML stays well under a megabyte."""
+    history = [ev("A", i, i * 1200.0, "store" if i % 2 == 0 else "remove", [1 + i // 2])
+               for i in range(365 * 72)]           # every 20 minutes
+    for w in range(52):
+        history.append(ev("B", w, w * 7 * 86400.0 + 30, "store", [10_000_000 + w]))
+    r = report_of(history)
+    assert r.series.height == len(history)         # no two events of a holder in one minute
+    points, width = live_points(r.series)
+    assert width > 1 and points.group_by("tier").len()["len"].max() <= CHART_POINTS
+    # each point is the fleet's live count at the end of its bin: A holds 0 or 1, B one more a week
+    last = points.sort("minute").tail(1).row(0, named=True)
+    assert last["live"] == 52
+    page = html_report.render(r, "a year", "kvbus report")
+    assert len(page.encode()) < 1_000_000 and page.count("<svg") == 4
 
 
 def test_offload_counts_gpu_drops_kept_and_gpu_stores_held_on_another_tier(report) -> None:

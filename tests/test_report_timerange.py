@@ -1,4 +1,4 @@
-"""kvbus report's --since/--until values."""
+"""kvbus report's --since/--until values (Kafka record times) and its clock-skew threshold."""
 from __future__ import annotations
 
 import argparse
@@ -36,3 +36,17 @@ def test_until_must_follow_since_and_the_flags_parse() -> None:
     assert (args.since, args.until) == (NOW, NOW + 3600)
     assert TimeRange(args.since, args.until).describe() == "2026-01-01 00:00:00 UTC .. 2026-01-01 01:00:00 UTC"
     assert TimeRange().describe() == "from the beginning .. the end"
+
+
+def test_the_range_holds_record_times_from_since_up_to_until() -> None:
+    span = TimeRange(since=NOW, until=NOW + 60)
+    assert [span.contains(t) for t in (NOW - 0.001, NOW, NOW + 59.999, NOW + 60)] == [False, True, True, False]
+    assert TimeRange().contains(0.0) and TimeRange(until=NOW).contains(NOW - 86400 * 365)
+    assert not TimeRange(since=NOW).contains(NOW - 1)
+
+
+def test_clock_skew_threshold_flag() -> None:
+    p = argparse.ArgumentParser()
+    add_report_args(p)
+    assert p.parse_args([]).clock_skew == 300.0
+    assert p.parse_args(["--clock-skew", "30"]).clock_skew == 30.0

@@ -12,6 +12,11 @@
 -- used below, each nullable: Avro's schema resolution then reads every branch into it
 -- (block_size is set only for BlockStored, block_hashes null only for AllBlocksCleared and Reset,
 -- reason set only for Reset). The table's columns must match it (Flink checks).
+--
+-- Windows are over the Kafka record time (the connector's `timestamp` metadata: the time the stage
+-- that wrote the record stamped), as in `kvbus report`: an engine whose clock is off would otherwise
+-- put its events in windows far from the others' and move the watermark with them. `ts` (the
+-- engine's time) stays a column.
 
 SET 'table.local-time-zone' = 'UTC';
 
@@ -24,8 +29,8 @@ CREATE TABLE blocks (
   ts DOUBLE NOT NULL,
   event ROW<block_hashes ARRAY<VARBINARY(8) NOT NULL>, block_size INT, medium STRING, ownership STRING,
             reason STRING> NOT NULL,
-  event_time AS TO_TIMESTAMP_LTZ(CAST(ts * 1000 AS BIGINT), 3),
-  WATERMARK FOR event_time AS event_time - INTERVAL '10' SECOND
+  record_time TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
+  WATERMARK FOR record_time AS record_time - INTERVAL '10' SECOND
 ) WITH (
   'connector' = 'kafka',
   'topic-pattern' = '{blocks_topic_regex}',
@@ -51,8 +56,8 @@ CREATE TABLE raw_batches (
   events ARRAY<ROW<block_hashes ARRAY<VARBINARY(8) NOT NULL>, block_size INT, medium STRING, ownership STRING,
                    reason STRING> NOT NULL> NOT NULL,
   first_index INT NOT NULL,
-  event_time AS TO_TIMESTAMP_LTZ(CAST(ts * 1000 AS BIGINT), 3),
-  WATERMARK FOR event_time AS event_time - INTERVAL '10' SECOND
+  record_time TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
+  WATERMARK FOR record_time AS record_time - INTERVAL '10' SECOND
 ) WITH (
   'connector' = 'kafka',
   'topic' = '{raw_topic}',
@@ -66,7 +71,7 @@ CREATE TABLE raw_batches (
 );
 
 -- name: stores_per_minute
--- Per replica (all data-parallel ranks and tiers) and minute of engine time: blocks stored and
+-- Per replica (all data-parallel ranks and tiers) and minute of record time: blocks stored and
 -- removed on kvbus.blocks and every kvbus.blocks.<ownership> tier topic, and the events that did it.
 SELECT replica, window_start AS `minute`,
        SUM(CASE WHEN event.block_size IS NOT NULL THEN CARDINALITY(event.block_hashes) ELSE 0 END) AS stored_blocks,
@@ -75,12 +80,12 @@ SELECT replica, window_start AS `minute`,
        SUM(CASE WHEN event.block_size IS NOT NULL THEN 1 ELSE 0 END) AS store_events,
        SUM(CASE WHEN event.block_size IS NULL AND event.block_hashes IS NOT NULL THEN 1 ELSE 0 END) AS remove_events,
        SUM(CASE WHEN event.block_hashes IS NULL AND event.reason IS NULL THEN 1 ELSE 0 END) AS clears
-FROM TABLE(TUMBLE(TABLE blocks, DESCRIPTOR(event_time), INTERVAL '1' MINUTES))
+FROM TABLE(TUMBLE(TABLE blocks, DESCRIPTOR(record_time), INTERVAL '1' MINUTES))
 GROUP BY replica, window_start, window_end;
 
 -- name: raw_per_minute
--- Per replica, tensor-parallel worker and minute of engine time on kvbus.raw: records (engine
+-- Per replica, tensor-parallel worker and minute of record time on kvbus.raw: records (engine
 -- batches or parts of split ones) and the events they carried, as each worker reported them.
 SELECT replica, worker_rank, window_start AS `minute`, COUNT(*) AS records, SUM(CARDINALITY(events)) AS events
-FROM TABLE(TUMBLE(TABLE raw_batches, DESCRIPTOR(event_time), INTERVAL '1' MINUTES))
+FROM TABLE(TUMBLE(TABLE raw_batches, DESCRIPTOR(record_time), INTERVAL '1' MINUTES))
 GROUP BY replica, worker_rank, window_start, window_end;
