@@ -18,7 +18,6 @@ reachable subset works: the client discovers the rest). See :func:`cluster_url`.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any
 
 from . import redis_server, tools
 from .procs import PidRecord, ServiceError, alive_record, port_open, start_process, wait_until
-from .settings import LOOPBACK, Paths
+from .settings import LOOPBACK, Paths, env_int
 
 log = logging.getLogger("infra")
 
@@ -40,8 +39,7 @@ START_TIMEOUT = 60.0
 
 
 def base_port() -> int:
-    raw = os.environ.get("KVBUS_REDIS_CLUSTER_PORT", "").strip()
-    return int(raw) if raw else DEFAULT_BASE_PORT
+    return env_int("KVBUS_REDIS_CLUSTER_PORT", DEFAULT_BASE_PORT)
 
 
 @dataclass(frozen=True)

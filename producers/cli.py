@@ -25,11 +25,23 @@ from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
 from kvbus.producers.replay import DEFAULT_TIMEOUT
 from kvbus.schemas.codec import FastSerde
+from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, Form
 from kvbus.schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.producers")
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(text)
+    return key.strip(), value.strip()
+
+
+KEY_VALUE: Form[tuple[str, str]] = Form("KEY=VALUE (a librdkafka producer setting)", _key_value)
+"""``--producer-conf``'s form."""
 
 
 def add_bridge_args(p: argparse.ArgumentParser) -> None:
@@ -39,21 +51,22 @@ def add_bridge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", required=True, help="replica id written into every record (unique in the fleet)")
     p.add_argument("--engine", default="auto", choices=ENGINES, help="payload layout (default auto)")
     p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default '' = all)")
-    p.add_argument("--dp-rank", type=int, default=0, help="DP rank of this stream when batches do not carry one (default 0)")
-    p.add_argument("--worker-rank", type=int, default=0, help="tensor-parallel worker of this stream (default 0)")
-    p.add_argument("--workers", type=int, default=1, help="workers reporting the same events (default 1)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--replay-timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds without a replay reply before giving up")
+    p.add_argument("--dp-rank", type=NATURAL, default=0, help="DP rank of this stream when batches do not carry one (default 0)")
+    p.add_argument("--worker-rank", type=NATURAL, default=0, help="tensor-parallel worker of this stream (default 0)")
+    p.add_argument("--workers", type=COUNT, default=1, help="workers reporting the same events (default 1)")
+    p.add_argument("--metrics-port", type=PORT, default=None,
+                   help="serve /metrics (Prometheus), /healthz and /readyz on this port")
+    p.add_argument("--replay-timeout", type=SECONDS, default=DEFAULT_TIMEOUT, help="seconds without a replay reply before giving up")
     p.add_argument("--no-recover", action="store_true", help="do not read the raw topic for the last position (start a new epoch)")
-    p.add_argument("--max-backlog", type=int, default=DEFAULT_MAX_BACKLOG, help="records held beyond librdkafka's queue")
-    p.add_argument("--max-backlog-mb", type=int, default=DEFAULT_MAX_BACKLOG_BYTES >> 20, help="MiB held beyond librdkafka's queue")
-    p.add_argument("--max-record-bytes", type=int, default=None,
+    p.add_argument("--max-backlog", type=COUNT, default=DEFAULT_MAX_BACKLOG, help="records held beyond librdkafka's queue")
+    p.add_argument("--max-backlog-mb", type=COUNT, default=DEFAULT_MAX_BACKLOG_BYTES >> 20, help="MiB held beyond librdkafka's queue")
+    p.add_argument("--max-record-bytes", type=COUNT, default=None,
                    help="largest EventBatch value produced as one record; larger engine batches are split into "
                         "several (default KVBUS_MAX_RECORD_BYTES, 900000)")
     p.add_argument("--serializer", default="fast", choices=("fast", "confluent"),
                    help="fast: direct Avro encoder with the registry's schema id; confluent: AvroSerializer")
-    p.add_argument("--flush-timeout", type=float, default=30.0, help="seconds to deliver queued records on exit")
-    p.add_argument("--producer-conf", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--flush-timeout", type=SECONDS, default=30.0, help="seconds to deliver queued records on exit")
+    p.add_argument("--producer-conf", action="append", type=KEY_VALUE, default=[], metavar="KEY=VALUE",
                    help="extra librdkafka producer setting (repeatable)")
 
 
@@ -79,16 +92,6 @@ def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], every: fl
                 if stop():
                     raise _Stopped(what) from exc
                 time.sleep(0.1)
-
-
-def _conf_pairs(pairs: Sequence[str]) -> dict[str, str]:
-    out = {}
-    for kv in pairs:
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise SystemExit(f"--producer-conf expects KEY=VALUE, got {kv!r}")
-        out[k.strip()] = v.strip()
-    return out
 
 
 def config_from_args(args: argparse.Namespace) -> BridgeConfig:
@@ -134,7 +137,7 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
         log.info("metrics on :%d/metrics", args.metrics_port)
     sink = KafkaSink.build(
         settings.kafka(), topics.raw, topics.dlq, serialize_batch, lambda dl: dl_serde.dumps(dl, topics.dlq),
-        metrics, _conf_pairs(args.producer_conf), max_backlog=args.max_backlog,
+        metrics, dict(args.producer_conf), max_backlog=args.max_backlog,
         max_backlog_bytes=args.max_backlog_mb << 20,
         max_record_bytes=args.max_record_bytes or settings.max_record_bytes,
     )
@@ -172,15 +175,10 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvbus.producers.cli bridge ...``."""
-    parser = argparse.ArgumentParser(prog="producers")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bridge_args(sub.add_parser("bridge", help="ZMQ -> Kafka bridge of one engine stream"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_bridge(args, Settings.from_env())
+    """``python -m kvbus.producers.cli bridge ...``: the same as ``kvbus bridge ...``."""
+    from kvbus.cli import main as kvbus_main
+
+    return kvbus_main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kvbus.schemas.env import COUNT, TEXT, read
 from kvbus.schemas.security import Security
 from kvbus.schemas.topics import Topics
 
@@ -57,20 +58,17 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
-        """Settings from KVBUS_* variables (of ``environ``, default the process's), defaults for the rest."""
-        environ = os.environ if environ is None else environ
-
-        def env(name: str, default: object) -> str:  # unset or blank: the default
-            return environ.get(name, "").strip() or str(default)
-
+        """Settings from KVBUS_* variables (of ``environ``, default the process's), defaults for the
+        unset or blank ones; :class:`~kvbus.schemas.env.SettingError` names a malformed one."""
+        env = os.environ if environ is None else environ
         return cls(
-            bootstrap=env("KVBUS_BOOTSTRAP", DEFAULT_BOOTSTRAP),
-            registry_url=env("KVBUS_REGISTRY_URL", DEFAULT_REGISTRY_URL),
-            redis_url=env("KVBUS_REDIS_URL", DEFAULT_REDIS_URL),
-            partitions=int(env("KVBUS_PARTITIONS", DEFAULT_PARTITIONS)),
-            topics=Topics.from_env(environ),
-            max_record_bytes=int(env("KVBUS_MAX_RECORD_BYTES", DEFAULT_MAX_RECORD_BYTES)),
-            security=Security.from_env(environ),
+            bootstrap=read(env, "KVBUS_BOOTSTRAP", TEXT, DEFAULT_BOOTSTRAP),
+            registry_url=read(env, "KVBUS_REGISTRY_URL", TEXT, DEFAULT_REGISTRY_URL),
+            redis_url=read(env, "KVBUS_REDIS_URL", TEXT, DEFAULT_REDIS_URL),
+            partitions=read(env, "KVBUS_PARTITIONS", COUNT, DEFAULT_PARTITIONS),
+            topics=Topics.from_env(env),
+            max_record_bytes=read(env, "KVBUS_MAX_RECORD_BYTES", COUNT, DEFAULT_MAX_RECORD_BYTES),
+            security=Security.from_env(env),
         )
 
     def kafka(self, **conf: Any) -> dict[str, Any]:

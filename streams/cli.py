@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from dataclasses import replace
 from pathlib import Path
 
+from kvbus.schemas.env import PORT, SECONDS
 from kvbus.schemas.security import check_kafka_access
 from kvbus.schemas.settings import Settings
 from kvbus.streams.options import StreamsOptions
@@ -27,9 +29,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", help="directory for the worker's data directory (KVBUS_STREAMS_WORKDIR; default .)")
     p.add_argument("--datadir", help="Faust data directory, one per worker process "
                                      "(KVBUS_STREAMS_DATADIR; default <workdir>/<app-id>-data)")
-    p.add_argument("--window", type=float, help="seconds a partial aggregate waits for the other workers "
+    p.add_argument("--window", type=SECONDS, help="seconds a partial aggregate waits for the other workers "
                                                 "(KVBUS_STREAMS_WINDOW; default 5)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port, 0 = off "
+    p.add_argument("--metrics-port", type=PORT, help="/metrics (Prometheus), /healthz and /readyz port, 0 = off "
                                                     "(KVBUS_STREAMS_METRICS_PORT; default 0)")
     p.add_argument("--app-id", help="Faust app id = consumer group (KVBUS_STREAMS_APP_ID; default kvbus-streams)")
     p.add_argument("--store", help="table store: memory:// or rocksdb:// (KVBUS_STREAMS_STORE; default memory://)")
@@ -63,7 +65,7 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m kvbus.streams.cli [options]``."""
-    p = argparse.ArgumentParser(prog="kvbus worker", description=__doc__.splitlines()[0])
-    add_worker_args(p)
-    return run_worker(p.parse_args(argv), Settings.from_env())
+    """Standalone entry: ``python -m kvbus.streams.cli [options]``, the same as ``kvbus worker [options]``."""
+    from kvbus.cli import main as kvbus_main
+
+    return kvbus_main(["worker", *(sys.argv[1:] if argv is None else argv)])

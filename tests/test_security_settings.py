@@ -8,7 +8,8 @@ import ssl
 import faust
 import pytest
 
-from kvbus.schemas.security import KafkaSecurity, Security, SecurityConfigError, redact_url
+from kvbus.schemas.env import SettingError
+from kvbus.schemas.security import KafkaSecurity, Security, redact_url
 from kvbus.schemas.settings import Settings
 
 
@@ -83,7 +84,7 @@ def test_faust_gets_the_same_credentials(secrets, tmp_path):
     ({"KVBUS_REGISTRY_USERNAME": "reader"}, "KVBUS_REGISTRY_PASSWORD"),
 ])
 def test_a_bad_setting_is_refused_naming_the_variable(env, names):
-    with pytest.raises(SecurityConfigError, match=names):
+    with pytest.raises(SettingError, match=names):
         Security.from_env(env)
 
 
