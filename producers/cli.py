@@ -7,6 +7,10 @@ produced (read back from the raw topic), then the ZMQ subscription and the
 start-up replay. Both services are waited for (with retries) before the SUB
 socket connects; the engine is never slowed by a missing bridge (PUB drops), and
 its replay buffer covers the time the bridge needed to come up.
+
+With ``--metrics-port``, ``/readyz`` answers 503 while the bridge starts (saying what it waits
+for), while its engine socket is not connected, and while its producer fails (backlog full,
+records unacknowledged for 10 s, a Kafka error since the last acknowledgement).
 """
 from __future__ import annotations
 
@@ -24,8 +28,12 @@ from kvbus.producers.kafka_out import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_B
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
 from kvbus.producers.replay import DEFAULT_TIMEOUT
+from kvbus.schemas import logs
+from kvbus.schemas.backoff import Backoff, sleep
 from kvbus.schemas.codec import FastSerde
 from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, Form
+from kvbus.schemas.events import holder_key
+from kvbus.schemas.probes import Readiness
 from kvbus.schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
@@ -74,11 +82,12 @@ class _Stopped(Exception):
     """SIGTERM/SIGINT arrived while waiting for a service."""
 
 
-def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], every: float = 2.0,
+def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], backoff: Backoff | None = None,
            registry: RegistrySecurity | None = None) -> Any:
-    """``fn()`` until it succeeds; raises :class:`_Stopped` if asked to stop meanwhile, and
-    :class:`SecurityRefused` if the registry refuses ``registry``'s credentials or rights (no retry
-    can fix that)."""
+    """``fn()`` until it succeeds, pausing as ``backoff`` says (default: a :class:`Backoff`'s pauses);
+    raises :class:`_Stopped` if asked to stop meanwhile, and :class:`SecurityRefused` if the
+    registry refuses ``registry``'s credentials or rights (no retry can fix that)."""
+    backoff = backoff or Backoff()
     while True:
         try:
             return fn()
@@ -86,12 +95,10 @@ def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], every: fl
             hint = registry_security_hint(exc, registry) if registry is not None else None
             if hint:
                 raise SecurityRefused(f"{what}: {exc} -- {hint}") from exc
-            log.warning("%s failed (%s); retrying in %.0fs", what, exc, every)
-            deadline = time.monotonic() + every
-            while time.monotonic() < deadline:
-                if stop():
-                    raise _Stopped(what) from exc
-                time.sleep(0.1)
+            pause = backoff.next()
+            log.warning("%s failed (%s); retrying in %.1fs", what, exc, pause)
+            if not sleep(pause, stop):
+                raise _Stopped(what) from exc
 
 
 def config_from_args(args: argparse.Namespace) -> BridgeConfig:
@@ -103,11 +110,16 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
     )
 
 
-def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[], bool]) -> Bridge | None:
-    """Registry, recovery, Kafka sink and the bridge; None if stopped while waiting for services."""
+def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[], bool],
+                 metrics: BridgeMetrics | None = None, readiness: Readiness | None = None) -> Bridge | None:
+    """Registry, recovery, Kafka sink and the bridge; None if stopped while waiting for services.
+    ``readiness`` is told what is awaited (:attr:`Readiness.starting`), then checks the bridge."""
     cfg = config_from_args(args)
     topics = settings.topics
+    readiness = readiness or Readiness()
+    readiness.starting = "Kafka"
     check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
+    readiness.starting = "the schema registry"
     registry = registry_client(settings)
     dl_serde = RecordSerde(registry, "DeadLetter")
     batch_serde = RecordSerde(registry, "EventBatch")
@@ -121,6 +133,7 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
         serialize_batch = lambda b: batch_serde.dumps(b, topics.raw)  # noqa: E731
     resume: Resume | None = None
     if not args.no_recover:
+        readiness.starting = f"the last position produced (reading {topics.raw})"
         ok, resume = wait_and_recover(
             lambda: find_last_produced(settings.kafka(), topics.raw, cfg.replica, cfg.dp_rank, cfg.worker_rank,
                                        lambda v: batch_serde.loads(v, topics.raw)),
@@ -131,17 +144,17 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
         if resume is None:
             log.info("no earlier record of %s#%d worker %d in %s: first start", cfg.replica, cfg.dp_rank,
                      cfg.worker_rank, topics.raw)
-    metrics = BridgeMetrics()
-    if args.metrics_port:
-        metrics.serve(args.metrics_port)
-        log.info("metrics on :%d/metrics", args.metrics_port)
+    metrics = metrics or BridgeMetrics()
     sink = KafkaSink.build(
         settings.kafka(), topics.raw, topics.dlq, serialize_batch, lambda dl: dl_serde.dumps(dl, topics.dlq),
         metrics, dict(args.producer_conf), max_backlog=args.max_backlog,
         max_backlog_bytes=args.max_backlog_mb << 20,
         max_record_bytes=args.max_record_bytes or settings.max_record_bytes,
     )
-    return Bridge(cfg, sink, metrics, resume=resume)
+    bridge = Bridge(cfg, sink, metrics, resume=resume)
+    readiness.add(bridge.not_ready)
+    readiness.starting = None
+    return bridge
 
 
 def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
@@ -154,8 +167,13 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    logs.bind(holder=holder_key(args.replica, args.dp_rank))
+    metrics, readiness = BridgeMetrics(), Readiness(starting="Kafka")
+    if args.metrics_port:  # first: /healthz answers, and /readyz says what the bridge waits for
+        metrics.serve(args.metrics_port, readiness)
+        log.info("metrics on :%d/metrics, probes on /healthz and /readyz", args.metrics_port)
     try:
-        bridge = build_bridge(args, settings, stopping.is_set)
+        bridge = build_bridge(args, settings, stopping.is_set, metrics, readiness)
     except _Stopped as exc:
         log.info("stopped while waiting for: %s", exc)
         return 0

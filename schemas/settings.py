@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -28,6 +29,10 @@ DEFAULT_MAX_RECORD_BYTES = 900_000
 """Largest EventBatch value the producers write as one Kafka record: a little under librdkafka's
 ``message.max.bytes`` (1,000,000; not overridden by kvbus) and the broker's default
 ``max.message.bytes`` (1,048,588), leaving room for the key and the record framing."""
+
+
+KAFKA_LOGGER = logging.getLogger("kvbus.kafka")
+"""Where librdkafka's own log lines go (:meth:`Settings.kafka`)."""
 
 
 def client_conf(kafka: "str | Mapping[str, Any]") -> dict[str, Any]:
@@ -72,9 +77,12 @@ class Settings:
         )
 
     def kafka(self, **conf: Any) -> dict[str, Any]:
-        """A confluent-kafka client configuration: the bootstrap servers, ``conf`` (the client's own
-        properties) and the security properties (``KVBUS_KAFKA_*``; the properties file last)."""
-        return {"bootstrap.servers": self.bootstrap, **conf, **self.security.kafka.librdkafka()}
+        """A confluent-kafka client configuration: the bootstrap servers, librdkafka's log lines sent
+        to the ``kvbus.kafka`` logger (so they take the process's log format, not librdkafka's own
+        stderr lines; served when the client is polled), ``conf`` (the client's own properties) and
+        the security properties (``KVBUS_KAFKA_*``; the properties file last)."""
+        return {"bootstrap.servers": self.bootstrap, "logger": KAFKA_LOGGER, **conf,
+                **self.security.kafka.librdkafka()}
 
     def redis_kwargs(self) -> dict[str, Any]:
         """redis-py keyword arguments for :attr:`redis_url` (credentials, TLS CA)."""

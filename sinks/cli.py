@@ -72,23 +72,25 @@ def sink_config(args: argparse.Namespace) -> SinkConfig:
 
 def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     """Run the sink until SIGTERM/SIGINT."""
-    from prometheus_client import start_http_server
-
+    from kvbus.schemas.probes import Readiness, serve
     from kvbus.sinks.consumer import SinkConsumer
     from kvbus.sinks.metrics import SinkMetrics
     from kvbus.sinks.sharded_store import open_store
 
     config = sink_config(args)
+    metrics, readiness = SinkMetrics(), Readiness(starting="Kafka")
+    if config.metrics_port:  # first: /healthz answers, and /readyz says what the sink waits for
+        serve(config.metrics_port, metrics.registry, readiness)
+        log.info("metrics on :%d/metrics, probes on /healthz and /readyz", config.metrics_port)
     check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
     store = open_store(settings.redis_url, config.prefix, client_kwargs=settings.redis_kwargs())  # a redis+cluster:// URL: the sharded view
-    metrics = SinkMetrics()
-    if config.metrics_port:
-        start_http_server(config.metrics_port, registry=metrics.registry)
-        log.info("metrics on :%d/metrics", config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     sink = SinkConsumer(settings, store, config, metrics=metrics)
+    probe_view = open_store(settings.redis_url, config.prefix, load=False, client_kwargs=settings.redis_kwargs())
+    readiness.add(lambda: sink.not_ready(probe_view))
+    readiness.starting = None
     log.info("sink writing the view to %s under prefix %r", redact_url(settings.redis_url), config.prefix)
     snapshotter = None
     if config.snapshot_every > 0:

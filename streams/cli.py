@@ -16,12 +16,17 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from kvbus.schemas.env import PORT, SECONDS
+from kvbus.schemas import logs
+from kvbus.schemas.env import PORT, SECONDS, one_of
 from kvbus.schemas.security import check_kafka_access
 from kvbus.schemas.settings import Settings
 from kvbus.streams.options import StreamsOptions
 
 log = logging.getLogger("kvbus.streams")
+
+
+LOG_LEVEL = one_of("debug", "info", "warning", "error", "critical")
+"""The forms of ``--loglevel``."""
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +40,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                                                     "(KVBUS_STREAMS_METRICS_PORT; default 0)")
     p.add_argument("--app-id", help="Faust app id = consumer group (KVBUS_STREAMS_APP_ID; default kvbus-streams)")
     p.add_argument("--store", help="table store: memory:// or rocksdb:// (KVBUS_STREAMS_STORE; default memory://)")
-    p.add_argument("--loglevel", default="info", help="log level (default info)")
+    p.add_argument("--loglevel", default="info", type=LOG_LEVEL, help="log level (default info; kvbus -v: debug)")
 
 
 def options_from_args(args: argparse.Namespace) -> StreamsOptions:
@@ -51,12 +56,18 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
     from kvbus.streams.agents import build
 
     options = options_from_args(args)
+    app = build(settings, options)  # serves /metrics, /healthz and /readyz from now on
     check_kafka_access(settings.kafka())  # aiokafka would fail with a bare "Unable to bootstrap" traceback
-    app = build(settings, options)
     options.data_dir.mkdir(parents=True, exist_ok=True)
+    level = "debug" if getattr(args, "verbose", False) else getattr(args, "loglevel", None) or "info"
+    logging.getLogger().setLevel(level.upper())
     log.info("starting streams worker app_id=%s datadir=%s", options.app_id, options.data_dir)
-    worker = Worker(app, loglevel=getattr(args, "loglevel", None) or "info",
-                    workdir=str(Path(options.workdir).resolve()))
+    # Faust logs through the handler kvbus configured (text or KVBUS_LOG_FORMAT=json) instead of
+    # its own, without its terminal spinner; in JSON mode it prints no banner either (every line
+    # of output is a JSON object).
+    worker = Worker(app, loglevel=level, workdir=str(Path(options.workdir).resolve()), override_logging=False,
+                    quiet=logs.json_enabled())
+    worker.spinner = None
     try:
         worker.execute_from_commandline()
     except SystemExit as exc:

@@ -10,7 +10,7 @@ import pytest
 
 from kvbus.schemas.env import SettingError
 from kvbus.schemas.security import KafkaSecurity, Security, redact_url
-from kvbus.schemas.settings import Settings
+from kvbus.schemas.settings import KAFKA_LOGGER, Settings
 
 
 @pytest.fixture
@@ -29,8 +29,8 @@ def test_an_open_deployment_adds_nothing(monkeypatch):
         if k.startswith("KVBUS_"):
             monkeypatch.delenv(k)
     s = Settings.from_env()
-    assert s.kafka() == {"bootstrap.servers": "127.0.0.1:9092"}
-    assert s.kafka(**{"group.id": "g"}) == {"bootstrap.servers": "127.0.0.1:9092", "group.id": "g"}
+    assert s.kafka() == {"bootstrap.servers": "127.0.0.1:9092", "logger": KAFKA_LOGGER}
+    assert s.kafka(**{"group.id": "g"}) == {"bootstrap.servers": "127.0.0.1:9092", "logger": KAFKA_LOGGER, "group.id": "g"}
     assert s.redis_kwargs() == {} and s.security.registry.client_conf() == {}
     assert s.security.kafka.faust_credentials() is None
     assert s.security.to_env() == {}
