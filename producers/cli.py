@@ -19,7 +19,6 @@ import logging
 import signal
 import sys
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 from kvbus.producers.bridge import Bridge, BridgeConfig

@@ -49,7 +49,8 @@ class Topics:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Topics":
-        """Defaults overridden by KVBUS_TOPIC_* variables (of ``environ``, default the process's; blank: the default)."""
+        """Defaults overridden by KVBUS_TOPIC_* variables (of ``environ``, default the process's;
+        blank: the default)."""
         env = os.environ if environ is None else environ
         return cls(
             raw=read(env, "KVBUS_TOPIC_RAW", TEXT, cls.raw),

@@ -30,7 +30,8 @@ def test_an_open_deployment_adds_nothing(monkeypatch):
             monkeypatch.delenv(k)
     s = Settings.from_env()
     assert s.kafka() == {"bootstrap.servers": "127.0.0.1:9092", "logger": KAFKA_LOGGER}
-    assert s.kafka(**{"group.id": "g"}) == {"bootstrap.servers": "127.0.0.1:9092", "logger": KAFKA_LOGGER, "group.id": "g"}
+    assert s.kafka(**{"group.id": "g"}) == {"bootstrap.servers": "127.0.0.1:9092", "logger": KAFKA_LOGGER,
+                                            "group.id": "g"}
     assert s.redis_kwargs() == {} and s.security.registry.client_conf() == {}
     assert s.security.kafka.faust_credentials() is None
     assert s.security.to_env() == {}
