@@ -112,6 +112,40 @@ def test_readyz_answers_503_with_the_reasons_and_metrics_keep_working():
         server.shutdown()
 
 
+JSON_CHILD = """
+import sys, time
+from confluent_kafka import Producer
+from kvbus.schemas import logs
+from kvbus.schemas.settings import Settings
+
+logs.configure("bridge", fmt="json")
+logs.bind(holder="r#0")
+producer = Producer(Settings(bootstrap=sys.argv[1]).kafka())  # nothing listens there: librdkafka logs
+deadline = time.monotonic() + 3  # its first connection is refused within milliseconds
+while time.monotonic() < deadline:
+    producer.poll(0.2)  # serves librdkafka's log lines
+raise RuntimeError("boom")
+"""
+
+
+def test_json_mode_turns_librdkafka_lines_and_uncaught_errors_into_json_lines(tmp_path: Path):
+    """Every line a process writes in JSON mode is one object: librdkafka's own (through the
+    ``logger`` Settings.kafka() sets) and an uncaught exception's traceback (as ``exc_info``)."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    out = subprocess.run([sys.executable, "-c", JSON_CHILD, dead], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == ""
+    (tmp_path / "err.log").write_text(out.stderr)
+    lines = json_lines(tmp_path / "err.log")
+    assert all(line["stage"] == "bridge" and line["holder"] == "r#0" for line in lines)
+    assert any(line["logger"] == "kvbus.kafka" and "Connection refused" in line["message"] for line in lines), lines
+    assert lines[-1]["message"] == "uncaught RuntimeError: boom" and "Traceback" in lines[-1]["exc_info"]
+
+
 def test_retry_pauses_double_up_to_the_cap_with_jitter():
     low, high = Backoff(first=1.0, cap=8.0, rng=lambda: 0.0), Backoff(first=1.0, cap=8.0, rng=lambda: 0.999999)
     assert [round(low.next(), 3) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
