@@ -22,7 +22,6 @@ a Valkey 9.1 cluster the same way).
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any
 from . import redis_server, tools
 from .procs import PidRecord, ServiceError, alive_record, port_open, start_process, wait_until
 from .redis_server import REDIS, ServerKind
-from .settings import LOOPBACK, Paths, RedisSettings
+from .settings import LOOPBACK, Paths, RedisSettings, env_int
 
 log = logging.getLogger("infra")
 
@@ -45,8 +44,7 @@ START_TIMEOUT = 60.0
 
 
 def base_port() -> int:
-    raw = os.environ.get("KVBUS_REDIS_CLUSTER_PORT", "").strip()
-    return int(raw) if raw else DEFAULT_BASE_PORT
+    return env_int("KVBUS_REDIS_CLUSTER_PORT", DEFAULT_BASE_PORT)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvbus.schemas.env import PORT, read
 from kvbus.schemas.settings import Settings
 
 INFRA_DIR: Path = Path(__file__).resolve().parent
@@ -109,9 +110,9 @@ def bootstrap_for(ports: list[int]) -> str:
 
 
 def env_int(name: str, default: int) -> int:
-    """Integer from the environment with a default."""
-    raw = os.environ.get(name, "").strip()
-    return int(raw) if raw else default
+    """A port number from the environment, ``default`` when unset or blank (SettingError naming
+    the variable when it is not a port number)."""
+    return read(os.environ, name, PORT, default)
 
 
 def env_opts(name: str) -> list[str]:

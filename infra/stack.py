@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvbus.schemas.env import SettingError
+
 from . import kafka_broker, redis_cluster, redis_server, registry, topics
 from .procs import PidRecord, ServiceError, alive_record, port_open, proc_rss_kib, read_pid, stop_many, stop_process, wait_until
 from .redis_server import REDIS, VALKEY, ServerKind
@@ -578,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
             ctl = controller()
             print(ctl if ctl is not None else "none")
             return 0 if ctl is not None else EXIT_NOT_READY
+    except SettingError as exc:  # a malformed KVBUS_* variable: one line, no traceback
+        log.error("%s", exc)
+        return 2
     except ServiceError as exc:
         log.error("%s", exc)
         return 1

@@ -3,7 +3,8 @@
 Subcommand names are a contract other tools rely on:
 ``demo fleet bridge worker sink lookup top report`` (and ``schemas check|register``), and ``-V``/``--version``.
 Every subcommand honours the ``KVBUS_*`` settings (see ``kvbus.schemas.settings``).
-Stage modules are imported only by the subcommand that needs them.
+Stage modules are imported only by the subcommand that needs them. A malformed ``KVBUS_*`` value
+or flag ends the command with exit code 2 and one line naming it (:mod:`kvbus.schemas.env`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import sys
 from typing import Callable, Sequence
 
 from kvbus import __version__
-from kvbus.schemas.security import SecurityConfigError, SecurityRefused, redis_security_hint
+from kvbus.schemas import logs
+from kvbus.schemas.env import SettingError
+from kvbus.schemas.security import SecurityRefused, redis_security_hint
 from kvbus.schemas.settings import Settings
 
 #: subcommand -> (module, add-arguments function, run function, help)
@@ -40,10 +43,18 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: a bad flag raises :class:`SettingError` (``kvbus`` prints the
+    line and exits 2) instead of printing the usage text."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise SettingError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser with every subcommand's name; only ``command``'s options are loaded,
     so only that stage's CLI module is imported (a fast ``kvbus lookup``)."""
-    parser = argparse.ArgumentParser(prog="kvbus", description=__doc__.splitlines()[0])
+    parser = Parser(prog="kvbus", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-V", "--version", action="version", version=f"kvbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -62,31 +73,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvbus`` console script; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    module, _add, run, _help = SUBCOMMANDS[args.command]
+    command = command if command in SUBCOMMANDS else None
+    settings: Settings | None = None
     try:
+        logs.configure(command or "kvbus", fmt=logs.log_format())
+        parser = build_parser(command)  # flag defaults read KVBUS_* variables
+        args = parser.parse_args(argv)
+        if args.verbose:
+            logging.getLogger().setLevel(logging.DEBUG)
+        module, _add, run, _help = SUBCOMMANDS[args.command]
         settings = Settings.from_env()
-    except SecurityConfigError as e:
-        print(f"kvbus {args.command}: {e}", file=sys.stderr)
-        return 2
-    try:
         return int(_load(module, run)(args, settings) or 0)
+    except SettingError as e:
+        _bad_setting(command, e)
+        return 2
     except KeyboardInterrupt:
         return 130
     except SecurityRefused as e:
-        logging.getLogger("kvbus").error("%s: %s", args.command, e)
+        logging.getLogger("kvbus").error("%s: %s", command, e)
         return 2
     except Exception as e:  # noqa: BLE001 - only security refusals are answered here; the rest re-raised
-        hint = redis_security_hint(e, settings.security.redis)
+        hint = redis_security_hint(e, settings.security.redis) if settings is not None else None
         if hint is None:
             raise
-        logging.getLogger("kvbus").error("%s: %s -- %s", args.command, e, hint)
+        logging.getLogger("kvbus").error("%s: %s -- %s", command, e, hint)
         return 2
+
+
+def _bad_setting(command: str | None, e: SettingError) -> None:
+    """The one line of a malformed setting or flag: plain on stderr, a JSON log line in JSON mode."""
+    line = f"kvbus {command}: {e}" if command else f"kvbus: {e}"
+    if logs.json_enabled():
+        logging.getLogger("kvbus").error("%s", line)
+    else:
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvbus.producers.decode import DecodeError, decode_batch, parse_frames
 from kvbus.producers.engines import detect_engine
@@ -93,6 +94,7 @@ class Sink(Protocol):
     def accepting(self) -> bool: ...
     def update_gauges(self) -> None: ...
     def close(self, timeout: float = 30.0) -> int: ...
+    def failure(self) -> str | None: ...
 
 
 class Bridge:
@@ -129,6 +131,10 @@ class Bridge:
         """Events of the resumed batch the last run did not produce (it stopped between parts)."""
         self.replay = ReplayClient(self.ctx, cfg.replay_endpoint, cfg.replay_timeout) if cfg.replay_endpoint else None
         self.sub: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        """Connection events of the SUB socket (ZMQ's socket monitor)."""
+        self.engine_connected = False
+        """Whether the SUB socket has a connection to the engine's PUB socket now."""
         self._poller = zmq.Poller()
         self._polled_replay: zmq.Socket | None = None
         self._dp_rank = resume.record.dp_rank if resume else cfg.dp_rank
@@ -178,6 +184,8 @@ class Bridge:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
         sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode("utf-8"))
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._poller.register(self._monitor, zmq.POLLIN)
         sub.connect(self.cfg.endpoint)
         self.sub = sub
         self._poller.register(sub, zmq.POLLIN)
@@ -204,10 +212,24 @@ class Bridge:
         if self.replay is not None:
             self.replay.close()
         if self.sub is not None:
+            self.sub.disable_monitor()
             self.sub.close(linger=0)
             self.sub = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
         self.metrics.sync_sequencer(self.sequencer.stats)
         return left
+
+    def not_ready(self) -> str | None:
+        """Why this bridge is not ready (its ``/readyz``), None when it is: the engine socket is not
+        connected, or the producer is failing (:meth:`Sink.failure`). Read from the probe thread."""
+        if self.sub is None:
+            return "the engine socket is not open yet"
+        if not self.engine_connected:
+            return f"the engine socket is not connected to {self.cfg.endpoint}"
+        failure = self.sink.failure()
+        return f"the producer is failing: {failure}" if failure else None
 
     # -- one pass -----------------------------------------------------------------
     def step(self, poll_ms: int = 50, max_live: int = 5000) -> None:
@@ -215,6 +237,8 @@ class Bridge:
         self.sink.service()
         self._sync_poller()
         ready = dict(self._poller.poll(poll_ms))
+        if self._monitor is not None and self._monitor in ready:
+            self._on_monitor()
         replay = self.replay
         if replay is not None and replay.socket is not None and replay.socket in ready:
             for reply in replay.read():
@@ -238,6 +262,19 @@ class Bridge:
             self.metrics.sync_sequencer(self.sequencer.stats)
             self.metrics.held.set(self.sequencer.held)
             self.sink.update_gauges()
+
+    def _on_monitor(self) -> None:
+        """Follow the SUB socket's connection to the engine (ZMQ reconnects on its own)."""
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            connected = event["event"] == zmq.EVENT_CONNECTED
+            if connected != self.engine_connected:
+                log.log(logging.INFO if connected else logging.WARNING, "engine %s %s", self.cfg.endpoint,
+                        "connected" if connected else "disconnected: waiting for it to come back")
+            self.engine_connected = connected
 
     def _sync_poller(self) -> None:
         sock = self.replay.socket if self.replay is not None else None

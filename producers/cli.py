@@ -7,6 +7,10 @@ produced (read back from the raw topic), then the ZMQ subscription and the
 start-up replay. Both services are waited for (with retries) before the SUB
 socket connects; the engine is never slowed by a missing bridge (PUB drops), and
 its replay buffer covers the time the bridge needed to come up.
+
+With ``--metrics-port``, ``/readyz`` answers 503 while the bridge starts (saying what it waits
+for), while its engine socket is not connected, and while its producer fails (backlog full,
+records unacknowledged for 10 s, a Kafka error since the last acknowledgement).
 """
 from __future__ import annotations
 
@@ -15,7 +19,6 @@ import logging
 import signal
 import sys
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 from kvbus.producers.bridge import Bridge, BridgeConfig
@@ -24,12 +27,28 @@ from kvbus.producers.kafka_out import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_B
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
 from kvbus.producers.replay import DEFAULT_TIMEOUT
+from kvbus.schemas import logs
+from kvbus.schemas.backoff import Backoff, sleep
 from kvbus.schemas.codec import FastSerde
+from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, Form
+from kvbus.schemas.events import holder_key
+from kvbus.schemas.probes import Readiness
 from kvbus.schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.producers")
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(text)
+    return key.strip(), value.strip()
+
+
+KEY_VALUE: Form[tuple[str, str]] = Form("KEY=VALUE (a librdkafka producer setting)", _key_value)
+"""``--producer-conf``'s form."""
 
 
 def add_bridge_args(p: argparse.ArgumentParser) -> None:
@@ -39,21 +58,22 @@ def add_bridge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", required=True, help="replica id written into every record (unique in the fleet)")
     p.add_argument("--engine", default="auto", choices=ENGINES, help="payload layout (default auto)")
     p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default '' = all)")
-    p.add_argument("--dp-rank", type=int, default=0, help="DP rank of this stream when batches do not carry one (default 0)")
-    p.add_argument("--worker-rank", type=int, default=0, help="tensor-parallel worker of this stream (default 0)")
-    p.add_argument("--workers", type=int, default=1, help="workers reporting the same events (default 1)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--replay-timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds without a replay reply before giving up")
+    p.add_argument("--dp-rank", type=NATURAL, default=0, help="DP rank of this stream when batches do not carry one (default 0)")
+    p.add_argument("--worker-rank", type=NATURAL, default=0, help="tensor-parallel worker of this stream (default 0)")
+    p.add_argument("--workers", type=COUNT, default=1, help="workers reporting the same events (default 1)")
+    p.add_argument("--metrics-port", type=PORT, default=None,
+                   help="serve /metrics (Prometheus), /healthz and /readyz on this port")
+    p.add_argument("--replay-timeout", type=SECONDS, default=DEFAULT_TIMEOUT, help="seconds without a replay reply before giving up")
     p.add_argument("--no-recover", action="store_true", help="do not read the raw topic for the last position (start a new epoch)")
-    p.add_argument("--max-backlog", type=int, default=DEFAULT_MAX_BACKLOG, help="records held beyond librdkafka's queue")
-    p.add_argument("--max-backlog-mb", type=int, default=DEFAULT_MAX_BACKLOG_BYTES >> 20, help="MiB held beyond librdkafka's queue")
-    p.add_argument("--max-record-bytes", type=int, default=None,
+    p.add_argument("--max-backlog", type=COUNT, default=DEFAULT_MAX_BACKLOG, help="records held beyond librdkafka's queue")
+    p.add_argument("--max-backlog-mb", type=COUNT, default=DEFAULT_MAX_BACKLOG_BYTES >> 20, help="MiB held beyond librdkafka's queue")
+    p.add_argument("--max-record-bytes", type=COUNT, default=None,
                    help="largest EventBatch value produced as one record; larger engine batches are split into "
                         "several (default KVBUS_MAX_RECORD_BYTES, 900000)")
     p.add_argument("--serializer", default="fast", choices=("fast", "confluent"),
                    help="fast: direct Avro encoder with the registry's schema id; confluent: AvroSerializer")
-    p.add_argument("--flush-timeout", type=float, default=30.0, help="seconds to deliver queued records on exit")
-    p.add_argument("--producer-conf", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--flush-timeout", type=SECONDS, default=30.0, help="seconds to deliver queued records on exit")
+    p.add_argument("--producer-conf", action="append", type=KEY_VALUE, default=[], metavar="KEY=VALUE",
                    help="extra librdkafka producer setting (repeatable)")
 
 
@@ -61,11 +81,12 @@ class _Stopped(Exception):
     """SIGTERM/SIGINT arrived while waiting for a service."""
 
 
-def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], every: float = 2.0,
+def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], backoff: Backoff | None = None,
            registry: RegistrySecurity | None = None) -> Any:
-    """``fn()`` until it succeeds; raises :class:`_Stopped` if asked to stop meanwhile, and
-    :class:`SecurityRefused` if the registry refuses ``registry``'s credentials or rights (no retry
-    can fix that)."""
+    """``fn()`` until it succeeds, pausing as ``backoff`` says (default: a :class:`Backoff`'s pauses);
+    raises :class:`_Stopped` if asked to stop meanwhile, and :class:`SecurityRefused` if the
+    registry refuses ``registry``'s credentials or rights (no retry can fix that)."""
+    backoff = backoff or Backoff()
     while True:
         try:
             return fn()
@@ -73,22 +94,10 @@ def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], every: fl
             hint = registry_security_hint(exc, registry) if registry is not None else None
             if hint:
                 raise SecurityRefused(f"{what}: {exc} -- {hint}") from exc
-            log.warning("%s failed (%s); retrying in %.0fs", what, exc, every)
-            deadline = time.monotonic() + every
-            while time.monotonic() < deadline:
-                if stop():
-                    raise _Stopped(what) from exc
-                time.sleep(0.1)
-
-
-def _conf_pairs(pairs: Sequence[str]) -> dict[str, str]:
-    out = {}
-    for kv in pairs:
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise SystemExit(f"--producer-conf expects KEY=VALUE, got {kv!r}")
-        out[k.strip()] = v.strip()
-    return out
+            pause = backoff.next()
+            log.warning("%s failed (%s); retrying in %.1fs", what, exc, pause)
+            if not sleep(pause, stop):
+                raise _Stopped(what) from exc
 
 
 def config_from_args(args: argparse.Namespace) -> BridgeConfig:
@@ -100,11 +109,16 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
     )
 
 
-def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[], bool]) -> Bridge | None:
-    """Registry, recovery, Kafka sink and the bridge; None if stopped while waiting for services."""
+def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[], bool],
+                 metrics: BridgeMetrics | None = None, readiness: Readiness | None = None) -> Bridge | None:
+    """Registry, recovery, Kafka sink and the bridge; None if stopped while waiting for services.
+    ``readiness`` is told what is awaited (:attr:`Readiness.starting`), then checks the bridge."""
     cfg = config_from_args(args)
     topics = settings.topics
+    readiness = readiness or Readiness()
+    readiness.starting = "Kafka"
     check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
+    readiness.starting = "the schema registry"
     registry = registry_client(settings)
     dl_serde = RecordSerde(registry, "DeadLetter")
     batch_serde = RecordSerde(registry, "EventBatch")
@@ -118,6 +132,7 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
         serialize_batch = lambda b: batch_serde.dumps(b, topics.raw)  # noqa: E731
     resume: Resume | None = None
     if not args.no_recover:
+        readiness.starting = f"the last position produced (reading {topics.raw})"
         ok, resume = wait_and_recover(
             lambda: find_last_produced(settings.kafka(), topics.raw, cfg.replica, cfg.dp_rank, cfg.worker_rank,
                                        lambda v: batch_serde.loads(v, topics.raw)),
@@ -128,17 +143,17 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
         if resume is None:
             log.info("no earlier record of %s#%d worker %d in %s: first start", cfg.replica, cfg.dp_rank,
                      cfg.worker_rank, topics.raw)
-    metrics = BridgeMetrics()
-    if args.metrics_port:
-        metrics.serve(args.metrics_port)
-        log.info("metrics on :%d/metrics", args.metrics_port)
+    metrics = metrics or BridgeMetrics()
     sink = KafkaSink.build(
         settings.kafka(), topics.raw, topics.dlq, serialize_batch, lambda dl: dl_serde.dumps(dl, topics.dlq),
-        metrics, _conf_pairs(args.producer_conf), max_backlog=args.max_backlog,
+        metrics, dict(args.producer_conf), max_backlog=args.max_backlog,
         max_backlog_bytes=args.max_backlog_mb << 20,
         max_record_bytes=args.max_record_bytes or settings.max_record_bytes,
     )
-    return Bridge(cfg, sink, metrics, resume=resume)
+    bridge = Bridge(cfg, sink, metrics, resume=resume)
+    readiness.add(bridge.not_ready)
+    readiness.starting = None
+    return bridge
 
 
 def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
@@ -151,8 +166,13 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    logs.bind(holder=holder_key(args.replica, args.dp_rank))
+    metrics, readiness = BridgeMetrics(), Readiness(starting="Kafka")
+    if args.metrics_port:  # first: /healthz answers, and /readyz says what the bridge waits for
+        metrics.serve(args.metrics_port, readiness)
+        log.info("metrics on :%d/metrics, probes on /healthz and /readyz", args.metrics_port)
     try:
-        bridge = build_bridge(args, settings, stopping.is_set)
+        bridge = build_bridge(args, settings, stopping.is_set, metrics, readiness)
     except _Stopped as exc:
         log.info("stopped while waiting for: %s", exc)
         return 0
@@ -172,15 +192,10 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvbus.producers.cli bridge ...``."""
-    parser = argparse.ArgumentParser(prog="producers")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bridge_args(sub.add_parser("bridge", help="ZMQ -> Kafka bridge of one engine stream"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_bridge(args, Settings.from_env())
+    """``python -m kvbus.producers.cli bridge ...``: the same as ``kvbus bridge ...``."""
+    from kvbus.cli import main as kvbus_main
+
+    return kvbus_main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

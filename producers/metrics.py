@@ -2,14 +2,16 @@
 oversized events and dead letters in them).
 
 Each :class:`BridgeMetrics` lives in its own ``CollectorRegistry`` (several bridges
-can run in one test process); :meth:`BridgeMetrics.serve` exposes it over HTTP.
+can run in one test process); :meth:`BridgeMetrics.serve` exposes it over HTTP, beside
+``/healthz`` and ``/readyz`` (:mod:`kvbus.schemas.probes`).
 Metric names start with ``kvbus_bridge_``.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbus.producers.sequencer import SequencerStats
+from kvbus.schemas.probes import Readiness, serve
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -73,6 +75,7 @@ class BridgeMetrics:
                     return sample.value
         return 0.0
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Expose the metrics at ``http://addr:port/metrics``."""
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, readiness: Readiness | None = None, addr: str = "0.0.0.0") -> None:
+        """Expose the metrics at ``http://addr:port/metrics``, with ``/healthz`` and ``/readyz``
+        (``readiness``'s checks; none: always ready)."""
+        serve(port, self.registry, readiness or Readiness(), addr)

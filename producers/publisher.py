@@ -47,6 +47,7 @@ from kvbus.schemas.codec import (
     event_array,
     event_writer,
 )
+from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client, value_schema_id
 from kvbus.schemas.settings import Settings
 
@@ -294,7 +295,8 @@ class KafkaEventPublisher:
     ``schema_id`` (skip the registry lookup), ``producer`` (an injected producer, tests),
     ``max_record_bytes``, ``metrics`` (a :class:`~kvbus.producers.metrics.BridgeMetrics`; records out and
     acknowledged, delivery errors, dropped batches, markers, queue and backlog depth),
-    ``metrics_port`` (serve those at ``http://0.0.0.0:<port>/metrics``; default: not served).
+    ``metrics_port`` (serve those at ``http://0.0.0.0:<port>/metrics``, with ``/healthz`` and ``/readyz``:
+    503 while the producer fails; default: not served).
 
     vLLM constructor arguments: ``endpoint`` is the Kafka bootstrap (default
     ``settings.bootstrap``); ``topic`` is carried as EventBatch.topic; ``hwm`` bounds
@@ -334,9 +336,11 @@ class KafkaEventPublisher:
             schema_id = value_schema_id(registry_client(self.settings), self.kafka_topic, "EventBatch")
         self._header = confluent_header(schema_id)
         self.metrics = metrics or BridgeMetrics()
+        readiness = Readiness(starting="its producer")
         if metrics_port:
-            self.metrics.serve(metrics_port)
-            log.info("kvbus publisher %s: metrics on :%d/metrics", replica, metrics_port)
+            self.metrics.serve(metrics_port, readiness)
+            log.info("kvbus publisher %s: metrics on :%d/metrics, probes on /healthz and /readyz", replica,
+                     metrics_port)
         overrides = {"queue.buffering.max.messages": hwm, **(producer_overrides or {})}
         self._dead_letter_serde: FastSerde | None = None
         self.records = RecordProducer(
@@ -346,6 +350,8 @@ class KafkaEventPublisher:
             label=f"kvbus publisher {replica}: ",
         )
         """The shared record producer: backlog (``max_queue_size`` records), delivery, split, DLQ."""
+        readiness.add(self.records.failure)  # /readyz: 503 while the producer fails
+        readiness.starting = None
         self.producer = self.records.producer
         self.splitter = self.records.splitter
         self.epoch = int(time.time() * 1000)

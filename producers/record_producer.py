@@ -67,6 +67,10 @@ DEFAULT_MAX_BACKLOG = 100_000
 DEFAULT_MAX_BACKLOG_BYTES = 256 * 1024 * 1024
 """Bytes (keys and values) held beyond librdkafka's queue before accepting turns False."""
 
+STALL_SECONDS = 10.0
+"""Seconds records may wait with no acknowledgement from Kafka before :meth:`RecordProducer.failure`
+calls the producer failing (a healthy one is acknowledged within milliseconds)."""
+
 _MAX_CALLBACKS = 4096
 """Distinct events-per-record counts whose bound delivery callback is cached."""
 
@@ -158,6 +162,12 @@ class RecordProducer:
         """Records Kafka acknowledged (batches and dead letters)."""
         self.delivery_failures = 0
         """Records Kafka refused for good (delivery callback error, or produce() refusing it)."""
+        self._error: str | None = None
+        """The last error Kafka reported since it last acknowledged a record (None: none)."""
+        self._client_error = False
+        """Whether ``_error`` came from the client (brokers down, credentials refused) rather than a record."""
+        self._stall: tuple[int | None, float] = (None, 0.0)
+        """(records acknowledged, since when) as :meth:`failure` last saw them with records waiting."""
 
     # -- produce ----------------------------------------------------------------------------
     def fits(self, value_size: int) -> bool:
@@ -232,14 +242,17 @@ class RecordProducer:
     def _refused(self, err: Any, topic: str) -> None:
         self.delivery_failures += 1
         self.metrics.delivery_errors.inc()
-        self._err_log(logging.ERROR, "%srecord to %s refused: %s", self.label, topic,
-                      describe_kafka_error(err, self._conf))
+        text = describe_kafka_error(err, self._conf)
+        self._error, self._client_error = f"a record to {topic} was refused: {text}", False
+        self._err_log(logging.ERROR, "%srecord to %s refused: %s", self.label, topic, text)
 
     def _delivered(self, events: int, err: KafkaError | None, msg: Any) -> None:
         if err is not None:
             self._refused(err, msg.topic() if msg is not None else "?")
             return
         self.acked += 1
+        if self._error is not None:
+            self._error = None
         if events >= 0:
             self.metrics.batches_acked.inc()
             self.metrics.events_acked.inc(events)
@@ -249,7 +262,34 @@ class RecordProducer:
 
     def _on_kafka_error(self, err: KafkaError) -> None:
         level, text = kafka_error_report(err, self._conf)
+        self._error, self._client_error = f"Kafka: {text}", True
         self._kafka_log(level, "%skafka: %s", self.label, text)
+
+    def failure(self) -> str | None:
+        """Why this producer is failing, None when it is not (a bridge's ``/readyz`` reports it):
+        its backlog is full (live batches are shed); records have waited :data:`STALL_SECONDS` with
+        no acknowledgement; or Kafka reported an error since the last acknowledgement. A client-level
+        error (brokers down, credentials refused) stands until a metadata request succeeds again, as
+        an idle producer gets no acknowledgement to clear it. Called from the probe server's thread:
+        it reads this producer's state and may ask Kafka for the raw topic's metadata (0.5 s at most)."""
+        if self._shedding:
+            return f"backlog full ({len(self._backlog)} records): live batches are shed until Kafka takes them"
+        waiting, acked, now = self.in_flight, self.acked, time.monotonic()
+        seen, since = self._stall
+        if not waiting or seen != acked:
+            self._stall = (acked, now)
+        elif now - since > STALL_SECONDS:
+            return f"{waiting} records waiting for Kafka's acknowledgement for {now - since:.0f} s"
+        error = self._error
+        if error is None or not self._client_error:
+            return error
+        try:
+            self.producer.list_topics(self.raw_topic, timeout=0.5)
+        except KafkaException:
+            return error
+        if self._error is error:  # Kafka answers again
+            self._error = None
+        return None
 
     # -- loop ---------------------------------------------------------------------------------
     def poll(self, timeout: float = 0.0) -> None:

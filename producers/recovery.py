@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from kvbus.producers.sequencer import REASON_BRIDGE_START, REASON_ENGINE_RESTART, REASON_GAP
+from kvbus.schemas.backoff import Backoff, sleep
 from kvbus.schemas.events import EventBatch, Reset, holder_key
 from kvbus.schemas.settings import client_conf
 from kvbus.schemas.topics import RECOVERY_GROUP_PREFIX
@@ -204,15 +205,19 @@ def _scan_window(
 def wait_and_recover(
     recover: Callable[[], Resume | None],
     stop: Callable[[], bool],
-    retry_every: float = 2.0,
+    backoff: Backoff | None = None,
 ) -> tuple[bool, Resume | None]:
-    """Call ``recover`` until it answers (Kafka reachable) or ``stop()``; returns (answered, result)."""
+    """Call ``recover`` until it answers (Kafka reachable) or ``stop()``, pausing as ``backoff`` says
+    between tries (default: a :class:`Backoff`'s pauses); returns (answered, result)."""
+    backoff = backoff or Backoff()
     while not stop():
         try:
             return True, recover()
         except Exception as exc:
-            log.warning("cannot read the raw topic to recover the last position yet (%s); retrying", exc)
-            time.sleep(retry_every)
+            pause = backoff.next()
+            log.warning("cannot read the raw topic to recover the last position yet (%s); retrying in %.1fs",
+                        exc, pause)
+            sleep(pause, stop)
     return False, None
 
 

@@ -12,10 +12,12 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kvbus.schemas.env import COUNT, TEXT, read
 from kvbus.schemas.security import Security
 from kvbus.schemas.topics import Topics
 
@@ -27,6 +29,10 @@ DEFAULT_MAX_RECORD_BYTES = 900_000
 """Largest EventBatch value the producers write as one Kafka record: a little under librdkafka's
 ``message.max.bytes`` (1,000,000; not overridden by kvbus) and the broker's default
 ``max.message.bytes`` (1,048,588), leaving room for the key and the record framing."""
+
+
+KAFKA_LOGGER = logging.getLogger("kvbus.kafka")
+"""Where librdkafka's own log lines go (:meth:`Settings.kafka`)."""
 
 
 def client_conf(kafka: "str | Mapping[str, Any]") -> dict[str, Any]:
@@ -57,26 +63,26 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
-        """Settings from KVBUS_* variables (of ``environ``, default the process's), defaults for the rest."""
-        environ = os.environ if environ is None else environ
-
-        def env(name: str, default: object) -> str:  # unset or blank: the default
-            return environ.get(name, "").strip() or str(default)
-
+        """Settings from KVBUS_* variables (of ``environ``, default the process's), defaults for the
+        unset or blank ones; :class:`~kvbus.schemas.env.SettingError` names a malformed one."""
+        env = os.environ if environ is None else environ
         return cls(
-            bootstrap=env("KVBUS_BOOTSTRAP", DEFAULT_BOOTSTRAP),
-            registry_url=env("KVBUS_REGISTRY_URL", DEFAULT_REGISTRY_URL),
-            redis_url=env("KVBUS_REDIS_URL", DEFAULT_REDIS_URL),
-            partitions=int(env("KVBUS_PARTITIONS", DEFAULT_PARTITIONS)),
-            topics=Topics.from_env(environ),
-            max_record_bytes=int(env("KVBUS_MAX_RECORD_BYTES", DEFAULT_MAX_RECORD_BYTES)),
-            security=Security.from_env(environ),
+            bootstrap=read(env, "KVBUS_BOOTSTRAP", TEXT, DEFAULT_BOOTSTRAP),
+            registry_url=read(env, "KVBUS_REGISTRY_URL", TEXT, DEFAULT_REGISTRY_URL),
+            redis_url=read(env, "KVBUS_REDIS_URL", TEXT, DEFAULT_REDIS_URL),
+            partitions=read(env, "KVBUS_PARTITIONS", COUNT, DEFAULT_PARTITIONS),
+            topics=Topics.from_env(env),
+            max_record_bytes=read(env, "KVBUS_MAX_RECORD_BYTES", COUNT, DEFAULT_MAX_RECORD_BYTES),
+            security=Security.from_env(env),
         )
 
     def kafka(self, **conf: Any) -> dict[str, Any]:
-        """A confluent-kafka client configuration: the bootstrap servers, ``conf`` (the client's own
-        properties) and the security properties (``KVBUS_KAFKA_*``; the properties file last)."""
-        return {"bootstrap.servers": self.bootstrap, **conf, **self.security.kafka.librdkafka()}
+        """A confluent-kafka client configuration: the bootstrap servers, librdkafka's log lines sent
+        to the ``kvbus.kafka`` logger (so they take the process's log format, not librdkafka's own
+        stderr lines; served when the client is polled), ``conf`` (the client's own properties) and
+        the security properties (``KVBUS_KAFKA_*``; the properties file last)."""
+        return {"bootstrap.servers": self.bootstrap, "logger": KAFKA_LOGGER, **conf,
+                **self.security.kafka.librdkafka()}
 
     def redis_kwargs(self) -> dict[str, Any]:
         """redis-py keyword arguments for :attr:`redis_url` (credentials, TLS CA)."""

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from kvbus.schemas.env import TEXT, read
+
 _ILLEGAL = re.compile(r"[^a-zA-Z0-9._-]")
 
 RECOVERY_GROUP_PREFIX = "kvbus-recovery-"
@@ -101,14 +103,15 @@ class Topics:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Topics":
-        """Defaults overridden by KVBUS_TOPIC_* variables (of ``environ``, default the process's)."""
+        """Defaults overridden by KVBUS_TOPIC_* variables (of ``environ``, default the process's;
+        blank: the default)."""
         env = os.environ if environ is None else environ
         return cls(
-            raw=env.get("KVBUS_TOPIC_RAW", cls.raw),
-            blocks=env.get("KVBUS_TOPIC_BLOCKS", cls.blocks),
-            incomplete=env.get("KVBUS_TOPIC_INCOMPLETE", cls.incomplete),
-            dlq=env.get("KVBUS_TOPIC_DLQ", cls.dlq),
-            snapshots=env.get("KVBUS_TOPIC_SNAPSHOTS", cls.snapshots),
+            raw=read(env, "KVBUS_TOPIC_RAW", TEXT, cls.raw),
+            blocks=read(env, "KVBUS_TOPIC_BLOCKS", TEXT, cls.blocks),
+            incomplete=read(env, "KVBUS_TOPIC_INCOMPLETE", TEXT, cls.incomplete),
+            dlq=read(env, "KVBUS_TOPIC_DLQ", TEXT, cls.dlq),
+            snapshots=read(env, "KVBUS_TOPIC_SNAPSHOTS", TEXT, cls.snapshots),
         )
 
     def for_ownership(self, ownership: str | None) -> str:

@@ -19,6 +19,7 @@ import sys
 import threading
 from dataclasses import replace
 
+from kvbus.schemas.env import COUNT, PORT, SECONDS
 from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, first_release
 from kvbus.schemas.security import check_kafka_access, redact_url
 from kvbus.schemas.settings import Settings
@@ -37,22 +38,26 @@ def add_sink_args(p: argparse.ArgumentParser) -> None:
     d = SinkConfig.from_env()
     p.add_argument("--group", default=d.group, help=f"Kafka consumer group (KVBUS_SINK_GROUP; now {d.group})")
     p.add_argument("--prefix", default=d.prefix, help=f"Redis key prefix of the view (KVBUS_SINK_PREFIX; now {d.prefix})")
-    p.add_argument("--stale-after", type=float, default=d.stale_after,
+    p.add_argument("--stale-after", type=SECONDS, default=d.stale_after,
                    help="expire holders with no event or heartbeat for SEC seconds; 0 = never "
                         f"(KVBUS_SINK_STALE_AFTER; now {d.stale_after:g})")
-    p.add_argument("--expire-every", type=float, default=d.expire_every,
+    p.add_argument("--expire-every", type=SECONDS, default=d.expire_every,
                    help=f"seconds between staleness checks (KVBUS_SINK_EXPIRE_EVERY; now {d.expire_every:g})")
-    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
-                   help=f"serve Prometheus metrics on this port, 0 = off (KVBUS_SINK_METRICS_PORT; now {d.metrics_port})")
-    p.add_argument("--batch", type=int, default=d.batch,
+    p.add_argument("--metrics-port", type=PORT, default=d.metrics_port,
+                   help="serve /metrics (Prometheus), /healthz and /readyz on this port, 0 = off "
+                        f"(KVBUS_SINK_METRICS_PORT; now {d.metrics_port})")
+    p.add_argument("--ready-lag", type=COUNT, default=d.ready_lag,
+                   help="/readyz answers 503 while this sink's partitions lag more records than this "
+                        f"(KVBUS_SINK_READY_LAG; now {d.ready_lag})")
+    p.add_argument("--batch", type=COUNT, default=d.batch,
                    help=f"records per poll/apply batch (KVBUS_SINK_BATCH; now {d.batch})")
-    p.add_argument("--session-timeout", type=float, default=d.session_timeout,
+    p.add_argument("--session-timeout", type=SECONDS, default=d.session_timeout,
                    help="seconds before a dead sink's partitions move to another sink "
                         f"(KVBUS_SINK_SESSION_TIMEOUT; now {d.session_timeout:g})")
     p.add_argument("--instance-id", default=d.instance_id,
                    help="static group membership (group.instance.id), unique per sink: a sink restarted under "
                         "its id takes its partitions back at once (KVBUS_SINK_INSTANCE_ID; default none)")
-    p.add_argument("--snapshot-every", type=float, default=d.snapshot_every,
+    p.add_argument("--snapshot-every", type=SECONDS, default=d.snapshot_every,
                    help="seconds between snapshots of the view to the snapshot topic, taken by one sink "
                         "of the group; 0 = none. The block topics must retain more than this for a lost "
                         f"view to be rebuilt exactly (KVBUS_SINK_SNAPSHOT_EVERY; now {d.snapshot_every:g})")
@@ -63,28 +68,30 @@ def sink_config(args: argparse.Namespace) -> SinkConfig:
     return replace(SinkConfig.from_env(), group=args.group, prefix=args.prefix, stale_after=args.stale_after,
                    expire_every=args.expire_every, batch=args.batch, session_timeout=args.session_timeout,
                    instance_id=args.instance_id,
-                   snapshot_every=args.snapshot_every, metrics_port=args.metrics_port)
+                   snapshot_every=args.snapshot_every, metrics_port=args.metrics_port, ready_lag=args.ready_lag)
 
 
 def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     """Run the sink until SIGTERM/SIGINT."""
-    from prometheus_client import start_http_server
-
+    from kvbus.schemas.probes import Readiness, serve
     from kvbus.sinks.consumer import SinkConsumer
     from kvbus.sinks.metrics import SinkMetrics
     from kvbus.sinks.sharded_store import open_store
 
     config = sink_config(args)
+    metrics, readiness = SinkMetrics(), Readiness(starting="Kafka")
+    if config.metrics_port:  # first: /healthz answers, and /readyz says what the sink waits for
+        serve(config.metrics_port, metrics.registry, readiness)
+        log.info("metrics on :%d/metrics, probes on /healthz and /readyz", config.metrics_port)
     check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
     store = open_store(settings.redis_url, config.prefix, client_kwargs=settings.redis_kwargs())  # a redis+cluster:// URL: the sharded view
-    metrics = SinkMetrics()
-    if config.metrics_port:
-        start_http_server(config.metrics_port, registry=metrics.registry)
-        log.info("metrics on :%d/metrics", config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     sink = SinkConsumer(settings, store, config, metrics=metrics)
+    probe_view = open_store(settings.redis_url, config.prefix, load=False, client_kwargs=settings.redis_kwargs())
+    readiness.add(lambda: sink.not_ready(probe_view))
+    readiness.starting = None
     log.info("sink writing the view to %s under prefix %r", redact_url(settings.redis_url), config.prefix)
     snapshotter = None
     if config.snapshot_every > 0:
@@ -187,15 +194,10 @@ def run_lookup(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvbus.sinks.cli {sink,lookup} ...``."""
-    ap = argparse.ArgumentParser(prog="kvbus-sinks")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    add_sink_args(sub.add_parser("sink", help="apply block events to the Redis view"))
-    add_lookup_args(sub.add_parser("lookup", help="longest cached prefix per replica"))
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = Settings.from_env()
-    return run_sink(args, settings) if args.cmd == "sink" else run_lookup(args, settings)
+    """``python -m kvbus.sinks.cli {sink,lookup} ...``: the same as ``kvbus sink|lookup ...``."""
+    from kvbus.cli import main as kvbus_main
+
+    return kvbus_main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

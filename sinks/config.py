@@ -13,13 +13,16 @@
 | ``KVBUS_SINK_SESSION_TIMEOUT`` | ``10`` | seconds before a dead sink's partitions move to another sink |
 | ``KVBUS_SINK_INSTANCE_ID`` | unset | static group membership (``group.instance.id``): a sink restarted under the same id takes its partitions back at once |
 | ``KVBUS_SINK_SNAPSHOT_EVERY`` | ``300`` | seconds between snapshots of the view to Kafka; 0 = none |
-| ``KVBUS_SINK_METRICS_PORT`` | ``0`` | Prometheus port (0: no endpoint) |
+| ``KVBUS_SINK_METRICS_PORT`` | ``0`` | port of ``/metrics``, ``/healthz`` and ``/readyz`` (0: no endpoint) |
+| ``KVBUS_SINK_READY_LAG`` | ``20000`` | ``/readyz`` answers 503 while this sink's partitions lag more records than this |
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from typing import Mapping
+
+from kvbus.schemas.env import COUNT, PORT, SECONDS, TEXT, read
 
 
 @dataclass(frozen=True)
@@ -54,21 +57,27 @@ class SinkConfig:
     """Seconds between snapshots of the view to the snapshot topic (one sink of the group takes
     each); 0 = none. The block topics must retain more than this."""
     metrics_port: int = 0
-    """Port of the Prometheus endpoint; 0 disables it."""
+    """Port of the HTTP endpoint (``/metrics``, ``/healthz``, ``/readyz``); 0 disables it."""
+    ready_lag: int = 20_000
+    """``/readyz`` answers 503 while the records this sink has yet to read on its partitions (summed)
+    exceed this: ten batches of the default size, a fraction of a second of the sink's work. A sink
+    restarted on a backlog, or one that cannot keep up, is not ready until it has caught up."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "SinkConfig":
-        """Options from KVBUS_SINK_* of ``environ`` (default the process's), defaults for the rest."""
+        """Options from KVBUS_SINK_* (of ``environ``, default the process's), defaults for the unset or
+        blank ones; :class:`~kvbus.schemas.env.SettingError` names a malformed one."""
         env = os.environ if environ is None else environ
         return cls(
-            group=env.get("KVBUS_SINK_GROUP", cls.group),
-            prefix=env.get("KVBUS_SINK_PREFIX", cls.prefix),
-            stale_after=float(env.get("KVBUS_SINK_STALE_AFTER", cls.stale_after)),
-            expire_every=float(env.get("KVBUS_SINK_EXPIRE_EVERY", cls.expire_every)),
-            batch=int(env.get("KVBUS_SINK_BATCH", cls.batch)),
-            commit_every=float(env.get("KVBUS_SINK_COMMIT_EVERY", cls.commit_every)),
-            session_timeout=float(env.get("KVBUS_SINK_SESSION_TIMEOUT", cls.session_timeout)),
-            instance_id=env.get("KVBUS_SINK_INSTANCE_ID") or None,
-            snapshot_every=float(env.get("KVBUS_SINK_SNAPSHOT_EVERY", cls.snapshot_every)),
-            metrics_port=int(env.get("KVBUS_SINK_METRICS_PORT", cls.metrics_port)),
+            group=read(env, "KVBUS_SINK_GROUP", TEXT, cls.group),
+            prefix=read(env, "KVBUS_SINK_PREFIX", TEXT, cls.prefix),
+            stale_after=read(env, "KVBUS_SINK_STALE_AFTER", SECONDS, cls.stale_after),
+            expire_every=read(env, "KVBUS_SINK_EXPIRE_EVERY", SECONDS, cls.expire_every),
+            batch=read(env, "KVBUS_SINK_BATCH", COUNT, cls.batch),
+            commit_every=read(env, "KVBUS_SINK_COMMIT_EVERY", SECONDS, cls.commit_every),
+            session_timeout=read(env, "KVBUS_SINK_SESSION_TIMEOUT", SECONDS, cls.session_timeout),
+            instance_id=read(env, "KVBUS_SINK_INSTANCE_ID", TEXT, None),
+            snapshot_every=read(env, "KVBUS_SINK_SNAPSHOT_EVERY", SECONDS, cls.snapshot_every),
+            metrics_port=read(env, "KVBUS_SINK_METRICS_PORT", PORT, cls.metrics_port),
+            ready_lag=read(env, "KVBUS_SINK_READY_LAG", COUNT, cls.ready_lag),
         )

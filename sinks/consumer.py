@@ -39,6 +39,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import BlockEvent, dead_letter
 from kvbus.schemas.codec import FastSerde
 from kvbus.schemas.security import describe_kafka_error, kafka_error_report
@@ -48,7 +49,7 @@ from kvbus.schemas.topics import Topics
 
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.metrics import SinkMetrics
-from kvbus.sinks.rebuild import ensure_view, mark_ready_if_caught_up
+from kvbus.sinks.rebuild import READY, ensure_view, mark_ready_if_caught_up, view_status
 from kvbus.sinks.redis_store import RedisStore, ViewChanged
 from kvbus.sinks.snapshot import SnapshotReader
 from kvbus.sinks.validate import problem
@@ -56,8 +57,11 @@ from kvbus.sinks.validate import problem
 log = logging.getLogger("kvbus.sinks")
 
 STAGE = "sink"
-RETRY_PAUSE = 1.0
-"""Seconds to wait before re-reading a batch after a transient failure (registry or Redis down)."""
+RETRY_FIRST = 0.25
+"""Seconds of the first pause before a batch is read again after a transient failure (registry or
+Redis down); the pauses double while the failure lasts, jittered (kvbus.schemas.backoff)."""
+RETRY_CAP = 2.0
+"""Seconds no such pause exceeds: a sink resumes within about this long once the service is back."""
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
               redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
 """Redis (or a Redis Cluster master) is unreachable, failing over or migrating a slot: wait and
@@ -159,6 +163,12 @@ class SinkConsumer:
         self._last_expire = 0.0
         self._caught_up = False
         self._dlq_errors: list[str] = []
+        self._backoff = Backoff(RETRY_FIRST, RETRY_CAP)
+        """Pauses after transient failures (reset by a batch handled)."""
+        self.assigned = False
+        """Whether the consumer group has given this sink its partitions (possibly none) yet."""
+        self.lag = 0
+        """Block-topic records not yet read on this sink's partitions, summed, as of the last second."""
         log.info("sink subscribed to %s as group %s", self.topics.blocks_pattern(), config.group)
 
     # -- one batch ------------------------------------------------------------
@@ -169,6 +179,7 @@ class SinkConsumer:
         """Start the partitions given to this sink at the view's stored offsets (the start of the
         partition for one the view has none of), rebuilding the view first if it is gone."""
         deadline = time.monotonic() + SYNC_TIMEOUT
+        backoff = Backoff(RETRY_FIRST, RETRY_CAP)
         while True:
             try:
                 off = self._sync_view()
@@ -176,14 +187,17 @@ class SinkConsumer:
             except REDIS_DOWN as e:
                 if time.monotonic() > deadline:
                     raise
-                log.warning("Redis unavailable (%s): waiting to know where to resume", e)
-                time.sleep(RETRY_PAUSE)
+                pause = backoff.next()
+                log.warning("Redis unavailable (%s): waiting to know where to resume (again in %.1f s)", e, pause)
+                time.sleep(pause)
         self._expected = self.store.checkpoint((tp.topic, tp.partition) for tp in partitions)
         for tp in partitions:
             tp.offset = off.get((tp.topic, tp.partition), OFFSET_BEGINNING)
         consumer.assign(partitions)
         self.metrics.lag.clear()  # partitions given to another sink are not this sink's lag any more
-        log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in partitions))
+        self.lag, self.assigned = 0, True
+        log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in partitions),
+                 extra={"partitions": [f"{tp.topic}[{tp.partition}]" for tp in partitions]})
 
     def _sync_view(self) -> dict[tuple[str, int], int]:
         """Make sure there is a view (rebuild it if it is gone); its id and stored offsets."""
@@ -223,7 +237,8 @@ class SinkConsumer:
     def step(self) -> int:
         """Poll one batch, apply it, commit; returns the number of records read.
 
-        If the registry is unavailable, the batch is rewound (read again after ``RETRY_PAUSE``).
+        If the registry is unavailable, the batch is rewound (read again after a pause: ``RETRY_FIRST``
+        doubling up to ``RETRY_CAP`` while the failure lasts).
         After a Redis failure, or when the view was rebuilt meanwhile, every partition is read again
         from the view's stored offsets (:meth:`_resync_now`) once Redis answers.
         """
@@ -231,27 +246,31 @@ class SinkConsumer:
             try:
                 self._resync_now()
             except REDIS_DOWN as e:
-                log.warning("Redis unavailable (%s): resync retried in %.0f s", e, RETRY_PAUSE)
-                time.sleep(RETRY_PAUSE)
+                pause = self._backoff.next()
+                log.warning("Redis unavailable (%s): resync retried in %.1f s", e, pause)
+                time.sleep(pause)
                 return 0
         msgs = self._poll()
         if not msgs:
             self._commit()  # quiet: what was applied is committed now
         self._update_lag()
         try:
-            return self._handle(msgs)
+            n = self._handle(msgs)
         except ViewChanged as e:
             log.warning("%s", e)
             self._resync = True
             return 0
         except TransientError as e:
-            log.warning("%s: batch of %d records will be read again", e, len(msgs))
+            pause = self._backoff.next()
+            log.warning("%s: batch of %d records will be read again in %.1f s", e, len(msgs), pause)
             if isinstance(e.__cause__, redis.RedisError):
                 self._resync = True  # the view may have rolled back: resume from its own offsets
             else:
                 self._rewind(msgs)
-            time.sleep(RETRY_PAUSE)
+            time.sleep(pause)
             return 0
+        self._backoff.reset()
+        return n
 
     def _update_lag(self) -> None:
         """``kvbus_sink_partition_lag`` of every assigned partition, at most once a second: the high
@@ -260,13 +279,34 @@ class SinkConsumer:
         if now - self._lag_at < LAG_EVERY:
             return
         self._lag_at = now
+        total = 0
         try:
             for tp in self.consumer.position(self.consumer.assignment()):
                 _, high = self.consumer.get_watermark_offsets(tp, cached=True)
                 if high >= 0 and tp.offset >= 0:
                     self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, high - tp.offset))
+                    total += max(0, high - tp.offset)
         except KafkaException:  # assignment changing meanwhile: next second
-            pass
+            return
+        self.lag = total
+
+    def not_ready(self, view: RedisStore) -> str | None:
+        """Why this sink is not ready (its ``/readyz``), None when it is: it has no partitions from
+        its group yet, the view (read through ``view``, a store of the probe's own) is not ``ready``
+        (missing, or rebuilding: ``P status``), or its partitions lag more than ``config.ready_lag``
+        records. Called from the probe server's thread."""
+        if not self.assigned:
+            return f"waiting for partitions from consumer group {self.config.group}"
+        try:
+            status = view_status(view)
+        except REDIS_DOWN as e:
+            return f"Redis unavailable ({e})"
+        if status["state"] != READY:
+            phase = f", {status['phase']}" if status.get("phase") else ""
+            return f"the view is {status['state']}{phase} (P status under {view.prefix!r})"
+        if self.lag > self.config.ready_lag:
+            return f"{self.lag} records behind on its partitions (ready within {self.config.ready_lag})"
+        return None
 
     def _poll(self) -> list:
         """Records ready now, up to ``batch``; waits up to ``poll_timeout`` only when none are.
@@ -380,7 +420,8 @@ class SinkConsumer:
             self._last_commit = time.monotonic()
 
     def _dead(self, msg: Any, source: str, reason: str, kind: str) -> None:
-        log.warning("dead letter %s: %s", source, reason)
+        log.warning("dead letter %s: %s", source, reason,
+                    extra={"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset()})
         # the payload is cut (dead_letter): a record near the topic's size limit made a DeadLetter
         # the producer refused, which stopped the sink on that record at every restart
         letter = dead_letter(STAGE, source, reason, [msg.value() or b""], time.time())

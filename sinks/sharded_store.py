@@ -42,6 +42,7 @@ import redis
 from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
 from redis.exceptions import AskError, ClusterDownError, ClusterError, MovedError, TryAgainError
 
+from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import BlockEvent, holder_key
 
 from kvbus.sinks import functions
@@ -318,7 +319,7 @@ class ShardedRedisStore(ResidencyStore):
         pending = list(range(len(calls)))
         deadline = time.monotonic() + self.retry_for
         loaded = False
-        delay = 0.005
+        backoff = Backoff(first=0.005, cap=0.1)  # a slot moves or a replica is promoted within ms
         while pending:
             got = self._send(calls, pending)
             retry: list[int] = []
@@ -356,8 +357,7 @@ class ShardedRedisStore(ResidencyStore):
                         self.rc.nodes_manager.initialize()
                     except (ClusterError, redis.RedisError):
                         pass
-                time.sleep(delay)  # backoff while the slot moves or a replica is promoted
-                delay = min(delay * 2, 0.1)
+                time.sleep(backoff.next())  # while the slot moves or a replica is promoted
             pending = retry
         return replies
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import sys
 
+from kvbus.schemas.env import SettingError
 from kvbus.schemas.settings import Settings
 from kvbus.streams.agents import build
 from kvbus.streams.options import StreamsOptions
 
 if __name__ == "__main__":
-    options = StreamsOptions.from_env()
-    app = build(Settings.from_env(), options)
+    try:
+        options, settings = StreamsOptions.from_env(), Settings.from_env()
+    except SettingError as e:  # one line, exit 2, as kvbus does
+        print(f"python -m kvbus.streams: {e}", file=sys.stderr)
+        sys.exit(2)
+    app = build(settings, options)
     argv = sys.argv[1:]
     if argv[:1] == ["worker"] and not any(a in ("--with-web", "--without-web") for a in argv):
         if options.web_port is None:

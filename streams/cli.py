@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from dataclasses import replace
 from pathlib import Path
 
+from kvbus.schemas import logs
+from kvbus.schemas.env import PORT, SECONDS, one_of
 from kvbus.schemas.security import check_kafka_access
 from kvbus.schemas.settings import Settings
 from kvbus.streams.options import StreamsOptions
@@ -22,18 +25,22 @@ from kvbus.streams.options import StreamsOptions
 log = logging.getLogger("kvbus.streams")
 
 
+LOG_LEVEL = one_of("debug", "info", "warning", "error", "critical")
+"""The forms of ``--loglevel``."""
+
+
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     """Add the ``kvbus worker`` options to ``p``."""
     p.add_argument("--workdir", help="directory for the worker's data directory (KVBUS_STREAMS_WORKDIR; default .)")
     p.add_argument("--datadir", help="Faust data directory, one per worker process "
                                      "(KVBUS_STREAMS_DATADIR; default <workdir>/<app-id>-data)")
-    p.add_argument("--window", type=float, help="seconds a partial aggregate waits for the other workers "
+    p.add_argument("--window", type=SECONDS, help="seconds a partial aggregate waits for the other workers "
                                                 "(KVBUS_STREAMS_WINDOW; default 5)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port, 0 = off "
+    p.add_argument("--metrics-port", type=PORT, help="/metrics (Prometheus), /healthz and /readyz port, 0 = off "
                                                     "(KVBUS_STREAMS_METRICS_PORT; default 0)")
     p.add_argument("--app-id", help="Faust app id = consumer group (KVBUS_STREAMS_APP_ID; default kvbus-streams)")
     p.add_argument("--store", help="table store: memory:// or rocksdb:// (KVBUS_STREAMS_STORE; default memory://)")
-    p.add_argument("--loglevel", default="info", help="log level (default info)")
+    p.add_argument("--loglevel", default="info", type=LOG_LEVEL, help="log level (default info; kvbus -v: debug)")
 
 
 def options_from_args(args: argparse.Namespace) -> StreamsOptions:
@@ -49,12 +56,18 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
     from kvbus.streams.agents import build
 
     options = options_from_args(args)
+    app = build(settings, options)  # serves /metrics, /healthz and /readyz from now on
     check_kafka_access(settings.kafka())  # aiokafka would fail with a bare "Unable to bootstrap" traceback
-    app = build(settings, options)
     options.data_dir.mkdir(parents=True, exist_ok=True)
+    level = "debug" if getattr(args, "verbose", False) else getattr(args, "loglevel", None) or "info"
+    logging.getLogger().setLevel(level.upper())
     log.info("starting streams worker app_id=%s datadir=%s", options.app_id, options.data_dir)
-    worker = Worker(app, loglevel=getattr(args, "loglevel", None) or "info",
-                    workdir=str(Path(options.workdir).resolve()))
+    # Faust logs through the handler kvbus configured (text or KVBUS_LOG_FORMAT=json) instead of
+    # its own, without its terminal spinner; in JSON mode it prints no banner either (every line
+    # of output is a JSON object).
+    worker = Worker(app, loglevel=level, workdir=str(Path(options.workdir).resolve()), override_logging=False,
+                    quiet=logs.json_enabled())
+    worker.spinner = None
     try:
         worker.execute_from_commandline()
     except SystemExit as exc:
@@ -63,7 +76,7 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m kvbus.streams.cli [options]``."""
-    p = argparse.ArgumentParser(prog="kvbus worker", description=__doc__.splitlines()[0])
-    add_worker_args(p)
-    return run_worker(p.parse_args(argv), Settings.from_env())
+    """Standalone entry: ``python -m kvbus.streams.cli [options]``, the same as ``kvbus worker [options]``."""
+    from kvbus.cli import main as kvbus_main
+
+    return kvbus_main(["worker", *(sys.argv[1:] if argv is None else argv)])

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the streams stage (served on ``--metrics-port`` by prometheus_client).
+"""Prometheus metrics of the streams stage (served on ``--metrics-port`` with ``/healthz`` and
+``/readyz``: :mod:`kvbus.schemas.probes`).
 
 | metric | type | meaning |
 |---|---|---|
@@ -17,8 +18,9 @@
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvbus.schemas.probes import Readiness, serve
 from kvbus.streams.aggregation import Stats
 
 
@@ -43,10 +45,11 @@ class StreamsMetrics:
                                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self._seen = Stats()
 
-    def serve(self, port: int) -> None:
-        """Expose ``/metrics`` on 0.0.0.0:``port`` (no-op for port 0)."""
+    def serve(self, port: int, readiness: Readiness) -> None:
+        """Expose ``/metrics``, ``/healthz`` and ``/readyz`` (``readiness``) on 0.0.0.0:``port``
+        (no-op for port 0)."""
         if port:
-            start_http_server(port, registry=self.registry)
+            serve(port, self.registry, readiness)
 
     def sync(self, stats: Stats) -> None:
         """Add what ``stats`` counted since the previous sync."""

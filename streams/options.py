@@ -8,7 +8,7 @@ An object handed to :func:`kvbus.streams.agents.build`: ``kvbus worker`` lays it
 | ``KVBUS_STREAMS_APP_ID`` | ``kvbus-streams`` | Faust app id = consumer group and changelog topic prefix |
 | ``KVBUS_STREAMS_WINDOW`` | ``5.0`` | seconds a partial aggregate waits for the other workers |
 | ``KVBUS_STREAMS_SWEEP`` | ``0.5`` | seconds between expiry sweeps |
-| ``KVBUS_STREAMS_METRICS_PORT`` | ``0`` | Prometheus port (0: no endpoint) |
+| ``KVBUS_STREAMS_METRICS_PORT`` | ``0`` | port of ``/metrics``, ``/healthz`` and ``/readyz`` (0: no endpoint) |
 | ``KVBUS_STREAMS_WEB_PORT`` | unset | Faust's web server port; unset: web disabled |
 | ``KVBUS_STREAMS_WORKDIR`` | ``.`` | directory for Faust's data directory |
 | ``KVBUS_STREAMS_DATADIR`` | ``<workdir>/<app id>-data`` | Faust data directory (one per worker process) |
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, TEXT, read
+
 
 @dataclass(frozen=True)
 class StreamsOptions:
@@ -39,7 +41,7 @@ class StreamsOptions:
     sweep: float = 0.5
     """Seconds between expiry sweeps (an aggregate expires at most this late)."""
     metrics_port: int = 0
-    """Port of the Prometheus endpoint; 0 disables it."""
+    """Port of the HTTP endpoint (``/metrics``, ``/healthz``, ``/readyz``); 0 disables it."""
     web_port: Optional[int] = None
     """Port of Faust's own web server; None disables it."""
     workdir: str = "."
@@ -66,25 +68,24 @@ class StreamsOptions:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "StreamsOptions":
-        """Options from KVBUS_STREAMS_* (and KVBUS_REPLICATION) of ``environ`` (default the process's),
-        defaults for the rest."""
+        """Options from KVBUS_STREAMS_* and KVBUS_REPLICATION (of ``environ``, default the process's),
+        defaults for the unset or blank ones; :class:`~kvbus.schemas.env.SettingError` names a malformed one."""
         env = os.environ if environ is None else environ
-        web = env.get("KVBUS_STREAMS_WEB_PORT")
         return cls(
-            app_id=env.get("KVBUS_STREAMS_APP_ID", cls.app_id),
-            window=float(env.get("KVBUS_STREAMS_WINDOW", cls.window)),
-            sweep=float(env.get("KVBUS_STREAMS_SWEEP", cls.sweep)),
-            metrics_port=int(env.get("KVBUS_STREAMS_METRICS_PORT", cls.metrics_port)),
-            web_port=int(web) if web else None,
-            workdir=env.get("KVBUS_STREAMS_WORKDIR", cls.workdir),
-            datadir=env.get("KVBUS_STREAMS_DATADIR") or None,
-            store=env.get("KVBUS_STREAMS_STORE", cls.store),
-            replication=int(env.get("KVBUS_REPLICATION", cls.replication)),
-            standby_replicas=int(env.get("KVBUS_STREAMS_STANDBY_REPLICAS", cls.standby_replicas)),
-            session_timeout=float(env.get("KVBUS_STREAMS_SESSION_TIMEOUT", cls.session_timeout)),
-            batch=int(env.get("KVBUS_STREAMS_BATCH", cls.batch)),
-            batch_within=float(env.get("KVBUS_STREAMS_BATCH_WITHIN", cls.batch_within)),
-            commit_interval=float(env.get("KVBUS_STREAMS_COMMIT_INTERVAL", cls.commit_interval)),
+            app_id=read(env, "KVBUS_STREAMS_APP_ID", TEXT, cls.app_id),
+            window=read(env, "KVBUS_STREAMS_WINDOW", SECONDS, cls.window),
+            sweep=read(env, "KVBUS_STREAMS_SWEEP", SECONDS, cls.sweep),
+            metrics_port=read(env, "KVBUS_STREAMS_METRICS_PORT", PORT, cls.metrics_port),
+            web_port=read(env, "KVBUS_STREAMS_WEB_PORT", PORT, None),
+            workdir=read(env, "KVBUS_STREAMS_WORKDIR", TEXT, cls.workdir),
+            datadir=read(env, "KVBUS_STREAMS_DATADIR", TEXT, None),
+            store=read(env, "KVBUS_STREAMS_STORE", TEXT, cls.store),
+            replication=read(env, "KVBUS_REPLICATION", COUNT, cls.replication),
+            standby_replicas=read(env, "KVBUS_STREAMS_STANDBY_REPLICAS", NATURAL, cls.standby_replicas),
+            session_timeout=read(env, "KVBUS_STREAMS_SESSION_TIMEOUT", SECONDS, cls.session_timeout),
+            batch=read(env, "KVBUS_STREAMS_BATCH", COUNT, cls.batch),
+            batch_within=read(env, "KVBUS_STREAMS_BATCH_WITHIN", SECONDS, cls.batch_within),
+            commit_interval=read(env, "KVBUS_STREAMS_COMMIT_INTERVAL", SECONDS, cls.commit_interval),
         )
 
     @property

@@ -32,7 +32,9 @@ from typing import Any, Iterable, Optional, Sequence
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
+from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import record_topic_config
@@ -52,6 +54,11 @@ PERSIST_EVERY = 0.02
 (the last value of each key) into one set of table writes, then their raw records are acked.
 Outputs are not delayed (they were produced and acknowledged already); offsets are committed
 every second anyway, so this only bounds how many table writes a burst of small batches costs."""
+
+RETRY_FIRST = 0.2
+"""Seconds before output records Kafka refused are produced again (doubling, jittered: kvbus.schemas.backoff)."""
+RETRY_CAP = 5.0
+"""Seconds no pause between two such tries exceeds."""
 
 GC_THRESHOLD = (50_000, 20, 100)
 """``gc.set_threshold`` of a worker: the hot path allocates ~10 tracked objects per event, almost
@@ -125,6 +132,8 @@ class Runtime:
         """Serialises changes of the aggregation state (agent, timer, rebuild)."""
         self.ready = False
         """False between a revocation and the end of the next recovery."""
+        self.assigned: frozenset[int] = frozenset()
+        """Raw partitions whose state was rebuilt at the last recovery (this worker's share)."""
         self.next_offset: dict[int, int] = {}
         """Raw partition -> offset after the last record processed (for lag)."""
         self._codec: Optional[Codec] = None
@@ -142,6 +151,7 @@ class Runtime:
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
         self._completer: Optional[asyncio.Task] = None
+        self.metrics.serve(options.metrics_port, Readiness([self.not_ready]))  # from the start: /healthz answers
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -173,9 +183,23 @@ class Runtime:
                 log.error("topic %s has %s partitions, fewer than %s of %s: outputs there are "
                           "partitioned by key instead of by raw partition",
                           name, self._partitions.get(name), raw_n, self.topics.raw)
-        self.metrics.serve(self.options.metrics_port)
         log.info("streams runtime started: window=%.1fs raw=%s blocks=%s metrics_port=%s",
                  self.options.window, self.topics.raw, self.topics.blocks, self.options.metrics_port)
+
+    def not_ready(self) -> str | None:
+        """Why this worker is not ready (its ``/readyz``), None when it is: a rebalance is under way,
+        the state table is recovering from its changelog, the state of the partitions assigned has
+        not been rebuilt yet, or no raw partition is assigned to this worker (more workers than
+        partitions). Called from the probe server's thread: it reads flags only."""
+        if getattr(self.app, "rebalancing", False):
+            return "the consumer group is rebalancing"
+        if getattr(self.app, "in_recovery", False):
+            return "recovering the state table from its changelog"
+        if not self.ready:
+            return "waiting for partitions (the state of each assignment is rebuilt first)"
+        if not self.assigned:
+            return f"no partition of {self.topics.raw} is assigned to this worker"
+        return None
 
     def stop(self) -> None:
         """Best effort: deliver what is queued (un-acked batches are replayed after a restart)."""
@@ -204,7 +228,8 @@ class Runtime:
                 if msg.tp not in assignment:
                     continue  # revoked while buffered: the new owner replays it
                 if msg.partition not in self.next_offset:
-                    log.info("raw partition %s: first record processed at offset %s", msg.partition, msg.offset)
+                    log.info("raw partition %s: first record processed at offset %s", msg.partition, msg.offset,
+                             extra={"topic": msg.topic, "partition": msg.partition, "offset": msg.offset})
                 self.next_offset[msg.partition] = msg.offset + 1
                 value = msg.value
                 try:
@@ -228,7 +253,8 @@ class Runtime:
     def _dead_letter(self, msg: Any, kind: str, error: Any) -> DeadLetter:
         reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         source = f"{msg.topic}[{msg.partition}]@{msg.offset}"
-        log.warning("dead letter %s: %s", source, reason)
+        log.warning("dead letter %s: %s", source, reason,
+                    extra={"topic": msg.topic, "partition": msg.partition, "offset": msg.offset})
         self.metrics.dead_letters.labels(kind).inc()
         value = msg.value if isinstance(msg.value, (bytes, bytearray)) else b""
         # the payload is cut to DLQ_PAYLOAD_BYTES: a ~1 MB raw value would make a DeadLetter larger than
@@ -278,9 +304,11 @@ class Runtime:
             self.aggregator.holders.clear()
             self.aggregator.holders.update(states)
             self.next_offset.clear()
+            self.assigned = frozenset(actives)
             self.ready = True
             log.info("state rebuilt for raw partitions %s: %d holders, %d pending aggregates",
-                     sorted(actives), len(states), self.aggregator.pending_count())
+                     sorted(actives), len(states), self.aggregator.pending_count(),
+                     extra={"partitions": sorted(actives)})
 
     async def _rewind(self, tps: list[Any]) -> None:
         """Seek each raw partition to its committed offset, or to its beginning if it has none.
@@ -376,13 +404,13 @@ class Runtime:
             await self.app.crash(exc)
 
     async def _complete_batches(self) -> None:
-        delay = 0.2
+        backoff = Backoff(first=RETRY_FIRST, cap=RETRY_CAP)
         producer = self._producer
         while True:
             producer.poll(0)
             done = self._delivered_batches()
             if done:
-                delay = 0.2
+                backoff.reset()
                 if not self._delivered:
                     self._complete_at = time.perf_counter() + PERSIST_EVERY
                 self._delivered.extend(done)
@@ -393,9 +421,9 @@ class Runtime:
             head = self._inflight[0] if self._inflight else None
             if head is not None and head.remaining <= 0 and head.failed:
                 failed, head.failed = head.failed, []
-                log.error("%d output records failed (%s); retrying in %.1fs", len(failed), failed[0][4], delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                pause = backoff.next()
+                log.error("%d output records failed (%s); retrying in %.1fs", len(failed), failed[0][4], pause)
+                await asyncio.sleep(pause)
                 head.remaining += len(failed)
                 for topic, key, value, partition, _ in failed:
                     self._produce(topic, key, value, partition, head.delivered)

@@ -31,5 +31,8 @@ class CallbackSink:
     def update_gauges(self) -> None:
         pass
 
+    def failure(self) -> str | None:
+        return None if self.accept else "backlog full"
+
     def close(self, timeout: float = 30.0) -> int:
         return 0

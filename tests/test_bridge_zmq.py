@@ -502,6 +502,7 @@ def test_create_publisher_and_null_publisher():
 
 
 def test_publisher_metrics_count_records_drops_and_markers_and_are_served(publisher_factory):
+    import urllib.error
     import urllib.request
 
     from kvbus.procs import free_port
@@ -518,6 +519,9 @@ def test_publisher_metrics_count_records_drops_and_markers_and_are_served(publis
     wait_for(lambda: m.backlog._value.get() == 1, what="backlog gauge")
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "kvbus_bridge_shed_batches_total 2.0" in body and "kvbus_bridge_backlog 1.0" in body
+    with pytest.raises(urllib.error.HTTPError) as shedding:  # /readyz: the producer is failing
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5)
+    assert shedding.value.code == 503 and "backlog full" in shedding.value.read().decode()
 
 
 def test_the_publisher_carries_every_kvbus_field_an_engine_event_sets():

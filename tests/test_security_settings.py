@@ -8,8 +8,9 @@ import ssl
 import faust
 import pytest
 
-from kvbus.schemas.security import KafkaSecurity, Security, SecurityConfigError, redact_url
-from kvbus.schemas.settings import Settings
+from kvbus.schemas.env import SettingError
+from kvbus.schemas.security import KafkaSecurity, Security, redact_url
+from kvbus.schemas.settings import KAFKA_LOGGER, Settings
 
 
 @pytest.fixture
@@ -28,8 +29,9 @@ def test_an_open_deployment_adds_nothing(monkeypatch):
         if k.startswith("KVBUS_"):
             monkeypatch.delenv(k)
     s = Settings.from_env()
-    assert s.kafka() == {"bootstrap.servers": "127.0.0.1:9092"}
-    assert s.kafka(**{"group.id": "g"}) == {"bootstrap.servers": "127.0.0.1:9092", "group.id": "g"}
+    assert s.kafka() == {"bootstrap.servers": "127.0.0.1:9092", "logger": KAFKA_LOGGER}
+    assert s.kafka(**{"group.id": "g"}) == {"bootstrap.servers": "127.0.0.1:9092", "logger": KAFKA_LOGGER,
+                                            "group.id": "g"}
     assert s.redis_kwargs() == {} and s.security.registry.client_conf() == {}
     assert s.security.kafka.faust_credentials() is None
     assert s.security.to_env() == {}
@@ -83,7 +85,7 @@ def test_faust_gets_the_same_credentials(secrets, tmp_path):
     ({"KVBUS_REGISTRY_USERNAME": "reader"}, "KVBUS_REGISTRY_PASSWORD"),
 ])
 def test_a_bad_setting_is_refused_naming_the_variable(env, names):
-    with pytest.raises(SecurityConfigError, match=names):
+    with pytest.raises(SettingError, match=names):
         Security.from_env(env)
 
 

@@ -17,6 +17,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from kvbus.schemas.env import SECONDS, read
+
 
 def parse_endpoints(spec: str) -> tuple[str, ...]:
     """``"9410-9412,host:9401"`` -> ``("127.0.0.1:9410", "127.0.0.1:9411", "127.0.0.1:9412", "host:9401")``.
@@ -87,8 +89,8 @@ def add_top_config_args(p: argparse.ArgumentParser) -> None:
                    help=f"the Faust workers' consumer group (KVBUS_STREAMS_APP_ID; now {worker_group})")
     p.add_argument("--sink-group", default=sink.group, help=f"the sinks' consumer group (KVBUS_SINK_GROUP; now {sink.group})")
     p.add_argument("--prefix", default=sink.prefix, help=f"Redis key prefix of the view (KVBUS_SINK_PREFIX; now {sink.prefix})")
-    interval = float(env.get("KVBUS_TOP_INTERVAL", "").strip() or 1.0)
-    p.add_argument("--interval", type=float, default=interval,
+    interval = read(env, "KVBUS_TOP_INTERVAL", SECONDS, 1.0)
+    p.add_argument("--interval", type=SECONDS, default=interval,
                    help=f"seconds between refreshes (KVBUS_TOP_INTERVAL; now {interval:g})")
 
 
