@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -35,10 +36,14 @@ with ViewClient(url, prefix, tie_break=BY_NAME) as view:
 
 @pytest.fixture(scope="module")
 def client_venv(tmp_path_factory) -> Path:
-    """``python -m venv`` + ``pip install '<checkout>[client]'`` (~20 s with pip's cache warm)."""
-    venv = tmp_path_factory.mktemp("client-venv") / "venv"
+    """``python -m venv`` + ``pip install '<checkout>[client]'`` (~20 s with pip's cache warm), from a
+    copy of the checkout (pip builds in the source tree: its build/ would outlive deleted modules)."""
+    tmp = tmp_path_factory.mktemp("client-venv")
+    src, venv = tmp / "src", tmp / "venv"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", ".infra", "build", "*.egg-info",
+                                                             "__pycache__", ".pytest_cache", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"{ROOT}[client]"], check=True,
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", f"{src}[client]"], check=True,
                    timeout=600, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     return venv
 
