@@ -1,4 +1,4 @@
-"""kvbus's contract: the event model, its Avro schemas, topic names and settings.
+"""kvbus's contract: the event model, its Avro schemas, topic names, settings and the lookup protocol.
 
 Every stage (producers, streams, sinks) and every external consumer shares
 only what is defined here.

@@ -130,7 +130,7 @@ def test_random_histories_single_sharded_and_replicas(servers):
     names = sorted({ev.replica for _, ev in records})
     one = ViewClient(srv.url, prefix)
     many = ViewClient(cl.url, prefix)
-    replicas = ViewClient(f"{cl.url}?read_from=replica", prefix, migration_check=0.0)
+    replicas = ViewClient(cl.url, prefix, read_from="replica", migration_check=0.0)
     wait_replicas_in_sync(cl, replicas._cluster_client())
     nodes = {n.port: cl.node_client(n.port) for n in cl.nodes}
     for r in nodes.values():
@@ -181,7 +181,8 @@ def test_tokens_hashes_and_digests_name_the_same_chain(views):
 
 def test_status_single_and_sharded(servers):
     srv, cl = servers
-    for url, store in ((srv.url, lambda p: RedisStore(srv.client(), p)), (cl.url, lambda p: ShardedRedisStore(cl.url, p))):
+    for url, store in ((srv.url, lambda p: RedisStore(srv.client(), p)),
+                       (cl.url, lambda p: ShardedRedisStore(cl.url, p))):
         prefix = f"s{uuid.uuid4().hex[:8]}:"
         view = ViewClient(url, prefix)
         assert view.status().state == "missing" and not view.status().ready
@@ -301,7 +302,8 @@ def test_rank_orders_within_ties_only():
 
     ms = [m("d", 2.0, 2), m("a", 2.0, 2), m("z", 3.0, 3), m("b", 2.0, 3), m("c", 2.0, 2), m("e", 1.0, 1)]
     assert [x.name for x in rank(ms)] == ["z", "b", "a", "c", "d", "e"]
-    assert [x.name for x in rank(ms, ByLoad(lambda x: {"a": 3, "c": 2, "d": 1}[x.name]))] == ["z", "b", "d", "c", "a", "e"]
+    load = {"a": 3, "c": 2, "d": 1}
+    assert [x.name for x in rank(ms, ByLoad(lambda x: load[x.name]))] == ["z", "b", "d", "c", "a", "e"]
     shuffled = rank(ms, Shuffle(seed=1))
     assert [x.name for x in shuffled][:2] == ["z", "b"] and shuffled[-1].name == "e"
     assert {x.name for x in shuffled[2:5]} == {"a", "c", "d"}

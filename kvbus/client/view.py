@@ -12,7 +12,7 @@ import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 import redis
-from redis.cluster import RedisCluster
+from redis.cluster import LoadBalancingStrategy, RedisCluster
 
 from kvbus.schemas import lookup
 from kvbus.schemas.events import canonical_hash
@@ -134,7 +134,10 @@ class ViewClient:
 
     def _cluster_client(self) -> RedisCluster:
         if self._rc is None:
-            self._rc = cluster_client(self._url, **self._kwargs)
+            kw = dict(self._kwargs)
+            if self.read_from == "replica":  # connections that send READONLY, whatever the URL says
+                kw.setdefault("load_balancing_strategy", LoadBalancingStrategy.ROUND_ROBIN)
+            self._rc = cluster_client(self._url, **kw)
         return self._rc
 
     def close(self) -> None:

@@ -181,7 +181,8 @@ var pTupleN = [4]byte{pEmptyTuple, 0x85, 0x86, 0x87} // EMPTY_TUPLE, TUPLE1, TUP
 // has at least 4 bytes, as CPython writes it).
 func pickleFramed(body []byte) ([]byte, error) {
 	if len(body) > maxFrame {
-		return nil, fmt.Errorf("a block of this size pickles to %d bytes, more than one pickle frame (%d)", len(body), maxFrame)
+		return nil, fmt.Errorf("a block of this size pickles to %d bytes, more than one pickle frame (%d)",
+			len(body), maxFrame)
 	}
 	out := []byte{pProto, 5}
 	if len(body) >= 4 {

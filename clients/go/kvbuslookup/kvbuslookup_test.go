@@ -91,20 +91,22 @@ func TestParseReplyOfTheDocumentsExample(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("parseReply = %+v, want %+v", got, want)
 	}
-	if _, err := parseReply([]interface{}{[]interface{}{"x"}, []interface{}{"\x00\x00\x00\x00"}, []interface{}{}}); err == nil {
+	malformed := []interface{}{[]interface{}{"x"}, []interface{}{"\x00\x00\x00\x00"}, []interface{}{}}
+	if _, err := parseReply(malformed); err == nil {
 		t.Fatal("a malformed head is accepted")
 	}
 }
 
 func TestWeightSpecLaysOverridesOverTheDefaults(t *testing.T) {
-	if got := WeightSpec(nil); got != "GPU=1.0,CPU=0.8,CPU_PINNED=0.8,STORAGE=0.5,DISK=0.5,FS=0.5,OBJ=0.5,EXTERNAL=0.4,*=0.5" {
+	const defaults = "CPU_PINNED=0.8,STORAGE=0.5,DISK=0.5,FS=0.5,OBJ=0.5,EXTERNAL=0.4,*=0.5"
+	if got := WeightSpec(nil); got != "GPU=1.0,CPU=0.8,"+defaults {
 		t.Fatalf("default spec %q", got)
 	}
 	w, err := ParseWeights(" cpu=0.25, kvcr=2 ,GPU=3")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := WeightSpec(w); got != "GPU=3.0,CPU=0.25,CPU_PINNED=0.8,STORAGE=0.5,DISK=0.5,FS=0.5,OBJ=0.5,EXTERNAL=0.4,*=0.5,kvcr=2.0" {
+	if got := WeightSpec(w); got != "GPU=3.0,CPU=0.25,"+defaults+",kvcr=2.0" {
 		t.Fatalf("spec %q", got)
 	}
 	for _, bad := range []string{"GPU", "GPU=lots", "=3"} {
@@ -115,10 +117,12 @@ func TestWeightSpecLaysOverridesOverTheDefaults(t *testing.T) {
 }
 
 func TestJSONIsPythonsJsonDumps(t *testing.T) {
-	x := Match{Name: "pod#x", Replica: "pod#x", Matched: 3, ScoreMicro: 2400000, Tiers: map[string]int{"GPU": 3, "CPU@kvcr": 1}}
+	x := Match{Name: "pod#x", Replica: "pod#x", Matched: 3, ScoreMicro: 2400000,
+		Tiers: map[string]int{"GPU": 3, "CPU@kvcr": 1}}
 	y := Match{Name: "é\"\n", Replica: "é\"\n", DPRank: 0, Matched: 1, ScoreMicro: 1, Tiers: map[string]int{}}
 	got := JSON([]Match{x, y})
-	want := `{"pod#x": {"matched": 3, "tiers": {"CPU@kvcr": 1, "GPU": 3}, "score": 2.4, "replica": "pod#x", "dp_rank": 0}, ` +
+	want := `{"pod#x": {"matched": 3, "tiers": {"CPU@kvcr": 1, "GPU": 3}, "score": 2.4, "replica": "pod#x", ` +
+		`"dp_rank": 0}, ` +
 		`"\u00e9\"\n": {"matched": 1, "tiers": {}, "score": 1e-06, "replica": "\u00e9\"\n", "dp_rank": 0}}`
 	if got != want {
 		t.Fatalf("JSON =\n%s\nwant\n%s", got, want)
