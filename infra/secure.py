@@ -47,8 +47,7 @@ from . import kafka_broker, pki, redis_server, registry, topics
 from .procs import ServiceError, alive_record, port_open, start_process, stop_process, wait_until
 from .secure_plan import (ADMIN, KAFKA_USERS, KAFKASQL_TOPIC_PREFIX, PRINCIPALS, REGISTRY_KAFKA_USER, REGISTRY_ROLES,
                           Grant, kafka_grants, redis_rules, registry_grants)
-from .settings import (LOOPBACK, Paths, RedisSettings, RegistrySettings, env_int, kvbus_settings, read_env_file,
-                       state_dir)
+from .settings import (LOOPBACK, Paths, RedisSettings, RegistrySettings, env_int, kvbus_settings, state_dir)
 
 log = logging.getLogger("infra")
 

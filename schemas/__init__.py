@@ -1,5 +1,5 @@
-"""kvbus's contract: the event model, its Avro schemas, topic names and settings, and what every
-stage's process does alike (reading settings: env; probes; logs; retry pauses: backoff).
+"""kvbus's contract: the event model, its Avro schemas, topic names, settings and the lookup protocol,
+and what every stage's process does alike (reading settings: env; probes; logs; retry pauses: backoff).
 
 Every stage (producers, streams, sinks) and every external consumer shares
 only what is defined here.

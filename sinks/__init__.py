@@ -2,15 +2,15 @@
 
 Modules:
   consumer.py      the Kafka loop (``SinkConsumer``): decode, check, apply, dead-letter, commit, expire
-  store.py         ``ResidencyStore`` interface, ``ApplyResult``, ``HolderMatch``
+  store.py         ``ResidencyStore`` interface, ``ApplyResult`` (``HolderMatch``: kvbus.schemas.lookup)
   redis_store.py   ``RedisStore``: the view in Redis, through the ``kvbus`` functions (lua/kvbus.lua)
   functions.py     loading/calling the function library
-  tiers.py         tier descriptors, ref-counting policy, lookup weights
+  tiers.py         ref-counting policy (tier names and lookup weights: kvbus.schemas.tiers)
   hashes.py        hash strings and token -> vLLM block hash chains for lookups
   validate.py      checks a record must pass (else: dead-letter topic)
   metrics.py       Prometheus metrics
   view.py          ``summary()`` for the demo
-  cli.py           ``kvbus sink`` / ``kvbus lookup``
+  cli.py           ``kvbus sink`` / ``kvbus lookup`` (through kvbus.client)
 Layout and semantics: docs/sinks-layout.md.
 """
 

@@ -24,8 +24,9 @@ from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, first_release
 from kvbus.schemas.security import check_kafka_access, redact_url
 from kvbus.schemas.settings import Settings
 
+from kvbus.schemas.lookup import DEFAULT_PREFIX
+
 from kvbus.sinks.config import SinkConfig
-from kvbus.sinks.redis_store import DEFAULT_PREFIX
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -145,39 +146,37 @@ TOKEN_KEYS = ("lora_name", "lora_path", "cache_salt", "engine_version")
 
 
 def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dict]:
-    """The ``--json`` answer of ``kvbus lookup``: holders by display name, best first."""
-    from kvbus.sinks.hashes import chain_from_tokens, lora_of, parse_hashes, parse_tokens
-    from kvbus.sinks.rebuild import view_status
-    from kvbus.sinks.sharded_store import open_store
-    from kvbus.sinks.tiers import Weights
+    """The ``--json`` answer of ``kvbus lookup``: holders by display name, best first (tied holders
+    by name), asked through :class:`kvbus.client.ViewClient`."""
+    from kvbus.client import BY_NAME, ViewClient
+    from kvbus.sinks.hashes import lora_of, parse_hashes, parse_tokens
 
     if args.hashes is not None:
         given = [f"--{k.replace('_', '-')}" for k in TOKEN_KEYS if getattr(args, k) is not None]
         if given:
             raise ValueError(f"{', '.join(given)} apply to --tokens: --hashes are hashed already")
-        chain = parse_hashes(args.hashes)
+        source: dict = {"hashes": parse_hashes(args.hashes)}
     else:
-        chain = chain_from_tokens(parse_tokens(args.tokens), args.block_size, args.algo, args.hash_seed,
-                                  lora=lora_of(args.lora_name, args.lora_path), cache_salt=args.cache_salt,
-                                  engine_version=args.engine_version)
+        source = {"tokens": parse_tokens(args.tokens), "block_size": args.block_size, "algo": args.algo,
+                  "seed": args.hash_seed, "lora": lora_of(args.lora_name, args.lora_path),
+                  "cache_salt": args.cache_salt, "engine_version": args.engine_version}
     candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
-    store = open_store(settings.redis_url, args.prefix, load=False, client_kwargs=settings.redis_kwargs())  # redis+cluster://: the sharded view
-    found = store.lookup(chain, weights=Weights.parse(args.weights), candidates=candidates)
-    status = view_status(store)
-    if status["state"] != "ready":
-        print(f"kvbus lookup: warning: the view is {status['state']} since {status.get('since', '?')} "
-              f"({status.get('phase', 'no view yet')}): the answer may miss blocks", file=sys.stderr)
-    ranked = sorted(found.items(), key=lambda kv: (-kv[1].score, -kv[1].matched, kv[0]))
-    return {name: m.to_json() for name, m in ranked}
+    with ViewClient(settings.redis_url, args.prefix, tie_break=BY_NAME, **settings.redis_kwargs()) as view:
+        found = view.lookup(**source, weights=args.weights, candidates=candidates)
+        status = view.status()
+    if not status.ready:
+        print(f"kvbus lookup: warning: the view is {status.state} since {status.fields.get('since', '?')} "
+              f"({status.fields.get('phase', 'no view yet')}): the answer may miss blocks", file=sys.stderr)
+    return {m.name: m.to_json() for m in found}
 
 
 def run_lookup(args: argparse.Namespace, settings: Settings) -> int:
     """Print which holders hold the longest prefix of a chain."""
-    from kvbus.sinks.functions import FunctionsUnavailable
+    from kvbus.client import FunctionsMissing, LayoutMismatch
 
     try:
         answer = lookup_answer(args, settings)
-    except (ValueError, FunctionsUnavailable) as e:
+    except (ValueError, FunctionsMissing, LayoutMismatch) as e:
         print(f"kvbus lookup: {e}", file=sys.stderr)
         return 2
     if args.json:

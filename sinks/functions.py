@@ -14,40 +14,35 @@ from typing import Any, Sequence
 
 import redis
 
+from kvbus.schemas.lookup import LAYOUT
+from kvbus.schemas.redis_view import is_missing  # noqa: F401  (re-exported for the sinks)
+
 LIBRARY_PATH = Path(__file__).parent / "lua" / "kvbus.lua"
 MIN_REDIS = (7, 0, 0)
 
 
 @lru_cache(maxsize=None)
 def library_version() -> str:
-    """Version of the library: a digest of ``kvbus.lua``, so any change reloads it."""
-    return hashlib.sha1(LIBRARY_PATH.read_bytes()).hexdigest()[:16]
+    """Version of the library: a digest of ``kvbus.lua`` and the layout it is loaded with, so any
+    change reloads it."""
+    return hashlib.sha1(LIBRARY_PATH.read_bytes() + LAYOUT.encode()).hexdigest()[:16]
 
 
 @lru_cache(maxsize=None)
 def library_code() -> str:
-    """Source of the ``kvbus`` library as loaded (``@VERSION@`` filled in)."""
-    return LIBRARY_PATH.read_text().replace("@VERSION@", library_version())
+    """Source of the ``kvbus`` library as loaded (``@VERSION@`` and ``@LAYOUT@`` filled in)."""
+    return LIBRARY_PATH.read_text().replace("@VERSION@", library_version()).replace("@LAYOUT@", LAYOUT)
 
 
-@lru_cache(maxsize=None)
 def layout_version() -> str:
-    """The key layout version the library writes and accepts (``local LAYOUT = '<n>'`` in
-    ``kvbus.lua``, the one place it is written): the ``layout`` field of ``P meta``, and the version
-    of the lookup protocol a router checks (docs/lookup-protocol.md, "Versions")."""
-    m = re.search(r"^local LAYOUT = '(\w+)'", LIBRARY_PATH.read_text(), re.M)
-    if m is None:
-        raise RuntimeError(f"{LIBRARY_PATH} does not define LAYOUT")
-    return m.group(1)
+    """The key layout version the library writes and accepts: :data:`kvbus.schemas.lookup.LAYOUT`
+    (the one place it is written), the ``layout`` field of ``P meta`` and the version of the lookup
+    protocol a router checks (docs/lookup-protocol.md, "Versions")."""
+    return LAYOUT
 
 
 class FunctionsUnavailable(RuntimeError):
     """The kvbus functions are missing and this connection cannot load them (replica, read-only user)."""
-
-
-def is_missing(err: Exception) -> bool:
-    """Whether ``err`` says the called function does not exist on the server."""
-    return isinstance(err, redis.ResponseError) and "function not found" in str(err).lower()
 
 
 def check_server(r: redis.Redis) -> None:

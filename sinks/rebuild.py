@@ -30,6 +30,9 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Callable
 
+from kvbus.schemas import lookup
+from kvbus.schemas.lookup import READY, REBUILDING  # noqa: F401  (the states routers read)
+
 from kvbus.sinks.redis_store import RedisStore
 
 if TYPE_CHECKING:  # the snapshot reader needs confluent-kafka, which a router's `kvbus lookup` (view_status) lacks
@@ -39,9 +42,6 @@ log = logging.getLogger("kvbus.sinks")
 
 LOCK_TTL_MS = 600_000
 """How long the rebuild lock is held at most (a sink killed while rebuilding frees it then)."""
-READY = "ready"
-REBUILDING = "rebuilding"
-MISSING = "missing"
 
 
 def ensure_view(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[], dict[tuple[str, int], int]],
@@ -145,6 +145,7 @@ def view_status(store: RedisStore) -> dict[str, str]:
     may miss blocks) or "missing" (no view at all: Redis lost it and no sink has started rebuilding
     it yet), ``since``, and for a rebuild its ``phase`` (restoring, replaying) and ``snapshot``. A view
     written without a sink (tests, benchmarks) has no status and counts as ready."""
-    st = store.status()
-    st.setdefault("state", READY if store.r.exists(store.prefix + "meta") else MISSING)
-    return st
+    st = store.status()  # a sharded store combines its shards' (kvbus.schemas.lookup.view_status)
+    if st.get("state"):
+        return st
+    return lookup.view_status([st], [bool(store.r.exists(lookup.meta_key(store.prefix)))]).as_dict()

@@ -9,23 +9,25 @@ from __future__ import annotations
 import logging
 import re
 import struct
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import redis
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
+from kvbus.schemas.lookup import (
+    DEFAULT_PREFIX,
+    LOOKUP_FUNCTION,
+    HolderNames,
+    declared_keys,
+    lookup_args,
+    meta_key,
+    parse_hname,
+    status_key,
+)
 
 from kvbus.sinks import functions
-from kvbus.sinks.store import (
-    ApplyResult,
-    HolderMatch,
-    ResidencyStore,
-    Snapshot,
-    split_holder,
-    summary_from_counts,
-)
+from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, summary_from_counts
 from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
 
 log = logging.getLogger("kvbus.sinks")
@@ -41,9 +43,6 @@ STATE_POS = struct.Struct(">ddd")
 STATE_TIER = struct.Struct(">dII")
 """Holder state ``t:<code>``: entries, L, S of the tier's index, then its origin topic (kvbus.lua: TSTATE)."""
 
-DEFAULT_PREFIX = "kvbus:"
-NAMES_TTL = 10.0
-"""Seconds a lookup client trusts its cache of holder names (dp-rank display names may change)."""
 MAX_EVENTS_PER_CALL = 256
 MAX_HASHES_PER_CALL = 1024
 """Events and block hashes per FCALL: bound how long one call keeps Redis busy, i.e. how long a lookup
@@ -176,9 +175,8 @@ class RedisStore(ResidencyStore):
         self.max_events_per_call = max_events_per_call
         self.max_hashes_per_call = max_hashes_per_call
         self._rc: dict[tuple, tuple[str, str]] = {}
-        self._names: dict[int, tuple[str, str, int, int]] = {}
-        self._names_at = float("-inf")
-        self.fkeys: tuple[str, ...] = (prefix + "meta", prefix + "guard") if declare_keys else ()
+        self._names = HolderNames()
+        self.fkeys: tuple[str, ...] = declared_keys(prefix) if declare_keys else ()
         """Keys every FCALL declares (none on a standalone Redis)."""
         if load:
             functions.check_server(self.r)
@@ -370,7 +368,7 @@ class RedisStore(ResidencyStore):
     def view_id(self) -> str | None:
         """The view's id (``P meta vid``), set when it is created or rebuilt; None: no view (never
         created, or lost: Redis restarted without persistence, FLUSHALL, a new server)."""
-        v = self.r.hget(self.prefix + "meta", "vid")
+        v = self.r.hget(meta_key(self.prefix), "vid")
         return _s(v) if v is not None else None
 
     def lost_shards(self) -> None:
@@ -426,7 +424,7 @@ class RedisStore(ResidencyStore):
     def status(self) -> dict[str, str]:
         """``P status``: ``state`` "ready" or "rebuilding" (answers may be partial), ``since`` (epoch s),
         and what the rebuild started from; {} for a view that never had one written."""
-        return {_s(k): _s(v) for k, v in self.r.hgetall(self.prefix + "status").items()}
+        return {_s(k): _s(v) for k, v in self.r.hgetall(status_key(self.prefix)).items()}
 
     def set_status(self, **fields: Any) -> None:
         """Replace ``P status`` with ``fields`` (values as strings)."""
@@ -517,34 +515,19 @@ class RedisStore(ResidencyStore):
         candidates: Sequence[str] | None = None,
     ) -> dict[str, HolderMatch]:
         """One FCALL_RO (works on replicas and for read-only ACL users). Holder names come from a
-        client-side cache of the holder table, read again when a reply names an unknown holder id
-        or the cache is older than ``NAMES_TTL`` seconds (ids are never reused)."""
+        client-side cache of the holder table (:class:`kvbus.schemas.lookup.HolderNames`), read again
+        when a reply names an unknown holder id or the cache is older than ``NAMES_TTL`` seconds."""
         if not chain:
             return {}
         spec = (weights or DEFAULT_WEIGHTS).spec()
-        args: list = [self.prefix, b"".join(chain), spec, *(candidates or ())]
-        reply = self._fcall("kvbus_lookup", *args, readonly=True)
-        if time.monotonic() - self._names_at > NAMES_TTL:
-            self._refresh_names()
-        try:
-            return parse_lookup(reply, self._names)
-        except KeyError:  # a holder created since the cache was read
-            self._refresh_names()
-            return parse_lookup(reply, self._names)
-
-    def _refresh_names(self) -> None:
-        split: dict[int, tuple[str, int]] = {}
-        ranks: dict[str, int] = {}
-        for hid, name in self._holders().items():
-            replica, dp = split[hid] = split_holder(name)
-            ranks[replica] = ranks.get(replica, 0) + 1
-        self._names, self._names_at = holder_names(split, ranks), time.monotonic()
+        reply = self._fcall(LOOKUP_FUNCTION, *lookup_args(self.prefix, chain, spec, candidates or ()), readonly=True)
+        return {m.name: m for m in self._names.answer([reply], lambda: [self._holders()])}
 
     def stale(self) -> dict[str, float]:
         return {_s(n): float(s) for n, s in self.r.zrange(self.prefix + "stale", 0, -1, withscores=True)}
 
     def _holders(self) -> dict[int, str]:
-        return {int(k): _s(v) for k, v in self.r.hgetall(self.prefix + "hname").items() if k}
+        return parse_hname(self.r.hgetall(self.prefix + "hname"))
 
     def _tier_names(self) -> dict[int, str]:
         return {int(k): _s(v) for k, v in self.r.hgetall(self.prefix + "tname").items()}
@@ -630,32 +613,3 @@ class RedisStore(ResidencyStore):
             "holders": int(self.r.zcard(self.prefix + "seen")),
         }
 
-
-def holder_names(split: dict[int, tuple[str, int]], ranks: dict[str, int]) -> dict[int, tuple[str, str, int, int]]:
-    """hid -> (display name, replica, dp_rank, dp ranks of the replica), from hid -> (replica, dp_rank)
-    and replica -> number of known dp ranks: what :func:`parse_lookup` needs per holder, computed once
-    per refresh of the names cache."""
-    out = {}
-    for hid, (replica, dp) in split.items():
-        nr = ranks.get(replica, 1)
-        out[hid] = (replica if nr <= 1 and dp == 0 else f"{replica}#{dp}", replica, dp, nr)  # HolderMatch.name
-    return out
-
-
-def parse_lookup(reply: list, names: dict[int, tuple[str, str, int, int]]) -> dict[str, HolderMatch]:
-    """Turn ``kvbus_lookup``'s reply into ``{display name: HolderMatch}``.
-
-    ``names``: hid -> (display name, replica, dp_rank, dp ranks), see :func:`holder_names`.
-    """
-    head, blobs, descs = reply
-    labels = {int(descs[i]): label(_s(descs[i + 1])) for i in range(0, len(descs), 2)}
-    out: dict[str, HolderMatch] = {}
-    k = 0
-    for blob in blobs:
-        matched, score, n = int(head[k]), int(head[k + 1]) / 1e6, int(head[k + 2])
-        tiers = {labels[int(head[k + 3 + 2 * j])]: int(head[k + 4 + 2 * j]) for j in range(n)}
-        k += 3 + 2 * n
-        for hid in struct.unpack(f">{len(blob) // 4}I", blob):
-            name, replica, dp, nr = names[hid]
-            out[name] = HolderMatch(replica, dp, matched, tiers.copy(), score, nr)
-    return out

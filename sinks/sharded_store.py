@@ -32,96 +32,45 @@ own slot migration (``redis-cli --cluster reshard`` / ``rebalance``).
 from __future__ import annotations
 
 import logging
-import time
 import zlib
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
-from urllib.parse import parse_qs, urlsplit
 
 import redis
-from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
-from redis.exceptions import AskError, ClusterDownError, ClusterError, MovedError, TryAgainError
+from redis.cluster import ClusterNode, RedisCluster
 
-from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import BlockEvent, holder_key
+from kvbus.schemas.lookup import LOOKUP_FUNCTION, HolderNames, lookup_args, parse_hname, shard_prefix, view_status
+from kvbus.schemas.redis_view import (  # noqa: F401  (re-exported: the sinks' names for them)
+    CLUSTER_SCHEMES,
+    DEFAULT_SHARDS,
+    MIGRATION_CHECK,
+    READ_FROM,
+    RETRY_FOR,
+    RETRYABLE,
+    ShardCalls,
+    cluster_client,
+    is_cluster_url,
+    parse_cluster_url,
+    read_from,
+    url_shards,
+)
 
 from kvbus.sinks import functions
 from kvbus.sinks.redis_store import (
     DEFAULT_PREFIX,
     DEFAULT_WEIGHTS,
-    NAMES_TTL,
     VIEW_CHANGED,
     Offsets,
     RedisStore,
     ViewChanged,
     _offsets_arg,
     _with_extra,
-    holder_names,
-    parse_lookup,
 )
-from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, split_holder, summary_from_counts
+from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, summary_from_counts
 from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
 
 log = logging.getLogger("kvbus.sinks")
-
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-DEFAULT_SHARDS = 16
-RETRY_FOR = 30.0
-"""Seconds a call refused during a slot migration or failover (TRYAGAIN, ASK, MOVED, CLUSTERDOWN,
-connection lost) is retried before the error is raised."""
-MIGRATION_CHECK = 1.0
-"""Seconds between two checks, by a store reading from replicas, of which shards' slots are being
-migrated (those are read from their masters)."""
-READ_FROM = ("primary", "replica")
-"""Where lookups are read: ``primary`` (default; exact at every instant) or ``replica``."""
-RETRYABLE = (MovedError, AskError, TryAgainError, ClusterDownError, ClusterError, redis.ConnectionError,
-             redis.TimeoutError)
-
-
-def is_cluster_url(url: str) -> bool:
-    """Whether ``url`` names a Redis Cluster (``redis+cluster://``)."""
-    return urlsplit(url).scheme in CLUSTER_SCHEMES
-
-
-def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
-    """``redis+cluster://h:p,h:p/0?shards=16`` -> ([(h, p), ...], {"shards": "16"}). The database
-    must be 0 (Redis Cluster has no other)."""
-    parts = urlsplit(url)
-    if parts.scheme not in CLUSTER_SCHEMES:
-        raise ValueError(f"not a redis+cluster:// URL: {url!r}")
-    nodes = []
-    for hp in parts.netloc.rpartition("@")[2].split(","):
-        host, _, port = hp.strip().rpartition(":")
-        nodes.append((host or "127.0.0.1", int(port or 6379)))
-    db = parts.path.strip("/")
-    if db not in ("", "0"):
-        raise ValueError(f"{url!r}: Redis Cluster has only database 0")
-    params = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    return nodes, params
-
-
-def cluster_client(url: str, **kw: Any) -> RedisCluster:
-    """A ``RedisCluster`` client (bytes replies) from a ``redis+cluster://`` URL's seed nodes; with
-    ``?read_from=replica`` its connections send ``READONLY`` (replicas then serve reads)."""
-    nodes, params = parse_cluster_url(url)
-    if read_from(params) == "replica":
-        kw.setdefault("load_balancing_strategy", LoadBalancingStrategy.ROUND_ROBIN)
-    auth = urlsplit(url)
-    if auth.password:
-        kw.setdefault("password", auth.password)
-    if auth.username:
-        kw.setdefault("username", auth.username)
-    if urlsplit(url).scheme.startswith("rediss"):
-        kw.setdefault("ssl", True)
-    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **kw)
-
-
-def read_from(params: Mapping[str, str]) -> str:
-    """The URL's ``read_from`` (:data:`READ_FROM`), ``primary`` when absent."""
-    value = params.get("read_from", "primary")
-    if value not in READ_FROM:
-        raise ValueError(f"read_from={value!r}: expected one of {', '.join(READ_FROM)}")
-    return value
 
 
 def open_store(url: str, prefix: str = DEFAULT_PREFIX, policy: TierPolicy = DEFAULT_POLICY, *,
@@ -133,13 +82,8 @@ def open_store(url: str, prefix: str = DEFAULT_PREFIX, policy: TierPolicy = DEFA
     if not is_cluster_url(url):
         return RedisStore(redis.Redis.from_url(url, **kw), prefix, policy, load=load)
     _, params = parse_cluster_url(url)
-    return ShardedRedisStore(cluster_client(url, **kw), prefix, policy, shards=int(params.get("shards", DEFAULT_SHARDS)),
+    return ShardedRedisStore(cluster_client(url, **kw), prefix, policy, shards=url_shards(params),
                              load=load, read_from=read_from(params))
-
-
-def shard_prefix(prefix: str, i: int) -> str:
-    """Key prefix of virtual shard ``i``: ``P{s<i>}:`` (one hash slot per shard)."""
-    return f"{prefix}{{s{i}}}:"
 
 
 def shard_of(holder: str, shards: int) -> int:
@@ -164,27 +108,18 @@ class ShardedRedisStore(ResidencyStore):
                  retry_for: float = RETRY_FOR, read_from: str = "primary", migration_check: float = MIGRATION_CHECK,
                  **store_kw: Any):
         self.rc = cluster_client(client) if isinstance(client, str) else client
-        if read_from not in READ_FROM:
-            raise ValueError(f"read_from={read_from!r}: expected one of {', '.join(READ_FROM)}")
-        if read_from == "replica" and not (self.rc.read_from_replicas or self.rc.load_balancing_strategy):
-            raise ValueError("read_from='replica' needs a RedisCluster whose connections send READONLY "
-                             "(load_balancing_strategy set; cluster_client(url) with ?read_from=replica)")
-        self.read_from = read_from
-        self.migration_check = migration_check
-        self._migrating: set[int] = set()
-        self._migrating_at = float("-inf")
         self.r = self.rc  # what RedisStore callers read plain keys through (kvbus.sinks.rebuild.view_status)
         self.prefix = prefix
         self.policy = policy
         self.nshards = shards
-        self.retry_for = retry_for
         self.shards = [RedisStore(self.rc, shard_prefix(prefix, i), policy, load=False, declare_keys=True, **store_kw)
                        for i in range(shards)]
+        self.calls = ShardCalls(self.rc, [st.fkeys for st in self.shards], read_from=read_from,
+                                migration_check=migration_check, retry_for=retry_for,
+                                reload=lambda: self.load_library(replace=True))
+        """Every shard's function calls: routing, one round trip, retries (kvbus.schemas.redis_view)."""
         self._shard_of: dict[tuple[str, int], int] = {}
-        self._names: list[dict[int, tuple[str, str, int, int]]] = [{} for _ in range(shards)]
-        self._names_at = float("-inf")
-        self.retries = 0
-        """Calls sent again after TRYAGAIN / ASK / MOVED / CLUSTERDOWN / a lost connection."""
+        self._names = HolderNames()
         if load:
             self.load_library()
             self._check_shards()
@@ -217,149 +152,41 @@ class ShardedRedisStore(ResidencyStore):
             s = self._shard_of[k] = shard_of(holder_key(replica, dp_rank), self.nshards)
         return s
 
+    @property
+    def read_from(self) -> str:
+        """Where lookups are read (:data:`READ_FROM`)."""
+        return self.calls.read_from
+
+    @property
+    def retry_for(self) -> float:
+        """Seconds a refused call is retried."""
+        return self.calls.retry_for
+
+    @property
+    def migration_check(self) -> float:
+        """Seconds between two checks of which shards are migrating, when reading from replicas."""
+        return self.calls.migration_check
+
+    @migration_check.setter
+    def migration_check(self, value: float) -> None:
+        self.calls.migration_check = value
+
+    @property
+    def retries(self) -> int:
+        """Calls sent again after TRYAGAIN / ASK / MOVED / CLUSTERDOWN / a lost connection."""
+        return self.calls.retries
+
     def _node(self, s: int, read: bool = False) -> ClusterNode:
-        """The node a call of shard ``s`` goes to: its master, or for a read (``read``) by a store
-        reading from replicas, its replica unless the shard is migrating (or has no replica)."""
-        key = self.shards[s].fkeys[0]
-        if read and self.read_from == "replica" and s not in self.migrating_shards():
-            node = self.rc.get_node_from_key(key, replica=True)
-            if node is not None:
-                return node
-        return self.rc.get_node_from_key(key)
+        """The node a call of shard ``s`` goes to (:meth:`ShardCalls.node`)."""
+        return self.calls.node(s, read)
 
     def migrating_shards(self) -> set[int]:
-        """Shards whose slot some master reports migrating or importing (``CLUSTER NODES``: the
-        ``[slot->-node]`` / ``[slot-<-node]`` entries of the master's own line), refreshed every
-        ``migration_check`` s (:data:`MIGRATION_CHECK`). A store reading from replicas also re-reads
-        the slot map then if a shard has no known replica (one may have joined or been promoted)."""
-        now = time.monotonic()
-        if now - self._migrating_at < self.migration_check:
-            return self._migrating
-        slots: set[int] = set()
-        for node in self.rc.get_primaries():
-            try:  # redis-py parses CLUSTER NODES: address -> {"flags", "migrations": [{"slot", ...}], ...}
-                nodes = node.redis_connection.execute_command("CLUSTER NODES")
-            except (ClusterError, redis.RedisError):
-                continue
-            for info in nodes.values():
-                if "myself" in info.get("flags", ""):
-                    slots.update(int(m["slot"]) for m in info.get("migrations", ()))
-        self._migrating = {s for s, st in enumerate(self.shards) if self.rc.keyslot(st.fkeys[0]) in slots}
-        self._migrating_at = now
-        if self.read_from == "replica" and any(
-                len(self.rc.nodes_manager.slots_cache.get(self.rc.keyslot(st.fkeys[0]), ())) < 2 for st in self.shards):
-            try:  # a shard without a known replica: one joined or was promoted since the slot map was read
-                self.rc.nodes_manager.initialize()
-            except (ClusterError, redis.RedisError):
-                pass
-        return self._migrating
-
-    def _send(self, calls: list[tuple[int, str, list]], idxs: list[int]) -> dict[int, Any]:
-        """Send calls ``idxs`` of ``calls`` ((shard, function, args)): all commands to every node are
-        written first, then the replies read (nodes run them concurrently). Reply or exception per call."""
-        by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
-        out: dict[int, Any] = {}
-        for j in idxs:
-            try:
-                node = self._node(calls[j][0], read=calls[j][1] == "kvbus_lookup")
-            except (ClusterError, redis.RedisError) as e:  # slot not covered during a failover
-                out[j] = e
-                continue
-            by_node.setdefault(node.name, (node, []))[1].append(j)
-        sent: list[tuple[ClusterNode, Any, list[int]]] = []
-        for node, js in by_node.values():
-            r = node.redis_connection
-            pool = r.connection_pool
-            try:
-                conn = pool.get_connection()
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                for j in js:
-                    out[j] = e
-                continue
-            try:
-                packed = []
-                for j in js:
-                    s, name, args = calls[j]
-                    keys = self.shards[s].fkeys
-                    packed += conn.pack_command("FCALL_RO" if name == "kvbus_lookup" else "FCALL", name, len(keys), *keys, *args)
-                conn.send_packed_command(packed)
-                sent.append((node, conn, js))
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                conn.disconnect()
-                pool.release(conn)
-                for j in js:
-                    out[j] = e
-        for node, conn, js in sent:
-            r, pool = node.redis_connection, node.redis_connection.connection_pool
-            try:
-                for k, j in enumerate(js):
-                    try:
-                        out[j] = r.parse_response(conn, "FCALL")
-                    except redis.ResponseError as e:
-                        out[j] = e
-                    except (redis.ConnectionError, redis.TimeoutError) as e:
-                        conn.disconnect()
-                        for j2 in js[k:]:
-                            out[j2] = e
-                        break
-            except BaseException:
-                conn.disconnect()
-                raise
-            finally:
-                pool.release(conn)
-        return out
+        """Shards whose slot some master reports migrating or importing (:meth:`ShardCalls.migrating`)."""
+        return self.calls.migrating()
 
     def _execute(self, calls: list[tuple[int, str, list]], *, ordered: bool = True) -> list:
-        """Run ``calls`` ((shard, function, args)) in one round trip, retrying those refused during a
-        slot migration or failover (:data:`RETRYABLE`) for up to ``retry_for`` s. Within a shard,
-        calls run in order: after a refused call, the shard's later calls are sent again with it
-        (``ordered``: a later call that ran although an earlier one was refused, possible only if a
-        migration is aborted between them, raises RuntimeError). Replies, an error as its exception."""
-        replies: list = [None] * len(calls)
-        pending = list(range(len(calls)))
-        deadline = time.monotonic() + self.retry_for
-        loaded = False
-        backoff = Backoff(first=0.005, cap=0.1)  # a slot moves or a replica is promoted within ms
-        while pending:
-            got = self._send(calls, pending)
-            retry: list[int] = []
-            refused: set[int] = set()
-            missing = False
-            for j in pending:
-                s, r = calls[j][0], got[j]
-                if s in refused:
-                    if not isinstance(r, Exception) and ordered:
-                        raise RuntimeError(f"shard {s}: a call ran after an earlier one of the batch was refused "
-                                           "(slot migration aborted mid-batch?); resync the shard")
-                    retry.append(j)
-                elif isinstance(r, RETRYABLE) or (isinstance(r, Exception) and functions.is_missing(r)):
-                    missing = missing or functions.is_missing(r)
-                    refused.add(s)
-                    retry.append(j)
-                    replies[j] = r
-                else:
-                    replies[j] = r
-            if not retry:
-                break
-            if missing and not loaded:
-                self.load_library(replace=True)
-                loaded = True
-            elif time.monotonic() > deadline:
-                for j in retry:
-                    if replies[j] is None:
-                        replies[j] = ClusterError("not sent: an earlier call of the shard was refused")
-                break
-            else:
-                self.retries += len(retry)
-                if any(isinstance(got[j], (MovedError, ClusterDownError, ClusterError, redis.ConnectionError,
-                                           redis.TimeoutError)) for j in retry):
-                    try:
-                        self.rc.nodes_manager.initialize()
-                    except (ClusterError, redis.RedisError):
-                        pass
-                time.sleep(backoff.next())  # while the slot moves or a replica is promoted
-            pending = retry
-        return replies
+        """Run ``calls`` ((shard, function, args)) in one round trip, retried (:meth:`ShardCalls.execute`)."""
+        return self.calls.execute(calls, ordered=ordered)
 
     # -- writes ---------------------------------------------------------------
 
@@ -485,16 +312,12 @@ class ShardedRedisStore(ResidencyStore):
         """The view's status for routers (``kvbus.sinks.rebuild.view_status``): a shard rebuilding makes the
         view rebuilding; no shard with a view: missing."""
         sts = [st.status() for st in self.shards]
-        for st in sts:
-            if st.get("state") == "rebuilding":
-                return st
-        for st in sts:
-            if st.get("state"):
-                return st
+        if any(st.get("state") for st in sts):
+            return view_status(sts, ()).as_dict()
         pipe = self.rc.pipeline()
         for st in self.shards:
             pipe.exists(st.prefix + "meta")
-        return {"state": "ready" if any(pipe.execute()) else "missing"}
+        return view_status(sts, pipe.execute()).as_dict()
 
     # -- recovery (sinks/consumer.py, sinks/rebuild.py, sinks/snapshot.py) -----------------
 
@@ -579,46 +402,20 @@ class ShardedRedisStore(ResidencyStore):
         if not chain:
             return {}
         spec = (weights or DEFAULT_WEIGHTS).spec()
-        joined = b"".join(chain)
         cands = list(candidates or ())
-        calls = [(s, "kvbus_lookup", [st.prefix, joined, spec, *cands]) for s, st in enumerate(self.shards)]
+        calls = [(s, LOOKUP_FUNCTION, lookup_args(st.prefix, chain, spec, cands)) for s, st in enumerate(self.shards)]
         replies = self._execute(calls, ordered=False)
         for r in replies:
             if isinstance(r, Exception):
                 raise r
-        if time.monotonic() - self._names_at > NAMES_TTL:
-            self._refresh_names()
-        out: dict[str, HolderMatch] = {}
-        try:
-            for s, reply in enumerate(replies):
-                if reply[1]:
-                    out.update(parse_lookup(reply, self._names[s]))
-        except KeyError:  # a holder created since the cache was read
-            self._refresh_names()
-            out = {}
-            for s, reply in enumerate(replies):
-                if reply[1]:
-                    out.update(parse_lookup(reply, self._names[s]))
-        return out
+        return {m.name: m for m in self._names.answer(replies, self._hnames)}
 
     def _hnames(self) -> list[dict[int, str]]:
         """Per shard: hid -> holder name."""
         pipe = self.rc.pipeline()
         for st in self.shards:
             pipe.hgetall(st.prefix + "hname")
-        return [{int(k): v.decode() for k, v in d.items() if k} for d in pipe.execute()]
-
-    def _refresh_names(self) -> None:
-        per = self._hnames()
-        ranks: dict[str, int] = {}
-        splits = []
-        for names in per:
-            split = {hid: split_holder(n) for hid, n in names.items()}
-            for replica, _ in split.values():
-                ranks[replica] = ranks.get(replica, 0) + 1
-            splits.append(split)
-        self._names = [holder_names(split, ranks) for split in splits]
-        self._names_at = time.monotonic()
+        return [parse_hname(d) for d in pipe.execute()]
 
     def stale(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from kvbus.schemas.events import BlockEvent
-
-from kvbus.sinks.tiers import Weights
+from kvbus.schemas.lookup import HolderMatch, display_names, split_holder  # noqa: F401  (the lookup protocol's)
+from kvbus.schemas.tiers import Weights
 
 Snapshot = dict[str, dict[str, dict[bytes, int]]]
 """``{holder name "<replica>#<dp>": {tier label: {8-byte hash: count}}}`` (count > 1 only on ref-counted tiers)."""
@@ -57,60 +57,6 @@ class ApplyResult:
         self.clears += other.clears
         self.failed.extend(other.failed)
         return self
-
-
-@dataclass
-class HolderMatch:
-    """Lookup answer for one holder."""
-
-    replica: str
-    """Engine replica id."""
-    dp_rank: int
-    """Data-parallel rank."""
-    matched: int
-    """Leading blocks of the chain held, in any tier."""
-    tiers: dict[str, int]
-    """Per tier label, leading blocks of the chain held in that tier."""
-    score: float
-    """Sum over the matched blocks of the best weight among the tiers holding each."""
-    dp_ranks: int = 1
-    """Number of dp ranks known for the replica (decides the display name)."""
-
-    @property
-    def name(self) -> str:
-        """``<replica>`` for a replica whose only rank is 0, else ``<replica>#<rank>``."""
-        if self.dp_ranks <= 1 and self.dp_rank == 0:
-            return self.replica
-        return f"{self.replica}#{self.dp_rank}"
-
-    def to_json(self) -> dict:
-        """The JSON form printed by ``kvbus lookup --json``."""
-        return {
-            "matched": self.matched,
-            "tiers": dict(sorted(self.tiers.items())),
-            "score": round(self.score, 6),
-            "replica": self.replica,
-            "dp_rank": self.dp_rank,
-        }
-
-
-def split_holder(name: str) -> tuple[str, int]:
-    """``"<replica>#<dp>"`` -> (replica, dp)."""
-    replica, _, dp = name.rpartition("#")
-    return replica, int(dp)
-
-
-def display_names(holders: Iterable[str]) -> dict[str, str]:
-    """Display name of each holder name: the bare replica when it is the replica's only holder with rank 0."""
-    holders = list(holders)
-    counts: dict[str, int] = {}
-    for h in holders:
-        counts[split_holder(h)[0]] = counts.get(split_holder(h)[0], 0) + 1
-    out = {}
-    for h in holders:
-        replica, dp = split_holder(h)
-        out[h] = replica if counts[replica] == 1 and dp == 0 else h
-    return out
 
 
 class ResidencyStore(abc.ABC):

@@ -4,7 +4,8 @@ A view is written by the real sink store (``RedisStore.apply``; ``ShardedRedisSt
 Cluster) on a private Redis, then every case is asked three ways and must give the same answer:
 ``kvbus lookup --json`` (kvbus.sinks.cli), ``redis-cli`` (the reply and the holder table read with
 ``--quoted-json``, decoded here by the rules of the protocol document, not by sinks' code), and the
-Go example ``examples/go-lookup`` (go-redis), whose stdout must equal kvbus lookup's byte for byte.
+Go package ``clients/go/kvbuslookup`` (go-redis) through its example ``examples/go-lookup``, whose
+stdout must equal kvbus lookup's byte for byte. The Go package's own unit tests run here too.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from tests.vllm_hash_vectors import PROMPTS, VECTORS
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 GO = shutil.which("go") or "/usr/local/go/bin/go"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "go-lookup"
+GO_PACKAGE = Path(__file__).resolve().parent.parent / "clients" / "go" / "kvbuslookup"
 
 
 def _h(i: int) -> bytes:
@@ -43,16 +45,17 @@ CHAIN = [_h(i) for i in range(6)]
 UNKNOWN = _h(1000)
 
 
-def _vector_hashes(algo: str, seed: str | None) -> list[bytes]:
-    (digests,) = [v[6] for v in VECTORS if (v[0], v[1], v[2], v[3], v[4]) == (algo, seed, "B", 16, None)]
+def _vector_hashes(algo: str, seed: str | None, prompt: str = "B", block_size: int = 16) -> list[bytes]:
+    (digests,) = [v[6] for v in VECTORS if (v[0], v[1], v[2], v[3], v[4]) == (algo, seed, prompt, block_size, None)]
     return [canonical_hash(bytes.fromhex(d)) for d in digests]
 
 
 def _records() -> list:
     """Holders: a (GPU 6 blocks, CPU 2), b#0 (GPU 1), b#1 (CPU@kvcr 3), c (GPU/g1 4; CPU 3 stored
     twice: counted), pod#x (a replica name with '#'; GPU 5), 24 holders of a shared 2-block prefix
-    (a wide block), and two engines holding prompt B as vLLM hashed it (sha256_cbor with the default
-    seed, xxhash_cbor with PYTHONHASHSEED=12345)."""
+    (a wide block), and engines holding a prompt as vLLM hashed it: prompt B with each algorithm
+    (sha256 and sha256_cbor with the default seed, xxhash and xxhash_cbor with PYTHONHASHSEED=12345),
+    in blocks of 8 (sha256, PYTHONHASHSEED=0), and prompt A with an empty PYTHONHASHSEED."""
     out = []
     seq = {}
 
@@ -74,6 +77,10 @@ def _records() -> list:
         add(f"shared-{k}", 0, CHAIN[:2])
     add("vllm-sha256-cbor", 0, _vector_hashes("sha256_cbor", None))
     add("vllm-xxhash-cbor", 0, _vector_hashes("xxhash_cbor", "12345"), "CPU")
+    add("vllm-sha256", 0, _vector_hashes("sha256", None))
+    add("vllm-xxhash", 0, _vector_hashes("xxhash", "12345"))
+    add("vllm-sha256-b8", 0, _vector_hashes("sha256", "0", block_size=8))
+    add("vllm-sha256-empty-seed", 0, _vector_hashes("sha256", "", prompt="A"))
     return out
 
 
@@ -81,6 +88,7 @@ def _hashes(chain: list[bytes]) -> str:
     return ",".join(str(int.from_bytes(h, "big")) for h in chain)
 
 
+TOKENS_A = ",".join(map(str, PROMPTS["A"]))
 TOKENS_B = ",".join(map(str, PROMPTS["B"]))
 CASES = {
     "all": ["--hashes", _hashes(CHAIN)],
@@ -94,6 +102,10 @@ CASES = {
     "nobody": ["--hashes", _hashes([UNKNOWN] + CHAIN)],
     "tokens-sha256-cbor": ["--tokens", TOKENS_B, "--algo", "sha256_cbor"],
     "tokens-xxhash-cbor": ["--tokens", TOKENS_B, "--algo", "xxhash_cbor", "--hash-seed", "12345"],
+    "tokens-sha256": ["--tokens", TOKENS_B, "--algo", "sha256"],
+    "tokens-xxhash": ["--tokens", TOKENS_B, "--algo", "xxhash", "--hash-seed", "12345"],
+    "tokens-sha256-blocks-of-8": ["--tokens", TOKENS_B, "--algo", "sha256", "--hash-seed", "0", "--block-size", "8"],
+    "tokens-sha256-empty-seed": ["--tokens", TOKENS_A, "--algo", "sha256", "--hash-seed", ""],
 }
 
 
@@ -122,13 +134,44 @@ def _bytes(s: str) -> bytes:
                                _ESC_CHARS[m.group(1)].decode("latin-1")), s).encode("latin-1")
 
 
+def _quoted_json(out: str) -> Any:
+    """``redis-cli --quoted-json`` output decoded. redis-cli 7.0 writes each string as its C-escaped
+    form (``\\xHH``, ``\\"``, ``\\\\``) with the backslashes JSON-escaped but the escaped quote not: a
+    quote byte (e.g. in a holder-id blob, hid 34) comes out as ``\\"`` inside the string, which is
+    made valid JSON here before it is parsed."""
+    fixed: list[str] = []
+    i, in_string = 0, False
+    while i < len(out):
+        if in_string and out.startswith("\\\\", i):  # a C escape: its backslash, JSON-escaped
+            code = out[i + 2:i + 3]
+            if code == '"':
+                fixed.append('\\\\\\"')
+                i += 3
+            elif out.startswith("\\\\", i + 2):
+                fixed.append("\\\\\\\\")
+                i += 4
+            else:
+                fixed.append("\\\\")
+                i += 2
+            continue
+        if in_string and out[i] == "\\":  # a JSON escape of redis-cli's own
+            fixed.append(out[i:i + 2])
+            i += 2
+            continue
+        if out[i] == '"':
+            in_string = not in_string
+        fixed.append(out[i])
+        i += 1
+    return json.loads("".join(fixed))
+
+
 def redis_cli(port: int, *args: str | bytes, cluster: bool = False) -> Any:
     cmd = [REDIS_CLI, "-p", str(port), *(["-c"] if cluster else []), "--quoted-input", "--quoted-json",
            *map(_quote, args)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout
     if out.startswith("error:"):
         raise RuntimeError(out[len("error:"):].strip())  # an error reply (not valid JSON: printed as is)
-    return json.loads(out)
+    return _quoted_json(out)
 
 
 def _label(desc: str) -> str:
@@ -167,17 +210,29 @@ def redis_cli_answer(port: int, views: list[tuple[str, list[str]]], chain: list[
 
 # ---------------------------------------------------------------- the Go example
 
-@pytest.fixture(scope="module")
-def go_lookup(tmp_path_factory) -> Path:
-    """examples/go-lookup built once (go-redis and xxh3 from the Go module proxy; ~25 s with a cold
-    build cache, ~1 s warm)."""
+def _need_go() -> None:
     if not os.path.exists(GO):
         if os.environ.get("CI"):
             pytest.fail(f"no Go toolchain at {GO}: the Go client of the lookup protocol is not tested")
         pytest.skip(f"no Go toolchain ({GO})")
+
+
+@pytest.fixture(scope="module")
+def go_lookup(tmp_path_factory) -> Path:
+    """examples/go-lookup built once, with the Go package through its replace directive (go-redis and
+    xxh3 from the Go module proxy; ~25 s with a cold build cache, ~1 s warm)."""
+    _need_go()
     out = tmp_path_factory.mktemp("go") / "kvbus-lookup-go"
     subprocess.run([GO, "build", "-mod=readonly", "-buildvcs=false", "-o", str(out), "."], cwd=EXAMPLE, check=True, timeout=600)
     return out
+
+
+def test_go_package_unit_tests_and_vet():
+    """The Go package's own tests (ranking and tie-breaks, reply decoding, weights, JSON form) and go vet."""
+    _need_go()
+    for cmd in ([GO, "vet", "./..."], [GO, "test", "-count=1", "./..."]):
+        r = subprocess.run(cmd, cwd=GO_PACKAGE, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stdout}{r.stderr}"
 
 
 def _go_argv(argv: list[str]) -> list[str]:
@@ -338,7 +393,7 @@ def sharded_view():
         yield cl, srv, prefix, masters, views
 
 
-SHARDED_CASES = ("all", "mixed-candidates", "weights", "tokens-xxhash-cbor")
+SHARDED_CASES = ("all", "mixed-candidates", "weights", "tokens-xxhash-cbor", "tokens-sha256")
 
 
 def test_sharded_view_redis_cli_one_call_per_shard_union_of_answers(sharded_view, capsys):

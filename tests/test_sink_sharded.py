@@ -137,7 +137,7 @@ def test_a_slot_migration_while_applying_costs_retries_not_errors(redis_server, 
 
     attempts = [0]
     cond = threading.Condition()
-    send = sharded._send
+    send = sharded.calls.send
 
     def counting_send(calls, idxs):
         with cond:
@@ -145,7 +145,7 @@ def test_a_slot_migration_while_applying_costs_retries_not_errors(redis_server, 
             cond.notify_all()
         return send(calls, idxs)
 
-    sharded._send = counting_send
+    sharded.calls.send = counting_send
     done, errors = threading.Event(), []
 
     def migrate():

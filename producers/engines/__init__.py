@@ -10,7 +10,6 @@ layout its family's), the fleet's encoder (:mod:`kvbus.engine_wire`) and :func:`
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import msgspec
 

@@ -51,14 +51,15 @@ twice its expected live size plus INDEX_SLACK records is compacted (rewritten wi
 live raw), so garbage stays below about the live size: amortized ~2 records of Lua work per toggle.
 ]]
 
-local VERSION = '@VERSION@' -- replaced at load by a digest of this file (sinks/functions.py)
+local VERSION = '@VERSION@' -- replaced at load by a digest of this file and LAYOUT (sinks/functions.py)
 local K = 64               -- tier codes per holder; member = hid * K + code
 local MAX_HOLDERS = 262144 -- 2^24 / K: members fit 3 bytes
 local BLOCK_LOAD = 16      -- block-table fields per bucket: short listpack scans (hash-max-listpack-entries >= 128)
 local INDEX_LOAD = 1024    -- live index records per bucket on average (split threshold): 8 KB strings
 local INDEX_SLACK = 64     -- garbage records a bucket may carry beyond its expected live size
 local WIDE = 60            -- packed value bytes beyond which a block becomes wide (hash-max-listpack-value >= 64)
-local LAYOUT = '3'         -- key layout version (meta field layout); 2: sorted member strings, wide = STRING;
+local LAYOUT = '@LAYOUT@'  -- key layout version (meta field layout), filled in at load from
+                           -- kvbus.schemas.lookup.LAYOUT; 2: sorted member strings, wide = STRING;
                            -- 3: the per (holder, tier) index is a toggle log of raws in STRING buckets,
                            -- holder state values are binary (struct)
 local rcall -- redis.call, set by each entry point (redis.call is not reachable while the library loads)

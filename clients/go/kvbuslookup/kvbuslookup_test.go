@@ -1,0 +1,168 @@
+package kvbuslookup
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func m(name string, micro int64, matched int) Match {
+	return Match{Name: name, Replica: name, ScoreMicro: micro, Score: float64(micro) / 1e6, Matched: matched,
+		Tiers: map[string]int{"GPU": matched}}
+}
+
+func names(ms []Match) []string {
+	out := make([]string, len(ms))
+	for i, x := range ms {
+		out[i] = x.Name
+	}
+	return out
+}
+
+func sample() []Match {
+	return []Match{m("d", 2e6, 2), m("a", 2e6, 2), m("z", 3e6, 3), m("b", 2e6, 3), m("c", 2e6, 2), m("e", 1e6, 1)}
+}
+
+func TestRankByNameIsKvbusLookupsOrder(t *testing.T) {
+	got := names(Rank(sample(), ByName))
+	if want := []string{"z", "b", "a", "c", "d", "e"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("Rank(ByName) = %v, want %v", got, want)
+	}
+	if got2 := names(Rank(sample(), nil)); !reflect.DeepEqual(got2, got) {
+		t.Fatalf("Rank(nil) = %v, want ByName's %v", got2, got)
+	}
+}
+
+func TestShuffleMovesTiedHoldersOnlyAndRepeatsWithItsSeed(t *testing.T) {
+	a, b := Shuffle(7), Shuffle(7)
+	seen := map[string]bool{}
+	for i := 0; i < 50; i++ {
+		x, y := names(Rank(sample(), a)), names(Rank(sample(), b))
+		if !reflect.DeepEqual(x, y) {
+			t.Fatalf("two Shuffle(7) gave %v and %v", x, y)
+		}
+		if x[0] != "z" || x[1] != "b" || x[5] != "e" {
+			t.Fatalf("a holder moved past another score or matched: %v", x)
+		}
+		seen[x[2]] = true
+	}
+	if len(seen) != 3 {
+		t.Fatalf("the three tied holders should each come first sometimes in 50 draws, saw %v", seen)
+	}
+}
+
+func TestByLoadPutsTheLeastLoadedFirstAndShufflesEqualLoads(t *testing.T) {
+	load := map[string]float64{"a": 3, "c": 1, "d": 1}
+	calls := map[string]int{}
+	firsts := map[string]bool{}
+	for seed := uint64(0); seed < 40; seed++ {
+		got := names(Rank(sample(), ByLoad(func(x Match) float64 { calls[x.Name]++; return load[x.Name] }, Shuffle(seed))))
+		if got[0] != "z" || got[1] != "b" || got[4] != "a" || got[5] != "e" {
+			t.Fatalf("ByLoad order %v", got)
+		}
+		firsts[got[2]] = true
+	}
+	if !firsts["c"] || !firsts["d"] {
+		t.Fatalf("equal loads c and d should each come first for some seed: %v", firsts)
+	}
+	if calls["z"] != 0 || calls["b"] != 0 || calls["e"] != 0 {
+		t.Fatalf("the load callback was asked about holders that are not tied: %v", calls)
+	}
+}
+
+// The reply of the protocol document's example (docs/lookup-protocol.md, "Reply").
+func TestParseReplyOfTheDocumentsExample(t *testing.T) {
+	reply := []interface{}{
+		[]interface{}{int64(4), int64(4000000), int64(2), int64(1), int64(2), int64(0), int64(4),
+			int64(1), int64(1000000), int64(1), int64(0), int64(1),
+			int64(3), int64(2400000), int64(1), int64(2), int64(3)},
+		[]interface{}{"\x00\x00\x00\x00", "\x00\x00\x00\x01", "\x00\x00\x00\x02"},
+		[]interface{}{int64(1), "CPU||0", int64(2), "CPU|kvcr|0", int64(0), "GPU||0"},
+	}
+	got, err := parseReply(reply)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []group{
+		{4, 4000000, map[string]int{"CPU": 2, "GPU": 4}, []int64{0}},
+		{1, 1000000, map[string]int{"GPU": 1}, []int64{1}},
+		{3, 2400000, map[string]int{"CPU@kvcr": 3}, []int64{2}},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("parseReply = %+v, want %+v", got, want)
+	}
+	malformed := []interface{}{[]interface{}{"x"}, []interface{}{"\x00\x00\x00\x00"}, []interface{}{}}
+	if _, err := parseReply(malformed); err == nil {
+		t.Fatal("a malformed head is accepted")
+	}
+}
+
+func TestWeightSpecLaysOverridesOverTheDefaults(t *testing.T) {
+	const defaults = "CPU_PINNED=0.8,STORAGE=0.5,DISK=0.5,FS=0.5,OBJ=0.5,EXTERNAL=0.4,*=0.5"
+	if got := WeightSpec(nil); got != "GPU=1.0,CPU=0.8,"+defaults {
+		t.Fatalf("default spec %q", got)
+	}
+	w, err := ParseWeights(" cpu=0.25, kvcr=2 ,GPU=3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := WeightSpec(w); got != "GPU=3.0,CPU=0.25,"+defaults+",kvcr=2.0" {
+		t.Fatalf("spec %q", got)
+	}
+	for _, bad := range []string{"GPU", "GPU=lots", "=3"} {
+		if _, err := ParseWeights(bad); err == nil {
+			t.Fatalf("ParseWeights(%q) accepted", bad)
+		}
+	}
+}
+
+func TestJSONIsPythonsJsonDumps(t *testing.T) {
+	x := Match{Name: "pod#x", Replica: "pod#x", Matched: 3, ScoreMicro: 2400000,
+		Tiers: map[string]int{"GPU": 3, "CPU@kvcr": 1}}
+	y := Match{Name: "é\"\n", Replica: "é\"\n", DPRank: 0, Matched: 1, ScoreMicro: 1, Tiers: map[string]int{}}
+	got := JSON([]Match{x, y})
+	want := `{"pod#x": {"matched": 3, "tiers": {"CPU@kvcr": 1, "GPU": 3}, "score": 2.4, "replica": "pod#x", ` +
+		`"dp_rank": 0}, ` +
+		`"\u00e9\"\n": {"matched": 1, "tiers": {}, "score": 1e-06, "replica": "\u00e9\"\n", "dp_rank": 0}}`
+	if got != want {
+		t.Fatalf("JSON =\n%s\nwant\n%s", got, want)
+	}
+	for f, s := range map[float64]string{4: "4.0", 0.0001: "0.0001", 1e16: "1e+16", 123456.789: "123456.789"} {
+		if pyFloat(f) != s {
+			t.Fatalf("pyFloat(%v) = %s, want %s", f, pyFloat(f), s)
+		}
+	}
+}
+
+func TestChainFromTokensRefusesWhatVLLMCannotMatch(t *testing.T) {
+	if _, err := ChainFromTokens([]uint64{1, 2}, 1, XXHash, nil); err == nil || !strings.Contains(err.Error(), "random") {
+		t.Fatalf("xxhash without a seed: %v", err)
+	}
+	if _, err := ChainFromTokens([]uint64{1}, 1, "md5", nil); err == nil {
+		t.Fatal("an unknown algorithm is accepted")
+	}
+	if c, err := ChainFromTokens([]uint64{1, 2, 3}, 2, SHA256, nil); err != nil || len(c) != 1 {
+		t.Fatalf("a trailing partial block has no hash: %v %v", c, err)
+	}
+}
+
+func TestPickleIntsAsCPythonWritesThem(t *testing.T) {
+	// pickle.dumps(n, protocol=5)[2+9:-1] for each n (the opcode and its argument)
+	for n, want := range map[uint64]string{
+		5: "4b05", 300: "4d2c01", 70000: "4a70110100", 1 << 31: "8a050000008000", 1<<40 + 1: "8a06010000000001",
+	} {
+		got := pickleInt(nil, n)
+		if h := strings.ToLower(hexs(got)); h != want {
+			t.Fatalf("pickleInt(%d) = %s, want %s", n, h, want)
+		}
+	}
+}
+
+func hexs(b []byte) string {
+	const d = "0123456789abcdef"
+	out := make([]byte, 0, 2*len(b))
+	for _, x := range b {
+		out = append(out, d[x>>4], d[x&15])
+	}
+	return string(out)
+}

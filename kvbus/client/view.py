@@ -1,0 +1,289 @@
+"""``ViewClient``: a router's connection to the residency view (docs/client.md).
+
+It speaks the lookup protocol of :mod:`kvbus.schemas.lookup` over redis-py: one ``FCALL_RO
+kvbus_lookup`` on a single Redis (or one of its replicas), one per shard on a Redis Cluster
+(pipelined per node, concurrent across nodes, retried through slot migrations and failovers,
+from replicas with ``?read_from=replica``: :mod:`kvbus.schemas.redis_view`), holder names from a
+cache it refreshes itself.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, Mapping, Sequence
+
+import redis
+from redis.cluster import LoadBalancingStrategy, RedisCluster
+
+from kvbus.schemas import lookup
+from kvbus.schemas.events import canonical_hash
+from kvbus.schemas.hashing import LoRA, block_hashes
+from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
+from kvbus.schemas.redis_view import (
+    MIGRATION_CHECK,
+    RETRY_FOR,
+    ShardCalls,
+    cluster_client,
+    is_cluster_url,
+    is_missing,
+    parse_cluster_url,
+    read_from as url_read_from,
+    url_shards,
+)
+from kvbus.schemas.security import redact_url
+from kvbus.schemas.tiers import Weights
+
+from kvbus.client.ties import Shuffle, TieBreak, TieBreakLike, as_tie_break, rank
+
+WeightsLike = Weights | Mapping[str, float] | str
+"""What a ``weights`` argument takes: a mapping NAME -> weight laid over the defaults (names a
+medium, e.g. ``GPU``, ``CPU``, or an ownership, e.g. ``kvcr``; ``*`` for any other tier), the same as a
+string ``"GPU=1,CPU=0.5"``, or a :class:`~kvbus.schemas.tiers.Weights`."""
+
+
+class FunctionsMissing(RuntimeError):
+    """The server does not have the ``kvbus`` function library (a Redis restarted without persistence,
+    ``FUNCTION FLUSH``, a replica before its first sync). A sink loads it when it starts and when it
+    finds it missing; a router only reads."""
+
+
+def as_weights(value: WeightsLike | None) -> Weights:
+    """``value`` as :class:`~kvbus.schemas.tiers.Weights` (None: the defaults)."""
+    if value is None:
+        return Weights()
+    if isinstance(value, Weights):
+        return value
+    if isinstance(value, str):
+        return Weights.parse(value)
+    return Weights.over(value)
+
+
+def chain_of(tokens: Sequence[int] | None, hashes: Sequence[int | bytes] | None, block_size: int, algo: str,
+             seed: str | None, *, lora: LoRA | None = None, cache_salt: str | None = None,
+             engine_version: str | None = None) -> list[bytes]:
+    """The chain of 8-byte hashes a lookup sends: ``hashes`` in their canonical form, or the hashes
+    vLLM computes for ``tokens`` with the request's LoRA adapter and cache salt
+    (:func:`kvbus.schemas.hashing.block_hashes`). ValueError unless exactly one of them is given, or
+    when an extra key comes with ``hashes`` (those are hashed already)."""
+    if (tokens is None) == (hashes is None):
+        raise ValueError("give tokens= (prompt token ids) or hashes= (block hashes), not both or neither")
+    if hashes is not None:
+        if lora is not None or cache_salt is not None or engine_version is not None:
+            raise ValueError("lora=, cache_salt= and engine_version= apply to tokens=: hashes= are hashed already")
+        return [canonical_hash(h) for h in hashes]
+    return block_hashes(tokens, block_size, algo, seed=seed, lora=lora, cache_salt=cache_salt,
+                        engine_version=engine_version)
+
+
+class ViewClient:
+    """A reader of the residency view under key prefix ``prefix``.
+
+    ``url``: ``redis://``, ``rediss://`` or ``unix://`` for a single Redis (a replica serves
+    lookups too), ``redis+cluster://h:p[,h:p...][?read_from=replica]`` for the sharded view on a
+    Redis Cluster; or a ``redis.Redis`` / ``RedisCluster`` client (bytes replies). ``tie_break``:
+    how tied holders are ordered unless a lookup says otherwise (:mod:`kvbus.client.ties`; default
+    a :class:`~kvbus.client.ties.Shuffle` seeded from the OS). ``names_ttl``: seconds the cache of
+    holder names is trusted. Redis Cluster only: ``read_from`` (``primary`` or ``replica``; default
+    the URL's, else ``primary``), ``shards`` (the shard count used when the view does not record
+    its own; default the URL's ``?shards=``, else 16), ``retry_for`` (seconds a call refused during
+    a slot migration or failover is retried), ``migration_check`` (seconds between two checks of
+    which shards migrate, when reading from replicas). ``redis_kwargs``: more redis-py client
+    arguments (``username``, ``password``, ``ssl_ca_certs``, ``socket_timeout``, ...).
+
+    No I/O happens before the first :meth:`lookup` or :meth:`status`. Safe to share between threads.
+    """
+
+    def __init__(self, url: str | redis.Redis | RedisCluster, prefix: str = DEFAULT_PREFIX, *,
+                 tie_break: TieBreakLike | None = None, names_ttl: float = NAMES_TTL,
+                 read_from: str | None = None, shards: int | None = None, retry_for: float = RETRY_FOR,
+                 migration_check: float = MIGRATION_CHECK, **redis_kwargs: Any):
+        self.prefix = prefix
+        self.tie_break: TieBreak = as_tie_break(tie_break) if tie_break is not None else Shuffle()
+        self._names = HolderNames(names_ttl)
+        self._lock = threading.Lock()
+        self._r: redis.Redis | None = None
+        self._rc: RedisCluster | None = None
+        self._url: str | None = None
+        self._kwargs = redis_kwargs
+        self._calls: ShardCalls | None = None
+        self._cluster_opts = {"retry_for": retry_for, "migration_check": migration_check}
+        if isinstance(url, RedisCluster):
+            self._rc, self._cluster = url, True
+        elif isinstance(url, redis.Redis):
+            self._r, self._cluster = url, False
+        else:
+            self._url, self._cluster = url, is_cluster_url(url)
+        params = parse_cluster_url(url)[1] if self._cluster and isinstance(url, str) else {}
+        self.read_from = read_from or url_read_from(params)
+        self._default_shards = shards if shards is not None else url_shards(params)
+
+    @classmethod
+    def from_env(cls, prefix: str = DEFAULT_PREFIX, **kw: Any) -> "ViewClient":
+        """A client of ``KVBUS_REDIS_URL`` with the credentials of ``KVBUS_REDIS_USERNAME`` /
+        ``_PASSWORD`` / ``_SSL_CA`` (:class:`kvbus.schemas.settings.Settings`)."""
+        from kvbus.schemas.settings import Settings
+
+        settings = Settings.from_env()
+        return cls(settings.redis_url, prefix, **{**settings.redis_kwargs(), **kw})
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the view is the sharded view on a Redis Cluster."""
+        return self._cluster
+
+    # -- connections ------------------------------------------------------------
+
+    def _redis(self) -> redis.Redis:
+        if self._r is None:
+            self._r = redis.Redis.from_url(self._url, **self._kwargs)
+        return self._r
+
+    def _cluster_client(self) -> RedisCluster:
+        if self._rc is None:
+            kw = dict(self._kwargs)
+            if self.read_from == "replica":  # connections that send READONLY, whatever the URL says
+                kw.setdefault("load_balancing_strategy", LoadBalancingStrategy.ROUND_ROBIN)
+            self._rc = cluster_client(self._url, **kw)
+        return self._rc
+
+    def close(self) -> None:
+        """Close the connections this client opened (not a client it was given)."""
+        if self._url is not None:
+            for c in (self._r, self._rc):
+                if c is not None:
+                    c.close()
+            self._r = self._rc = None
+            self._calls = None
+
+    def __enter__(self) -> "ViewClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the view's parts -------------------------------------------------------
+
+    def _prefixes(self) -> list[str]:
+        """Prefix of every view to ask: the view, or each shard of the sharded view."""
+        if not self._cluster:
+            return [self.prefix]
+        return [lookup.shard_prefix(self.prefix, i) for i in range(len(self._calls.keys))] if self._calls else []
+
+    def _shard_count(self) -> int:
+        """The sharded view's shard count as it records it (``P{s0}:meta shards``), else the default."""
+        raw = self._cluster_client().hget(lookup.meta_key(lookup.shard_prefix(self.prefix, 0)), lookup.SHARDS_FIELD)
+        return int(raw) if raw is not None else self._default_shards
+
+    def _ensure_shards(self) -> None:
+        """(Re)build the shard calls when the shard count is unknown or changed."""
+        n = self._shard_count()
+        if self._calls is None or len(self._calls.keys) != n:
+            keys = [lookup.declared_keys(lookup.shard_prefix(self.prefix, i)) for i in range(n)]
+            self._calls = ShardCalls(self._cluster_client(), keys, read_from=self.read_from, **self._cluster_opts)
+
+    def _pipeline(self) -> Any:
+        return self._cluster_client().pipeline() if self._cluster else self._redis().pipeline(transaction=False)
+
+    def _tables(self) -> list[dict[int, str]]:
+        """Every view's holder table (``P hname``), after checking its layout (:class:`LayoutMismatch`)."""
+        prefixes = self._prefixes()
+        pipe = self._pipeline()
+        for p in prefixes:
+            pipe.hgetall(lookup.hname_key(p))
+            pipe.hget(lookup.meta_key(p), lookup.LAYOUT_FIELD)
+        replies = pipe.execute()
+        for p, layout in zip(prefixes, replies[1::2]):
+            lookup.check_layout(p, layout)
+        return [lookup.parse_hname(t) for t in replies[0::2]]
+
+    def _refresh(self) -> None:
+        with self._lock:
+            if self._cluster:
+                self._ensure_shards()
+            self._names.update(self._tables())
+
+    # -- lookups ----------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int] | None = None, hashes: Sequence[int | bytes] | None = None, *,
+               block_size: int = 16, algo: str = "sha256", seed: str | None = None,
+               lora: LoRA | None = None, cache_salt: str | None = None, engine_version: str | None = None,
+               weights: WeightsLike | None = None, candidates: Iterable[str] | None = None,
+               tie_break: TieBreakLike | None = None) -> list[HolderMatch]:
+        """The holders of the longest cached prefix of a prompt, best first.
+
+        The prompt as ``tokens`` (its token ids, hashed as vLLM does: ``block_size`` tokens per
+        block, the engine's ``--prefix-caching-hash-algo`` as ``algo`` (``sha256``, ``sha256_cbor``,
+        ``xxhash``, ``xxhash_cbor``) and its ``PYTHONHASHSEED`` as ``seed``: None takes this
+        process's, else vLLM's default, which the xxhash algorithms do not have:
+        :class:`~kvbus.schemas.hashing.UnmatchableSeed`), or as ``hashes`` (the block hashes the
+        engine publishes, block 0 first: vLLM's unsigned ints, SGLang's signed ints, or digests as
+        bytes, of which the last 8 count). Only full blocks have hashes. A request with a LoRA
+        adapter is hashed with ``lora`` (:class:`~kvbus.schemas.hashing.LoRA`: its name and the path
+        the engines loaded it from), a salted one with ``cache_salt``; ``engine_version`` names the
+        engines' vLLM release where it hashes differently (default: the newest rules).
+
+        ``weights``: tier weights laid over the defaults (:data:`WeightsLike`); a holder's score is
+        the sum over its matched blocks of the best weight among the tiers holding each block.
+        ``candidates``: holder names ``"<replica>#<dp_rank>"`` or replica names (all its ranks) to
+        restrict the answer to; None: every holder; empty: none. ``tie_break``: this lookup's order
+        of tied holders (default: the client's).
+
+        Returns one :class:`~kvbus.schemas.lookup.HolderMatch` per holder that holds block 0, by
+        score descending, then matched descending, then ``tie_break``. Raises ValueError for bad
+        input, :class:`FunctionsMissing` when the server lacks the function library,
+        :class:`~kvbus.schemas.lookup.LayoutMismatch` for a view of another layout, and redis-py's
+        errors when Redis cannot be reached.
+        """
+        chain = chain_of(tokens, hashes, block_size, algo, seed, lora=lora, cache_salt=cache_salt,
+                         engine_version=engine_version)
+        cands = None if candidates is None else [c for c in candidates]
+        tb = as_tie_break(tie_break) if tie_break is not None else self.tie_break
+        if not chain or cands == []:
+            return []
+        spec = as_weights(weights).spec()
+        if self._names.stale or (self._cluster and self._calls is None):
+            self._refresh()
+        replies = self._call(chain, spec, cands or ())
+        with self._lock:
+            found = self._names.answer(replies, self._tables)
+        return rank(found, tb)
+
+    def _call(self, chain: list[bytes], spec: str, cands: Sequence[str]) -> list:
+        """One ``kvbus_lookup`` reply per view (shard)."""
+        try:
+            if not self._cluster:
+                return [self._redis().fcall_ro(lookup.LOOKUP_FUNCTION, 0,
+                                               *lookup.lookup_args(self.prefix, chain, spec, cands))]
+            calls = self._calls
+            replies = calls.execute([(s, lookup.LOOKUP_FUNCTION, lookup.lookup_args(p, chain, spec, cands))
+                                     for s, p in enumerate(self._prefixes())], ordered=False)
+        except redis.ResponseError as e:
+            raise self._missing(e) if is_missing(e) else e
+        for r in replies:
+            if isinstance(r, Exception):
+                raise self._missing(r) if is_missing(r) else r
+        return replies
+
+    def _missing(self, err: Exception) -> FunctionsMissing:
+        return FunctionsMissing(f"the kvbus functions are not loaded on this server ({err}); a sink loads them "
+                                "when it starts and when it finds them missing: start one against the primary")
+
+    # -- status -----------------------------------------------------------------
+
+    def status(self) -> ViewStatus:
+        """Whether answers can be trusted now: ``ready``, ``rebuilding`` (a sink is rebuilding a lost
+        view: answers may miss blocks) or ``missing`` (no view), with what ``P status`` records
+        (:class:`~kvbus.schemas.lookup.ViewStatus`). On a Redis Cluster: over all shards."""
+        if self._cluster:
+            with self._lock:
+                self._ensure_shards()
+        prefixes = self._prefixes()
+        pipe = self._pipeline()
+        for p in prefixes:
+            pipe.hgetall(lookup.status_key(p))
+            pipe.exists(lookup.meta_key(p))
+        replies = pipe.execute()
+        return lookup.view_status(replies[0::2], [bool(n) for n in replies[1::2]])
+
+    def __repr__(self) -> str:
+        where = redact_url(self._url) if self._url else type(self._rc or self._r).__name__
+        return f"ViewClient({where!r}, prefix={self.prefix!r})"

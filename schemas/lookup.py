@@ -1,0 +1,327 @@
+"""The lookup protocol: how a reader asks the residency view for the longest cached prefix.
+
+One place for what the view's writer (the sinks' stores) and its readers (:mod:`kvbus.client`,
+``kvbus lookup``) must agree on; the specification for other languages is
+docs/lookup-protocol.md. Pure Python: no Redis client here (the Redis side is
+:mod:`kvbus.schemas.redis_view`).
+
+* the key layout version (:data:`LAYOUT`; the function library is loaded with it filled in);
+* key names: ``P meta``, ``P hname``, ``P status``, the guard key, shard prefixes ``P{s<i>}:``;
+* the call: ``FCALL_RO kvbus_lookup <numkeys> [keys] P <chain> <weights> [candidates...]``
+  (:func:`lookup_args`) and its reply ``{head, hids, descs}`` (:func:`parse_reply`);
+* holder names: hid -> ``"<replica>#<dp_rank>"`` (``P hname``), display names (:func:`display_name`),
+  a cache of them (:class:`HolderNames`);
+* the answer (:class:`HolderMatch`), its ranking (:func:`rank_key`) and its JSON form;
+* the view's status (:func:`view_status`).
+"""
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from kvbus.schemas.tiers import label
+
+LAYOUT = "3"
+"""The key layout version, i.e. the lookup protocol's version: the field ``layout`` of ``P meta``.
+It changes whenever anything a reader reads changes incompatibly (keys, the call's arguments, its
+reply). The function library (``kvbus.lua``) is loaded with this value filled in."""
+
+DEFAULT_PREFIX = "kvbus:"
+"""The view's key prefix ``P`` unless the sinks run with ``--prefix`` / ``KVBUS_SINK_PREFIX``."""
+LOOKUP_FUNCTION = "kvbus_lookup"
+"""The read-only function a lookup calls (``FCALL_RO``)."""
+NAMES_TTL = 10.0
+"""Seconds a reader trusts its cache of holder names (display names depend on every holder)."""
+SCORE_SCALE = 1_000_000
+"""The reply's scores are ``score * SCORE_SCALE`` rounded to integers."""
+
+LAYOUT_FIELD = "layout"
+"""Field of ``P meta``: :data:`LAYOUT` of the view (absent: a view with no block yet)."""
+SHARDS_FIELD = "shards"
+"""Field of ``P{s0}:meta`` on Redis Cluster: the sharded view's number of shards."""
+
+READY, REBUILDING, MISSING = "ready", "rebuilding", "missing"
+"""Values of a view's status ``state``: answers complete; a sink is rebuilding a lost view (answers
+may miss blocks); no view at all."""
+
+
+class LayoutMismatch(RuntimeError):
+    """The view was written with another key layout than this reader speaks (:data:`LAYOUT`)."""
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def meta_key(prefix: str) -> str:
+    """``P meta``: the view's metadata (``layout``, ``vid``, and on shard 0 of a cluster ``shards``)."""
+    return prefix + "meta"
+
+
+def guard_key(prefix: str) -> str:
+    """``P guard``: a key never written, declared by every call on Redis Cluster so that Redis refuses
+    the call (TRYAGAIN) while the shard's slot is being migrated."""
+    return prefix + "guard"
+
+
+def hname_key(prefix: str) -> str:
+    """``P hname``: holder id (decimal) -> holder name ``"<replica>#<dp_rank>"`` (skip the field ``""``)."""
+    return prefix + "hname"
+
+
+def status_key(prefix: str) -> str:
+    """``P status``: whether answers can be trusted (``state``, ``since``, ``phase``, ...)."""
+    return prefix + "status"
+
+
+def shard_prefix(prefix: str, i: int) -> str:
+    """Key prefix of shard ``i`` of a sharded view: ``P{s<i>}:`` (one hash slot per shard)."""
+    return f"{prefix}{{s{i}}}:"
+
+
+def declared_keys(prefix: str) -> tuple[str, str]:
+    """The keys a call on Redis Cluster declares: ``P meta`` (routes the call) and ``P guard``."""
+    return meta_key(prefix), guard_key(prefix)
+
+
+def check_layout(prefix: str, layout: str | bytes | None) -> None:
+    """Raise :class:`LayoutMismatch` unless ``layout`` (``P meta layout``; None: no block yet) is :data:`LAYOUT`."""
+    if isinstance(layout, bytes):
+        layout = layout.decode()
+    if layout is not None and layout != LAYOUT:
+        raise LayoutMismatch(f"the view under {prefix!r} has layout {layout}; this client speaks {LAYOUT}: "
+                             "use a kvbus release that speaks it, or rebuild the view under a new prefix")
+
+
+# ----------------------------------------------------------------------------- the call
+
+
+def lookup_args(prefix: str, chain: Sequence[bytes], weights: str, candidates: Iterable[str] = ()) -> list:
+    """``kvbus_lookup``'s arguments after the keys: ``P``, the chain (8-byte hashes, block 0 first,
+    concatenated), the weights spec ``"NAME=W,..."`` (may be empty) and candidate holder or replica names."""
+    return [prefix, b"".join(chain), weights, *candidates]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One group of ``kvbus_lookup``'s reply: holders with identical answers."""
+
+    matched: int
+    """Leading blocks of the chain held, in any tier."""
+    score_micro: int
+    """Score in millionths (``score * SCORE_SCALE``)."""
+    tiers: dict[str, int]
+    """Tier label -> leading blocks of the chain held in that tier."""
+    hids: tuple[int, ...]
+    """Holder ids (per view: resolve them through that view's ``P hname``)."""
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def parse_reply(reply: Sequence) -> list[Group]:
+    """Decode ``kvbus_lookup``'s reply ``{head, hids, descs}`` (docs/lookup-protocol.md, "Reply")."""
+    head, blobs, descs = reply
+    labels = {int(descs[i]): label(_s(descs[i + 1])) for i in range(0, len(descs), 2)}
+    out: list[Group] = []
+    k = 0
+    for blob in blobs:
+        matched, score, n = int(head[k]), int(head[k + 1]), int(head[k + 2])
+        tiers = {labels[int(head[k + 3 + 2 * j])]: int(head[k + 4 + 2 * j]) for j in range(n)}
+        k += 3 + 2 * n
+        out.append(Group(matched, score, tiers, struct.unpack(f">{len(blob) // 4}I", blob)))
+    return out
+
+
+# ----------------------------------------------------------------------------- holders and answers
+
+
+def split_holder(name: str) -> tuple[str, int]:
+    """``"<replica>#<dp_rank>"`` -> (replica, dp_rank), split at the last ``#``."""
+    replica, _, dp = name.rpartition("#")
+    return replica, int(dp)
+
+
+def display_name(replica: str, dp_rank: int, dp_ranks: int) -> str:
+    """A holder's name in answers: ``<replica>`` when the replica has one holder (``dp_ranks``, the
+    holders the views list for it) and its rank is 0, else ``<replica>#<dp_rank>``."""
+    return replica if dp_ranks <= 1 and dp_rank == 0 else f"{replica}#{dp_rank}"
+
+
+def display_names(holders: Iterable[str]) -> dict[str, str]:
+    """Display name of each holder name ``"<replica>#<dp_rank>"`` (:func:`display_name`)."""
+    split = {h: split_holder(h) for h in holders}
+    counts: dict[str, int] = {}
+    for replica, _ in split.values():
+        counts[replica] = counts.get(replica, 0) + 1
+    return {h: display_name(replica, dp, counts[replica]) for h, (replica, dp) in split.items()}
+
+
+@dataclass
+class HolderMatch:
+    """One holder's answer to a lookup."""
+
+    replica: str
+    """Engine replica id (what a router routes to)."""
+    dp_rank: int
+    """Data-parallel rank of the engine within the replica."""
+    matched: int
+    """Leading blocks of the chain held, in any tier (0 is never answered: a holder must hold block 0)."""
+    tiers: dict[str, int]
+    """Per tier label (``GPU``, ``CPU``, ``CPU@kvcr``, ``GPU/g1``): leading blocks of the chain held in that tier."""
+    score: float
+    """Sum over the matched blocks of the best weight among the tiers holding each block."""
+    dp_ranks: int = 1
+    """Holders the view lists for the replica (decides :attr:`name`)."""
+
+    @property
+    def name(self) -> str:
+        """Display name: ``<replica>`` for a replica whose only holder has rank 0, else ``<replica>#<rank>``."""
+        return display_name(self.replica, self.dp_rank, self.dp_ranks)
+
+    @property
+    def holder(self) -> str:
+        """The holder's full name ``"<replica>#<dp_rank>"`` (what ``candidates`` accepts too)."""
+        return f"{self.replica}#{self.dp_rank}"
+
+    def to_json(self) -> dict:
+        """The value of ``kvbus lookup --json`` for this holder."""
+        return {
+            "matched": self.matched,
+            "tiers": dict(sorted(self.tiers.items())),
+            "score": round(self.score, 6),
+            "replica": self.replica,
+            "dp_rank": self.dp_rank,
+        }
+
+
+def rank_key(m: HolderMatch) -> tuple:
+    """The order of answers, best first: score descending, then matched descending, then display name
+    ascending (what ``kvbus lookup --json`` prints). Holders equal on (score, matched) are tied: the
+    name only makes the order reproducible (:mod:`kvbus.client.ties` for routers)."""
+    return -m.score, -m.matched, m.name
+
+
+def tie_key(m: HolderMatch) -> tuple[float, int]:
+    """What two holders must share to be tied: (score, matched)."""
+    return m.score, m.matched
+
+
+HolderTable = Mapping[int, str]
+"""One view's ``P hname``: holder id -> holder name ``"<replica>#<dp_rank>"``."""
+
+
+def parse_hname(raw: Mapping) -> dict[int, str]:
+    """``HGETALL P hname`` (bytes or str) -> {hid: holder name}, without the padding field ``""``."""
+    return {int(k): _s(v) for k, v in raw.items() if k not in (b"", "")}
+
+
+class HolderNames:
+    """A reader's cache of holder names over one view or the shards of a sharded view.
+
+    Holder ids are per view and never reused; display names count a replica's holders over all
+    views. The cache is read again when it is older than ``ttl`` seconds or a reply names a holder
+    id it does not know (:meth:`answer`).
+    """
+
+    def __init__(self, ttl: float = NAMES_TTL, clock: Callable[[], float] = time.monotonic):
+        self.ttl = ttl
+        self.clock = clock
+        self._names: list[dict[int, tuple[str, int, int]]] = []
+        self._at = float("-inf")
+
+    @property
+    def stale(self) -> bool:
+        """Whether the cache must be read again before it is used."""
+        return self.clock() - self._at > self.ttl
+
+    def update(self, tables: Sequence[HolderTable]) -> None:
+        """Replace the cache by ``tables`` (one per view, in the order replies are given)."""
+        split = [{hid: split_holder(name) for hid, name in t.items()} for t in tables]
+        ranks: dict[str, int] = {}
+        for view in split:
+            for replica, _ in view.values():
+                ranks[replica] = ranks.get(replica, 0) + 1
+        self._names = [{hid: (r, dp, ranks[r]) for hid, (r, dp) in view.items()} for view in split]
+        self._at = self.clock()
+
+    def matches(self, replies: Sequence[Sequence | None]) -> list[HolderMatch]:
+        """The holders of ``replies`` (one ``kvbus_lookup`` reply per view, None for a view not asked);
+        KeyError for a holder id the cache does not know."""
+        out = []
+        for view, reply in enumerate(replies):
+            if not reply or not reply[1]:
+                continue
+            names = self._names[view]
+            for g in parse_reply(reply):
+                score = g.score_micro / SCORE_SCALE
+                for hid in g.hids:
+                    replica, dp, nr = names[hid]
+                    out.append(HolderMatch(replica, dp, g.matched, dict(g.tiers), score, nr))
+        return out
+
+    def answer(self, replies: Sequence[Sequence | None],
+               fetch: Callable[[], Sequence[HolderTable]]) -> list[HolderMatch]:
+        """:meth:`matches`, after reading the tables with ``fetch`` when the cache is stale, and once
+        more when a reply names a holder created since they were read."""
+        if self.stale or len(self._names) != len(replies):
+            self.update(fetch())
+        try:
+            return self.matches(replies)
+        except KeyError:
+            self.update(fetch())
+            return self.matches(replies)
+
+
+# ----------------------------------------------------------------------------- status
+
+
+@dataclass(frozen=True)
+class ViewStatus:
+    """Whether a view's answers can be trusted (``P status``, written by the sinks)."""
+
+    state: str
+    """:data:`READY` (complete as of its Kafka offsets), :data:`REBUILDING` (a sink is rebuilding a lost
+    view: answers may miss blocks) or :data:`MISSING` (no view: Redis lost it and no sink started rebuilding)."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """Everything ``P status`` holds: ``since`` (epoch s), during a rebuild ``phase`` (``restoring``,
+    ``replaying``), ``snapshot``, ``target``; empty for a view written without a sink."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether answers are complete."""
+        return self.state == READY
+
+    @property
+    def since(self) -> float | None:
+        """When the state began (epoch s), if recorded."""
+        v = self.fields.get("since")
+        try:
+            return float(v) if v is not None else None
+        except ValueError:
+            return None
+
+    @property
+    def phase(self) -> str | None:
+        """The rebuild's phase (``restoring``, ``replaying``), if rebuilding."""
+        return self.fields.get("phase")
+
+    def as_dict(self) -> dict[str, str]:
+        """``fields`` with ``state`` set (the form ``kvbus.sinks.rebuild.view_status`` returns)."""
+        return {**self.fields, "state": self.state}
+
+
+def view_status(statuses: Sequence[Mapping], meta_exists: Iterable[bool]) -> ViewStatus:
+    """The status of a view from each view's (shard's) ``HGETALL P status`` and whether its ``P meta``
+    exists: rebuilding if any says so, else the first state recorded, else ready if any ``P meta``
+    exists (a view written without a sink), else missing."""
+    decoded = [{_s(k): _s(v) for k, v in st.items()} for st in statuses]
+    for st in decoded:
+        if st.get("state") == REBUILDING:
+            return ViewStatus(REBUILDING, st)
+    for st in decoded:
+        if st.get("state"):
+            return ViewStatus(st["state"], st)
+    return ViewStatus(READY if any(meta_exists) else MISSING, next((st for st in decoded if st), {}))
