@@ -69,10 +69,17 @@ def _s(v: Any) -> str:
 _pack_header = EVENT_HEADER.pack
 
 
+Call = tuple[list, list, list[str]]
+"""One ``kvbus_apply`` call being packed: its (topic, event) records, its arguments up to the event blob
+(:func:`_call_args`), and its holders' models (in holder order, "" when not named), which follow the view
+id and the offsets (:func:`_with_extra`)."""
+
+
 def _call_args(prefix: str, holders: dict, topics: dict, tiers: dict, rcs: list[str], blob: list[bytes]) -> list:
-    """``kvbus_apply``'s arguments (after the key count): ``holders`` (replica, dp_rank) -> index,
-    ``topics`` topic -> index, ``tiers`` descriptor -> index (each 1-based, in order of first use),
-    ``rcs`` per tier "1" if reference-counted, ``blob`` the event headers and hashes (kvbus.lua)."""
+    """``kvbus_apply``'s arguments (after the key count) up to the event blob: ``holders`` (replica,
+    dp_rank) -> index, ``topics`` topic -> index, ``tiers`` descriptor -> index (each 1-based, in order
+    of first use), ``rcs`` per tier "1" if reference-counted, ``blob`` the event headers and hashes
+    (kvbus.lua)."""
     args: list = [prefix, len(holders)]
     for replica, dp in holders:
         args += (replica, dp)
@@ -114,23 +121,22 @@ def _offsets_arg(expected: Mapping[tuple[str, int], int | None] | None, new: Off
     return "\n".join(f"{t}:{p}\t{want((t, p))}\t{s(new.get((t, p)))}" for t, p in keys)
 
 
-def _with_extra(calls: Iterator[tuple[list, list]], view_id: str | None, offsets: Offsets | None,
+def _with_extra(calls: Iterator[Call], view_id: str | None, offsets: Offsets | None,
                 expected: Mapping[tuple[str, int], int | None] | None) -> Iterator[tuple[list, list]]:
-    """The calls with ``kvbus_apply``'s optional view id and offsets appended: to each the id and the
-    offset checks, to the last also the new offsets (one call is looked ahead to know it is the last).
-    A partition of ``offsets`` missing from ``expected`` is expected absent."""
-    if view_id is None and not offsets and expected is None:
-        yield from calls
-        return
+    """The calls (records, arguments) with ``kvbus_apply``'s optional arguments appended: to each the
+    view id and the offset checks ("" when not checked), to the last also the new offsets (one call is
+    looked ahead to know it is the last), then the holders' models. A partition of ``offsets``
+    missing from ``expected`` is expected absent."""
     want = None if expected is None else {k: expected.get(k) for k in [*expected, *(offsets or {})]}
     check = _offsets_arg(want, None) if want else ""
     prev = None
     for call in calls:
         if prev is not None:
-            yield prev[0], prev[1] + [view_id or "", check]
+            yield prev[0], prev[1] + [view_id or "", check, *prev[2]]
         prev = call
     if prev is not None:
-        yield prev[0], prev[1] + [view_id or "", _offsets_arg(want, offsets)]
+        last = _offsets_arg(want, offsets) if offsets or want else ""
+        yield prev[0], prev[1] + [view_id or "", last, *prev[2]]
 
 
 @dataclass
@@ -146,6 +152,8 @@ class HolderDump:
     """(topic, epoch, seq, index) applied per topic."""
     tiers: list[tuple[str, bool, str, bytes, bytes]] = field(default_factory=list)
     """(descriptor, ref-counted, origin topic, raws held, raws once more per extra count) per tier."""
+    model: str | None = None
+    """The model the view records for the holder; None if unknown."""
 
 
 class RedisStore(ResidencyStore):
@@ -196,22 +204,23 @@ class RedisStore(ResidencyStore):
             t = self._rc[k] = (desc, "1" if self.policy.refcounted(desc) else "0")
         return t
 
-    def _pack(self, part: list[tuple[str, BlockEvent]]) -> list:
-        """FCALL arguments of ``kvbus_apply`` for ``part`` (any holders; format: kvbus.lua).
+    def _pack(self, part: list[tuple[str, BlockEvent]], view_id: str | None = None) -> list:
+        """FCALL arguments of ``kvbus_apply`` for ``part`` (any holders; format: kvbus.lua), checking
+        the view id ``view_id`` if given.
 
         ``part`` keeps each holder's records in record order (other orders do not matter)."""
-        return self._calls(part, cut=False)[0][1]
+        return next(_with_extra(self._iter_calls(part, cut=False), view_id, None, None))[1]
 
     def _calls(self, records: Iterable[tuple[str, BlockEvent]],
                cut: bool = True) -> list[tuple[list[tuple[str, BlockEvent]], list]]:
-        """(records, FCALL args) per call: every holder's records in record order, grouped by holder,
-        cut at the per-call limits (events, hashes, holders) unless ``cut`` is False."""
-        return list(self._iter_calls(records, cut))
+        """(records, FCALL args) per call, no view id or offsets checked: every holder's records in record
+        order, grouped by holder, cut at the per-call limits (events, hashes, holders) unless ``cut`` is False."""
+        return list(_with_extra(self._iter_calls(records, cut), None, None, None))
 
-    def _iter_calls(self, records: Iterable[tuple[str, BlockEvent]],
-                    cut: bool = True) -> Iterator[tuple[list[tuple[str, BlockEvent]], list]]:
-        """:meth:`_calls`, each call yielded as soon as it is packed (:meth:`_stream` sends it while the
-        next is packed). One pass packs the headers while it cuts (the sink's per-record Python cost)."""
+    def _iter_calls(self, records: Iterable[tuple[str, BlockEvent]], cut: bool = True) -> Iterator[Call]:
+        """The calls (:data:`Call`), each yielded as soon as it is packed (:meth:`_stream` sends it while
+        the next is packed; :func:`_with_extra` completes its arguments). One pass packs the headers while
+        it cuts (the sink's per-record Python cost)."""
         groups: dict[tuple[str, int], list[tuple[str, BlockEvent]]] = {}
         for rec in records:
             ev = rec[1]
@@ -223,18 +232,20 @@ class RedisStore(ResidencyStore):
                 g.append(rec)
         prefix, tier, pack, join = self.prefix, self._tier, _pack_header, b"".join
         max_ev, max_h = (self.max_events_per_call, self.max_hashes_per_call) if cut else (1 << 62, 1 << 62)
-        # the call being packed: its records, holders / topics / tiers -> 1-based index, rc flags, blob
+        # the call being packed: its records, holders / topics / tiers -> 1-based index, rc flags, blob,
+        # the holders' models
         part: list = []
         holders: dict = {}
         topics: dict = {}
         tiers: dict = {}
         rcs: list[str] = []
         blob: list[bytes] = []
+        mods: list[str] = []
         nh = 0  # its block hashes
         for hk, recs in groups.items():
             if len(holders) >= MAX_HOLDERS_PER_CALL:
-                yield part, _call_args(prefix, holders, topics, tiers, rcs, blob)
-                part, holders, topics, tiers, rcs, blob, nh = [], {}, {}, {}, [], [], 0
+                yield part, _call_args(prefix, holders, topics, tiers, rcs, blob), mods
+                part, holders, topics, tiers, rcs, blob, mods, nh = [], {}, {}, {}, [], [], [], 0
             hi = 0  # its index in the call, given at its first record there
             for rec in recs:
                 topic, ev = rec
@@ -242,13 +253,16 @@ class RedisStore(ResidencyStore):
                 t = type(e)
                 hashed = t is BlockStored or t is BlockRemoved
                 n = len(e.block_hashes) if hashed else 0
-                if part and (len(part) >= max_ev or nh + n > max_h):
-                    yield part, _call_args(prefix, holders, topics, tiers, rcs, blob)
-                    part, holders, topics, tiers, rcs, blob, nh = [], {}, {}, {}, [], [], 0
+                model = ev.model or ""
+                # a holder's records in one call share one model (its model is that of its last applied event)
+                if part and (len(part) >= max_ev or nh + n > max_h or (hi and mods[hi - 1] != model)):
+                    yield part, _call_args(prefix, holders, topics, tiers, rcs, blob), mods
+                    part, holders, topics, tiers, rcs, blob, mods, nh = [], {}, {}, {}, [], [], [], 0
                     hi = 0
                 part.append(rec)
                 if not hi:
                     hi = holders[hk] = len(holders) + 1
+                    mods.append(model)
                 ti = topics.get(topic)
                 if ti is None:
                     ti = topics[topic] = len(topics) + 1
@@ -269,7 +283,7 @@ class RedisStore(ResidencyStore):
                 else:
                     raise TypeError(f"not a kvbus event: {t.__name__}")
         if part:
-            yield part, _call_args(prefix, holders, topics, tiers, rcs, blob)
+            yield part, _call_args(prefix, holders, topics, tiers, rcs, blob), mods
 
     def apply(self, records: Iterable[tuple[str, BlockEvent]], *, view_id: str | None = None,
               offsets: Offsets | None = None,
@@ -350,9 +364,7 @@ class RedisStore(ResidencyStore):
     def _apply_one_by_one(self, part, args, err: Exception, res: ApplyResult, view_id: str | None) -> None:
         log.warning("apply refused for %d holders (%s): retrying event by event", args[1], err)
         for topic, ev in part:
-            one = self._pack([(topic, ev)])
-            if view_id is not None:
-                one += [view_id, ""]
+            one = self._pack([(topic, ev)], view_id)
             try:
                 self._add_reply(res, self._fcall("kvbus_apply", *one))
             except redis.ResponseError as e:
@@ -460,6 +472,8 @@ class RedisStore(ResidencyStore):
         out = HolderDump(seen=float(seen) if seen is not None else None)
         f = fields.get("f")
         out.floor = struct.unpack(">d", f)[0] if f is not None else None
+        m = fields.get("m")
+        out.model = _s(m) if m is not None else None
         for name, v in fields.items():
             if name.startswith("p:"):
                 e, sq, i = (int(x) for x in STATE_POS.unpack(v))
@@ -488,6 +502,7 @@ class RedisStore(ResidencyStore):
             args = head + [len(part)]
             for piece in part:
                 args += piece
+            args.append(state.model or "")
             added += int(self._fcall("kvbus_restore", *args))
         return added
 
@@ -513,6 +528,7 @@ class RedisStore(ResidencyStore):
         *,
         weights: Weights | None = None,
         candidates: Sequence[str] | None = None,
+        model: str | None = None,
     ) -> dict[str, HolderMatch]:
         """One FCALL_RO (works on replicas and for read-only ACL users). Holder names come from a
         client-side cache of the holder table (:class:`kvbus.schemas.lookup.HolderNames`), read again
@@ -520,7 +536,8 @@ class RedisStore(ResidencyStore):
         if not chain:
             return {}
         spec = (weights or DEFAULT_WEIGHTS).spec()
-        reply = self._fcall(LOOKUP_FUNCTION, *lookup_args(self.prefix, chain, spec, candidates or ()), readonly=True)
+        args = lookup_args(self.prefix, chain, spec, candidates or (), model)
+        reply = self._fcall(LOOKUP_FUNCTION, *args, readonly=True)
         return {m.name: m for m in self._names.answer([reply], lambda: [self._holders()])}
 
     def stale(self) -> dict[str, float]:
@@ -544,6 +561,12 @@ class RedisStore(ResidencyStore):
                     e, s, i = (int(x) for x in STATE_POS.unpack(v))
                     out[(name, f[2:])] = (e, s, i)
         return out
+
+    def models(self) -> dict[str, str]:
+        """From ``P mh`` (model -> the hids of its live holders)."""
+        names = self._holders()
+        return {names[int(hid)]: _s(model) for model, hids in self.r.hgetall(self.prefix + "mh").items()
+                for hid in hids.split()}
 
     def _tiers_of(self, hid: int) -> dict[int, tuple[int, int, int]]:
         """tier code -> (entries, L, S of its index) of one holder."""

@@ -163,7 +163,7 @@ def test_a_connection_lost_mid_batch_is_retried_whole(server):
     r = server.client()
     store = RedisStore(r, prefix(), max_events_per_call=2)
     recs = [(TOPIC, ev("a", i, gpu(H[i:i + 1]))) for i in range(10)]
-    calls = store._iter_calls(recs)
+    calls = store._calls(recs)
 
     def killed_after_two():
         for k, call in enumerate(calls):
