@@ -9,7 +9,7 @@ same Avro ``EventBatch`` records to the raw topic as the bridge does, with
 
 Usage::
 
-    pub = create_publisher("kafka", replica="pod-a", data_parallel_rank=0)
+    pub = create_publisher("kafka", replica="pod-a", data_parallel_rank=0, model="Qwen/Qwen3-8B")
     pub.publish(batch)          # vLLM KVEventBatch, or ts/events/data_parallel_rank duck-typed
     pub.shutdown()
 """
