@@ -307,8 +307,8 @@ class RedisStore(ResidencyStore):
         replies = self._stream(_with_extra(self._iter_calls(records), view_id, offsets, expected), calls)
         if not calls:
             return res
-        if any(functions.is_missing(x) for x in replies if isinstance(x, Exception)):
-            functions.load_library(self.r)
+        if any(functions.needs_library(x) for x in replies if isinstance(x, Exception)):
+            functions.ensure_library(self.r)  # missing, or another version that refuses these calls
             replies = self._pipeline(calls)
         for reply in replies:
             if isinstance(reply, redis.ResponseError) and VIEW_CHANGED in str(reply):
