@@ -63,10 +63,11 @@ def add_bridge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", required=True, help="replica id written into every record (unique in the fleet)")
     p.add_argument("--engine", default="auto", choices=ENGINES, help="payload layout (default auto)")
     model = read(os.environ, "KVBUS_BRIDGE_MODEL", MODEL, None)
+    now = model or "none: lookups naming a model skip this replica"
     p.add_argument("--model", type=MODEL, default=model,
                    help="the model the engine serves: its served model name, which requests name as their model "
                         "(vLLM --served-model-name), written into every record so that lookups naming the model "
-                        f"find this replica (KVBUS_BRIDGE_MODEL; now {model or 'none: lookups naming a model skip it'})")
+                        f"find this replica (KVBUS_BRIDGE_MODEL; now {now})")
     p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default '' = all)")
     p.add_argument("--dp-rank", type=NATURAL, default=0, help="DP rank of this stream when batches do not carry one (default 0)")
     p.add_argument("--worker-rank", type=NATURAL, default=0, help="tensor-parallel worker of this stream (default 0)")

@@ -125,7 +125,7 @@ class Aggregate(msgspec.Struct, array_like=True):
     """Processing time (epoch seconds) of the first report; expiry counts from here."""
     partition: int = -1
     """Raw partition of the holder (lets a store entry be placed without its meta)."""
-    model: Optional[str] = None
+    model: str | None = None
     """``EventBatch.model`` of the batch of the lowest-rank report (the consolidated event's model)."""
 
 
@@ -376,7 +376,7 @@ class Aggregator:
             self.stats.passthrough += 1
 
     def _report(self, st: HolderState, kbytes: bytes, rank: int, workers: int, pos: Position,
-                ts: float, event: Event, now: float, out: list[Output], model: Optional[str] = None) -> None:
+                ts: float, event: Event, now: float, out: list[Output], model: str | None = None) -> None:
         ident = identity(event, workers)
         pending = st.pending
         aggs = pending.get(ident)
@@ -448,7 +448,7 @@ class Aggregator:
                     del st.pending[ident]
 
     def _reset(self, st: HolderState, kbytes: bytes, rank: int, pos: Position, ts: float,
-               event: Reset, now: float, out: list[Output], model: Optional[str] = None) -> None:
+               event: Reset, now: float, out: list[Output], model: str | None = None) -> None:
         meta = st.meta
         if (
             meta.era_started is not None

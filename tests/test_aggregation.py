@@ -607,7 +607,7 @@ def test_outputs_carry_the_model_of_their_batch():
 
 def test_open_aggregates_stored_before_models_load_without_one():
     """A state store written before aggregates kept the model (nine fields) still loads."""
-    from kvbus.streams.aggregation import Aggregate, aggregate_key, encode_aggregates, meta_key, encode_meta
+    from kvbus.streams.aggregation import Aggregate, aggregate_key, encode_aggregates, encode_meta, meta_key
 
     agg = Aggregator(TOPICS, window=WINDOW)
     run(agg, [_with_model(batch(0, 2, 0, [stored(1)]), "qwen")])

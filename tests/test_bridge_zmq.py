@@ -238,7 +238,6 @@ def test_bridge_model_flag_and_variable():
     import argparse
 
     from kvbus.producers.cli import add_bridge_args, config_from_args
-    from kvbus.schemas.env import SettingError
 
     def parsed(argv, env):
         with pytest.MonkeyPatch.context() as mp:

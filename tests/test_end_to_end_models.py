@@ -79,8 +79,11 @@ def test_two_models_with_identical_prompts_never_cross_match(test_settings, tmp_
             got = pipeline.lookup_json("--hashes", hashes, "--prefix", prefix, *args, check=False)
             return None if isinstance(got, str) else got  # the sink has not loaded the functions yet
 
-        every = eventually(lambda: (lambda got: got if got is not None and set(got) == EVERYONE else None)(lookup()),
-                           150, pipeline)
+        def everyone():
+            got = lookup()
+            return got if got is not None and set(got) == EVERYONE else None
+
+        every = eventually(everyone, 150, pipeline)
         assert all(m["matched"] == 4 and m["tiers"] == {"GPU": 4} for m in every.values())
         for model, replicas in BY_MODEL.items():
             got = lookup("--model", model)

@@ -442,7 +442,7 @@ def test_go_package_lookups_naming_a_model_on_redis_and_redis_cluster():
         env = {**os.environ, "KVBUS_TEST_PREFIX": prefix, "KVBUS_TEST_REDIS_ADDR": f"127.0.0.1:{srv.port}",
                "KVBUS_TEST_CLUSTER_ADDRS": ",".join(f"{n.host}:{n.port}" for n in cl.nodes if n.master)}
         r = subprocess.run([GO, "test", "-count=1", "-v", "-run", "TestLookupNamingAModel", "./..."], cwd=GO_PACKAGE,
-                           capture_output=True, text=True, timeout=600, env=env)
+                           capture_output=True, text=True, timeout=600, env=env, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "--- PASS: TestLookupNamingAModelAnswersOnlyItsHolders" in r.stdout and "SKIP" not in r.stdout
 

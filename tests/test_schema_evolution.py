@@ -226,8 +226,8 @@ def _with_model(record: str, model: str | None):
         return msgspec.structs.replace(_batch("kvcr"), model=model)
     if record == "BlockEvent":
         return BlockEvent(replica="r1", epoch=3, seq=4, index=0, ts=2.5, event=_batch(None).events[0], model=model)
-    return ViewSnapshot(snapshot=7, taken=1.0, holder="r1#0", replica="r1", model=model,
-                        tiers=[ViewTier(descriptor="GPU||0", refcounted=False, origin="kvbus.blocks", blocks=b"\1" * 8)])
+    tier = ViewTier(descriptor="GPU||0", refcounted=False, origin="kvbus.blocks", blocks=b"\1" * 8)
+    return ViewSnapshot(snapshot=7, taken=1.0, holder="r1#0", replica="r1", model=model, tiers=[tier])
 
 
 @pytest.mark.parametrize("record", MODEL_RECORDS)

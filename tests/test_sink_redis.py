@@ -72,7 +72,9 @@ def test_a_sink_reloads_its_library_when_another_release_loaded_one_that_refuses
     before anything is written; it loads its own again (which takes the older sink's calls too)."""
     r = server.client()
     store = RedisStore(r, prefix())
-    older = lambda: r.function_load(older_library(), replace=True)  # noqa: E731
+    def older():
+        r.function_load(older_library(), replace=True)
+
     older()
     recs = [(TOPIC, msgspec.structs.replace(ev(n, 0, gpu(H[:3])), model="llama")) for n in ("a", "b")]
     res = store.apply(recs)

@@ -261,8 +261,8 @@ def test_reads_from_replicas_answer_like_the_masters_and_avoid_a_migrating_shard
 def test_the_sharded_store_reloads_its_library_over_one_that_refuses_its_calls(cluster):
     """Every master runs a library of an older release (a sink of that release started later): the
     shards' calls are refused before they write, the library is loaded again, they are sent again."""
-    from tests.test_sink_redis import older_library
     from kvbus.sinks import functions
+    from tests.test_sink_redis import older_library
 
     prefix = f"o{uuid.uuid4().hex[:8]}:"
     store = ShardedRedisStore(cluster.url, prefix)

@@ -346,7 +346,8 @@ def test_store_without_hashes_only_moves_the_position(store):
 def test_a_lookup_naming_a_model_answers_only_the_holders_of_that_model(store):
     """Two models' replicas hold the same hashes (same prompt, same seed); a third replica's model is
     unknown (its bridge has no --model): a model's lookup never answers the others."""
-    a, a1, b, u = Stream("a", model="llama-8b"), Stream("a", 1, model="llama-8b"), Stream("b", model="qwen-7b"), Stream("u")
+    a, a1 = Stream("a", model="llama-8b"), Stream("a", 1, model="llama-8b")
+    b, u = Stream("b", model="qwen-7b"), Stream("u")
     store.apply([(MAIN, a.ev(stored(H[:4]))), (MAIN, a1.ev(stored(H[:2]))), (MAIN, b.ev(stored(H[:3]))),
                  (MAIN, b.ev(stored(H[:1], "CPU"))), (MAIN, u.ev(stored(H[:4])))])
     every = store.lookup(H[:4])

@@ -124,7 +124,7 @@ def test_a_view_rebuilt_from_a_snapshot_keeps_the_holders_models(redis_server):
             return ViewSnapshot(snapshot=300, taken=0.0, holders=list(saved)), saved
 
     again = fresh(redis_server)
-    rebuild(again, Reader(), lambda: {})
+    rebuild(again, Reader(), dict)
     assert again.models() == live.models() and again.snapshot() == live.snapshot()
     held = sorted({h for tiers in live.snapshot().values() for blocks in tiers.values() for h in blocks})
     answered = set()
