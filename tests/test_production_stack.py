@@ -268,6 +268,8 @@ def test_the_replica_rules_and_bad_configurations_are_named(view):
         KvbusRouter(ViewClient(url, prefix), algo="xxhash")
     with pytest.raises(ValueError, match="unknown hash algorithm"):
         KvbusRouter(ViewClient(url, prefix), algo="md5")
+    with pytest.raises(ValueError, match="not a number"):
+        KvbusRouter(ViewClient(url, prefix), hash_seed=SEED, weights="GPU=lots")
     with pytest.raises(ValueError, match="min_matched_blocks"):
         KvbusRouter(ViewClient(url, prefix), hash_seed=SEED, min_matched_blocks=0)
 

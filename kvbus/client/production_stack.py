@@ -42,7 +42,7 @@ from kvbus.schemas.hashing import LoRA
 from kvbus.schemas.lookup import LayoutMismatch, ViewStatus
 
 from kvbus.client.ties import ByLoad, Shuffle
-from kvbus.client.view import FunctionsMissing, ViewClient, WeightsLike, chain_of
+from kvbus.client.view import FunctionsMissing, ViewClient, WeightsLike, as_weights, chain_of
 
 try:  # production-stack's router, when installed (not PyPI's vllm-router, which has no vllm_router.routers)
     from vllm_router.routers.routing_logic import RoutingInterface as _RoutingBase
@@ -211,7 +211,7 @@ class KvbusRouter(_RoutingBase):
     name -> the path the engines loaded it from, where the endpoints' ``model_info`` does not say
     (:func:`request_lora`). ``min_matched_blocks``: the fewest leading blocks a holder must hold to
     be routed to by prefix (else: by load). ``weights``: tier weights of the lookup
-    (:data:`~kvbus.client.view.WeightsLike`). ``load``: an endpoint's load (:data:`Load`; default
+    (:data:`~kvbus.client.view.WeightsLike`; checked here). ``load``: an endpoint's load (:data:`Load`; default
     :func:`endpoint_load`). ``status_every``: seconds a read of the view's status is trusted
     (0: read it for every request). ``tie_seed``: seeds the order of equal loads and tied holders
     (None: from the OS). ``max_instance_failover_reroute_attempts``: production-stack's retries on
@@ -239,7 +239,7 @@ class KvbusRouter(_RoutingBase):
         self._names = {url.rstrip("/"): name for name, url in (replica_urls or {}).items()}
         self.lora_paths = dict(lora_paths or {})
         self.min_matched_blocks = min_matched_blocks
-        self.weights = weights
+        self.weights = as_weights(weights)
         self.load = load or endpoint_load
         self.status_every = status_every
         self._shuffle = Shuffle(tie_seed)
