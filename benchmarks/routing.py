@@ -31,7 +31,11 @@ replica next in a rotation that advances with every request.
 Per rate, the engines' caches start empty (``AllBlocksCleared`` through the pipeline, then the view is
 waited for to be empty), the kvbus router plays the stream for ``--seconds``; the oracle and round-robin
 then play the same requests. Requests of the first ``--warmup`` seconds fill the caches and are not
-scored. ``kvbus_share`` = kvbus's reused tokens / the oracle's.
+scored; in the oracle's and round-robin's runs they go where kvbus sent them, so all three score from the
+same caches. ``kvbus_share`` = kvbus's reused tokens / the oracle's. Once one choice differs, the two
+fleets' caches differ and the greedy policy may do better or worse from there on, so this share drifts
+by up to a few percent either way (above 1 too). ``kvbus_share_same_state`` has no such drift: kvbus's reused tokens
+/ what the policy on the engines' own state at each lookup would have reused on kvbus's fleet (at most 1).
 
 **Freshness context** (kvbus run): ``answers_behind`` = lookups where the view held a shorter prefix
 than the engine did for some replica, ``answers_ahead`` a longer one (blocks already evicted);
@@ -73,6 +77,8 @@ from kvbus.sinks.store import ResidencyStore  # noqa: E402
 log = logging.getLogger("kvbus.bench")
 
 ROUTERS = ("kvbus", "oracle", "round_robin")
+PROGRESS_EVERY = 5.0
+"""Seconds between progress lines during a run."""
 
 
 # -- the workload ------------------------------------------------------------------------------
@@ -223,15 +229,20 @@ def rotation(names: Sequence[str], i: int) -> list[str]:
 
 
 def simulate(reqs: Sequence[Request], router: str, w: Workload, replicas: int, *, window: int, slack: int,
-             score_from: int = 0) -> Tally:
-    """Play ``reqs`` in process with ``router`` (``oracle`` or ``round_robin``) on fresh engines;
-    requests before ``score_from`` warm the caches and are not scored."""
+             warm_choices: Sequence[str] = ()) -> tuple[Tally, list[str]]:
+    """Play ``reqs`` in process with ``router`` (``oracle`` or ``round_robin``) on fresh engines; returns
+    (the tally, every request's replica). The first ``len(warm_choices)`` requests warm the caches: they
+    go where ``warm_choices`` says (the kvbus run's choices, so that every router's scored part starts
+    from the same caches) and are not scored."""
     models = engines(w, replicas)
     names = list(models)
     flight = InFlight(names, window)
     tally = Tally()
+    choices: list[str] = []
     for i, req in enumerate(reqs):
-        if router == "oracle":
+        if i < len(warm_choices):
+            choice = warm_choices[i]
+        elif router == "oracle":
             choice = pick(oracle_matches(models, req.chain), flight.load, rotation(names, i), slack)
         elif router == "round_robin":
             choice = names[i % len(names)]
@@ -239,9 +250,10 @@ def simulate(reqs: Sequence[Request], router: str, w: Workload, replicas: int, *
             raise ValueError(f"router {router!r}: expected oracle or round_robin (kvbus needs the pipeline)")
         reused, events = models[choice].admit(req.prompt + req.reply)
         flight.add(choice)
-        if i >= score_from:
+        choices.append(choice)
+        if i >= len(warm_choices):
             tally.add(req, reused, len(events), w.block_size)
-    return tally
+    return tally, choices
 
 
 def share(kvbus: Tally, oracle: Tally) -> Optional[float]:
@@ -256,6 +268,9 @@ class ViewContext:
     """How the view's answers compared with the engines at lookup time (kvbus run, scored requests)."""
 
     lookups: int = 0
+    ideal_reused_tokens: int = 0
+    """Tokens the chosen engine would have reused had each request gone where the policy on the engines'
+    state at that instant sent it (what an oracle would have gained from the same state)."""
     answers_behind: int = 0
     answers_ahead: int = 0
     choices_differ: int = 0
@@ -298,23 +313,30 @@ class Probes:
 
 
 def play_kvbus(fleet: Fleet, view: ResidencyStore, reqs: Iterator[Request], args: argparse.Namespace,
-               rate: float) -> tuple[list[Request], int, Tally, ViewContext, float]:
+               rate: float) -> tuple[list[Request], list[str], int, Tally, ViewContext, float]:
     """Route ``reqs`` by the view for ``args.seconds`` at ``rate`` engine events/s; returns (the requests
-    played, how many warmed up, the tally of the rest, the view context, seconds of the scored part)."""
+    played, the replica of each, how many warmed up, the tally of the rest, the view context, seconds of
+    the scored part)."""
     names = list(fleet.names)
     models = {n: fleet.models[(n, 0)] for n in names}
     flight = InFlight(names, args.window)
     tally, ctx = Tally(), ViewContext()
     probes = Probes(fleet, view, args.probe_every)
     played: list[Request] = []
+    choices: list[str] = []
     warm = None
     start = time.monotonic()
     next_at = start
     scored_from_t = start
+    report_at = start + PROGRESS_EVERY
     while True:
         now = time.monotonic()
         if now - start >= args.seconds:
             break
+        if now >= report_at:
+            report_at += PROGRESS_EVERY
+            print(f"  {rate:g} ev/s, {now - start:.0f} s: {len(played)} requests, {fleet.events} events, kvbus reused "
+                  f"{tally.figures()['reused_share']:.1%} of the scored prompt tokens", flush=True)
         if warm is None and now - start >= args.warmup:
             warm, scored_from_t = len(played), now
             probes.seen_ms.clear()
@@ -333,18 +355,20 @@ def play_kvbus(fleet: Fleet, view: ResidencyStore, reqs: Iterator[Request], args
         ideal = pick(truth, flight.load, order, args.slack)
         reused, events = fleet.serve(choice, req.prompt + req.reply)
         flight.add(choice)
+        choices.append(choice)
         if warm is not None:
             tally.add(req, reused, events, args.block_size)
             ctx.lookups += 1
             ctx.answers_behind += any(seen.get(n, 0) < k for n, k in truth.items())
             ctx.answers_ahead += any(k > truth.get(n, 0) for n, k in seen.items())
             ctx.choices_differ += choice != ideal
+            ctx.ideal_reused_tokens += truth.get(ideal, 0) * args.block_size
         next_at = max(next_at + max(events, 1) / rate, now - 1.0)  # the fleet's pacing, catch up <= 1 s
     end = time.monotonic()
     wait_for(lambda: probes.tick(time.monotonic(), publish=False) or not probes.outstanding, 5.0, 0.01)
     ctx.probes = list(probes.seen_ms)
     ctx.probes_unseen = len(probes.outstanding)
-    return played, warm if warm is not None else len(played), tally, ctx, end - scored_from_t
+    return played, choices, warm if warm is not None else len(played), tally, ctx, end - scored_from_t
 
 
 def view_empty(view: ResidencyStore) -> bool:
@@ -357,13 +381,13 @@ def one_rate(fleet: Fleet, view: ResidencyStore, args: argparse.Namespace, w: Wo
     fleet.clear_caches()
     if not wait_for(lambda: view_empty(view), 60, 0.2):
         raise SystemExit(f"benchmark: the view still holds blocks 60 s after the caches were cleared: {view.summary()}")
-    played, warm, kv, ctx, seconds = play_kvbus(fleet, view, requests(w), args, rate)
+    played, choices, warm, kv, ctx, seconds = play_kvbus(fleet, view, requests(w), args, rate)
     fleet.write_manifest(manifest)
     exact = wait_for(lambda: pl.view_matches_truth(view, manifest)[0], args.drain_timeout, 0.5)
     tallies = {"kvbus": kv}
     for router in ("oracle", "round_robin"):
-        tallies[router] = simulate(played, router, w, args.replicas, window=args.window, slack=args.slack,
-                                   score_from=warm)
+        tallies[router], _ = simulate(played, router, w, args.replicas, window=args.window, slack=args.slack,
+                                      warm_choices=choices[:warm])
     return {
         "target_ev_s": rate,
         "achieved_ev_s": round(kv.events / seconds) if seconds > 0 else 0,
@@ -371,6 +395,7 @@ def one_rate(fleet: Fleet, view: ResidencyStore, args: argparse.Namespace, w: Wo
         "requests": len(played), "warmup_requests": warm,
         "routers": {r: t.figures() for r, t in tallies.items()},
         "kvbus_share": share(kv, tallies["oracle"]),
+        "kvbus_share_same_state": share(kv, Tally(reused_tokens=ctx.ideal_reused_tokens)),
         "round_robin_share": share(tallies["round_robin"], tallies["oracle"]),
         "view": ctx.figures(),
         "view_exact": exact,
@@ -381,7 +406,8 @@ def rate_line(fig: dict) -> str:
     r, v = fig["routers"], fig["view"]
     return (f"{fig['target_ev_s']:>6g} ev/s (achieved {fig['achieved_ev_s']}, {fig['requests_s']} req/s) | reused "
             + " ".join(f"{k}={r[k]['reused_tokens']} ({r[k]['reused_share']:.1%})" for k in ROUTERS)
-            + f" | kvbus/oracle {fig['kvbus_share']} rr/oracle {fig['round_robin_share']}"
+            + f" | kvbus/oracle {fig['kvbus_share']} (same state {fig['kvbus_share_same_state']})"
+            + f" rr/oracle {fig['round_robin_share']}"
             + f" | behind {v['answers_behind']:.2%} choices differ {v['choices_differ']:.2%}"
             + f" | fresh p50/p99 {v['freshness_p50_ms']}/{v['freshness_p99_ms']} ms | view exact {fig['view_exact']}")
 
@@ -463,6 +489,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if started_stack:
             stack.down()
     result["kvbus_share"] = {k: v["kvbus_share"] for k, v in result["rates"].items()}
+    result["kvbus_share_same_state"] = {k: v["kvbus_share_same_state"] for k, v in result["rates"].items()}
     print(json.dumps(result))
     return 0
 

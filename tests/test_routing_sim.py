@@ -2,6 +2,7 @@
 the scoring, and the one question it asks the view (against a real Redis view)."""
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 import time
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import routing  # noqa: E402  (benchmarks/routing.py)
 
 from kvbus.engine_wire import project  # noqa: E402
+from kvbus.fleet import Fleet  # noqa: E402
 from kvbus.schemas.events import BlockEvent  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
@@ -49,26 +51,33 @@ def test_pick_prefers_the_longest_prefix_within_the_slack_then_the_least_loaded(
     assert routing.rotation(["a", "b", "c"], 4) == ["b", "c", "a"]
 
 
-@pytest.mark.parametrize("router, slack, gpu_blocks, reused", [
-    ("oracle", 10, 512, [0, 32, 64]),  # all three to replica-0: S, then the first turn's 4 blocks
-    ("oracle", 0, 512, [0, 0, 64]),  # replica-0 busier than replica-1: the second request goes there
-    ("oracle", 10, 4, [0, 32, 32]),  # 4 blocks: storing `other` evicted the first turn's own blocks
-    ("round_robin", 10, 512, [0, 0, 64]),
+@pytest.mark.parametrize("router, slack, gpu_blocks, choices, reused", [
+    ("oracle", 10, 512, "000", [0, 32, 64]),  # all three to replica-0: S, then the first turn's 4 blocks
+    ("oracle", 0, 512, "010", [0, 0, 64]),  # replica-0 busier than replica-1: the second request goes there
+    ("oracle", 10, 4, "000", [0, 32, 32]),  # 4 blocks: storing `other` evicted the first turn's own blocks
+    ("round_robin", 10, 512, "010", [0, 0, 64]),
 ])
-def test_tiny_stream_reuses_what_the_chosen_engine_held(router, slack, gpu_blocks, reused):
+def test_tiny_stream_reuses_what_the_chosen_engine_held(router, slack, gpu_blocks, choices, reused):
     w = routing.Workload(gpu_blocks=gpu_blocks)
     reqs = tiny_stream()
-    for scored in range(len(reqs)):
-        t = routing.simulate(reqs, router, w, 2, window=4, slack=slack, score_from=scored)
-        assert t.requests == len(reqs) - scored
+    want = [f"replica-{c}" for c in choices]
+    for scored in range(len(reqs)):  # the warm-up follows the choices given; the rest is the router's
+        t, got = routing.simulate(reqs, router, w, 2, window=4, slack=slack, warm_choices=want[:scored])
+        assert got == want and t.requests == len(reqs) - scored
         assert t.reused_tokens == sum(reused[scored:])
         assert t.prompt_tokens == sum(len(r.prompt) for r in reqs[scored:])
+
+
+def test_warm_up_goes_where_it_is_told_and_the_router_takes_over_after_it():
+    w = routing.Workload()
+    t, got = routing.simulate(tiny_stream(), "oracle", w, 2, window=4, slack=10, warm_choices=["replica-1"])
+    assert got == ["replica-1"] * 3 and t.reused_tokens == 32 + 64  # the oracle follows its prefixes to replica-1
 
 
 def test_reuse_counts_the_prompt_only_and_share_is_against_the_oracle():
     w = routing.Workload()
     again = tiny_stream()[0]
-    t = routing.simulate([again, again], "round_robin", w, 1, window=4, slack=0)
+    t, _ = routing.simulate([again, again], "round_robin", w, 1, window=4, slack=0)
     assert t.reused_tokens == 48  # the second time all 4 blocks are cached, 3 of them the prompt's
     assert t.figures()["reused_share"] == round(48 / 96, 4)
     assert routing.share(routing.Tally(reused_tokens=99), routing.Tally(reused_tokens=100)) == 0.99
@@ -116,3 +125,34 @@ def test_the_view_answers_the_router_as_the_oracle_does_once_it_has_every_event(
         answers = [routing.oracle_matches(models, r.chain) for r in reqs]
         assert any(len(a) > 1 for a in answers) and any(a == {} for a in answers)
         assert [routing.view_matches(store, r.chain) for r in reqs] == answers
+
+
+def test_the_kvbus_run_scores_its_choices_against_the_policy_on_the_engines_state():
+    """A view that never receives an event: every answer is empty, so kvbus routes least-loaded; the run's
+    figures must equal a replay of its requests in process, scored against the oracle's choice on the
+    same engines at each step."""
+    w = routing.Workload(gpu_blocks=64)
+    args = argparse.Namespace(seconds=1.5, warmup=0.2, window=10, slack=0, probe_every=0.0, block_size=16)
+    with RedisServer() as srv, Fleet(routing.fleet_config(w, 3)) as fleet:
+        view = RedisStore(srv.client(), f"r{uuid.uuid4().hex[:8]}:")
+        played, choices, warm, tally, ctx, _ = routing.play_kvbus(fleet, view, routing.requests(w), args, rate=1e6)
+    assert 0 < warm < len(played)
+    models = routing.engines(w, 3)
+    names = list(models)
+    flight = routing.InFlight(names, 10)
+    want, ideal, differ, behind = routing.Tally(), 0, 0, 0
+    for i, r in enumerate(played):
+        order = routing.rotation(names, i)
+        truth = routing.oracle_matches(models, r.chain)
+        choice, best = routing.pick({}, flight.load, order, 0), routing.pick(truth, flight.load, order, 0)
+        assert choices[i] == choice
+        reused, events = models[choice].admit(r.prompt + r.reply)
+        flight.add(choice)
+        if i >= warm:
+            want.add(r, reused, len(events), 16)
+            ideal += truth.get(best, 0) * 16
+            differ += choice != best
+            behind += bool(truth)
+    assert tally == want and ctx.lookups == want.requests
+    assert ctx.ideal_reused_tokens == ideal > tally.reused_tokens
+    assert ctx.choices_differ == differ > 0 and ctx.answers_behind == behind > 0 and ctx.answers_ahead == 0
