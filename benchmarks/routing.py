@@ -74,8 +74,6 @@ from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.sinks.sharded_store import open_store  # noqa: E402
 from kvbus.sinks.store import ResidencyStore  # noqa: E402
 
-log = logging.getLogger("kvbus.bench")
-
 ROUTERS = ("kvbus", "oracle", "round_robin")
 PROGRESS_EVERY = 5.0
 """Seconds between progress lines during a run."""
@@ -124,13 +122,11 @@ def requests(w: Workload) -> Iterator[Request]:
     rng = random.Random(f"routing:{w.seed}")
     system = system_prompts(random.Random(f"system:{w.seed}"), cfg)
     sessions = itertools.count()
-    # open conversation -> (id, turns left, the next prompt's start: previous prompt + reply)
-    open_: list[tuple[int, int, int, list[int]]] = []
-
     def new() -> tuple[int, int, int, list[int]]:
         return next(sessions), rng.randint(1, w.max_turns), 0, list(rng.choice(system))
 
-    open_ = [new() for _ in range(w.sessions)]
+    # each open conversation: (id, turns left, next turn, the next prompt's start: previous prompt + reply)
+    open_: list[tuple[int, int, int, list[int]]] = [new() for _ in range(w.sessions)]
     while True:
         i = rng.randrange(len(open_))
         sid, left, turn, history = open_[i]
@@ -195,7 +191,8 @@ def oracle_matches(models: Mapping[str, CacheModel], chain: Sequence[bytes]) -> 
 
 def view_matches(view: ResidencyStore, chain: Sequence[bytes]) -> dict[str, int]:
     """Replica -> leading blocks of ``chain`` the view says it holds: the router's one question to kvbus
-    (one ``FCALL_RO`` through the sink's store; a :class:`kvbus.client.ViewClient` answers it too)."""
+    (one ``FCALL_RO`` through the sink's store). The only place the benchmark reads the view: asking
+    through another client changes this function alone."""
     return {m.replica: m.matched for m in view.lookup(list(chain)).values()} if chain else {}
 
 
