@@ -71,6 +71,7 @@ from kvbus.fleet import CacheModel, Fleet, FleetConfig, ModelConfig, message, sy
 from kvbus.procs import free_port_block, wait_for  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.client import ViewClient  # noqa: E402
 from kvbus.sinks.sharded_store import open_store  # noqa: E402
 from kvbus.sinks.store import ResidencyStore  # noqa: E402
 
@@ -189,11 +190,10 @@ def oracle_matches(models: Mapping[str, CacheModel], chain: Sequence[bytes]) -> 
     return out
 
 
-def view_matches(view: ResidencyStore, chain: Sequence[bytes]) -> dict[str, int]:
-    """Replica -> leading blocks of ``chain`` the view says it holds: the router's one question to kvbus
-    (one ``FCALL_RO`` through the sink's store). The only place the benchmark reads the view: asking
-    through another client changes this function alone."""
-    return {m.replica: m.matched for m in view.lookup(list(chain)).values()} if chain else {}
+def view_matches(router: ViewClient, chain: Sequence[bytes]) -> dict[str, int]:
+    """Replica -> leading blocks of ``chain`` the view says it holds: the router's one question to kvbus,
+    asked as routers ask it (:class:`kvbus.client.ViewClient`, one ``FCALL_RO``)."""
+    return {m.replica: m.matched for m in router.lookup(hashes=list(chain))} if chain else {}
 
 
 # -- scoring -------------------------------------------------------------------------------------
@@ -309,7 +309,7 @@ class Probes:
         self.outstanding = still
 
 
-def play_kvbus(fleet: Fleet, view: ResidencyStore, reqs: Iterator[Request], args: argparse.Namespace,
+def play_kvbus(fleet: Fleet, view: ResidencyStore, router: ViewClient, reqs: Iterator[Request], args: argparse.Namespace,
                rate: float) -> tuple[list[Request], list[str], int, Tally, ViewContext, float]:
     """Route ``reqs`` by the view for ``args.seconds`` at ``rate`` engine events/s; returns (the requests
     played, the replica of each, how many warmed up, the tally of the rest, the view context, seconds of
@@ -346,7 +346,7 @@ def play_kvbus(fleet: Fleet, view: ResidencyStore, reqs: Iterator[Request], args
         req = next(reqs)
         played.append(req)
         order = rotation(names, i)
-        seen = view_matches(view, req.chain)
+        seen = view_matches(router, req.chain)
         choice = pick(seen, flight.load, order, args.slack)
         truth = oracle_matches(models, req.chain)  # the engines' state the view is compared with
         ideal = pick(truth, flight.load, order, args.slack)
@@ -372,13 +372,13 @@ def view_empty(view: ResidencyStore) -> bool:
     return not any(n for tiers in view.summary().values() for n in tiers.values())
 
 
-def one_rate(fleet: Fleet, view: ResidencyStore, args: argparse.Namespace, w: Workload, rate: float,
+def one_rate(fleet: Fleet, view: ResidencyStore, router: ViewClient, args: argparse.Namespace, w: Workload, rate: float,
              manifest: Path) -> dict:
     """Fresh caches, the kvbus run at ``rate``, then the oracle and round-robin on its requests."""
     fleet.clear_caches()
     if not wait_for(lambda: view_empty(view), 60, 0.2):
         raise SystemExit(f"benchmark: the view still holds blocks 60 s after the caches were cleared: {view.summary()}")
-    played, choices, warm, kv, ctx, seconds = play_kvbus(fleet, view, requests(w), args, rate)
+    played, choices, warm, kv, ctx, seconds = play_kvbus(fleet, view, router, requests(w), args, rate)
     fleet.write_manifest(manifest)
     exact = wait_for(lambda: pl.view_matches_truth(view, manifest)[0], args.drain_timeout, 0.5)
     tallies = {"kvbus": kv}
@@ -473,8 +473,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         fleet.start()
         time.sleep(2.0)  # bridges connected before the first batch (replay would cover the rest)
         view = open_store(run.settings.redis_url, run.prefix, load=False)
+        router = ViewClient(run.settings.redis_url, run.prefix, **run.settings.redis_kwargs())
         for rate in rates:
-            fig = one_rate(fleet, view, args, w, rate, manifest)
+            fig = one_rate(fleet, view, router, args, w, rate, manifest)
             pl.check_alive(run)
             result["rates"][f"{rate:g}"] = fig
             print(rate_line(fig), flush=True)

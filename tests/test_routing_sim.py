@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import routing  # noqa: E402  (benchmarks/routing.py)
 
+from kvbus.client import ViewClient
 from kvbus.engine_wire import project  # noqa: E402
 from kvbus.fleet import Fleet  # noqa: E402
 from kvbus.schemas.events import BlockEvent  # noqa: E402
@@ -124,7 +125,8 @@ def test_the_view_answers_the_router_as_the_oracle_does_once_it_has_every_event(
         assert removed > 0  # evictions are part of what the view must follow
         answers = [routing.oracle_matches(models, r.chain) for r in reqs]
         assert any(len(a) > 1 for a in answers) and any(a == {} for a in answers)
-        assert [routing.view_matches(store, r.chain) for r in reqs] == answers
+        with ViewClient(srv.url, store.prefix) as router:
+            assert [routing.view_matches(router, r.chain) for r in reqs] == answers
 
 
 def test_the_kvbus_run_scores_its_choices_against_the_policy_on_the_engines_state():
@@ -135,7 +137,9 @@ def test_the_kvbus_run_scores_its_choices_against_the_policy_on_the_engines_stat
     args = argparse.Namespace(seconds=1.5, warmup=0.2, window=10, slack=0, probe_every=0.0, block_size=16)
     with RedisServer() as srv, Fleet(routing.fleet_config(w, 3)) as fleet:
         view = RedisStore(srv.client(), f"r{uuid.uuid4().hex[:8]}:")
-        played, choices, warm, tally, ctx, _ = routing.play_kvbus(fleet, view, routing.requests(w), args, rate=1e6)
+        with ViewClient(srv.url, view.prefix) as router:
+            played, choices, warm, tally, ctx, _ = routing.play_kvbus(fleet, view, router, routing.requests(w), args,
+                                                                      rate=1e6)
     assert 0 < warm < len(played)
     models = routing.engines(w, 3)
     names = list(models)
