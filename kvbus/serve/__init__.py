@@ -1,0 +1,1 @@
+"""kvbus serve: the HTTP query service."""
