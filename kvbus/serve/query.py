@@ -197,9 +197,9 @@ def parse(body: bytes, by_hash: bool, hashing: Hashing) -> Query:
         _, tokens = _one_of(b, ("token_ids",))
         return Query(tokens=tokens, **common)
     name, hashes = _one_of(b, ("seq_hashes", "block_hash", "block_hashes"))
-    for i, h in enumerate(hashes):
-        if h >= U64:
-            raise BadRequest(f"{name}[{i}] = {h} is not a 64-bit hash (at most 2**64 - 1)", name)
+    if hashes and max(hashes) >= U64:
+        i, h = next((i, h) for i, h in enumerate(hashes) if h >= U64)
+        raise BadRequest(f"{name}[{i}] = {h} is not a 64-bit hash (at most 2**64 - 1)", name)
     return Query(hashes=hashes, **common)
 
 
