@@ -41,6 +41,7 @@ ANSWER_MEDIA = ("GPU", "CPU", "DISK")
 U64 = 1 << 64
 
 
+@functools.cache
 def medium(tier_label: str) -> str:
     """The answer's medium of a kvbus tier label (``GPU``, ``CPU@kvcr``, ``GPU/g1``, ``STORAGE``):
     :data:`MEDIA` of its medium, else the medium itself."""
@@ -234,17 +235,25 @@ def instance_answer(holders: Sequence[HolderMatch], block_size: int) -> dict[str
     ``longest_matched`` (the longest prefix any rank holds, on any medium), each medium's longest
     prefix held there by any rank (never more than that rank's ``matched``), and ``DP``: rank ->
     the prefix that rank holds."""
-    per_medium = dict.fromkeys(ANSWER_MEDIA, 0)
+    blocks = dict.fromkeys(ANSWER_MEDIA, 0)
     for m in holders:
-        for tier, blocks in m.tiers.items():
+        for tier, n in m.tiers.items():
             name = medium(tier)
-            per_medium[name] = max(per_medium.get(name, 0), min(blocks, m.matched) * block_size)
-    return {
-        "longest_matched": max(m.matched for m in holders) * block_size,
-        **{k: per_medium[k] for k in ANSWER_MEDIA},
-        **{k: per_medium[k] for k in sorted(per_medium) if k not in ANSWER_MEDIA},
-        "DP": {str(m.dp_rank): m.matched * block_size for m in sorted(holders, key=lambda h: h.dp_rank)},
-    }
+            n = min(n, m.matched)
+            if n > blocks.get(name, 0):
+                blocks[name] = n
+    if len(blocks) > len(ANSWER_MEDIA):  # other media after the three, by name
+        blocks = {k: blocks[k] for k in (*ANSWER_MEDIA, *sorted(blocks.keys() - set(ANSWER_MEDIA)))}
+    out = {"longest_matched": max(m.matched for m in holders) * block_size}
+    for name, n in blocks.items():
+        out[name] = n * block_size
+    ranks = holders if len(holders) == 1 else sorted(holders, key=_dp_rank)
+    out["DP"] = {str(m.dp_rank): m.matched * block_size for m in ranks}
+    return out
+
+
+def _dp_rank(m: HolderMatch) -> int:
+    return m.dp_rank
 
 
 def answer(q: Query, holders: Sequence[HolderMatch]) -> dict[str, dict[str, dict[str, Any]]]:
