@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         result["entries"] = n
         print(f"view: {n:,} entries loaded in {secs:.1f}s, Redis used_memory {used_memory(r) / 2**20:,.0f} MiB",
               flush=True)
-        sets = {"private": queries(bodies, args.queries, args.chain), "shared": queries(chains, args.queries, args.chain),
+        sets = {"private": queries(bodies, args.queries, args.chain),
+                "shared": queries(chains, args.queries, args.chain),
                 "tokens": [prompts[i % len(prompts)] for i in range(args.queries)]}
         with ViewClient(srv.url, PREFIX, tie_break=BY_NAME) as view:
             view.lookup(hashes=[1])  # names cached, connection open

@@ -482,3 +482,17 @@ def test_engines_settings_no_router_can_hash_for_exit_2():
     assert out.returncode == 2 and out.stderr.startswith("kvbus serve: --algo xxhash needs the engine's hash seed"), \
         out.stderr
     assert out.stderr.count("\n") == 1
+
+
+def test_a_port_in_use_exits_1_saying_so(redis_view):
+    import socket
+
+    srv, prefix, _ = redis_view
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([str(KVBUS), "serve", "--host", "127.0.0.1", "--port", str(port)],
+                             env={**os.environ, "KVBUS_REDIS_URL": srv.url}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

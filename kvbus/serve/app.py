@@ -62,9 +62,9 @@ class Service:
     """The query service over one :class:`~kvbus.client.ViewClient`: :meth:`app` is its aiohttp app,
     :meth:`close` stops its lookup threads (the client is the caller's to close)."""
 
-    def __init__(self, view: ViewClient, config: ServeConfig = ServeConfig(), metrics: ServeMetrics | None = None):
+    def __init__(self, view: ViewClient, config: ServeConfig | None = None, metrics: ServeMetrics | None = None):
         self.view = view
-        self.config = config
+        self.config = config = config if config is not None else ServeConfig()
         self.hashing: Hashing = config.hashing
         self.metrics = metrics or ServeMetrics()
         self.executor = (ThreadPoolExecutor(config.threads, thread_name_prefix="kvbus-serve-lookup")
