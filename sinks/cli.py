@@ -103,9 +103,9 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
         serve(config.metrics_port, metrics.registry, readiness)
         log.info("metrics on :%d/metrics, probes on /healthz and /readyz", config.metrics_port)
     check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
-    check_topics(settings, config)  # retention shorter than the snapshot interval: exit 2 naming both
     store = open_store(settings.redis_url, config.prefix, client_kwargs=settings.redis_kwargs())  # a redis+cluster:// URL: the sharded view
     check_no_eviction(store.servers())  # a Redis that evicts keys would delete parts of the view: exit 2
+    check_topics(settings, config)  # retention shorter than the snapshot interval: exit 2 naming both
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

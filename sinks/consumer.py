@@ -479,10 +479,15 @@ class SinkConsumer:
                   "Set %s %s (now %s), and give Redis memory enough for the view",
                   ", ".join(f"{n} at {name}" for name, n in evicted.items()), POLICY_SETTING, NO_EVICTION,
                   ", ".join(f"{p or 'unreadable'} at {name}" for name, p in policies.items()))
-        if self.view_id is not None:
-            self.store.drop_view_id(self.view_id)
-        self._resync = True
+        self._drop_view("keys evicted")
         return True
+
+    def _drop_view(self, why: str) -> None:
+        """Drop the view's id (it is ``rebuilding`` for routers at once, phase ``why``) and resync:
+        the resync finds no view and rebuilds it (sinks/rebuild.py), or waits for the sink that does."""
+        if self.view_id is not None:
+            self.store.drop_view_id(self.view_id, why)
+        self._resync = True
 
     def _out_of_range(self, topic: str, partition: int, err: KafkaError) -> None:
         """librdkafka found this partition's position outside its log (``auto.offset.reset`` is
@@ -505,10 +510,8 @@ class SinkConsumer:
             log.error("%s[%d]: the view stores offset %d but the partition's log ends at %d (the topic was deleted "
                       "and recreated, or its log truncated): rebuilding the view from the latest snapshot", topic,
                       partition, stored, high)
-            if self.view_id is not None:
-                self.store.drop_view_id(self.view_id)
+            self._drop_view(f"{topic}[{partition}] log replaced")
             self.metrics.log_replaced.inc()
-            self._resync = True
         elif stored is not None and stored < low:
             log.error("%s[%d]: records %d to %d were deleted (retention) before the view applied them: the view "
                       "misses them; reading on from %d. The block topics must retain records longer than a sink may "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import struct
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -93,9 +94,16 @@ LAYOUT = functions.layout_version()
 """The key layout version (written once, in kvbus.lua: LAYOUT)."""
 
 
-DROP_VID = "if redis.call('HGET', KEYS[1], 'vid') == ARGV[1] then return redis.call('HDEL', KEYS[1], 'vid') end return 0"
-"""Delete ``P meta vid`` if it is ARGV[1] (:meth:`RedisStore.drop_view_id`); a script because it is
-one compare-and-delete, not part of the view's function library."""
+DROP_VID = """
+if redis.call('HGET', KEYS[1], 'vid') ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], 'vid')
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'state', 'rebuilding', 'since', ARGV[2], 'phase', ARGV[3])
+return 1
+"""
+"""If ``P meta vid`` (KEYS[1]) is ARGV[1]: delete it and write ``P status`` (KEYS[2]) ``rebuilding``
+since ARGV[2] in phase ARGV[3], atomically (:meth:`RedisStore.drop_view_id`). A script of its own:
+one compare-and-delete of the sinks' bookkeeping, not part of the view's function library."""
 
 
 class ViewChanged(RuntimeError):
@@ -433,10 +441,12 @@ class RedisStore(ResidencyStore):
         v = self.r.hget(meta_key(self.prefix), "vid")
         return _s(v) if v is not None else None
 
-    def drop_view_id(self, view_id: str) -> bool:
-        """Forget the view's id if it is still ``view_id`` (atomically): the view counts as lost, so
-        the sinks rebuild it (sinks/rebuild.py). False: it had another id already (rebuilt meanwhile)."""
-        return bool(self.r.eval(DROP_VID, 1, meta_key(self.prefix), view_id))
+    def drop_view_id(self, view_id: str, why: str) -> bool:
+        """Forget the view's id if it is still ``view_id``, and mark it ``rebuilding`` (phase ``why``)
+        for routers, atomically: the view counts as lost, so the sinks rebuild it (sinks/rebuild.py).
+        False: it had another id already (rebuilt meanwhile)."""
+        return bool(self.r.eval(DROP_VID, 2, meta_key(self.prefix), status_key(self.prefix), view_id,
+                                repr(time.time()), why))
 
     def servers(self) -> list[tuple[str, redis.Redis]]:
         """(name, client) of the server the view is written to."""

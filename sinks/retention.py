@@ -11,7 +11,7 @@ flow), and a topic kept forever by time but bounded by size is common, so:
 | ``retention.ms`` below the snapshot interval | refuses to start (exit 2), naming both settings |
 | ``retention.ms`` below twice the interval (one failed snapshot leaves a gap of two) | warns |
 | ``retention.bytes`` set (not -1) | warns: the bytes must hold more than one interval of records |
-| no snapshots (``--snapshot-every 0``) and ``retention.ms`` finite | warns: a lost view is rebuilt from the topics' start |
+| no snapshots (``--snapshot-every 0``) and ``retention.ms`` finite | says (INFO) that a lost view is rebuilt from the topics' start |
 
 Only the block topics that exist when the sink starts are checked (a tier topic created later is not).
 """
@@ -44,16 +44,16 @@ class Retention:
     bytes: int
 
 
-def judge(retention: Retention, snapshot_every: float) -> tuple[str | None, list[str]]:
-    """(why the sink must refuse this topic, or None; the warnings) for ``snapshot_every`` seconds
-    between snapshots (0: none). Pure: the table of the module doc."""
+def judge(retention: Retention, snapshot_every: float) -> tuple[str | None, list[tuple[int, str]]]:
+    """(why the sink must refuse this topic, or None; what to log about it, (level, line)) for
+    ``snapshot_every`` seconds between snapshots (0: none). Pure: the table of the module doc."""
     t, ms, by = retention.topic, retention.ms, retention.bytes
     every_ms = snapshot_every * 1000
     warnings = []
     if snapshot_every <= 0:
         if ms >= 0:
-            warnings.append(f"no snapshots ({INTERVAL_SETTING} is 0): a view Redis loses is rebuilt by reading "
-                            f"{t} from its start, which keeps only retention.ms={ms} ({ms / 1000:g} s) of records")
+            warnings.append((logging.INFO, f"no snapshots ({INTERVAL_SETTING} is 0): a view Redis loses is rebuilt by reading "
+                            f"{t} from its start, which keeps only retention.ms={ms} ({ms / 1000:g} s) of records"))
         return None, warnings
     if 0 <= ms < every_ms:
         return (f"topic {t} keeps records retention.ms={ms} ({ms / 1000:g} s), less than the sink's snapshot "
@@ -61,12 +61,12 @@ def judge(retention: Retention, snapshot_every: float) -> tuple[str | None, list
                 f"(records after the latest snapshot would be deleted first); raise retention.ms above "
                 f"{WARN_FACTOR * every_ms:.0f} or snapshot more often"), warnings
     if 0 <= ms < WARN_FACTOR * every_ms:
-        warnings.append(f"topic {t} keeps records retention.ms={ms} ({ms / 1000:g} s), less than twice the snapshot "
+        warnings.append((logging.WARNING, f"topic {t} keeps records retention.ms={ms} ({ms / 1000:g} s), less than twice the snapshot "
                         f"interval {INTERVAL_SETTING}={snapshot_every:g} s: after one failed snapshot a lost view "
-                        "may not be rebuilt exactly")
+                        "may not be rebuilt exactly"))
     if by >= 0:
-        warnings.append(f"topic {t} is bounded by size (retention.bytes={by} per partition): it must hold more than "
-                        f"{INTERVAL_SETTING}={snapshot_every:g} s of records for a lost view to be rebuilt exactly")
+        warnings.append((logging.WARNING, f"topic {t} is bounded by size (retention.bytes={by} per partition): it must hold more than "
+                        f"{INTERVAL_SETTING}={snapshot_every:g} s of records for a lost view to be rebuilt exactly"))
     return None, warnings
 
 
@@ -87,13 +87,13 @@ def retentions(kafka: Mapping[str, Any], pattern: str) -> list[Retention]:
 
 
 def check_retention(found: Iterable[Retention], snapshot_every: float) -> None:
-    """Log every warning of :func:`judge`, then refuse (:class:`SettingError`: ``kvbus sink`` exits 2
+    """Log what :func:`judge` says of each topic, then refuse (:class:`SettingError`: ``kvbus sink`` exits 2
     with its one line) if a topic retains less than one snapshot interval."""
     refusals = []
     for r in found:
         why, warnings = judge(r, snapshot_every)
-        for w in warnings:
-            log.warning("%s", w)
+        for level, line in warnings:
+            log.log(level, "%s", line)
         if why:
             refusals.append(why)
     if refusals:

@@ -32,6 +32,7 @@ own slot migration (``redis-cli --cluster reshard`` / ``rebalance``).
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
@@ -40,7 +41,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 
 from kvbus.schemas.events import BlockEvent, holder_key
-from kvbus.schemas.lookup import LOOKUP_FUNCTION, HolderNames, lookup_args, parse_hname, shard_prefix, view_status
+from kvbus.schemas.lookup import (LOOKUP_FUNCTION, HolderNames, lookup_args, parse_hname, shard_prefix, status_key,
+                                  view_status)
 from kvbus.schemas.redis_view import (  # noqa: F401  (re-exported: the sinks' names for them)
     CLUSTER_SCHEMES,
     DEFAULT_SHARDS,
@@ -286,10 +288,12 @@ class ShardedRedisStore(ResidencyStore):
         for s in range(self.nshards) if shards is None else shards:
             self.shards[s].set_view_id(view_id)
 
-    def drop_view_id(self, view_id: str) -> bool:
-        """Forget the view's id in every shard that still has ``view_id``: the whole view is rebuilt
-        (sinks/rebuild.py). False: no shard had it any more."""
-        return sum(int(self.rc.eval(DROP_VID, 1, st.prefix + "meta", view_id)) for st in self.shards) > 0
+    def drop_view_id(self, view_id: str, why: str) -> bool:
+        """Forget the view's id, and mark it ``rebuilding`` (phase ``why``), in every shard that still
+        has ``view_id``: the whole view is rebuilt (sinks/rebuild.py). False: no shard had it any more."""
+        now = repr(time.time())
+        return sum(int(self.rc.eval(DROP_VID, 2, st.prefix + "meta", status_key(st.prefix), view_id, now, why))
+                   for st in self.shards) > 0
 
     def servers(self) -> list[tuple[str, redis.Redis]]:
         """(name, client) of every master (the servers the view is written to)."""
