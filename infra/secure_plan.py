@@ -140,7 +140,8 @@ def redis_rules(sink: SinkConfig) -> dict[str, str]:
         ADMIN: "~* &* +@all",
         # the view's keys; reads, writes, MULTI, FUNCTION LOAD / FCALL; nothing @dangerous (FLUSHALL,
         # KEYS, CONFIG, ...) except INFO (the sink reads the server version, run id, maxmemory-policy and
-        # evicted_keys), and no FUNCTION FLUSH / DELETE / RESTORE (not @dangerous in Redis 7.0, but they drop libraries)
+        # evicted_keys), and no FUNCTION FLUSH / DELETE / RESTORE (not @dangerous in Redis 7.0, but they
+        # drop libraries)
         SINK: f"resetchannels ~{keys} -@all +@read +@write +@keyspace +@transaction +@connection +@scripting "
               "-@dangerous +info -function|flush -function|delete -function|restore",
         # read-only key access (%R~) to the view; FCALL_RO but not FCALL; no writes of any kind

@@ -43,7 +43,7 @@ class SinkMetrics:
                                      "Seconds the last rebuild took, restore and replay", registry=r)
         self.redis_full = Gauge("kvbus_sink_redis_oom",
                                 "1 while Redis refuses the view's writes for lack of memory (OOM at maxmemory under "
-                                "noeviction): the sink stops applying, loses nothing, and goes on once Redis has memory",
+                                "noeviction): the sink stops applying, loses nothing, goes on once Redis has memory",
                                 registry=r)
         self.redis_full_refusals = Counter("kvbus_sink_redis_oom_refusals",
                                            "Batches Redis refused for lack of memory (read again later)", registry=r)

@@ -11,7 +11,7 @@ flow), and a topic kept forever by time but bounded by size is common, so:
 | ``retention.ms`` below the snapshot interval | refuses to start (exit 2), naming both settings |
 | ``retention.ms`` below twice the interval (one failed snapshot leaves a gap of two) | warns |
 | ``retention.bytes`` set (not -1) | warns: the bytes must hold more than one interval of records |
-| no snapshots (``--snapshot-every 0``) and ``retention.ms`` finite | says (INFO) that a lost view is rebuilt from the topics' start |
+| no snapshots (``--snapshot-every 0``), ``retention.ms`` finite | says (INFO): a lost view is rebuilt from the start |
 
 Only the block topics that exist when the sink starts are checked (a tier topic created later is not).
 """
@@ -49,25 +49,25 @@ def judge(retention: Retention, snapshot_every: float) -> tuple[str | None, list
     ``snapshot_every`` seconds between snapshots (0: none). Pure: the table of the module doc."""
     t, ms, by = retention.topic, retention.ms, retention.bytes
     every_ms = snapshot_every * 1000
-    warnings = []
+    keeps = f"topic {t} keeps records retention.ms={ms} ({ms / 1000:g} s)"
+    interval = f"{INTERVAL_SETTING}={snapshot_every:g} s"
+    notes: list[tuple[int, str]] = []
     if snapshot_every <= 0:
         if ms >= 0:
-            warnings.append((logging.INFO, f"no snapshots ({INTERVAL_SETTING} is 0): a view Redis loses is rebuilt by reading "
-                            f"{t} from its start, which keeps only retention.ms={ms} ({ms / 1000:g} s) of records"))
-        return None, warnings
+            notes.append((logging.INFO, f"no snapshots ({INTERVAL_SETTING} is 0): a view Redis loses is rebuilt by "
+                                        f"reading {t} from its start, and {keeps}"))
+        return None, notes
     if 0 <= ms < every_ms:
-        return (f"topic {t} keeps records retention.ms={ms} ({ms / 1000:g} s), less than the sink's snapshot "
-                f"interval {INTERVAL_SETTING}={snapshot_every:g} s: a view Redis loses could not be rebuilt exactly "
-                f"(records after the latest snapshot would be deleted first); raise retention.ms above "
-                f"{WARN_FACTOR * every_ms:.0f} or snapshot more often"), warnings
+        return (f"{keeps}, less than the sink's snapshot interval {interval}: a view Redis loses could not be "
+                f"rebuilt exactly (records after the latest snapshot would be deleted first); raise retention.ms "
+                f"above {WARN_FACTOR * every_ms:.0f} or snapshot more often"), notes
     if 0 <= ms < WARN_FACTOR * every_ms:
-        warnings.append((logging.WARNING, f"topic {t} keeps records retention.ms={ms} ({ms / 1000:g} s), less than twice the snapshot "
-                        f"interval {INTERVAL_SETTING}={snapshot_every:g} s: after one failed snapshot a lost view "
-                        "may not be rebuilt exactly"))
+        notes.append((logging.WARNING, f"{keeps}, less than twice the snapshot interval {interval}: after one "
+                                       "failed snapshot a lost view may not be rebuilt exactly"))
     if by >= 0:
-        warnings.append((logging.WARNING, f"topic {t} is bounded by size (retention.bytes={by} per partition): it must hold more than "
-                        f"{INTERVAL_SETTING}={snapshot_every:g} s of records for a lost view to be rebuilt exactly"))
-    return None, warnings
+        notes.append((logging.WARNING, f"topic {t} is bounded by size (retention.bytes={by} per partition): it must "
+                                       f"hold more than {interval} of records for a lost view to be rebuilt exactly"))
+    return None, notes
 
 
 def retentions(kafka: Mapping[str, Any], pattern: str) -> list[Retention]:

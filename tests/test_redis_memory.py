@@ -46,40 +46,61 @@ def used(r) -> int:
 # ------------------------------------------------------------------ the stores on a full Redis
 
 
-def test_a_full_redis_refuses_batches_whole_and_loses_nothing_once_memory_is_raised():
+@pytest.fixture(params=["single", "cluster"])
+def full_view(request):
+    """A view on a Redis (or a 3-master Redis Cluster) under ``noeviction``, each server's
+    ``maxmemory`` a little above what it uses: (store, its servers' clients)."""
+    if request.param == "single":
+        with RedisServer(["--maxmemory-policy", "noeviction"]) as srv:
+            yield RedisStore(srv.client(), "kvbus:", max_events_per_call=8)
+        return
+    from kvbus.sinks.sharded_store import ShardedRedisStore
+    from tests.redis_cluster import RedisClusterServer
+
+    with RedisClusterServer(3) as cluster:
+        yield ShardedRedisStore(cluster.client(), "kvbus:", max_events_per_call=8)
+
+
+def apply_from(store, records, at: int, step: int):
+    """Apply ``records[at:at + step]`` as the sink does (offsets stored with the batch, fenced)."""
+    return store.apply(records[at:at + step], view_id="v", offsets={TP: at + step}, expected=store.checkpoint([TP]))
+
+
+def test_a_full_redis_refuses_batches_whole_and_loses_nothing_once_memory_is_raised(full_view):
     """Batches applied as the sink applies them (offsets stored with the last call, each batch many
-    calls) into a Redis a little above its current use: one is refused with RedisFull (never an event
-    in ``failed``: those would be dead-lettered), the stored offset is where the refused batch began,
-    and applying again from it after ``CONFIG SET maxmemory`` gives exactly the model's view."""
+    calls) into servers a little above their current use: one is refused with RedisFull (never an
+    event in ``failed``: those would be dead-lettered), the stored offset is where the refused batch
+    began (a cluster: the least of the shards'), and applying again from it after ``CONFIG SET
+    maxmemory`` gives exactly the model's view."""
+    store = full_view
     records = growing_streams(T, holders=6, events=300)
-    with RedisServer(["--maxmemory-policy", "noeviction"]) as srv:
-        r = srv.client()
-        store = RedisStore(r, "kvbus:", max_events_per_call=8)
-        store.set_view_id("v")
+    store.set_view_id("v")
+    servers = [r for _, r in store.servers()]
+    for r in servers:
+        assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
         r.config_set("maxmemory", used(r) + 200_000)
-        step, at, full = 100, 0, None
-        while at < len(records):
-            try:
-                res = store.apply(records[at:at + step], view_id="v", offsets={TP: at + step},
-                                  expected=store.checkpoint([TP]))
-            except RedisFull as e:
-                full = e
-                break
-            assert res.failed == [], "a full Redis is not a reason to dead-letter good events"
-            at += step
-        assert full is not None, f"Redis never filled up: used {used(r)} of {r.config_get('maxmemory')}"
-        assert "maxmemory" in str(full) and "CONFIG SET maxmemory" in str(full)
-        assert store.offsets() == ({TP: at} if at else {}), "the refused batch stored no offset"
-        with pytest.raises(RedisFull):  # still full: the same batch is refused again
-            store.apply(records[at:at + step], view_id="v", offsets={TP: at + step}, expected=store.checkpoint([TP]))
+    step, at, full = 100, 0, None
+    while at < len(records):
+        try:
+            res = apply_from(store, records, at, step)
+        except RedisFull as e:
+            full = e
+            break
+        assert res.failed == [], "a full Redis is not a reason to dead-letter good events"
+        at += step
+    assert full is not None, f"Redis never filled up: used {[used(r) for r in servers]}"
+    assert "maxmemory" in str(full) and "CONFIG SET maxmemory" in str(full)
+    assert store.offsets() == ({TP: at} if at else {}), "the refused batch stored no offset"
+    with pytest.raises(RedisFull):  # still full: the same batch is refused again
+        apply_from(store, records, at, step)
+    for r in servers:
         r.config_set("maxmemory", 0)
-        while at < len(records):
-            res = store.apply(records[at:at + step], view_id="v", offsets={TP: at + step},
-                              expected=store.checkpoint([TP]))
-            assert res.failed == []
-            at += step
-        model = model_of(records)
-        assert store.snapshot() == model.snapshot() and store.positions() == model.positions()
+    at = store.offsets().get(TP, 0)
+    while at < len(records):
+        assert apply_from(store, records, at, step).failed == []
+        at += step
+    model = model_of(records)
+    assert store.snapshot() == model.snapshot() and store.positions() == model.positions()
 
 
 def test_a_call_of_a_batch_does_not_run_unless_the_call_before_it_did():
