@@ -46,12 +46,12 @@ def used(r) -> int:
 # ------------------------------------------------------------------ the stores on a full Redis
 
 
-@pytest.fixture(params=["single", "cluster"])
+@pytest.fixture(params=["redis", "valkey", "cluster"])
 def full_view(request):
-    """A view on a Redis (or a 3-master Redis Cluster) under ``noeviction``, each server's
-    ``maxmemory`` a little above what it uses: (store, its servers' clients)."""
-    if request.param == "single":
-        with RedisServer(["--maxmemory-policy", "noeviction"]) as srv:
+    """A view (its store) on a Redis, a Valkey or a 3-master Redis Cluster under ``noeviction``."""
+    if request.param != "cluster":
+        kind = VALKEY if request.param == "valkey" else REDIS
+        with RedisServer(["--maxmemory-policy", "noeviction"], kind=kind) as srv:
             yield RedisStore(srv.client(), "kvbus:", max_events_per_call=8)
         return
     from kvbus.sinks.sharded_store import ShardedRedisStore
@@ -122,6 +122,32 @@ def test_a_call_of_a_batch_does_not_run_unless_the_call_before_it_did():
         for _, args in calls:  # in order, every call runs
             store._fcall("kvbus_apply", *args)
         assert store.offsets() == {TP: len(records)} and store.snapshot() == model_of(records).snapshot()
+
+
+def test_a_call_refused_for_its_events_leaves_the_rest_of_the_batch_applied_one_by_one():
+    """A refusal that is the events' own (a holder's tier table full) in the middle of a chained
+    batch: the later calls refuse as a broken chain, and are applied event by event with the refused
+    call's good events; only the bad event is returned for the dead-letter topic, and the batch's
+    offsets are stored."""
+    from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
+
+    def ev(replica: str, seq: int, group: int = 0) -> tuple[str, BlockEvent]:
+        return T.blocks, BlockEvent(replica=replica, epoch=1, seq=seq, index=0, ts=1.0, event=BlockStored(
+            block_hashes=[canonical_hash(ord(replica) * 1000 + seq)], medium="GPU", group_idx=group))
+    full_tiers = [ev("a", g, group=g) for g in range(64)]
+    bad = ev("a", 100, group=64)
+    batch = [*(ev("b", i) for i in range(4)), bad, ev("a", 101), *(ev("c", i) for i in range(4)),
+             *(ev("d", i) for i in range(4))]
+    with RedisServer() as srv:
+        store = RedisStore(srv.client(), "kvbus:", max_events_per_call=4)
+        store.set_view_id("v")
+        store.apply(full_tiers)
+        assert len(list(_with_extra(store._iter_calls(batch), "v", {TP: 14}, {TP: None}))) == 4
+        res = store.apply(batch, view_id="v", offsets={TP: 14}, expected={TP: None})
+        assert [e for _, e, _ in res.failed] == [bad[1]] and "tier table full" in res.failed[0][2]
+        assert res.applied == len(batch) - 1 and store.offsets() == {TP: 14}
+        model = model_of(full_tiers + batch)
+        assert store.snapshot() == model.snapshot() and store.positions() == model.positions()
 
 
 # ------------------------------------------------------------------ a sink refuses a server that evicts
