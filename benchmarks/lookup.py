@@ -50,7 +50,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvbus.schemas.events import BlockEvent, BlockStored  # noqa: E402
+from benchmarks.fleet_view import load_kvbus, pct, queries as query_set, used_memory  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
 from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402
@@ -58,7 +58,6 @@ from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync  # noq
 from kvbus.sinks.sharded_store import ShardedRedisStore, cluster_client  # noqa: E402
 from kvbus.sinks.tiers import Weights  # noqa: E402
 
-TOPIC = "kvbus.blocks"
 LLMD_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
 
 
@@ -134,35 +133,6 @@ class LlmdIndex:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def used_memory(r: redis.Redis) -> int:
-    return int(r.info("memory")["used_memory"])
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def load_kvbus(store: RedisStore, stores, batch: int) -> tuple[int, float]:
-    seq: dict[int, int] = {}
-    records: list = []
-    n = 0
-    t0 = time.perf_counter()
-    for s in stores:
-        q = seq.get(s.replica, 0)
-        seq[s.replica] = q + 1
-        ev = BlockEvent(replica=f"r{s.replica}", epoch=1, seq=q, index=0, ts=time.time(),
-                        event=BlockStored(block_hashes=s.hashes, medium=s.medium, block_size=16))
-        records.append((TOPIC, ev))
-        n += len(s.hashes)
-        if len(records) >= batch:
-            store.apply(records)
-            records = []
-    if records:
-        store.apply(records)
-    return n, time.perf_counter() - t0
 
 
 def load_llmd(index: LlmdIndex, stores, batch: int) -> tuple[int, float]:
@@ -309,9 +279,7 @@ def run_cluster(args) -> dict:
                                            load=False, read_from="replica")
         wait_replicas_in_sync(cl, replica_reader.rc)
         for kind, sample in (("shared", chains), ("private", bodies)):
-            queries = [c[:args.chain] for c in sample][: args.queries]
-            while len(queries) < args.queries:
-                queries += queries[: args.queries - len(queries)]
+            queries = query_set(sample, args.queries, args.chain)
             single.lookup(queries[0], weights=weights)
             out: dict = {"queries": len(queries)}
             lat1, ans1 = _lat(single, queries, weights)
@@ -391,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             result["bytes_ratio_llmd_over_kvbus"] = round(ll_bytes / n2 / (kv_bytes / n), 2)
 
         for kind, sample in (("shared", chains), ("private", bodies)):
-            queries = [c[:args.chain] for c in sample][: args.queries]
-            while len(queries) < args.queries:
-                queries += queries[: args.queries - len(queries)]
+            queries = query_set(sample, args.queries, args.chain)
             result[kind] = measure(kind, store, llmd, queries, args)
         result["redis_used_memory_mb"] = round(used_memory(r0) / 2**20, 1)
         mem = r0.info("memory")

@@ -112,9 +112,10 @@ def _streams(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
 def principal_envs() -> dict[str, dict[str, str]]:
     """The secured stack's ``KVBUS_*`` settings of each principal (its env files)."""
     from kvbus.infra import secure
+    from kvbus.infra.settings import read_env_file
 
     layout = secure.SecureLayout.default()
-    return {p: secure.read_env_file(layout.env_file(p)) for p in secure.PRINCIPALS}
+    return {p: read_env_file(layout.env_file(p)) for p in secure.PRINCIPALS}
 
 
 def _start_pipeline(children: Children, args: argparse.Namespace, manifest: Path,

@@ -29,7 +29,8 @@ worker, for the streams stage's aggregation tests.
 **Python API.** :class:`EnginePublisher` (one stream), :class:`CacheModel` (content +
 ground truth), :class:`Fleet` (``start``/``publish_step``/``play``/``stop``); script mode
 (:meth:`Fleet.play`) publishes an explicit list of :class:`ScriptBatch` for exact
-end-to-end expectations.
+end-to-end expectations; outside-request mode (:meth:`Fleet.serve`) has a chosen replica serve a
+request from a router and publish what its cache did (``benchmarks/routing.py``).
 """
 from __future__ import annotations
 
@@ -294,6 +295,12 @@ def system_prompts(rng: random.Random, cfg: ModelConfig) -> list[list[int]]:
             for _ in range(cfg.system_prompts)]
 
 
+def message(rng: random.Random, cfg: ModelConfig) -> list[int]:
+    """One conversation message (a user turn or a reply): 1-12 full blocks plus a partial block of random tokens."""
+    bs = cfg.block_size
+    return [rng.randrange(1, cfg.vocab) for _ in range(rng.randint(1, 12) * bs + rng.randrange(bs))]
+
+
 class CacheModel:
     """A prefix cache serving synthetic prompts; emits vLLM-like events and keeps ground truth.
 
@@ -334,13 +341,12 @@ class CacheModel:
 
     def new_prompt(self) -> list[int]:
         """A prompt: an earlier one plus a new turn, or a system prompt plus a user suffix."""
-        rng, bs = self.rng, self.cfg.block_size
+        rng = self.rng
         if self.prompts and rng.random() < self.cfg.continue_rate:
             base = rng.choice(self.prompts)
         else:
             base = rng.choice(self.system)
-        suffix = [rng.randrange(1, self.cfg.vocab) for _ in range(rng.randint(1, 12) * bs + rng.randrange(bs))]
-        return base + suffix
+        return base + message(rng, self.cfg)
 
     def hashes(self, tokens: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
         """(canonical 8-byte hashes, full digests) of the full blocks of ``tokens``."""
@@ -352,9 +358,7 @@ class CacheModel:
         self.steps += 1
         events: list[Event] = []
         if self.rng.random() < self.cfg.clear_rate:
-            events.append(AllBlocksCleared())
-            self._lru.clear()
-            self.clears += 1
+            events.append(self._clear())
         lo, hi = self.cfg.requests_per_step
         for _ in range(self.rng.randint(lo, hi)):
             events += self.serve(self.new_prompt())
@@ -362,10 +366,44 @@ class CacheModel:
             self.truth.apply(project(self.fmt, e, raw_hashes=self._raw))
         return events
 
+    def _clear(self) -> AllBlocksCleared:
+        self._lru.clear()
+        self.clears += 1
+        return AllBlocksCleared()
+
+    def clear(self) -> AllBlocksCleared:
+        """Reset the prefix cache (vLLM's ``reset_prefix_cache``): every tier emptied, ground truth
+        included; returns the event that announces it."""
+        event = self._clear()
+        self.truth.apply(event)
+        return event
+
+    def admit(self, tokens: list[int]) -> tuple[int, list[Event]]:
+        """Serve one request sent from outside (a router's choice): returns (leading full blocks of
+        ``tokens`` that were already resident on GPU, i.e. the prefix the engine reused; the events of
+        serving it), the ground truth updated."""
+        hashes, digests = self.hashes(tokens)
+        reused = self.resident_prefix(hashes)
+        events = self._serve_hashed(tokens, hashes, digests)
+        for e in events:
+            self.truth.apply(project(self.fmt, e, raw_hashes=self._raw))
+        return reused, events
+
+    def resident_prefix(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the chain ``hashes`` resident on GPU (ground truth)."""
+        gpu = self.truth.tiers.get(("GPU" if self._has_medium else None, None), {})
+        n = 0
+        while n < len(hashes) and hashes[n] in gpu:
+            n += 1
+        return n
+
     def serve(self, tokens: list[int]) -> list[Event]:
         """Events of serving one prompt (its full blocks cached on GPU, maybe offloaded)."""
-        self.prompts.append(tokens)
         hashes, digests = self.hashes(tokens)
+        return self._serve_hashed(tokens, hashes, digests)
+
+    def _serve_hashed(self, tokens: list[int], hashes: list[bytes], digests: list[bytes]) -> list[Event]:
+        self.prompts.append(tokens)
         if not hashes:
             return []
         gpu_medium = "GPU" if self._has_medium else None
@@ -422,13 +460,10 @@ class CacheModel:
 
     def manifest(self) -> dict[str, Any]:
         """Prompts served (most recent last) with how many leading blocks are resident on GPU."""
-        gpu = self.truth.tiers.get(("GPU" if self._has_medium else None, None), {})
         prompts = []
         for toks in self.prompts:
             hs, _ = self.hashes(toks)
-            resident = 0
-            while resident < len(hs) and hs[resident] in gpu:
-                resident += 1
+            resident = self.resident_prefix(hs)
             prompts.append({"tokens": toks, "blocks": len(hs), "resident_blocks": resident,
                             "resident": resident == len(hs) and bool(hs)})
         return {
@@ -639,6 +674,21 @@ class Fleet:
         self.steps += 1
         self.events += n
         return n
+
+    def serve(self, replica: str, tokens: list[int], dp_rank: int = 0) -> tuple[int, int]:
+        """Outside-request mode: (replica, dp_rank) serves one request a router sent it
+        (:meth:`CacheModel.admit`) and publishes the events as one batch; returns (leading blocks of
+        ``tokens`` it reused from its GPU cache, events published)."""
+        reused, events = self.models[(replica, dp_rank)].admit(tokens)
+        if events:  # vLLM publishes only non-empty batches
+            self.publish_events(replica, events, dp_rank)
+            self.events += len(events)
+        return reused, len(events)
+
+    def clear_caches(self) -> None:
+        """Reset every (replica, dp rank)'s prefix cache and publish its ``AllBlocksCleared``."""
+        for (name, d), model in self.models.items():
+            self.publish_events(name, [model.clear()], d)
 
     def play(self, script: Iterable[ScriptBatch]) -> list[list[int]]:
         """Script mode: publish explicit batches in order (ground truth updated too)."""

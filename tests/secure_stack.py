@@ -14,6 +14,7 @@ from typing import Any, Callable
 from confluent_kafka import Consumer, KafkaError, Producer
 
 from kvbus.infra import secure
+from kvbus.infra.settings import read_env_file
 from kvbus.procs import free_port_block
 
 QUIET = logging.getLogger("tests.secure.librdkafka")
@@ -96,7 +97,7 @@ def principal_env(layout: secure.SecureLayout, principal: str, **extra: str) -> 
     """This process's environment without any ``KVBUS_*`` variable (a developer's exports of the
     open stack must not leak in), plus ``principal``'s env file and ``extra``."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVBUS_")}
-    return {**base, **secure.read_env_file(layout.env_file(principal)), **extra}
+    return {**base, **read_env_file(layout.env_file(principal)), **extra}
 
 
 class StagePipeline:

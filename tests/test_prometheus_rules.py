@@ -53,7 +53,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
     assert sorted(tests["rule_files"]) == sorted(f"../rules/{p.name}" for p in RULES)
     cases = [c for t in tests["tests"] for c in t.get("alert_rule_test", [])]
     alerts = _alerts()
-    assert len(alerts) == 8
+    assert len(alerts) == 10
     for alert in alerts:
         mine = [c for c in cases if c["alertname"] == alert]
         assert any(c.get("exp_alerts") for c in mine), f"{alert}: no case where it fires"

@@ -22,6 +22,7 @@ from confluent_kafka.admin import NewTopic
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, SchemaRegistryError
 
 from kvbus.infra import secure
+from kvbus.infra.settings import read_env_file
 from kvbus.infra.secure_plan import ANALYTICS, BRIDGE, KAFKA_USERS, PRINCIPALS, ROUTER, SINK, STREAMS
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.topics import REPORT_GROUP_PREFIX, Topics
@@ -307,7 +308,7 @@ def test_env_files_hold_settings_not_secrets_and_secret_files_are_private(secure
     for p in PRINCIPALS:
         path = secure_stack.env_file(p)
         text = path.read_text()
-        env = secure.read_env_file(path)
+        env = read_env_file(path)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         assert not any(pw in text for pw in passwords.values()), p
         assert all(k.startswith("KVBUS_") for k in env)
@@ -316,10 +317,10 @@ def test_env_files_hold_settings_not_secrets_and_secret_files_are_private(secure
             assert stat.S_IMODE(secure_stack.password_file(p).stat().st_mode) == 0o600
         assert (p in KAFKA_USERS) == ("KVBUS_KAFKA_SASL_USERNAME" in env)
         assert env["KVBUS_BOOTSTRAP"] == secure_stack.bootstrap  # every file points at this stack only
-    router = secure.read_env_file(secure_stack.env_file(ROUTER))
+    router = read_env_file(secure_stack.env_file(ROUTER))
     assert router["KVBUS_REDIS_USERNAME"] == ROUTER
     assert not {k for k in router if k.startswith("KVBUS_KAFKA_") or k.startswith("KVBUS_REGISTRY_USER")}
-    assert secure.read_env_file(secure_stack.env_file(SINK))["KVBUS_REDIS_URL"].startswith("rediss://")
+    assert read_env_file(secure_stack.env_file(SINK))["KVBUS_REDIS_URL"].startswith("rediss://")
 
 
 def test_no_password_in_logs_configs_or_command_lines(secure_stack):

@@ -4,7 +4,6 @@ path on a ``redis+cluster://`` URL, and a slot migration while applying (TRYAGAI
 never an error or a lost event). The cluster is started by infra/redis_cluster.py."""
 from __future__ import annotations
 
-import argparse
 import random
 import threading
 import time
@@ -15,7 +14,8 @@ import redis
 
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
-from kvbus.sinks.cli import add_lookup_args, lookup_answer
+from kvbus.cli import build_parser
+from kvbus.sinks.cli import lookup_answer
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.sharded_store import ShardedRedisStore, open_store, parse_cluster_url, shard_prefix
 from kvbus.sinks.tiers import Weights
@@ -93,10 +93,9 @@ def test_kvbus_lookup_on_a_cluster_url_reads_the_sharded_view(redis_server, clus
     assert isinstance(open_store(redis_server.url, prefix, load=False), RedisStore)
     chains = _chains(records, random.Random(7))[:15]
     for chain in chains:
-        parser = argparse.ArgumentParser()
-        add_lookup_args(parser)
-        args = parser.parse_args(["--hashes", ",".join(str(int.from_bytes(h, "big")) for h in chain),
-                                  "--weights", "GPU=1,CPU=0.5", "--prefix", prefix])
+        hashes = ",".join(str(int.from_bytes(h, "big")) for h in chain)
+        args = build_parser("lookup").parse_args(["lookup", "--hashes", hashes, "--weights", "GPU=1,CPU=0.5",
+                                                  "--prefix", prefix])
         want = lookup_answer(args, Settings(redis_url=redis_server.url))
         assert lookup_answer(args, Settings(redis_url=cluster.url)) == want
     assert parse_cluster_url("redis+cluster://10.0.0.1:7000,10.0.0.2:7001/0?shards=32") == \
