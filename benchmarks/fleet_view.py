@@ -32,9 +32,11 @@ def pct(xs: Sequence[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def load_kvbus(store: RedisStore, stores: Iterable[FleetStore], batch: int = 2000) -> tuple[int, float]:
-    """Apply ``stores`` as BlockStored events (replica ``r<i>``, one sequence per replica) through
-    ``store.apply`` in batches of ``batch`` records, the sink's write path; returns (entries, seconds)."""
+def load_kvbus(store: RedisStore, stores: Iterable[FleetStore], batch: int = 2000,
+               model: str | None = None) -> tuple[int, float]:
+    """Apply ``stores`` as BlockStored events (replica ``r<i>``, one sequence per replica, naming
+    ``model``) through ``store.apply`` in batches of ``batch`` records, the sink's write path; returns
+    (entries, seconds)."""
     seq: dict[int, int] = {}
     records: list = []
     n = 0
@@ -42,7 +44,7 @@ def load_kvbus(store: RedisStore, stores: Iterable[FleetStore], batch: int = 200
     for s in stores:
         q = seq.get(s.replica, 0)
         seq[s.replica] = q + 1
-        ev = BlockEvent(replica=f"r{s.replica}", epoch=1, seq=q, index=0, ts=time.time(),
+        ev = BlockEvent(replica=f"r{s.replica}", epoch=1, seq=q, index=0, ts=time.time(), model=model,
                         event=BlockStored(block_hashes=s.hashes, medium=s.medium, block_size=16))
         records.append((TOPIC, ev))
         n += len(s.hashes)
