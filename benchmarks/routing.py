@@ -66,12 +66,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the stage processes, the truth check)
-
+from kvbus.client import ViewClient  # noqa: E402
 from kvbus.fleet import CacheModel, Fleet, FleetConfig, ModelConfig, message, system_prompts  # noqa: E402
 from kvbus.procs import free_port_block, wait_for  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
-from kvbus.client import ViewClient  # noqa: E402
 from kvbus.sinks.sharded_store import open_store  # noqa: E402
 from kvbus.sinks.store import ResidencyStore  # noqa: E402
 
@@ -309,8 +308,10 @@ class Probes:
         self.outstanding = still
 
 
-def play_kvbus(fleet: Fleet, view: ResidencyStore, router: ViewClient, reqs: Iterator[Request], args: argparse.Namespace,
-               rate: float) -> tuple[list[Request], list[str], int, Tally, ViewContext, float]:
+def play_kvbus(
+    fleet: Fleet, view: ResidencyStore, router: ViewClient, reqs: Iterator[Request], args: argparse.Namespace,
+    rate: float,
+) -> tuple[list[Request], list[str], int, Tally, ViewContext, float]:
     """Route ``reqs`` by the view for ``args.seconds`` at ``rate`` engine events/s; returns (the requests
     played, the replica of each, how many warmed up, the tally of the rest, the view context, seconds of
     the scored part)."""

@@ -113,7 +113,8 @@ def kafka_grants(topics: Topics, streams: StreamsOptions, sink: SinkConfig) -> d
                    why="consume the tier topics (regex subscription); their retention is checked too"),
             _group(sink.group, "READ", why="the sinks' consumer group"),
             _topic(topics.dlq, "WRITE", why="dead letters"),
-            _topic(topics.snapshots, "READ", "WRITE", "CREATE", why="snapshots of the view (created compacted if missing)"),
+            _topic(topics.snapshots, "READ", "WRITE", "CREATE",
+                   why="snapshots of the view (created compacted if missing)"),
             _group(SINK_REBUILD_GROUPS, "READ", prefixed=True, why="the snapshot reader's throw-away group"),
         ],
         ANALYTICS: [

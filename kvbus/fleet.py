@@ -49,8 +49,24 @@ from typing import Any, Iterable, Sequence
 
 import zmq
 
-from kvbus.engine_wire import FORMATS, encode_batch, encode_frames, encode_replay_reply, project, replay_end, wire_format
-from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Reset, canonical_hash, normalize_medium
+from kvbus.engine_wire import (
+    FORMATS,
+    encode_batch,
+    encode_frames,
+    encode_replay_reply,
+    project,
+    replay_end,
+    wire_format,
+)
+from kvbus.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Reset,
+    canonical_hash,
+    normalize_medium,
+)
 from kvbus.schemas.hashing import block_digests
 
 log = logging.getLogger("kvbus.fleet")
@@ -514,8 +530,8 @@ class FleetConfig:
     """Seconds between freshness probes (0 = none): a one-block BlockStored of a fresh random hash,
     published to the next (replica, dp rank) in turn, on every worker stream, like any batch."""
     probe_log: str | None = None
-    """Where probes and rung starts are written, one JSON object per line:
-    ``{"probe": "<hash hex>", "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>, "wall": <time.time()>}``,
+    """Where probes and rung starts are written, one JSON object per line: ``{"probe": "<hash hex>",
+    "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>, "wall": <time.time()>}``,
     ``{"rung": i, "rate": r, "seconds": s, "t": ...}``, and ``{"end": true, "t": ...}`` at the end."""
 
 
@@ -566,8 +582,8 @@ class Fleet:
         system = system_prompts(random.Random(f"system:{cfg.seed}"), mcfg)  # fleet-wide, as in a deployment
         for i, name in enumerate(self.names):
             for d in range(cfg.dp_ranks):
-                self.models[(name, d)] = CacheModel(random.Random(f"{cfg.seed}:{i}:{d}"), mcfg, cfg.format, cfg.raw_hashes,
-                                                    system)
+                self.models[(name, d)] = CacheModel(random.Random(f"{cfg.seed}:{i}:{d}"), mcfg, cfg.format,
+                                                    cfg.raw_hashes, system)
                 for w in range(cfg.workers):
                     k = stream_index(cfg, i, d, w)
                     port = cfg.base_port + 2 * k
@@ -818,13 +834,18 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     """Options of ``kvbus fleet``."""
     p.add_argument("--replicas", type=int, default=3, help="engine replicas (default 3)")
     p.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT,
-                   help="first port; stream k=(replica*dp_ranks+dp)*workers+worker uses base+2k (PUB) and base+2k+1 (replay)")
-    p.add_argument("--dp-ranks", type=int, default=1, help="data-parallel ranks per replica, each its own stream (default 1)")
-    p.add_argument("--workers", type=int, default=1, help="tensor-parallel workers per (replica, dp), each its own stream reporting the same events")
+                   help="first port; stream k=(replica*dp_ranks+dp)*workers+worker uses base+2k (PUB) "
+                        "and base+2k+1 (replay)")
+    p.add_argument("--dp-ranks", type=int, default=1,
+                   help="data-parallel ranks per replica, each its own stream (default 1)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="tensor-parallel workers per (replica, dp), each its own stream reporting the same events")
     p.add_argument("--drop-rate", type=float, default=0.0, help="chance a worker omits one event report (workers > 1)")
     p.add_argument("--dup-rate", type=float, default=0.0, help="chance a worker reports one event twice (workers > 1)")
-    p.add_argument("--live-drop-rate", type=float, default=0.0, help="chance a batch is only kept for replay, not sent live")
-    p.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMATS, help=f"engine wire format (default {DEFAULT_FORMAT})")
+    p.add_argument("--live-drop-rate", type=float, default=0.0,
+                   help="chance a batch is only kept for replay, not sent live")
+    p.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMATS,
+                   help=f"engine wire format (default {DEFAULT_FORMAT})")
     p.add_argument("--seed", type=int, default=0, help="random seed (deterministic content)")
     p.add_argument("--rate", type=float, default=10.0, help="batches per second per replica (default 10)")
     p.add_argument("--duration", type=float, default=0.0, help="seconds to run; 0 = until SIGTERM/SIGINT")
@@ -836,9 +857,12 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-steps", type=int, default=10_000, help="replay buffer size in batches (default 10000)")
     p.add_argument("--gpu-blocks", type=int, default=2048, help="GPU prefix-cache blocks per replica (default 2048)")
     p.add_argument("--cpu-rate", type=float, default=0.2, help="share of prompts offloaded to CPU (default 0.2)")
-    p.add_argument("--kvcr-rate", type=float, default=0.05, help="share of prompts stored in the kvcr tier (default 0.05)")
-    p.add_argument("--clear-rate", type=float, default=0.0005, help="chance per step of AllBlocksCleared (default 0.0005)")
-    p.add_argument("--raw-hashes", action="store_true", help="send digests as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
+    p.add_argument("--kvcr-rate", type=float, default=0.05,
+                   help="share of prompts stored in the kvcr tier (default 0.05)")
+    p.add_argument("--clear-rate", type=float, default=0.0005,
+                   help="chance per step of AllBlocksCleared (default 0.0005)")
+    p.add_argument("--raw-hashes", action="store_true",
+                   help="send digests as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
     p.add_argument("--schedule", type=parse_schedule, default=(),
                    help="load ladder EVENTS_PER_S:SECONDS,... (engine events/s of the whole fleet for so many "
                         "seconds, in order); replaces --rate and --duration")

@@ -79,8 +79,10 @@ def random_streams(
                 p.held.setdefault(key, set()).update(chain)
             elif x < 0.85:
                 held = sorted(p.held.get(key, ()))
-                victims = rng.sample(held, min(len(held), rng.randint(1, max(2, max_chain // 3)))) if held and rng.random() < 0.9 else \
-                    [rng.choice(hashes)]
+                if held and rng.random() < 0.9:
+                    victims = rng.sample(held, min(len(held), rng.randint(1, max(2, max_chain // 3))))
+                else:
+                    victims = [rng.choice(hashes)]
                 events.append((topic, BlockRemoved(block_hashes=victims, medium=medium, ownership=ownership,
                                                    group_idx=group)))
             elif x < 0.95:  # full-mode re-announcement of a held prefix

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Callable
 
 from confluent_kafka import Producer
+
+from kvbus.procs import Children
 from kvbus.schemas.events import EventBatch, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
-
-from kvbus.procs import Children
 
 
 def env_for(settings: Settings) -> dict[str, str]:

@@ -48,7 +48,8 @@ class Errors:
         return {e.code() for e in self.seen}
 
 
-def kafka_conf(layout: secure.SecureLayout, principal: str, errors: Errors | None = None, **conf: Any) -> dict[str, Any]:
+def kafka_conf(layout: secure.SecureLayout, principal: str, errors: Errors | None = None,
+               **conf: Any) -> dict[str, Any]:
     """librdkafka configuration of ``principal`` on the secured listener (``conf`` last)."""
     out: dict[str, Any] = {"bootstrap.servers": layout.bootstrap, **secure.admin_conf(layout, principal),
                            "logger": QUIET, "socket.connection.setup.timeout.ms": 5000}
@@ -114,7 +115,8 @@ class StagePipeline:
         from kvbus.procs import Children
 
         if principal not in self.children:
-            self.children[principal] = Children(log_dir=self.workdir, env=principal_env(self.layout, principal), log_prefix="")
+            self.children[principal] = Children(log_dir=self.workdir, env=principal_env(self.layout, principal),
+                                                log_prefix="")
         self.children[principal].start(name, *args)
 
     def check_alive(self) -> None:
@@ -134,7 +136,8 @@ class StagePipeline:
         import subprocess
         import sys
 
-        return subprocess.run([sys.executable, "-m", "kvbus", *args], env=principal_env(self.layout, principal, **extra),
+        return subprocess.run([sys.executable, "-m", "kvbus", *args],
+                              env=principal_env(self.layout, principal, **extra),
                               capture_output=True, text=True, timeout=timeout)
 
     def watch(self, principal: str, args: tuple[str, ...], needle: str | None, timeout: float,

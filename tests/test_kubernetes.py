@@ -353,6 +353,11 @@ def option(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+def loopback(endpoint: str) -> str:
+    """The address a bridge connects to for an engine's ``endpoint`` (the engine binds all addresses: ``*``)."""
+    return endpoint.replace("*", "127.0.0.1")
+
+
 def test_one_bridge_sidecar_per_data_parallel_rank_of_the_engine(rendered: list[dict[str, Any]]) -> None:
     spec = one(rendered, "StatefulSet", "vllm")["spec"]["template"]["spec"]
     engine = next(c for c in spec["containers"] if c["name"] == "vllm")
@@ -366,7 +371,6 @@ def test_one_bridge_sidecar_per_data_parallel_rank_of_the_engine(rendered: list[
     metrics = set()
     for rank, c in by_rank.items():
         args = parsed(rendered, c)
-        loopback = lambda e: e.replace("*", "127.0.0.1")  # the engine binds all addresses, the bridge connects
         assert args.endpoint == loopback(offset_port(config["endpoint"], rank)), f"rank {rank}: {args.endpoint}"
         assert args.replay_endpoint == loopback(offset_port(config["replay_endpoint"], rank))
         assert args.topic == config["topic"]

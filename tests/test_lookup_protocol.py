@@ -107,7 +107,8 @@ CASES = {
     "weights": ["--hashes", _hashes(CHAIN), "--weights", "cpu=0.25,kvcr=2,GPU=3"],
     "zero-weights": ["--hashes", _hashes(CHAIN), "--weights", "GPU=0,CPU=0,*=0"],
     "gap": ["--hashes", _hashes(CHAIN[:2] + [UNKNOWN] + CHAIN[3:])],
-    "hex-and-signed": ["--hashes", ",".join(["0x" + CHAIN[0].hex(), str(int.from_bytes(CHAIN[1], "big", signed=True))])],
+    "hex-and-signed": ["--hashes",
+                       ",".join(["0x" + CHAIN[0].hex(), str(int.from_bytes(CHAIN[1], "big", signed=True))])],
     "nobody": ["--hashes", _hashes([UNKNOWN] + CHAIN)],
     "tokens-sha256-cbor": ["--tokens", TOKENS_B, "--algo", "sha256_cbor"],
     "tokens-xxhash-cbor": ["--tokens", TOKENS_B, "--algo", "xxhash_cbor", "--hash-seed", "12345"],
@@ -240,7 +241,8 @@ def go_lookup(tmp_path_factory) -> Path:
     xxh3 from the Go module proxy; ~25 s with a cold build cache, ~1 s warm)."""
     _need_go()
     out = tmp_path_factory.mktemp("go") / "kvbus-lookup-go"
-    subprocess.run([GO, "build", "-mod=readonly", "-buildvcs=false", "-o", str(out), "."], cwd=EXAMPLE, check=True, timeout=600)
+    subprocess.run([GO, "build", "-mod=readonly", "-buildvcs=false", "-o", str(out), "."],
+                   cwd=EXAMPLE, check=True, timeout=600)
     return out
 
 

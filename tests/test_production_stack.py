@@ -16,8 +16,7 @@ from collections import Counter
 
 import pytest
 
-from kvbus.client import UnmatchableSeed, ViewClient
-from kvbus.client import production_stack as ps
+from kvbus.client import UnmatchableSeed, ViewClient, production_stack as ps
 from kvbus.client.production_stack import KvbusRouter, endpoint_load, endpoint_replica, json_body, prompt_tokens
 from kvbus.procs import free_port
 from kvbus.schemas.events import BlockEvent, BlockStored

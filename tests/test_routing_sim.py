@@ -14,7 +14,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import routing  # noqa: E402  (benchmarks/routing.py)
-
 from kvbus.client import ViewClient
 from kvbus.engine_wire import project  # noqa: E402
 from kvbus.fleet import Fleet  # noqa: E402

@@ -12,9 +12,9 @@ import uuid
 import pytest
 import redis
 
+from kvbus.cli import build_parser
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
-from kvbus.cli import build_parser
 from kvbus.sinks.cli import lookup_answer
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.sharded_store import ShardedRedisStore, open_store, parse_cluster_url, shard_prefix

@@ -10,11 +10,11 @@ import sys
 import uuid
 
 import pytest
-from kvbus.schemas.events import BlockRemoved, BlockStored
-from kvbus.schemas.hashing import block_hashes
 
 from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
 from kvbus.procs import free_port
+from kvbus.schemas.events import BlockRemoved, BlockStored
+from kvbus.schemas.hashing import block_hashes
 from kvbus.top.config import parse_endpoints
 from kvbus.top.metrics import quantile
 from tests.pipeline import Pipeline, RawProducer, Waiting, env_for, eventually
@@ -126,7 +126,8 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
         # bridges: two up, the third endpoint unreachable
         by_endpoint = {b["endpoint"]: b for b in snap["bridges"]}
         assert [by_endpoint[f"127.0.0.1:{p}"]["up"] for p in bridge_ports] == [True, True]
-        assert sorted(by_endpoint[f"127.0.0.1:{p}"]["counters"]["events_acked"]["total"] for p in bridge_ports) == [2, 3]
+        acked = sorted(by_endpoint[f"127.0.0.1:{p}"]["counters"]["events_acked"]["total"] for p in bridge_ports)
+        assert acked == [2, 3]
         resets = sum(by_endpoint[f"127.0.0.1:{p}"]["counters"]["resets"]["total"] for p in bridge_ports)
         assert by_endpoint[f"127.0.0.1:{dead_port}"] == {
             "endpoint": f"127.0.0.1:{dead_port}", "up": False,
@@ -157,6 +158,8 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
         # the live screen shows the same
         tmux = TmuxPane([sys.executable, "-m", "kvbus", "top", *args], env_for(settings), width=200, height=80)
 
+        partition_lags = " ".join(f"p{i} 0" for i in range(settings.partitions))
+
         def screen_shows() -> str | None:
             text = tmux.screen()
             assert not tmux.exited(), text
@@ -168,8 +171,7 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
                   and f"unreachable: 127.0.0.1:{dead_port} (connection refused)" in text
                   and f"{settings.topics.dlq} holds 1 records" in text
                   and f"raw -> worker ({worker_group}): lag 0" in text
-                  and f"{settings.topics.raw} lag by partition: " + " ".join(f"p{i} 0" for i in range(settings.partitions))
-                  in text)
+                  and f"{settings.topics.raw} lag by partition: {partition_lags}" in text)
             return text if ok else None
 
         text = eventually(screen_shows, 30, interval=0.5)
@@ -261,7 +263,8 @@ def test_the_command_the_demo_prints_watches_the_demos_processes(monkeypatch) ->
     )
     from kvbus.top.config import top_config
 
-    for var in ("KVBUS_TOP_BRIDGES", "KVBUS_TOP_WORKERS", "KVBUS_TOP_SINKS", "KVBUS_STREAMS_APP_ID", "KVBUS_SINK_GROUP"):
+    for var in ("KVBUS_TOP_BRIDGES", "KVBUS_TOP_WORKERS", "KVBUS_TOP_SINKS", "KVBUS_STREAMS_APP_ID",
+                "KVBUS_SINK_GROUP"):
         monkeypatch.delenv(var, raising=False)
     argv = shlex.split(top_command(5))[1:]
     cfg = top_config(build_parser("top").parse_args(argv))
@@ -300,9 +303,9 @@ def test_top_shows_incompletes_of_tensor_parallel_workers(test_settings, tmp_pat
         pipeline.start("worker", "worker", "--app-id", f"streams-{run}", "--workdir", str(tmp_path),
                        "--metrics-port", str(worker_port), "--window", "1")
         for w in range(2):
-            pipeline.start(f"bridge-w{w}", "bridge", "--endpoint", f"tcp://127.0.0.1:{base + 2 * w}", "--replay-endpoint",
-                           f"tcp://127.0.0.1:{base + 2 * w + 1}", "--replica", "replica-0", "--worker-rank", str(w),
-                           "--workers", "2")
+            pipeline.start(f"bridge-w{w}", "bridge", "--endpoint", f"tcp://127.0.0.1:{base + 2 * w}",
+                           "--replay-endpoint", f"tcp://127.0.0.1:{base + 2 * w + 1}", "--replica", "replica-0",
+                           "--worker-rank", str(w), "--workers", "2")
         # the fleet streams until the console has seen incompletes, however long the worker takes to start
         pipeline.start("fleet", "fleet", "--replicas", "1", "--workers", "2", "--drop-rate", "0.2",
                        "--base-port", str(base), "--rate", "20", "--duration", "600")

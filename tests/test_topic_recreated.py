@@ -13,13 +13,12 @@ import sys
 import time
 import uuid
 
-import pytest
 import msgspec
+import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from kvbus.schemas.events import BlockEvent
 from kvbus.schemas.settings import Settings
-from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
 from kvbus.sinks.redis_store import RedisStore

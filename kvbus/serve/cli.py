@@ -17,7 +17,6 @@ from kvbus.schemas.env import COUNT, NATURAL, PORT, SettingError
 from kvbus.schemas.hashing import resolve_seed
 from kvbus.schemas.security import redact_url
 from kvbus.schemas.settings import Settings
-
 from kvbus.serve.config import ALGO, ENGINE_VERSION, LORA_MODULE, TIE_BREAK, TIE_BREAKS, ServeConfig
 
 log = logging.getLogger("kvbus.serve")

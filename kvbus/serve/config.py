@@ -25,7 +25,6 @@ from typing import Mapping
 from kvbus.schemas.env import COUNT, NATURAL, PORT, TEXT, Form, one_of, read
 from kvbus.schemas.hashing import HASH_ALGOS, hash_rules
 from kvbus.schemas.lookup import DEFAULT_PREFIX
-
 from kvbus.serve.query import Hashing
 
 TIE_BREAKS = ("shuffle", "name")
