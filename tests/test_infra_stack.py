@@ -23,8 +23,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError  # noqa: E
 
 from kvbus.infra import stack as infra_stack  # noqa: E402
 from kvbus.infra import topics as infra_topics  # noqa: E402
-from kvbus.infra.settings import env_int  # noqa: E402
-from kvbus.schemas.settings import DEFAULT_PARTITIONS  # noqa: E402
+from kvbus.schemas.settings import Settings  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +53,7 @@ def test_status_ready(stack_info: dict[str, Any]) -> None:
 def test_kafka_has_kvbus_topics(stack_info: dict[str, Any]) -> None:
     admin = AdminClient({"bootstrap.servers": stack_info["bootstrap"]})
     md = admin.list_topics(timeout=10)
-    partitions = env_int("KVBUS_PARTITIONS", DEFAULT_PARTITIONS)
+    partitions = Settings.from_env().partitions
     for name in infra_topics.kvbus_topics():
         assert name in md.topics, f"{name} missing; topics: {sorted(md.topics)}"
         assert len(md.topics[name].partitions) == partitions
