@@ -197,8 +197,8 @@ def ensure_topics(kafka: str | Mapping[str, Any] | AdminClient, specs: Iterable[
     _wait_for_leaders(admin, [s.name for s in specs], timeout)
     for s in missing:
         if s.name in created:
-            log.info("created topic %s (%d partitions, replication %d, %s)", s.name, s.partitions, s.replicas,
-                     s.config.get("cleanup.policy", "delete"))
+            log.info("created topic %s (partitions %d, replication %d, cleanup.policy %s)", s.name, s.partitions,
+                     s.replicas, s.config.get("cleanup.policy", "delete"))
     return created
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("confluent_kafka")
 pytest.importorskip("redis")
 
 import redis  # noqa: E402
-from confluent_kafka.admin import AdminClient  # noqa: E402
+from confluent_kafka.admin import AdminClient, ConfigResource  # noqa: E402
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient  # noqa: E402
 from confluent_kafka.schema_registry.error import SchemaRegistryError  # noqa: E402
 
@@ -59,6 +59,10 @@ def test_kafka_has_kvbus_topics(stack_info: dict[str, Any]) -> None:
         assert len(md.topics[name].partitions) == partitions
         for p in md.topics[name].partitions.values():
             assert len(p.replicas) == min(3, stack_info["brokers"])
+    snapshots = Settings.from_env().topics.snapshots  # declared up front too: compacted, one ordered log
+    assert snapshots in md.topics and len(md.topics[snapshots].partitions) == 1
+    [fut] = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, snapshots)]).values()
+    assert fut.result(30)["cleanup.policy"].value == "compact"
 
 
 def test_ensure_topics_is_idempotent(stack_info: dict[str, Any]) -> None:
