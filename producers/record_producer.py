@@ -38,8 +38,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.split import BatchRef, Splitter, record_limit
 from kvbus.schemas.events import DeadLetter
-from kvbus.schemas.kafka_clients import PRODUCER_CONF, DeliveryErrors
-from kvbus.schemas.kafka_clients import producer_conf as kafka_producer_conf
+from kvbus.schemas.kafka_clients import PRODUCER_CONF, DeliveryErrors, producer_conf as kafka_producer_conf
 
 log = logging.getLogger("kvbus.producers.kafka")
 

@@ -11,8 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvbus.schemas.env import COUNT, TEXT, load, setting
-from kvbus.schemas.env import to_env as declared_env
+from kvbus.schemas.env import COUNT, TEXT, load, setting, to_env as declared_env
 from kvbus.schemas.security import Security
 from kvbus.schemas.topics import Topics
 

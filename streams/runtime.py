@@ -34,10 +34,10 @@ from confluent_kafka.admin import AdminClient
 
 from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
+from kvbus.schemas.kafka_clients import DeliveryErrors, ensure_topics, producer_conf
 from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
-from kvbus.schemas.kafka_clients import DeliveryErrors, ensure_topics, producer_conf
 from kvbus.schemas.topics import record_spec
 from kvbus.streams.aggregation import Aggregator, Output, check, is_meta_key, load
 from kvbus.streams.codec import Codec

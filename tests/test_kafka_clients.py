@@ -8,8 +8,15 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from kvbus.schemas.kafka_clients import (CONSUMER_CONF, PRODUCER_CONF, DeliveryErrors, consumer_conf, ensure_topics,
-                                         producer_conf, reader_conf)
+from kvbus.schemas.kafka_clients import (
+    CONSUMER_CONF,
+    PRODUCER_CONF,
+    DeliveryErrors,
+    consumer_conf,
+    ensure_topics,
+    producer_conf,
+    reader_conf,
+)
 from kvbus.schemas.security import Security
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import REBUILD_GROUP_PREFIX, record_spec, snapshot_spec
@@ -43,8 +50,7 @@ def test_consumers_commit_only_explicitly_and_readers_get_a_group_of_their_own()
 
 
 def test_the_stages_clients_are_built_from_the_factory() -> None:
-    from kvbus.producers.record_producer import DEFAULT_PRODUCER_CONF
-    from kvbus.producers.record_producer import producer_conf as bridge_conf
+    from kvbus.producers.record_producer import DEFAULT_PRODUCER_CONF, producer_conf as bridge_conf
 
     conf = bridge_conf(secured_kafka(), {"linger.ms": 1})
     assert conf["message.timeout.ms"] == 0 and conf["linger.ms"] == 1 and conf["sasl.username"] == "sink"
