@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -27,6 +26,7 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from kvbus.analytics.timerange import TimeRange
+from kvbus.schemas.kafka_clients import consumer_conf, reader_conf
 from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import REPORT_GROUP_PREFIX
@@ -77,7 +77,7 @@ def plain_deserializer(settings: Settings) -> AvroDeserializer:
 
 def block_topics(settings: Settings, consumer: Consumer | None = None) -> list[str]:
     """``kvbus.blocks`` and every ``kvbus.blocks.<ownership>`` tier topic that exists, sorted."""
-    own = consumer or Consumer(settings.kafka(**{"group.id": f"{REPORT_GROUP_PREFIX}meta"}))
+    own = consumer or Consumer(consumer_conf(settings.kafka(), f"{REPORT_GROUP_PREFIX}meta"))
     try:
         rx = re.compile(settings.topics.blocks_pattern())
         return sorted(t for t in own.list_topics(timeout=10).topics if rx.match(t))
@@ -112,12 +112,7 @@ def read(settings: Settings, topics: list[str], span: TimeRange,
     """Every record of ``topics`` within ``span``, decoded; ``on_plan`` is called once with the
     ranges before reading, ``on_record`` after each record (progress). A record the deserializer
     cannot decode is yielded with ``value`` None (the caller counts it)."""
-    consumer = Consumer(settings.kafka(**{
-        "group.id": f"{REPORT_GROUP_PREFIX}{uuid.uuid4().hex[:12]}",
-        "enable.auto.commit": False,
-        "auto.offset.reset": "earliest",
-        "isolation.level": "read_committed",
-    }))
+    consumer = Consumer(reader_conf(settings.kafka(), REPORT_GROUP_PREFIX, {"isolation.level": "read_committed"}))
     try:
         ranges = plan(consumer, topics, span)
         if on_plan is not None:

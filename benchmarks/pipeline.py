@@ -149,7 +149,7 @@ def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
 
 def cluster_replication(bootstrap: str) -> int:
     """Replication factor of a run's topics: 3 on a cluster of three or more brokers (min ISR 2,
-    kvbus.infra.topics.default_min_insync), else the number of brokers."""
+    kvbus.schemas.topics.min_insync), else the number of brokers."""
     from kvbus.infra.topics import admin_client
 
     return min(3, len(admin_client(bootstrap).list_topics(timeout=10).brokers))

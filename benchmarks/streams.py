@@ -112,11 +112,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def ensure_topics(settings: Settings, names: list[str]) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from kvbus.infra.topics import ensure_topics as create
 
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap})
-    for f in admin.create_topics([NewTopic(n, settings.partitions, 1) for n in names]).values():
-        f.result()
+    create(settings.bootstrap, names, settings.partitions, 1)
 
 
 def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path) -> dict:

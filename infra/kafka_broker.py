@@ -27,7 +27,7 @@ from typing import Any
 
 from . import tools
 from .procs import PidRecord, ServiceError, alive_record, failure, port_open, start_process
-from .settings import INFRA_DIR, LOOPBACK, Paths, bootstrap_for, broker_ports, env_opts
+from .settings import INFRA_DIR, KAFKA_JVM_OPTS, LOOPBACK, Paths, bootstrap_for, broker_ports, env_opts
 
 log = logging.getLogger("infra")
 
@@ -237,7 +237,7 @@ def java_argv(paths: Paths, brokers: int, main: str, args: list[str], *, server:
         f"-Dkafka.logs.dir={paths.logs}",
     ]
     if server:
-        opts += env_opts("KVBUS_KAFKA_JVM_OPTS")
+        opts += env_opts(KAFKA_JVM_OPTS)
     return [tools.java(), *opts, "-cp", str(paths.kafka_libs / "*"), main, *args]
 
 

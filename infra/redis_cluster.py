@@ -22,6 +22,7 @@ a Valkey 9.1 cluster the same way).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -31,11 +32,10 @@ from typing import Any
 from . import redis_server, tools
 from .procs import PidRecord, ServiceError, alive_record, port_open, start_process, wait_until
 from .redis_server import REDIS, ServerKind
-from .settings import LOOPBACK, Paths, RedisSettings, env_int
+from .settings import LOOPBACK, REDIS_CLUSTER_PORT, Paths, RedisSettings
 
 log = logging.getLogger("infra")
 
-DEFAULT_BASE_PORT = 7000
 SLOTS = 16384
 PREFIX = "redis-cluster-"
 URL_SCHEME = "redis+cluster"
@@ -44,7 +44,7 @@ START_TIMEOUT = 60.0
 
 
 def base_port() -> int:
-    return env_int("KVBUS_REDIS_CLUSTER_PORT", DEFAULT_BASE_PORT)
+    return REDIS_CLUSTER_PORT.read(os.environ)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import tools
 from .procs import PidRecord, ServiceError, alive_record, port_open, start_process
-from .settings import DEFAULT_APICURIO_VERSION, INFRA_DIR, Paths, RegistrySettings, env_opts
+from .settings import APICURIO_VERSION, INFRA_DIR, REGISTRY_JAVA, REGISTRY_JVM_OPTS, Paths, RegistrySettings, env_opts
 
 log = logging.getLogger("infra")
 
@@ -36,7 +36,7 @@ JAVA_MIN = 21  # Apicurio 3.3.3 ships class file version 65 (Java 21)
 
 def version() -> str:
     """Apicurio version to run (``$KVBUS_APICURIO_VERSION`` or the pinned default)."""
-    return os.environ.get("KVBUS_APICURIO_VERSION", "").strip() or DEFAULT_APICURIO_VERSION
+    return APICURIO_VERSION.read(os.environ)
 
 
 def pid_path(paths: Paths) -> Path:
@@ -135,7 +135,7 @@ def argv(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int,
         "-XX:+ExitOnOutOfMemoryError",
         "-Djava.awt.headless=true",
         *[f"-D{k}={v}" for k, v in props.items()],
-        *env_opts("KVBUS_REGISTRY_JVM_OPTS"),
+        *env_opts(REGISTRY_JVM_OPTS),
         "-jar",
         str(paths.apicurio_app / "quarkus-run.jar"),
     ]
@@ -144,7 +144,7 @@ def argv(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int,
 def java(paths: Paths) -> str:
     """A Java >= 21 for the registry (3.3.x classes are Java 21 bytecode);
     see :func:`kvbus.infra.tools.java_at_least`."""
-    return tools.java_at_least(JAVA_MIN, jdk_dir=paths.root / "jdk", env_var="KVBUS_REGISTRY_JAVA")
+    return tools.java_at_least(JAVA_MIN, jdk_dir=paths.root / "jdk", env_var=REGISTRY_JAVA.variable)
 
 
 def marker(paths: Paths) -> str:

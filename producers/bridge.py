@@ -29,17 +29,20 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvbus.producers.decode import DecodeError, decode_batch, parse_frames
+from kvbus.producers.decode import ENGINES, DecodeError, decode_batch, parse_frames
 from kvbus.producers.engines import detect_engine
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.recovery import Resume
 from kvbus.producers.replay import DEFAULT_TIMEOUT, ReplayBad, ReplayClient, Replayed, ReplayEnd
 from kvbus.producers.sequencer import Actions, Emit, ResetMarker, Sequencer
-from kvbus.schemas.events import DeadLetter, EventBatch, Reset, dead_letter
+from kvbus.schemas.env import COUNT, NATURAL, SECONDS, TEXT, Form, one_of, setting
+from kvbus.schemas.events import DeadLetter, EventBatch, Reset, check_model, dead_letter
 
 log = logging.getLogger("kvbus.producers.bridge")
 
 
+ENGINE = one_of(*ENGINES)
+"""The forms of ``--engine``."""
 DETECT_BATCHES = 1000
 """``engine="auto"``: batches with events examined for the engine label before keeping "vllm"."""
 
@@ -49,36 +52,42 @@ def _payload_fingerprint(item: tuple) -> int:
     return hash(item[1])
 
 
+MODEL: Form[str] = Form("a model name (not empty)", check_model)
+"""``--model``'s form (and ``KVBUS_BRIDGE_MODEL``'s)."""
+
+
 @dataclass(frozen=True)
 class BridgeConfig:
-    """What one bridge reads and how it labels what it produces."""
+    """What one bridge reads and how it labels what it produces; each option with a flag of
+    ``kvbus bridge`` is declared by :func:`kvbus.schemas.env.setting`."""
 
-    endpoint: str
-    """ZMQ endpoint of the engine's PUB socket (the bridge connects)."""
-    replica: str
-    """Engine replica id written into every record."""
-    replay_endpoint: str | None = None
-    """Engine's replay ROUTER endpoint; None disables gap fill (gaps become resets)."""
-    engine: str = "auto"
-    """Payload layout: auto, vllm or sglang (see kvbus.producers.decode)."""
-    topic: str = ""
-    """ZMQ subscription prefix ('' = everything)."""
-    dp_rank: int = 0
-    """DP rank assumed when the engine's batch does not carry one (vLLM 0.9.0); also the
-    rank whose history is recovered on start."""
-    worker_rank: int = 0
-    """Tensor-parallel worker whose stream this is (0..workers-1)."""
-    workers: int = 1
-    """Workers that each report the same events (1 = no aggregation)."""
-    replay_timeout: float = DEFAULT_TIMEOUT
-    """Seconds without a replay reply before the request is given up."""
+    endpoint: str = setting(None, TEXT, doc="engine PUB endpoint to connect (the bridge connects), e.g. "
+                            "tcp://127.0.0.1:5557", flag="--endpoint")
+    replica: str = setting(None, TEXT, doc="replica id written into every record (unique in the fleet)",
+                           flag="--replica")
+    replay_endpoint: str | None = setting(None, TEXT, None, "engine replay ROUTER endpoint, e.g. "
+                                          "tcp://127.0.0.1:5558 (gap fill); unset: gaps become resets",
+                                          flag="--replay-endpoint")
+    engine: str = setting(None, ENGINE, "auto", "payload layout: auto (detected), vllm or sglang", flag="--engine")
+    topic: str = setting(None, TEXT, "", "ZMQ topic prefix to subscribe to; unset: all", flag="--topic")
+    dp_rank: int = setting(None, NATURAL, 0, "DP rank of this stream when batches do not carry one (vLLM 0.9.0); "
+                           "also the rank whose history is recovered on start", flag="--dp-rank")
+    worker_rank: int = setting(None, NATURAL, 0, "tensor-parallel worker whose stream this is (0..workers-1)",
+                               flag="--worker-rank")
+    workers: int = setting(None, COUNT, 1, "workers that each report the same events (1 = no aggregation)",
+                           flag="--workers")
+    replay_timeout: float = setting(None, SECONDS, DEFAULT_TIMEOUT,
+                                    "seconds without a replay reply before the request is given up",
+                                    flag="--replay-timeout")
     rcvhwm: int = 100_000
     """SUB receive high-water mark (messages queued in the bridge before ZMQ drops)."""
     max_held: int = 50_000
     """Live batches held during a replay before it is abandoned (bounds memory)."""
-    model: str | None = None
-    """The model the engine serves (its served model name), written into every record
-    (``EventBatch.model``) so that lookups naming a model find this replica; None: not told."""
+    model: str | None = setting("KVBUS_BRIDGE_MODEL", MODEL, None,
+                                "the model the engine serves: its served model name, which requests name as "
+                                "their model (vLLM --served-model-name), written into every record so that "
+                                "lookups naming the model find this replica; unset: lookups naming a model "
+                                "skip this replica", flag="--model")
 
     @property
     def engine_label(self) -> str:

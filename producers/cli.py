@@ -16,23 +16,21 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kvbus.producers.bridge import Bridge, BridgeConfig
-from kvbus.producers.decode import ENGINES
 from kvbus.producers.kafka_out import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, KafkaSink
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
-from kvbus.producers.replay import DEFAULT_TIMEOUT
 from kvbus.schemas import logs
 from kvbus.schemas.backoff import Backoff, sleep
 from kvbus.schemas.codec import FastSerde
-from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, Form, read
-from kvbus.schemas.events import check_model, holder_key
+from kvbus.schemas.env import COUNT, PORT, SECONDS, SWITCH, Form, add_flags, from_flags, one_of, setting
+from kvbus.schemas.events import holder_key
 from kvbus.schemas.probes import Readiness
 from kvbus.schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
 from kvbus.schemas.serde import RecordSerde, registry_client
@@ -50,42 +48,39 @@ def _key_value(text: str) -> tuple[str, str]:
 
 KEY_VALUE: Form[tuple[str, str]] = Form("KEY=VALUE (a librdkafka producer setting)", _key_value)
 """``--producer-conf``'s form."""
+SERIALIZER = one_of("fast", "confluent")
+"""``--serializer``'s forms."""
 
 
-MODEL: Form[str] = Form("a model name (not empty)", check_model)
-"""``--model``'s form (and ``KVBUS_BRIDGE_MODEL``'s)."""
+@dataclass(frozen=True)
+class BridgeOptions:
+    """How one bridge process runs, besides what its bridge reads (:class:`BridgeConfig`): its
+    endpoint, recovery, producer and exit; each option is a flag of ``kvbus bridge``."""
+
+    metrics_port: int | None = setting(None, PORT, None, "serve /metrics (Prometheus), /healthz and /readyz on "
+                                       "this port; unset: no endpoint", flag="--metrics-port")
+    no_recover: bool = setting(None, SWITCH, False, "do not read the raw topic for the last position "
+                               "(start a new epoch)", flag="--no-recover")
+    max_backlog: int = setting(None, COUNT, DEFAULT_MAX_BACKLOG, "records held beyond librdkafka's queue",
+                               flag="--max-backlog")
+    max_backlog_mb: int = setting(None, COUNT, DEFAULT_MAX_BACKLOG_BYTES >> 20, "MiB held beyond librdkafka's queue",
+                                  flag="--max-backlog-mb")
+    max_record_bytes: int | None = setting(None, COUNT, None, "largest EventBatch value produced as one record; "
+                                           "larger engine batches are split into several; unset: "
+                                           "KVBUS_MAX_RECORD_BYTES", flag="--max-record-bytes")
+    serializer: str = setting(None, SERIALIZER, "fast", "fast: direct Avro encoder with the registry's schema id; "
+                              "confluent: AvroSerializer", flag="--serializer")
+    flush_timeout: float = setting(None, SECONDS, 30.0, "seconds to deliver queued records on exit",
+                                   flag="--flush-timeout")
+    producer_conf: tuple[tuple[str, str], ...] = setting(None, KEY_VALUE, (), "extra librdkafka producer setting "
+                                                         "(repeatable)", flag="--producer-conf", many=True,
+                                                         metavar="KEY=VALUE")
 
 
 def add_bridge_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``kvbus bridge``."""
-    p.add_argument("--endpoint", required=True, help="engine PUB endpoint to connect, e.g. tcp://127.0.0.1:5557")
-    p.add_argument("--replay-endpoint", default=None, help="engine replay ROUTER endpoint, e.g. tcp://127.0.0.1:5558 (gap fill)")
-    p.add_argument("--replica", required=True, help="replica id written into every record (unique in the fleet)")
-    p.add_argument("--engine", default="auto", choices=ENGINES, help="payload layout (default auto)")
-    model = read(os.environ, "KVBUS_BRIDGE_MODEL", MODEL, None)
-    now = model or "none: lookups naming a model skip this replica"
-    p.add_argument("--model", type=MODEL, default=model,
-                   help="the model the engine serves: its served model name, which requests name as their model "
-                        "(vLLM --served-model-name), written into every record so that lookups naming the model "
-                        f"find this replica (KVBUS_BRIDGE_MODEL; now {now})")
-    p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default '' = all)")
-    p.add_argument("--dp-rank", type=NATURAL, default=0, help="DP rank of this stream when batches do not carry one (default 0)")
-    p.add_argument("--worker-rank", type=NATURAL, default=0, help="tensor-parallel worker of this stream (default 0)")
-    p.add_argument("--workers", type=COUNT, default=1, help="workers reporting the same events (default 1)")
-    p.add_argument("--metrics-port", type=PORT, default=None,
-                   help="serve /metrics (Prometheus), /healthz and /readyz on this port")
-    p.add_argument("--replay-timeout", type=SECONDS, default=DEFAULT_TIMEOUT, help="seconds without a replay reply before giving up")
-    p.add_argument("--no-recover", action="store_true", help="do not read the raw topic for the last position (start a new epoch)")
-    p.add_argument("--max-backlog", type=COUNT, default=DEFAULT_MAX_BACKLOG, help="records held beyond librdkafka's queue")
-    p.add_argument("--max-backlog-mb", type=COUNT, default=DEFAULT_MAX_BACKLOG_BYTES >> 20, help="MiB held beyond librdkafka's queue")
-    p.add_argument("--max-record-bytes", type=COUNT, default=None,
-                   help="largest EventBatch value produced as one record; larger engine batches are split into "
-                        "several (default KVBUS_MAX_RECORD_BYTES, 900000)")
-    p.add_argument("--serializer", default="fast", choices=("fast", "confluent"),
-                   help="fast: direct Avro encoder with the registry's schema id; confluent: AvroSerializer")
-    p.add_argument("--flush-timeout", type=SECONDS, default=30.0, help="seconds to deliver queued records on exit")
-    p.add_argument("--producer-conf", action="append", type=KEY_VALUE, default=[], metavar="KEY=VALUE",
-                   help="extra librdkafka producer setting (repeatable)")
+    """Options of ``kvbus bridge``: the flags of :class:`BridgeConfig` and :class:`BridgeOptions`."""
+    add_flags(p, BridgeConfig)
+    add_flags(p, BridgeOptions)
 
 
 class _Stopped(Exception):
@@ -113,11 +108,7 @@ def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], backoff: 
 
 def config_from_args(args: argparse.Namespace) -> BridgeConfig:
     """BridgeConfig from parsed options."""
-    return BridgeConfig(
-        endpoint=args.endpoint, replica=args.replica, replay_endpoint=args.replay_endpoint, engine=args.engine,
-        topic=args.topic, dp_rank=args.dp_rank, worker_rank=args.worker_rank, workers=args.workers,
-        replay_timeout=args.replay_timeout, model=args.model,
-    )
+    return from_flags(BridgeConfig, args)
 
 
 def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[], bool],

@@ -38,29 +38,22 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.split import BatchRef, Splitter, record_limit
 from kvbus.schemas.events import DeadLetter
-from kvbus.schemas.security import describe_kafka_error, kafka_error_report
-from kvbus.schemas.settings import client_conf
+from kvbus.schemas.kafka_clients import PRODUCER_CONF, DeliveryErrors, producer_conf as kafka_producer_conf
 
 log = logging.getLogger("kvbus.producers.kafka")
 
-DEFAULT_PRODUCER_CONF: dict[str, Any] = {
-    "enable.idempotence": True,
-    "acks": "all",
-    # a record waits at most this long for others to share its request: the view's freshness
-    # budget is tens of ms end to end; under load librdkafka batches while requests are in flight
-    "linger.ms": 5,
-    "compression.type": "lz4",
+BRIDGE_PRODUCER_CONF: dict[str, Any] = {
     "batch.size": 1_000_000,
     "batch.num.messages": 10_000,
-    # same key -> partition mapping as the Java client and aiokafka (murmur2)
-    "partitioner": "murmur2_random",
     "queue.buffering.max.messages": 100_000,
     "queue.buffering.max.kbytes": 131_072,
     # never expire a queued record: while Kafka is down we hold it (bounded queue)
     "message.timeout.ms": 0,
-    "log.connection.close": False,
 }
-"""Producer settings of the bridge and the publisher; override per key."""
+"""The bridge's and the publisher's producer properties over every producer's
+(:data:`kvbus.schemas.kafka_clients.PRODUCER_CONF`); override per key."""
+DEFAULT_PRODUCER_CONF: dict[str, Any] = {**PRODUCER_CONF, **BRIDGE_PRODUCER_CONF}
+"""Producer settings of the bridge and the publisher."""
 
 DEFAULT_MAX_BACKLOG = 100_000
 """Records held beyond librdkafka's queue before :meth:`RecordProducer.accepting` turns False."""
@@ -78,34 +71,9 @@ _MAX_CALLBACKS = 4096
 def producer_conf(kafka: str | Mapping[str, Any], overrides: dict[str, Any] | None = None,
                   **callbacks: Any) -> dict[str, Any]:
     """librdkafka configuration for ``kafka`` (a bootstrap string or ``Settings.kafka()``: servers and
-    security): :data:`DEFAULT_PRODUCER_CONF`, then ``kafka``, then ``overrides``, then ``callbacks``
-    (e.g. ``error_cb``)."""
-    conf = dict(DEFAULT_PRODUCER_CONF)
-    conf.update(client_conf(kafka))
-    conf.update(overrides or {})
-    conf.update(callbacks)
-    return conf
-
-
-class RateLimitedLog:
-    """Log a recurring condition at most once per ``every`` seconds, with the count of the
-    messages suppressed in between (`` (+N similar)``)."""
-
-    def __init__(self, every: float = 5.0, logger: logging.Logger = log) -> None:
-        self.every = every
-        self.logger = logger
-        self._last = float("-inf")
-        self._suppressed = 0
-
-    def __call__(self, level: int, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last >= self.every:
-            suffix = f" (+{self._suppressed} similar)" if self._suppressed else ""
-            self.logger.log(level, msg + suffix, *args)
-            self._last = now
-            self._suppressed = 0
-        else:
-            self._suppressed += 1
+    security): :data:`BRIDGE_PRODUCER_CONF` over every producer's
+    (:func:`kvbus.schemas.kafka_clients.producer_conf`), then ``overrides``, then ``callbacks`` (``error_cb``)."""
+    return kafka_producer_conf(kafka, BRIDGE_PRODUCER_CONF, overrides, **callbacks)
 
 
 class RecordProducer:
@@ -143,11 +111,8 @@ class RecordProducer:
         self.label = label
         self.max_backlog = max_backlog
         self.max_backlog_bytes = max_backlog_bytes
-        self._err_log = RateLimitedLog()
-        self._kafka_log = RateLimitedLog()
-        self._conf = dict(conf or {})
-        """The producer's librdkafka configuration (its security properties name the principal in
-        error messages)."""
+        self.errors = DeliveryErrors(conf or {}, log, label)
+        """What Kafka refused (the configuration's security properties name the principal in messages)."""
         if producer is None:
             producer = Producer({**(conf or {}), "error_cb": self._on_kafka_error})
         self.producer = producer
@@ -160,12 +125,6 @@ class RecordProducer:
         self._ack_cb: dict[int, Callable[[KafkaError | None, Any], None]] = {}
         self.acked = 0
         """Records Kafka acknowledged (batches and dead letters)."""
-        self.delivery_failures = 0
-        """Records Kafka refused for good (delivery callback error, or produce() refusing it)."""
-        self._error: str | None = None
-        """The last error Kafka reported since it last acknowledged a record (None: none)."""
-        self._client_error = False
-        """Whether ``_error`` came from the client (brokers down, credentials refused) rather than a record."""
         self._stall: tuple[int | None, float] = (None, 0.0)
         """(records acknowledged, since when) as :meth:`failure` last saw them with records waiting."""
 
@@ -239,20 +198,21 @@ class RecordProducer:
                         self.label, len(self._backlog), self._backlog_bytes)
 
     # -- delivery -----------------------------------------------------------------------------
+    @property
+    def delivery_failures(self) -> int:
+        """Records Kafka refused for good (delivery callback error, or produce() refusing it)."""
+        return self.errors.refusals
+
     def _refused(self, err: Any, topic: str) -> None:
-        self.delivery_failures += 1
         self.metrics.delivery_errors.inc()
-        text = describe_kafka_error(err, self._conf)
-        self._error, self._client_error = f"a record to {topic} was refused: {text}", False
-        self._err_log(logging.ERROR, "%srecord to %s refused: %s", self.label, topic, text)
+        self.errors.refused(err, topic)
 
     def _delivered(self, events: int, err: KafkaError | None, msg: Any) -> None:
         if err is not None:
             self._refused(err, msg.topic() if msg is not None else "?")
             return
         self.acked += 1
-        if self._error is not None:
-            self._error = None
+        self.errors.acknowledged()
         if events >= 0:
             self.metrics.batches_acked.inc()
             self.metrics.events_acked.inc(events)
@@ -261,9 +221,7 @@ class RecordProducer:
             self.metrics.delivery_latency.observe(lat)
 
     def _on_kafka_error(self, err: KafkaError) -> None:
-        level, text = kafka_error_report(err, self._conf)
-        self._error, self._client_error = f"Kafka: {text}", True
-        self._kafka_log(level, "%skafka: %s", self.label, text)
+        self.errors.error_cb(err)
 
     def failure(self) -> str | None:
         """Why this producer is failing, None when it is not (a bridge's ``/readyz`` reports it):
@@ -280,15 +238,15 @@ class RecordProducer:
             self._stall = (acked, now)
         elif now - since > STALL_SECONDS:
             return f"{waiting} records waiting for Kafka's acknowledgement for {now - since:.0f} s"
-        error = self._error
-        if error is None or not self._client_error:
+        error = self.errors.last
+        if error is None or not self.errors.last_is_client:
             return error
         try:
             self.producer.list_topics(self.raw_topic, timeout=0.5)
         except KafkaException:
             return error
-        if self._error is error:  # Kafka answers again
-            self._error = None
+        if self.errors.last is error:  # Kafka answers again
+            self.errors.acknowledged()
         return None
 
     # -- loop ---------------------------------------------------------------------------------

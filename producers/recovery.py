@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -36,7 +35,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from kvbus.producers.sequencer import REASON_BRIDGE_START, REASON_ENGINE_RESTART, REASON_GAP
 from kvbus.schemas.backoff import Backoff, sleep
 from kvbus.schemas.events import EventBatch, Reset, holder_key
-from kvbus.schemas.settings import client_conf
+from kvbus.schemas.kafka_clients import reader_conf
 from kvbus.schemas.topics import RECOVERY_GROUP_PREFIX
 
 log = logging.getLogger("kvbus.producers.recovery")
@@ -128,14 +127,7 @@ def find_last_produced(
     Raises ``confluent_kafka.KafkaException`` if Kafka cannot be reached within ``timeout``.
     """
     key = holder_key(replica, dp_rank).encode()
-    consumer = Consumer({
-        **client_conf(kafka),
-        "group.id": f"{RECOVERY_GROUP_PREFIX}{uuid.uuid4().hex}",
-        "enable.auto.commit": False,
-        "enable.partition.eof": False,
-        "auto.offset.reset": "earliest",
-        "log.connection.close": False,
-    })
+    consumer = Consumer(reader_conf(kafka, RECOVERY_GROUP_PREFIX))
     try:
         md = consumer.list_topics(topic, timeout=timeout)
         tmd = md.topics.get(topic)

@@ -1,8 +1,5 @@
-"""How a kvbus process logs: every stage logs through :mod:`logging`; ``kvbus`` configures it once.
-
-| variable | default | meaning |
-|---|---|---|
-| ``KVBUS_LOG_FORMAT`` | ``text`` | ``text``: ``<time> <LEVEL> <logger>: <message>`` lines; ``json``: one JSON object per line |
+"""How a kvbus process logs: every stage logs through :mod:`logging`; ``kvbus`` configures it once,
+in the format ``KVBUS_LOG_FORMAT`` says (:data:`LOG_FORMAT_SETTING`).
 
 A JSON line has ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message`` and ``stage`` (the
 subcommand: bridge, worker, sink, ...), plus the context of the line where there is one: ``holder``
@@ -20,10 +17,15 @@ import sys
 import threading
 from typing import Any, Mapping
 
-from kvbus.schemas.env import one_of, read
+from kvbus.schemas.env import Setting, one_of
 
 LOG_FORMAT = one_of("text", "json")
 """The forms of ``KVBUS_LOG_FORMAT``."""
+LOG_FORMAT_SETTING = Setting("KVBUS_LOG_FORMAT", LOG_FORMAT, "text",
+                             "text: <time> <LEVEL> <logger>: <message> lines; json: one JSON object per line (time, "
+                             "level, logger, message, stage, and holder / topic / partition / offset / partitions "
+                             "where a line has one)")
+"""How every kvbus command logs."""
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 """Format of a text log line."""
 _configured = "text"
@@ -56,7 +58,7 @@ class _Stderr(logging.StreamHandler):
 
 def log_format(environ: Mapping[str, str] | None = None) -> str:
     """``KVBUS_LOG_FORMAT`` of ``environ`` (default the process's): "text" or "json"."""
-    return read(os.environ if environ is None else environ, "KVBUS_LOG_FORMAT", LOG_FORMAT, "text")
+    return LOG_FORMAT_SETTING.read(os.environ if environ is None else environ)
 
 
 def configure(stage: str, level: int = logging.INFO, fmt: str = "text") -> logging.Handler:

@@ -6,20 +6,9 @@ bridge, publisher, sink, the worker's output producer, admin clients), Faust's
 ``broker_credentials`` (aiokafka: the worker's consumer and changelog), redis-py keyword arguments
 and the registry client's configuration.
 
-| variable | meaning |
-|---|---|
-| ``KVBUS_KAFKA_SECURITY_PROTOCOL`` | ``PLAINTEXT`` (default) / ``SSL`` / ``SASL_PLAINTEXT`` / ``SASL_SSL`` |
-| ``KVBUS_KAFKA_SASL_MECHANISM`` | ``SCRAM-SHA-512`` (default with SASL) / ``SCRAM-SHA-256`` / ``PLAIN`` |
-| ``KVBUS_KAFKA_SASL_USERNAME`` | SASL user |
-| ``KVBUS_KAFKA_SASL_PASSWORD`` / ``..._FILE`` | its password, or a file holding it |
-| ``KVBUS_KAFKA_SSL_CA`` | CA certificate (PEM file) the brokers' certificates are checked against |
-| ``KVBUS_KAFKA_SSL_CERT`` / ``KVBUS_KAFKA_SSL_KEY`` | client certificate and key (PEM files; mutual TLS) |
-| ``KVBUS_KAFKA_PROPERTIES`` | a file of extra librdkafka ``key=value`` lines for every confluent-kafka client |
-| ``KVBUS_REDIS_USERNAME`` | Redis ACL user (else the URL's) |
-| ``KVBUS_REDIS_PASSWORD`` / ``..._FILE`` | its password (else the URL's) |
-| ``KVBUS_REDIS_SSL_CA`` | CA certificate for a ``rediss://`` URL |
-| ``KVBUS_REGISTRY_USERNAME`` / ``KVBUS_REGISTRY_PASSWORD`` / ``..._FILE`` | registry basic auth |
-| ``KVBUS_REGISTRY_SSL_CA`` | CA certificate for an ``https://`` registry |
+Each setting is declared once here (:data:`SETTINGS`; every one with its meaning: docs/configuration.md):
+``KVBUS_KAFKA_*`` (protocol, SASL, TLS, a librdkafka properties file), ``KVBUS_REDIS_*`` (ACL user, TLS
+CA) and ``KVBUS_REGISTRY_*`` (basic auth, TLS CA).
 
 Secrets: a ``*_FILE`` variable names a file whose content (stripped) is the secret, as Docker and
 Kubernetes secrets are mounted; it is preferred to the plain variable. Secrets are never part of
@@ -35,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from kvbus.schemas.env import SettingError, one_of, read
+from kvbus.schemas.env import FILE, TEXT, Setting, SettingError, one_of
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 """Kafka security protocols (``security.protocol``)."""
@@ -45,6 +34,30 @@ MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
 
 class SecurityConfigError(SettingError):
     """A security setting is missing or malformed; the message names the ``KVBUS_*`` variable."""
+
+
+KAFKA_PROTOCOL = Setting("KVBUS_KAFKA_SECURITY_PROTOCOL", one_of(*PROTOCOLS), "PLAINTEXT",
+                         f"Kafka security protocol: {', '.join(PROTOCOLS)}")
+KAFKA_MECHANISM = Setting("KVBUS_KAFKA_SASL_MECHANISM", one_of(*MECHANISMS), "",
+                          f"SASL mechanism with a SASL protocol: {', '.join(MECHANISMS)}",
+                          shown=f"{MECHANISMS[0]} with SASL")
+KAFKA_USERNAME = Setting("KVBUS_KAFKA_SASL_USERNAME", TEXT, "", "SASL user (required with a SASL protocol)")
+KAFKA_PASSWORD = Setting("KVBUS_KAFKA_SASL_PASSWORD", TEXT, "", "the SASL user's password", secret=True)
+KAFKA_CA = Setting("KVBUS_KAFKA_SSL_CA", FILE, "", "CA certificate (PEM file) the brokers' certificates are checked "
+                   "against (with an SSL protocol)")
+KAFKA_CERT = Setting("KVBUS_KAFKA_SSL_CERT", FILE, "", "client certificate (PEM file; mutual TLS, with "
+                     "KVBUS_KAFKA_SSL_KEY)")
+KAFKA_KEY = Setting("KVBUS_KAFKA_SSL_KEY", FILE, "", "the client certificate's key (PEM file)")
+KAFKA_PROPERTIES = Setting("KVBUS_KAFKA_PROPERTIES", FILE, "", "a file of extra librdkafka key=value lines for "
+                           "every confluent-kafka client (applied last)")
+
+
+def credential_settings(prefix: str, service: str, user: str, ca: str) -> tuple[Setting, Setting, Setting]:
+    """The user, password and CA settings of a service: ``<prefix>_USERNAME``, ``<prefix>_PASSWORD``
+    (or ``..._FILE``) and ``<prefix>_SSL_CA``; ``user``: what the user is, ``ca``: when the CA is used."""
+    return (Setting(f"{prefix}_USERNAME", TEXT, "", f"{service} {user}"),
+            Setting(f"{prefix}_PASSWORD", TEXT, "", f"the {service} user's password", secret=True),
+            Setting(f"{prefix}_SSL_CA", FILE, "", f"CA certificate (PEM file) {ca}"))
 
 
 @dataclass(frozen=True)
@@ -62,8 +75,10 @@ class Secret:
         return f"Secret(file={self.file!r})" if self.file else ("Secret(***)" if self.value else "Secret()")
 
 
-def read_secret(env: Mapping[str, str], name: str) -> Secret:
-    """``name``'s secret: the content of the file named by ``<name>_FILE`` if set, else ``<name>``."""
+def read_secret(env: Mapping[str, str], secret: Setting) -> Secret:
+    """``secret``'s value: the content of the file named by ``<variable>_FILE`` if set, else the variable's
+    (not stripped: a password may hold any character)."""
+    name = secret.variable
     path = env.get(f"{name}_FILE", "").strip()
     if path:
         try:
@@ -71,14 +86,6 @@ def read_secret(env: Mapping[str, str], name: str) -> Secret:
         except OSError as e:
             raise SecurityConfigError(f"{name}_FILE={path}: cannot read the secret file ({e.strerror})") from None
     return Secret(env.get(name, ""))
-
-
-def _path(env: Mapping[str, str], name: str) -> str:
-    """A file path setting; it must exist when set."""
-    value = env.get(name, "").strip()
-    if value and not Path(value).is_file():
-        raise SecurityConfigError(f"{name}={value}: no such file")
-    return value
 
 
 def read_properties(path: str) -> dict[str, str]:
@@ -90,7 +97,7 @@ def read_properties(path: str) -> dict[str, str]:
             continue
         key, sep, value = line.partition("=")
         if not sep or not key.strip():
-            raise SecurityConfigError(f"KVBUS_KAFKA_PROPERTIES={path}, line {n}: expected key=value")
+            raise SecurityConfigError(f"{KAFKA_PROPERTIES.variable}={path}, line {n}: expected key=value")
         out[key.strip()] = value.strip()
     return out
 
@@ -120,13 +127,10 @@ class KafkaSecurity:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "KafkaSecurity":
-        protocol = read(env, "KVBUS_KAFKA_SECURITY_PROTOCOL", one_of(*PROTOCOLS), "PLAINTEXT")
-        sec = cls(protocol=protocol,
-                  mechanism=read(env, "KVBUS_KAFKA_SASL_MECHANISM", one_of(*MECHANISMS), ""),
-                  username=env.get("KVBUS_KAFKA_SASL_USERNAME", "").strip(),
-                  password=read_secret(env, "KVBUS_KAFKA_SASL_PASSWORD"),
-                  ca=_path(env, "KVBUS_KAFKA_SSL_CA"), cert=_path(env, "KVBUS_KAFKA_SSL_CERT"),
-                  key=_path(env, "KVBUS_KAFKA_SSL_KEY"), properties_file=_path(env, "KVBUS_KAFKA_PROPERTIES"))
+        protocol = KAFKA_PROTOCOL.read(env)
+        sec = cls(protocol=protocol, mechanism=KAFKA_MECHANISM.read(env), username=KAFKA_USERNAME.read(env),
+                  password=read_secret(env, KAFKA_PASSWORD), ca=KAFKA_CA.read(env), cert=KAFKA_CERT.read(env),
+                  key=KAFKA_KEY.read(env), properties_file=KAFKA_PROPERTIES.read(env))
         if sec.sasl:
             if not sec.mechanism:
                 sec = cls(**{**sec.__dict__, "mechanism": MECHANISMS[0]})
@@ -175,38 +179,39 @@ class KafkaSecurity:
         return None
 
     def to_env(self) -> dict[str, str]:
-        return _env({"KVBUS_KAFKA_SECURITY_PROTOCOL": self.protocol if self.protocol != "PLAINTEXT" else "",
-                     "KVBUS_KAFKA_SASL_MECHANISM": self.mechanism, "KVBUS_KAFKA_SASL_USERNAME": self.username,
-                     "KVBUS_KAFKA_SSL_CA": self.ca, "KVBUS_KAFKA_SSL_CERT": self.cert, "KVBUS_KAFKA_SSL_KEY": self.key,
-                     "KVBUS_KAFKA_PROPERTIES": self.properties_file}, "KVBUS_KAFKA_SASL_PASSWORD", self.password)
+        return _env({KAFKA_PROTOCOL.variable: self.protocol if self.protocol != "PLAINTEXT" else "",
+                     KAFKA_MECHANISM.variable: self.mechanism, KAFKA_USERNAME.variable: self.username,
+                     KAFKA_CA.variable: self.ca, KAFKA_CERT.variable: self.cert, KAFKA_KEY.variable: self.key,
+                     KAFKA_PROPERTIES.variable: self.properties_file}, KAFKA_PASSWORD, self.password)
 
 
 @dataclass(frozen=True)
 class Credentials:
-    """A user, its password and the CA (PEM path) of the service's TLS certificate, read from
-    ``<PREFIX>_USERNAME``, ``<PREFIX>_PASSWORD`` (or ``..._FILE``) and ``<PREFIX>_SSL_CA``."""
+    """A user, its password and the CA (PEM path) of the service's TLS certificate, read from the
+    subclass's :attr:`SETTINGS` (``<PREFIX>_USERNAME``, ``<PREFIX>_PASSWORD`` or ``..._FILE``, ``<PREFIX>_SSL_CA``)."""
 
-    PREFIX: ClassVar[str] = ""
-    """The variables' common prefix (``KVBUS_REDIS``, ``KVBUS_REGISTRY``)."""
+    SETTINGS: ClassVar[tuple[Setting, Setting, Setting]] = ()  # type: ignore[assignment]
+    """The user, password and CA settings (:func:`credential_settings`)."""
     username: str = ""
     password: Secret = Secret()
     ca: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]):
-        p = cls.PREFIX
-        return cls(env.get(f"{p}_USERNAME", "").strip(), read_secret(env, f"{p}_PASSWORD"), _path(env, f"{p}_SSL_CA"))
+        user, password, ca = cls.SETTINGS
+        return cls(user.read(env), read_secret(env, password), ca.read(env))
 
     def to_env(self) -> dict[str, str]:
-        p = self.PREFIX
-        return _env({f"{p}_USERNAME": self.username, f"{p}_SSL_CA": self.ca}, f"{p}_PASSWORD", self.password)
+        user, password, ca = self.SETTINGS
+        return _env({user.variable: self.username, ca.variable: self.ca}, password, self.password)
 
 
 @dataclass(frozen=True)
 class RedisSecurity(Credentials):
     """Redis ACL ``username`` / ``password`` (override the URL's) and ``ca`` for ``rediss://``."""
 
-    PREFIX: ClassVar[str] = "KVBUS_REDIS"
+    SETTINGS: ClassVar[tuple[Setting, Setting, Setting]] = credential_settings(
+        "KVBUS_REDIS", "Redis", "ACL user (else the URL's user)", "for a rediss:// URL")
 
     def client_kwargs(self, url: str) -> dict[str, Any]:
         """redis-py keyword arguments (``Redis.from_url(url, **kw)`` / ``RedisCluster``) for ``url``."""
@@ -224,7 +229,8 @@ class RedisSecurity(Credentials):
 class RegistrySecurity(Credentials):
     """Registry basic-auth ``username`` / ``password`` and ``ca`` for an ``https://`` URL."""
 
-    PREFIX: ClassVar[str] = "KVBUS_REGISTRY"
+    SETTINGS: ClassVar[tuple[Setting, Setting, Setting]] = credential_settings(
+        "KVBUS_REGISTRY", "schema registry", "basic-auth user", "for an https:// registry URL")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "RegistrySecurity":
@@ -274,12 +280,17 @@ class Security:
         return {**self.kafka.to_env(), **self.redis.to_env(), **self.registry.to_env()}
 
 
-def _env(plain: dict[str, str], secret_name: str, secret: Secret) -> dict[str, str]:
+SETTINGS: tuple[Setting, ...] = (KAFKA_PROTOCOL, KAFKA_MECHANISM, KAFKA_USERNAME, KAFKA_PASSWORD, KAFKA_CA, KAFKA_CERT,
+                                 KAFKA_KEY, KAFKA_PROPERTIES, *RedisSecurity.SETTINGS, *RegistrySecurity.SETTINGS)
+"""Every security setting, in the order docs/configuration.md lists them."""
+
+
+def _env(plain: dict[str, str], secret: Setting, value: Secret) -> dict[str, str]:
     out = {k: v for k, v in plain.items() if v}
-    if secret.file:
-        out[f"{secret_name}_FILE"] = secret.file
-    elif secret.value:
-        out[secret_name] = secret.value
+    if value.file:
+        out[f"{secret.variable}_FILE"] = value.file
+    elif value.value:
+        out[secret.variable] = value.value
     return out
 
 

@@ -9,22 +9,21 @@
 | ``kvbus.dlq`` | DeadLetter: input a stage rejected | source |
 | ``kvbus.snapshots`` | ViewSnapshot: the residency view saved by the sinks (compacted) | holder, ``""`` for a manifest |
 
-Each name can be overridden by ``KVBUS_TOPIC_RAW``, ``KVBUS_TOPIC_BLOCKS``,
-``KVBUS_TOPIC_INCOMPLETE``, ``KVBUS_TOPIC_DLQ``, ``KVBUS_TOPIC_SNAPSHOTS``.
+Each name can be overridden by its ``KVBUS_TOPIC_*`` variable (:class:`Topics`).
 
 How each topic must be configured on the cluster (partitions, replicas, ``cleanup.policy``,
 ``retention.ms``, ``max.message.bytes``, ``min.insync.replicas``) is declared here too
 (:func:`topic_specs`): the development stack creates the topics from it, the sinks the snapshot
-topic, the worker the tier topics, and the Kubernetes ``KafkaTopic`` resources are generated from it.
+topic, the worker the tier topics, all through :func:`kvbus.schemas.kafka_clients.ensure_topics`, and
+the Kubernetes ``KafkaTopic`` resources are generated from it.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from kvbus.schemas.env import TEXT, read
+from kvbus.schemas.env import TEXT, load, setting
 
 _ILLEGAL = re.compile(r"[^a-zA-Z0-9._-]")
 
@@ -90,29 +89,20 @@ class TopicSpec:
 class Topics:
     """The topic names one deployment uses."""
 
-    raw: str = "kvbus.raw"
-    """Engine batches as produced by bridges."""
-    blocks: str = "kvbus.blocks"
-    """Consolidated framework-owned events; tier topics are ``<blocks>.<ownership>``."""
-    incomplete: str = "kvbus.incomplete"
-    """Events that not every worker reported within the window."""
-    dlq: str = "kvbus.dlq"
-    """Dead letters of every stage."""
-    snapshots: str = "kvbus.snapshots"
-    """Snapshots of the residency view (compacted; the sinks write and read it)."""
+    raw: str = setting("KVBUS_TOPIC_RAW", TEXT, "kvbus.raw", "topic of the engine batches as bridges produce them")
+    blocks: str = setting("KVBUS_TOPIC_BLOCKS", TEXT, "kvbus.blocks",
+                          "topic of the consolidated framework-owned events; tier topics are <blocks>.<ownership>")
+    incomplete: str = setting("KVBUS_TOPIC_INCOMPLETE", TEXT, "kvbus.incomplete",
+                              "topic of the events that not every worker reported within the window")
+    dlq: str = setting("KVBUS_TOPIC_DLQ", TEXT, "kvbus.dlq", "dead-letter topic of every stage")
+    snapshots: str = setting("KVBUS_TOPIC_SNAPSHOTS", TEXT, "kvbus.snapshots",
+                             "topic of the snapshots of the residency view (compacted; the sinks write and read it)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Topics":
         """Defaults overridden by KVBUS_TOPIC_* variables (of ``environ``, default the process's;
         blank: the default)."""
-        env = os.environ if environ is None else environ
-        return cls(
-            raw=read(env, "KVBUS_TOPIC_RAW", TEXT, cls.raw),
-            blocks=read(env, "KVBUS_TOPIC_BLOCKS", TEXT, cls.blocks),
-            incomplete=read(env, "KVBUS_TOPIC_INCOMPLETE", TEXT, cls.incomplete),
-            dlq=read(env, "KVBUS_TOPIC_DLQ", TEXT, cls.dlq),
-            snapshots=read(env, "KVBUS_TOPIC_SNAPSHOTS", TEXT, cls.snapshots),
-        )
+        return load(cls, environ)
 
     def for_ownership(self, ownership: str | None) -> str:
         """Topic of consolidated events of a tier: ``blocks`` for None, else ``blocks.<ownership>``
@@ -126,14 +116,21 @@ class Topics:
         return "^" + re.escape(self.blocks) + r"(\..+)?$"
 
 
+def record_spec(name: str, partitions: int, replicas: int) -> TopicSpec:
+    """The declaration of a record topic (raw, blocks, a tier topic, incomplete, dlq): :func:`record_topic_config`."""
+    return TopicSpec(name, partitions, replicas, record_topic_config(replicas))
+
+
+def snapshot_spec(name: str, replicas: int) -> TopicSpec:
+    """The declaration of the snapshot topic: one partition (one ordered log), :func:`snapshot_topic_config`."""
+    return TopicSpec(name, SNAPSHOT_PARTITIONS, replicas, snapshot_topic_config(replicas))
+
+
 def topic_specs(topics: Topics, partitions: int, replicas: int) -> tuple[TopicSpec, ...]:
     """Every topic a deployment declares up front, with ``partitions`` (``KVBUS_PARTITIONS``) and
     ``replicas`` (``KVBUS_REPLICATION``): raw, blocks, incomplete, dlq, snapshots. Tier topics
-    (``<blocks>.<ownership>``) are created by the worker on a tier's first event, with
-    :func:`record_topic_config`."""
-    record = record_topic_config(replicas)
-    return (
-        *(TopicSpec(name, partitions, replicas, record)
-          for name in (topics.raw, topics.blocks, topics.incomplete, topics.dlq)),
-        TopicSpec(topics.snapshots, SNAPSHOT_PARTITIONS, replicas, snapshot_topic_config(replicas)),
-    )
+    (``<blocks>.<ownership>``) are created by the worker on a tier's first event (:func:`record_spec`).
+    They are created by :func:`kvbus.schemas.kafka_clients.ensure_topics`."""
+    return (*(record_spec(name, partitions, replicas) for name in (topics.raw, topics.blocks, topics.incomplete,
+                                                                   topics.dlq)),
+            snapshot_spec(topics.snapshots, replicas))

@@ -1,7 +1,7 @@
 """``kvbus sink`` and ``kvbus lookup``: argparse wiring for the lead's ``kvbus`` command.
 
-    kvbus sink [--group G] [--prefix kvbus:] [--stale-after SEC] [--metrics-port P] [--batch N]
-               [--session-timeout SEC] [--instance-id ID] [--snapshot-every SEC]     (defaults: KVBUS_SINK_*, sinks/config.py)
+    kvbus sink [--group G] [--prefix kvbus:] [--stale-after SEC] [--metrics-port P] [--batch N] ...
+                                                    (every flag, its variable and default: docs/configuration.md)
     kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16]
                   [--algo sha256|sha256_cbor|xxhash|xxhash_cbor] [--hash-seed S]
                   [--lora-name NAME [--lora-path PATH]] [--cache-salt SALT] [--engine-version V])
@@ -17,9 +17,8 @@ import logging
 import signal
 import sys
 import threading
-from dataclasses import replace
 
-from kvbus.schemas.env import COUNT, PORT, SECONDS
+from kvbus.schemas.env import add_flags, from_flags
 from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, first_release
 from kvbus.schemas.security import check_kafka_access, redact_url
 from kvbus.schemas.settings import Settings
@@ -35,41 +34,14 @@ log = logging.getLogger("kvbus.sinks")
 
 
 def add_sink_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``kvbus sink``; each defaults to its ``KVBUS_SINK_*`` variable (:mod:`kvbus.sinks.config`)."""
-    d = SinkConfig.from_env()
-    p.add_argument("--group", default=d.group, help=f"Kafka consumer group (KVBUS_SINK_GROUP; now {d.group})")
-    p.add_argument("--prefix", default=d.prefix, help=f"Redis key prefix of the view (KVBUS_SINK_PREFIX; now {d.prefix})")
-    p.add_argument("--stale-after", type=SECONDS, default=d.stale_after,
-                   help="expire holders with no event or heartbeat for SEC seconds; 0 = never "
-                        f"(KVBUS_SINK_STALE_AFTER; now {d.stale_after:g})")
-    p.add_argument("--expire-every", type=SECONDS, default=d.expire_every,
-                   help=f"seconds between staleness checks (KVBUS_SINK_EXPIRE_EVERY; now {d.expire_every:g})")
-    p.add_argument("--metrics-port", type=PORT, default=d.metrics_port,
-                   help="serve /metrics (Prometheus), /healthz and /readyz on this port, 0 = off "
-                        f"(KVBUS_SINK_METRICS_PORT; now {d.metrics_port})")
-    p.add_argument("--ready-lag", type=COUNT, default=d.ready_lag,
-                   help="/readyz answers 503 while this sink's partitions lag more records than this "
-                        f"(KVBUS_SINK_READY_LAG; now {d.ready_lag})")
-    p.add_argument("--batch", type=COUNT, default=d.batch,
-                   help=f"records per poll/apply batch (KVBUS_SINK_BATCH; now {d.batch})")
-    p.add_argument("--session-timeout", type=SECONDS, default=d.session_timeout,
-                   help="seconds before a dead sink's partitions move to another sink "
-                        f"(KVBUS_SINK_SESSION_TIMEOUT; now {d.session_timeout:g})")
-    p.add_argument("--instance-id", default=d.instance_id,
-                   help="static group membership (group.instance.id), unique per sink: a sink restarted under "
-                        "its id takes its partitions back at once (KVBUS_SINK_INSTANCE_ID; default none)")
-    p.add_argument("--snapshot-every", type=SECONDS, default=d.snapshot_every,
-                   help="seconds between snapshots of the view to the snapshot topic, taken by one sink "
-                        "of the group; 0 = none. The block topics must retain more than this for a lost "
-                        f"view to be rebuilt exactly (KVBUS_SINK_SNAPSHOT_EVERY; now {d.snapshot_every:g})")
+    """Options of ``kvbus sink``: the flags of :class:`~kvbus.sinks.config.SinkConfig`, each defaulting to
+    its ``KVBUS_SINK_*`` variable."""
+    add_flags(p, SinkConfig)
 
 
 def sink_config(args: argparse.Namespace) -> SinkConfig:
     """The SinkConfig of ``kvbus sink``'s flags."""
-    return replace(SinkConfig.from_env(), group=args.group, prefix=args.prefix, stale_after=args.stale_after,
-                   expire_every=args.expire_every, batch=args.batch, session_timeout=args.session_timeout,
-                   instance_id=args.instance_id,
-                   snapshot_every=args.snapshot_every, metrics_port=args.metrics_port, ready_lag=args.ready_lag)
+    return from_flags(SinkConfig, args)
 
 
 def check_topics(settings: Settings, config: SinkConfig) -> None:

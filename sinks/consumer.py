@@ -42,7 +42,9 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import BlockEvent, dead_letter
 from kvbus.schemas.codec import FastSerde
-from kvbus.schemas.security import describe_kafka_error, kafka_error_report
+from kvbus.schemas.kafka_clients import DeliveryErrors, producer_conf
+from kvbus.schemas.kafka_clients import consumer_conf as kafka_consumer_conf
+from kvbus.schemas.security import describe_kafka_error
 from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
@@ -141,25 +143,17 @@ class SinkConsumer:
         # docs/benchmarks.md, sink decode); other schema versions decode through RecordSerde
         self.serde = FastSerde(registry, "BlockEvent", auto_register=False)
         self.dlq_serde = FastSerde(registry, "DeadLetter")
-        conf = {
-            **settings.kafka(),
-            "error_cb": self._on_kafka_error,
-            "group.id": config.group,
-            "session.timeout.ms": int(config.session_timeout * 1000),
-            "enable.auto.commit": False,
-            # a stored offset outside the log is the sink's to decide (:meth:`_out_of_range`), never
-            # librdkafka's silent jump to the start: it means the topic was recreated or truncated,
-            # or retention deleted records the view never applied
-            "auto.offset.reset": "error",
-            "topic.metadata.refresh.interval.ms": 5000,
-            "enable.partition.eof": False,
-        }
-        if config.instance_id:
-            conf["group.instance.id"] = config.instance_id
-        conf.update(consumer_conf or {})
-        self.consumer = Consumer(conf)
-        self.producer = Producer(settings.kafka(**{"enable.idempotence": True, "acks": "all", "linger.ms": 5,
-                                                   "error_cb": self._on_kafka_error}))
+        kafka = settings.kafka()
+        self.errors = DeliveryErrors(kafka, log)
+        """What Kafka refused: the consumer's and the producer's client errors, dead letters refused."""
+        # a stored offset outside the log is the sink's to decide (:meth:`_out_of_range`), never
+        # librdkafka's silent jump to the start: it means the topic was recreated or truncated,
+        # or retention deleted records the view never applied
+        role = {"session.timeout.ms": int(config.session_timeout * 1000), "topic.metadata.refresh.interval.ms": 5000,
+                "auto.offset.reset": "error",
+                **({"group.instance.id": config.instance_id} if config.instance_id else {}), **(consumer_conf or {})}
+        self.consumer = Consumer(kafka_consumer_conf(kafka, config.group, role, error_cb=self.errors.error_cb))
+        self.producer = Producer(producer_conf(kafka, error_cb=self.errors.error_cb))
         self.reader = SnapshotReader(replace(settings, topics=self.topics), store.prefix)
         self.view_id: str | None = None
         self._resync = False
@@ -171,7 +165,6 @@ class SinkConsumer:
         self.consumer.subscribe([self.topics.blocks_pattern()], on_assign=self._on_assign)
         self._last_expire = 0.0
         self._caught_up = False
-        self._dlq_errors: list[str] = []
         self._backoff = Backoff(RETRY_FIRST, RETRY_CAP)
         """Pauses after transient failures (reset by a batch handled)."""
         self.assigned = False
@@ -534,19 +527,12 @@ class SinkConsumer:
         # the producer refused, which stopped the sink on that record at every restart
         letter = dead_letter(STAGE, source, reason, [msg.value() or b""], time.time())
         self.producer.produce(self.topics.dlq, key=source.encode(), value=self.dlq_serde.dumps(letter, self.topics.dlq),
-                              on_delivery=self._on_dlq_delivery)
+                              on_delivery=self.errors.on_delivery)
         self.metrics.dead_letters.labels(kind).inc()
-
-    def _on_dlq_delivery(self, err: Any, msg: Any) -> None:
-        if err is not None:
-            self._dlq_errors.append(str(err))
 
     def _flush_dead(self) -> None:
         """Dead letters must be durable before the offsets of their records are committed."""
-        remaining = self.producer.flush(30)
-        if remaining or self._dlq_errors:
-            errors, self._dlq_errors = self._dlq_errors, []
-            raise RuntimeError(f"dead-letter topic unavailable ({remaining} undelivered, errors: {errors[:3]})")
+        self.errors.raise_if_undelivered("dead letters", self.producer.flush(30))
 
     def _maybe_expire(self) -> None:
         now = time.time()
@@ -576,12 +562,6 @@ class SinkConsumer:
                 self.step()
         finally:
             self.close()
-
-    def _on_kafka_error(self, err: KafkaError) -> None:
-        """librdkafka's client-level errors (brokers down, credentials or rights refused), logged
-        with what to fix when Kafka refused this sink's security settings."""
-        level, text = kafka_error_report(err, self.settings.security.kafka)
-        log.log(level, "kafka: %s", text)
 
     def close(self) -> None:
         """Commit what was applied and leave the group."""

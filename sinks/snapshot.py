@@ -31,13 +31,14 @@ from typing import Any, Mapping
 
 import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 
 from kvbus.schemas.events import ViewOffset, ViewPosition, ViewSnapshot, ViewTier
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings, client_conf
+from kvbus.schemas.kafka_clients import DeliveryErrors, client_conf, ensure_topics, producer_conf, reader_conf
+from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import (REBUILD_GROUP_PREFIX, SNAPSHOT_MAX_MESSAGE_BYTES, SNAPSHOT_MAX_RECORD_BYTES,
-                                  SNAPSHOT_PARTITIONS, snapshot_topic_config)
+                                  snapshot_spec)
 
 from kvbus.sinks.redis_store import HolderDump, RedisStore
 
@@ -56,22 +57,13 @@ MAX_RECORD_BYTES = SNAPSHOT_MAX_RECORD_BYTES
 
 
 def ensure_snapshot_topic(kafka: str | Mapping[str, Any], topic: str) -> None:
-    """Create the snapshot topic if it is missing: one partition (one ordered log), compacted,
-    records up to :data:`MAX_RECORD_BYTES` (:func:`kvbus.schemas.topics.snapshot_topic_config`),
-    replicated like the cluster allows (RF 3, min ISR 2). ``kafka``: a bootstrap string or ``Settings.kafka()``."""
+    """Create the snapshot topic if it is missing, as declared (:func:`kvbus.schemas.topics.snapshot_spec`:
+    one partition, compacted, records up to :data:`MAX_RECORD_BYTES`), replicated like the cluster
+    allows (RF 3, min ISR 2). ``kafka``: a bootstrap string or ``Settings.kafka()``."""
     admin = AdminClient(client_conf(kafka))
     md = admin.list_topics(timeout=10)
-    if topic in md.topics:
-        return
-    rf = min(3, len(md.brokers))
-    fut = admin.create_topics([NewTopic(topic, SNAPSHOT_PARTITIONS, rf, config=snapshot_topic_config(rf))],
-                              operation_timeout=30)[topic]
-    try:
-        fut.result(30)
-        log.info("created snapshot topic %s (compacted, RF %d)", topic, rf)
-    except KafkaException as e:
-        if "TOPIC_ALREADY_EXISTS" not in str(e):
-            raise
+    if topic not in md.topics:
+        ensure_topics(admin, [snapshot_spec(topic, min(3, len(md.brokers)))])
 
 
 def holder_record(snapshot: int, name: str, dump: HolderDump) -> ViewSnapshot:
@@ -121,10 +113,10 @@ class SnapshotWriter:
         self.blocks = settings.topics.blocks
         ensure_snapshot_topic(settings.kafka(), self.topic)
         self.serde = RecordSerde(registry_client(settings), "ViewSnapshot")
-        self.producer = Producer(settings.kafka(**{
-            "enable.idempotence": True, "acks": "all", "linger.ms": 20, "message.max.bytes": SNAPSHOT_MAX_MESSAGE_BYTES,
-            "compression.type": "lz4"}))
-        self._errors: list[str] = []
+        kafka = settings.kafka()
+        self.errors = DeliveryErrors(kafka, log, "snapshot: ")
+        role = {"linger.ms": 20, "message.max.bytes": SNAPSHOT_MAX_MESSAGE_BYTES}
+        self.producer = Producer(producer_conf(kafka, role, error_cb=self.errors.error_cb))
         self._previous: set[str] = set()
 
     def _identity(self) -> tuple[str | None, str]:
@@ -162,21 +154,14 @@ class SnapshotWriter:
     def _produce(self, key: bytes, value: bytes | None) -> None:
         while True:
             try:
-                self.producer.produce(self.topic, key=key, value=value, on_delivery=self._delivered)
+                self.producer.produce(self.topic, key=key, value=value, on_delivery=self.errors.on_delivery)
                 self.producer.poll(0)
                 return
             except BufferError:
                 self.producer.poll(0.1)
 
-    def _delivered(self, err: Any, msg: Any) -> None:
-        if err is not None:
-            self._errors.append(str(err))
-
     def _flush(self) -> None:
-        remaining = self.producer.flush(60)
-        if remaining or self._errors:
-            errors, self._errors = self._errors, []
-            raise KafkaException(f"snapshot records not delivered ({remaining} pending, errors: {errors[:3]})")
+        self.errors.raise_if_undelivered("snapshot records", self.producer.flush(60))
 
 
 class Snapshotter(threading.Thread):
@@ -227,10 +212,9 @@ class SnapshotReader:
     def read(self, timeout: float = 120.0) -> tuple[ViewSnapshot | None, dict[str, ViewSnapshot]]:
         """(the latest manifest or None, holder name -> its latest record): the topic read from its
         start to its end as it is now, later records replacing earlier ones (as compaction will)."""
-        conf = {**self.settings.kafka(), "group.id": f"{REBUILD_GROUP_PREFIX}{uuid.uuid4().hex}",
-                "enable.auto.commit": False, "enable.partition.eof": True,
-                "receive.message.max.bytes": 2 * MAX_RECORD_BYTES, "fetch.max.bytes": SNAPSHOT_MAX_MESSAGE_BYTES}
-        c = Consumer(conf)
+        c = Consumer(reader_conf(self.settings.kafka(), REBUILD_GROUP_PREFIX, {
+            "enable.partition.eof": True, "receive.message.max.bytes": 2 * MAX_RECORD_BYTES,
+            "fetch.max.bytes": SNAPSHOT_MAX_MESSAGE_BYTES}))
         try:
             md = c.list_topics(self.topic, timeout=10)
             tmeta = md.topics.get(self.topic)

@@ -3,7 +3,8 @@
     kvbus worker [--workdir DIR] [--window SEC] [--metrics-port P] [--app-id ID]
                  [--datadir DIR] [--store URL] [--loglevel LEVEL]
 
-Every flag defaults to its ``KVBUS_STREAMS_*`` variable (see :mod:`kvbus.streams.options`);
+Every flag defaults to its ``KVBUS_STREAMS_*`` variable (:mod:`kvbus.streams.options`; all of them:
+docs/configuration.md);
 Kafka, registry and topic names come from the Settings (``KVBUS_*``). The worker runs in this
 process and stops cleanly on SIGTERM/SIGINT. ``python -m kvbus.streams worker -l info`` runs the
 same app with options from the environment only.
@@ -13,11 +14,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from kvbus.schemas import logs
-from kvbus.schemas.env import PORT, SECONDS, one_of
+from kvbus.schemas.env import Setting, add_flag, add_flags, from_flags, one_of
 from kvbus.schemas.security import check_kafka_access
 from kvbus.schemas.settings import Settings
 from kvbus.streams.options import StreamsOptions
@@ -27,26 +27,20 @@ log = logging.getLogger("kvbus.streams")
 
 LOG_LEVEL = one_of("debug", "info", "warning", "error", "critical")
 """The forms of ``--loglevel``."""
+LOG_LEVEL_FLAG = Setting(None, LOG_LEVEL, "info", "log level (kvbus -v: debug)", flag="--loglevel")
+"""``--loglevel``: a flag of the worker process only."""
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    """Add the ``kvbus worker`` options to ``p``."""
-    p.add_argument("--workdir", help="directory for the worker's data directory (KVBUS_STREAMS_WORKDIR; default .)")
-    p.add_argument("--datadir", help="Faust data directory, one per worker process "
-                                     "(KVBUS_STREAMS_DATADIR; default <workdir>/<app-id>-data)")
-    p.add_argument("--window", type=SECONDS, help="seconds a partial aggregate waits for the other workers "
-                                                "(KVBUS_STREAMS_WINDOW; default 5)")
-    p.add_argument("--metrics-port", type=PORT, help="/metrics (Prometheus), /healthz and /readyz port, 0 = off "
-                                                    "(KVBUS_STREAMS_METRICS_PORT; default 0)")
-    p.add_argument("--app-id", help="Faust app id = consumer group (KVBUS_STREAMS_APP_ID; default kvbus-streams)")
-    p.add_argument("--store", help="table store: memory:// or rocksdb:// (KVBUS_STREAMS_STORE; default memory://)")
-    p.add_argument("--loglevel", default="info", type=LOG_LEVEL, help="log level (default info; kvbus -v: debug)")
+    """Add the ``kvbus worker`` options to ``p``: the flags of :class:`StreamsOptions`, each defaulting to
+    its ``KVBUS_STREAMS_*`` variable, and ``--loglevel``."""
+    add_flags(p, StreamsOptions)
+    add_flag(p, "loglevel", LOG_LEVEL_FLAG)
 
 
 def options_from_args(args: argparse.Namespace) -> StreamsOptions:
-    """The StreamsOptions of ``kvbus worker``: its flags over the ``KVBUS_STREAMS_*`` variables."""
-    flags = {f: getattr(args, f, None) for f in ("workdir", "datadir", "window", "metrics_port", "app_id", "store")}
-    return replace(StreamsOptions.from_env(), **{f: v for f, v in flags.items() if v is not None})
+    """The StreamsOptions of ``kvbus worker``: its flags, and the ``KVBUS_STREAMS_*`` variables of the others."""
+    return from_flags(StreamsOptions, args)
 
 
 def run_worker(args: argparse.Namespace, settings: Settings) -> int:

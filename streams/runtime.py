@@ -28,15 +28,16 @@ import time
 from collections import defaultdict, deque
 from typing import Any, Iterable, Optional, Sequence
 
-from confluent_kafka import KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
 
 from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
+from kvbus.schemas.kafka_clients import DeliveryErrors, ensure_topics, producer_conf
 from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
-from kvbus.schemas.topics import record_topic_config
+from kvbus.schemas.topics import record_spec
 from kvbus.streams.aggregation import Aggregator, Output, check, is_meta_key, load
 from kvbus.streams.codec import Codec
 from kvbus.streams.faust_adapter import ChangelogPartition, release, rewind
@@ -117,6 +118,8 @@ class Runtime:
         """Raw partition -> offset after the last record processed (for lag)."""
         self._codec: Optional[Codec] = None
         self._producer: Optional[Producer] = None
+        self.errors = DeliveryErrors(settings.kafka(), log)
+        """What Kafka refused of the output producer (client errors, output records produced again)."""
         self._admin: Optional[AdminClient] = None
         self._partitions: dict[str, int] = {}
         self._contexts: dict[int, ChangelogPartition] = {}
@@ -141,15 +144,11 @@ class Runtime:
         tune_gc()
         s = self.settings
         self._codec = Codec(registry_client(s))
-        self._producer = Producer({
-            **s.kafka(),
-            "enable.idempotence": True,  # acks=all, ordered retries, no duplicates from retries
-            "linger.ms": 2,
-            "compression.type": "lz4",
-            "queue.buffering.max.messages": 1_000_000,
-            "client.id": f"{self.options.app_id}-outputs",
-        })
-        self._admin = AdminClient(s.kafka())
+        kafka = s.kafka()
+        self._producer = Producer(producer_conf(kafka, {
+            "linger.ms": 2, "queue.buffering.max.messages": 1_000_000, "client.id": f"{self.options.app_id}-outputs",
+        }, error_cb=self.errors.error_cb))
+        self._admin = AdminClient(kafka)
         md = self._admin.list_topics(timeout=30)
         for name, t in md.topics.items():
             if t.error is None:
@@ -397,8 +396,11 @@ class Runtime:
             head = self._inflight[0] if self._inflight else None
             if head is not None and head.remaining <= 0 and head.failed:
                 failed, head.failed = head.failed, []
+                for topic, _, _, _, err in failed:
+                    self.errors.refused(err, topic)
                 pause = backoff.next()
-                log.error("%d output records failed (%s); retrying in %.1fs", len(failed), failed[0][4], pause)
+                log.warning("%d output records refused (%s): produced again in %.1fs", len(failed),
+                            self.errors.take()[-1], pause)
                 await asyncio.sleep(pause)
                 head.remaining += len(failed)
                 for topic, key, value, partition, _ in failed:
@@ -452,20 +454,10 @@ class Runtime:
             self._ensure_topic(name)
 
     def _ensure_topic(self, name: str) -> None:
-        """Create ``name`` with the stage's partition count and the record topics' configuration unless it exists."""
+        """Create ``name`` as a record topic of the stage's partition count and replication unless it exists."""
         if name in self._partitions:
             return
-        fut = self._admin.create_topics(
-            [NewTopic(name, self.settings.partitions, self.options.replication,
-                      config=record_topic_config(self.options.replication))], operation_timeout=30
-        )[name]
-        try:
-            fut.result()
-            log.info("created topic %s (%d partitions, replication %d)", name, self.settings.partitions,
-                     self.options.replication)
-        except KafkaException as exc:
-            if "TOPIC_ALREADY_EXISTS" not in str(exc) and "already exists" not in str(exc):
-                raise
+        ensure_topics(self._admin, [record_spec(name, self.settings.partitions, self.options.replication)])
         md = self._admin.list_topics(name, timeout=30).topics.get(name)
         self._partitions[name] = len(md.partitions) if md is not None and md.partitions else self.settings.partitions
 

@@ -17,7 +17,7 @@ pytest.importorskip("confluent_kafka")
 pytest.importorskip("redis")
 
 import redis  # noqa: E402
-from confluent_kafka.admin import AdminClient  # noqa: E402
+from confluent_kafka.admin import AdminClient, ConfigResource  # noqa: E402
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient  # noqa: E402
 from confluent_kafka.schema_registry.error import SchemaRegistryError  # noqa: E402
 
@@ -25,8 +25,7 @@ from kvbus.infra import (
     stack as infra_stack,  # noqa: E402
     topics as infra_topics,  # noqa: E402
 )
-from kvbus.infra.settings import env_int  # noqa: E402
-from kvbus.schemas.settings import DEFAULT_PARTITIONS  # noqa: E402
+from kvbus.schemas.settings import Settings  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -56,12 +55,16 @@ def test_status_ready(stack_info: dict[str, Any]) -> None:
 def test_kafka_has_kvbus_topics(stack_info: dict[str, Any]) -> None:
     admin = AdminClient({"bootstrap.servers": stack_info["bootstrap"]})
     md = admin.list_topics(timeout=10)
-    partitions = env_int("KVBUS_PARTITIONS", DEFAULT_PARTITIONS)
+    partitions = Settings.from_env().partitions
     for name in infra_topics.kvbus_topics():
         assert name in md.topics, f"{name} missing; topics: {sorted(md.topics)}"
         assert len(md.topics[name].partitions) == partitions
         for p in md.topics[name].partitions.values():
             assert len(p.replicas) == min(3, stack_info["brokers"])
+    snapshots = Settings.from_env().topics.snapshots  # declared up front too: compacted, one ordered log
+    assert snapshots in md.topics and len(md.topics[snapshots].partitions) == 1
+    [fut] = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, snapshots)]).values()
+    assert fut.result(30)["cleanup.policy"].value == "compact"
 
 
 def test_ensure_topics_is_idempotent(stack_info: dict[str, Any]) -> None:

@@ -470,7 +470,8 @@ def test_a_kvbus_serve_process_answers_as_kvbus_lookup_and_stops_on_sigterm(redi
 @pytest.mark.parametrize("argv, env, line", [
     (["serve"], {"KVBUS_SERVE_THREADS": "many"}, "kvbus serve: KVBUS_SERVE_THREADS=many: expected a whole number >= 0"),
     (["serve"], {"KVBUS_SERVE_LORA_MODULES": "sql"},
-     "kvbus serve: KVBUS_SERVE_LORA_MODULES=sql: expected NAME=PATH pairs separated by spaces"),
+     "kvbus serve: KVBUS_SERVE_LORA_MODULES=sql: expected NAME=PATH (an adapter and the path the engines loaded it "
+     "from)"),
     (["serve", "--lora-module", "sql"], {},
      "kvbus serve: argument --lora-module: expected NAME=PATH (an adapter and the path the engines loaded it "
      "from), got 'sql' (see kvbus serve --help)"),

@@ -230,8 +230,12 @@ def test_bad_arguments_exit_2(capsys) -> None:
 
     assert main(["top", "--json"]) == 2
     assert main(["top", "--bridges", "host:port"]) == 2
+    assert main(["top", "--interval", "0"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "kvbus top: --json needs --once", "kvbus top: not [host:]port or [host:]first-last: 'host:port'"]
+        "kvbus top: --json needs --once",
+        "kvbus top: argument --bridges: expected [host:]port or [host:]first-last, comma-separated, got 'host:port' "
+        "(see kvbus top --help)",
+        "kvbus top: --interval must be positive"]
 
 
 def test_endpoint_lists_and_quantiles() -> None:
