@@ -154,7 +154,7 @@ class Scan(ast.NodeVisitor):
                     return found
                 continue
             path = self.dotted(base)
-            if path is None:
+            if path is None or not is_third_party(path):  # only Faust's, mode's and aiokafka's classes matter
                 continue
             obj = resolve(path)
             if isinstance(obj, type) and any(is_third_party(k.__module__) for k in obj.__mro__):
