@@ -641,7 +641,8 @@ def c_{stem}_{a}({', '.join(names)}):
                       f"                if f{ai} is not None:",
                       "                    pos = end"]
             lines += shared_tail
-            lines += ["                    if pos != len(data):", "                        raise WireError('trailing bytes')"]
+            lines += ["                    if pos != len(data):",
+                      "                        raise WireError('trailing bytes')"]
             lines += self.construct(t, values, "                    ")
             lines += ["                    return obj"]
         n = self.tmp("n")

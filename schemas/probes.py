@@ -3,7 +3,7 @@
 | path | answer |
 |---|---|
 | ``/healthz`` | ``200 ok`` while the process serves HTTP (liveness: restart the process when it does not answer) |
-| ``/readyz`` | ``200 {"ready": true}`` when every check of the stage passes, else ``503 {"ready": false, "reasons": [...]}`` |
+| ``/readyz`` | ``200 {"ready": true}`` when every check of the stage passes, else ``503`` with the reasons |
 | anything else | the Prometheus exposition of the stage's registry (``/metrics``), as prometheus_client serves it |
 
 A check is a function returning None (fine) or the reason the stage is not ready, one sentence; a

@@ -395,10 +395,10 @@ def check_kafka_access(conf: Mapping[str, Any], timeout: float = 15.0) -> None:
     the cluster's metadata; raises :class:`SecurityRefused` naming the setting to fix if Kafka
     refuses the credentials or the protocol. Other failures (Kafka down) are left to the caller's
     own retries. For a process whose client library would fail with a bare traceback (aiokafka)."""
+    import logging
+
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
-
-    import logging
 
     refused: list[str] = []
 

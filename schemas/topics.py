@@ -7,7 +7,7 @@
 | ``kvbus.blocks.<ownership>`` | consolidated BlockEvent of one secondary tier | same |
 | ``kvbus.incomplete`` | Incomplete: events not all workers reported in time | same |
 | ``kvbus.dlq`` | DeadLetter: input a stage rejected | source |
-| ``kvbus.snapshots`` | ViewSnapshot: the residency view saved by the sinks (compacted) | holder, ``""`` for a manifest |
+| ``kvbus.snapshots`` | ViewSnapshot: the view saved by the sinks (compacted) | holder, ``""`` for a manifest |
 
 Each name can be overridden by its ``KVBUS_TOPIC_*`` variable (:class:`Topics`).
 

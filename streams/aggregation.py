@@ -54,6 +54,7 @@ from typing import Iterable, Iterator, Optional, Union
 
 import msgspec
 
+from kvbus.schemas.codec import encode_event
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
@@ -65,7 +66,6 @@ from kvbus.schemas.events import (
     Reset,
     holder_key,
 )
-from kvbus.schemas.codec import encode_event
 from kvbus.schemas.topics import Topics
 from kvbus.streams.raw_event import RawEvent
 

@@ -7,7 +7,7 @@
 | ``kvbus_streams_duplicates_total`` | counter | reports in redelivered batches, ignored |
 | ``kvbus_streams_consolidated_total`` | counter | consolidated events emitted (rate: consolidated/s) |
 | ``kvbus_streams_passthrough_total`` | counter | events of single-worker replicas passed through |
-| ``kvbus_streams_incomplete_total{reason}`` | counter | Incomplete records: window, cleared, disordered (rate: incomplete/s) |
+| ``kvbus_streams_incomplete_total{reason}`` | counter | Incomplete records: window, cleared, disordered |
 | ``kvbus_streams_resets_total{kind}`` | counter | Reset markers: forwarded or coalesced |
 | ``kvbus_streams_dropped_by_reset_total`` | counter | partial aggregates dropped by a Reset |
 | ``kvbus_streams_dead_letters_total{reason}`` | counter | raw records sent to the DLQ: decode or invariant |
