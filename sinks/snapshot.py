@@ -33,7 +33,7 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from kvbus.schemas.events import ViewOffset, ViewPosition, ViewSnapshot, ViewTier
+from kvbus.schemas.events import ViewGroup, ViewOffset, ViewPosition, ViewSnapshot, ViewTier
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings, client_conf
 from kvbus.schemas.topics import (REBUILD_GROUP_PREFIX, SNAPSHOT_MAX_MESSAGE_BYTES, SNAPSHOT_MAX_RECORD_BYTES,
@@ -83,6 +83,7 @@ def holder_record(snapshot: int, name: str, dump: HolderDump) -> ViewSnapshot:
         positions=[ViewPosition(topic=t, epoch=e, seq=s, index=i) for t, e, s, i in dump.positions],
         tiers=[ViewTier(descriptor=d, refcounted=rc, origin=o, blocks=raws, extra=extra)
                for d, rc, o, raws, extra in dump.tiers],
+        groups=[ViewGroup(group=g, spec=spec) for g, spec in dump.groups],
     )
 
 
@@ -90,7 +91,8 @@ def holder_dump(rec: ViewSnapshot) -> HolderDump:
     """The state a holder record saved, as :meth:`RedisStore.restore_holder` takes it."""
     return HolderDump(seen=rec.seen, floor=rec.floor,
                       positions=[(p.topic, p.epoch, p.seq, p.index) for p in rec.positions],
-                      tiers=[(t.descriptor, t.refcounted, t.origin, t.blocks, t.extra) for t in rec.tiers])
+                      tiers=[(t.descriptor, t.refcounted, t.origin, t.blocks, t.extra) for t in rec.tiers],
+                      groups=[(g.group, g.spec) for g in rec.groups])
 
 
 @dataclass

@@ -21,7 +21,7 @@ from kvbus.schemas.avro import SCHEMA_DIR, TO_AVRO, parsed_schema, schema_str
 from kvbus.schemas.codec import FastSerde, batch_scanner, build, confluent_header, default_structs
 from kvbus.schemas.codec_runtime import WireError
 from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Incomplete, Reset,
-                            ViewOffset, ViewPosition, ViewSnapshot, ViewTier)
+                            ViewGroup, ViewOffset, ViewPosition, ViewSnapshot, ViewTier)
 from kvbus.schemas.serde import RecordSerde, registry_client, value_schema_id
 from tests.strategies import batches, events, ints, longs, maybe, records, text
 
@@ -348,7 +348,8 @@ snapshots = st.builds(ViewSnapshot, snapshot=longs, taken=st.floats(allow_nan=Fa
                       floor=maybe(st.floats(allow_nan=False)), positions=st.lists(positions, max_size=3),
                       tiers=st.lists(tiers, max_size=3),
                       offsets=st.lists(st.builds(ViewOffset, topic=text, partition=ints, offset=longs), max_size=3),
-                      holders=st.lists(text, max_size=3))
+                      holders=st.lists(text, max_size=3),
+                      groups=st.lists(st.builds(ViewGroup, group=ints, spec=text), max_size=2))
 SLOW_SNAPSHOT = RecordSerde(REGISTRY, "ViewSnapshot")
 
 

@@ -349,10 +349,11 @@ local TSTATE = '>dI4I4' -- holder state t:<code>: n, L, S, then the origin topic
 local TSTATE_LEN = 16
 local FLOOR = '>d'    -- holder state f: the reset floor epoch
 
--- Holder state: {hid, key, pos = {topic -> {e, s, i}}, floor, tiers = {code -> {n, L, S, origin}}, dirty, gone}
+-- Holder state: {hid, key, pos = {topic -> {e, s, i}}, floor, tiers = {code -> {n, L, S, origin}},
+-- groups = {group -> spec} (see group_note), dirty, gone}
 local function holder_load(c, hid)
-  local h = {hid = hid, key = holder_key(c, hid), pos = {}, floor = -1, tiers = {}, dirty = {}, gone = {},
-    ptouched = {}}
+  local h = {hid = hid, key = holder_key(c, hid), P = c.P, pos = {}, floor = -1, tiers = {}, groups = {}, dirty = {},
+    gone = {}, ptouched = {}}
   local all = rcall('HGETALL', h.key)
   local unpack_ = struct.unpack
   for k = 1, #all, 2 do
@@ -365,6 +366,8 @@ local function holder_load(c, hid)
       local n, L, S = unpack_(TSTATE, v)
       local code = tonumber(sub(f, 3))
       h.tiers[code] = tier_init(c, hid, code, {n = n, L = L, S = S, o = sub(v, TSTATE_LEN + 1)})
+    elseif kind == 103 then -- g:<group>
+      h.groups[sub(f, 3)] = v
     elseif f == 'f' then
       h.floor = unpack_(FLOOR, v)
     end
@@ -381,6 +384,8 @@ local function holder_save(h)
   for f, _ in pairs(h.dirty) do
     if f == 'f' then
       set[#set + 1] = f; set[#set + 1] = struct.pack(FLOOR, h.floor)
+    elseif byte(f, 1) == 103 then -- g:<group>
+      set[#set + 1] = f; set[#set + 1] = h.groups[sub(f, 3)]
     else -- t:<code>
       local t = h.tiers[tonumber(sub(f, 3))]
       if t then
@@ -392,6 +397,61 @@ local function holder_save(h)
   local del = {}
   for f, _ in pairs(h.gone) do del[#del + 1] = f end
   if #del > 0 then redis.call('HDEL', h.key, unpack(del)) end
+  if h.gchanged then
+    local gs, n = {}, 0
+    for g, _ in pairs(h.groups) do n = n + 1; gs[n] = tonumber(g) end
+    if n >= 2 then
+      table.sort(gs)
+      for j = 1, n do gs[j] = gs[j] .. ',' .. h.groups[tostring(gs[j])] end
+      redis.call('HSET', h.P .. 'gs', h.hid, table.concat(gs, ';'))
+    else
+      redis.call('HDEL', h.P .. 'gs', h.hid)
+    end
+  end
+end
+
+-- ---------------------------------------------------------------- KV cache groups of a holder
+
+-- What a holder's BlockStored events said of each of its KV cache groups (vLLM >= 0.22; hybrid models
+-- have several): holder state g:<group> -> spec "<kind>,<window>,<bmax>,<bmin>" (kv_cache_spec_kind;
+-- kv_cache_spec_sliding_window, "" when none; the largest and smallest block_size its events gave).
+-- Derived from it, for lookups: P gs (HASH) hid -> "<group>,<spec>;<group>,<spec>..." (groups
+-- ascending) of each holder with two groups or more. A Reset marker and expiry forget the groups.
+local EVENT_SPEC = '^([%w_]+),(%d*),(%d+)$' -- a store's spec in kvbus_apply: "<kind>,<window>,<block_size>"
+local GROUP_SPEC = '^[%w_]+,%d*,%d+,%d+$'   -- a group's spec in kvbus_restore
+
+-- the group (a decimal string) of tier descriptor "<MEDIUM>|<ownership>|<group>"
+local function desc_group(desc) return string.match(desc, '|(%d+)$') or '0' end
+
+-- set group g's spec to v
+local function group_set(h, g, v)
+  if h.groups[g] == v then return end
+  h.groups[g] = v
+  h.dirty['g:' .. g] = true
+  h.gone['g:' .. g] = nil
+  h.gchanged = true
+end
+
+-- an applied BlockStored of tier desc said spec "<kind>,<window>,<block_size>" of its group
+local function group_note(h, desc, spec)
+  local kind, window, bs = string.match(spec, EVENT_SPEC)
+  local g = desc_group(desc)
+  local bmax, bmin = tonumber(bs), tonumber(bs)
+  local old = h.groups[g]
+  if old then
+    local omax, omin = string.match(old, ',(%d+),(%d+)$')
+    bmax, bmin = math.max(bmax, tonumber(omax)), math.min(bmin, tonumber(omin))
+  end
+  group_set(h, g, kind .. ',' .. window .. ',' .. bmax .. ',' .. bmin)
+end
+
+local function groups_clear(h)
+  for g, _ in pairs(h.groups) do
+    h.dirty['g:' .. g] = nil
+    h.gone['g:' .. g] = true
+    h.gchanged = true
+  end
+  h.groups = {}
 end
 
 -- ---------------------------------------------------------------- per (holder, tier) index
@@ -630,10 +690,12 @@ then nT, then nT topic names; then nD, then nD pairs (tier descriptor "<MEDIUM>|
 rc = "1" if that tier is reference-counted (used when the tier is first created) else "0");
 last ARGV: the events, each holder's in delivery order (each topic's events in partition order), each
 a 39-byte big-endian header followed by its hashes (sinks/redis_store.py: EVENT_HEADER):
-  kind (u8: 1 BlockStored, 2 BlockRemoved, 3 AllBlocksCleared, 4 Reset marker), holder (u16, 1-based
-  index into the holders), topic (u16, 1-based index into the topics), epoch, seq (doubles), index (u32),
-  ts (double, engine seconds), tier (u16, 1-based index into the descriptors, 0 if none), n (u32),
-  then n 8-byte hashes.
+  kind (u8: 1 BlockStored, 2 BlockRemoved, 3 AllBlocksCleared, 4 Reset marker, 5 BlockStored with the
+  spec of its KV cache group), holder (u16, 1-based index into the holders), topic (u16, 1-based index
+  into the topics), epoch, seq (doubles), index (u32), ts (double, engine seconds), tier (u16, 1-based
+  index into the descriptors, 0 if none), n (u32); for kind 5 a spec: one byte, its length, then
+  "<kv_cache_spec_kind>,<kv_cache_spec_sliding_window or empty>,<block_size>" (recorded for the
+  tier's group when the store is applied: see "KV cache groups of a holder"); then n 8-byte hashes.
 An event is applied only if its position (epoch, seq, index) is greater than its holder's stored
 position for its topic and its epoch is not below the holder's reset floor; the new positions are
 stored in the same call. AllBlocksCleared drops the holder's tiers that came from the same topic; a
@@ -690,11 +752,20 @@ local function apply(keys, args)
   while pos <= len do
     if pos + HEADER_LEN - 1 > len then return redis.error_reply('kvbus: truncated event header') end
     local kind, hi, ti, _, _, _, _, di, n, nxt = struct.unpack(HEADER, blob, pos)
-    if nxt + 8 * n - 1 > len or not topics[ti] or not names[hi] or kind < 1 or kind > 4 then
+    if kind == 5 then -- the spec before the hashes
+      local sl = byte(blob, nxt) or 0
+      if not string.match(sub(blob, nxt + 1, nxt + sl), EVENT_SPEC) then
+        return redis.error_reply('kvbus: malformed group spec at byte ' .. pos)
+      end
+      nxt = nxt + 1 + sl
+    end
+    if nxt + 8 * n - 1 > len or not topics[ti] or not names[hi] or kind < 1 or kind > 5 then
       return redis.error_reply('kvbus: malformed event at byte ' .. pos)
     end
-    if kind <= 2 and not descs[di] then return redis.error_reply('kvbus: event without tier at byte ' .. pos) end
-    if kind == 1 and n > 0 and not tier_code(c, descs[di], rcs[di], true) then
+    if (kind <= 2 or kind == 5) and not descs[di] then
+      return redis.error_reply('kvbus: event without tier at byte ' .. pos)
+    end
+    if (kind == 1 or kind == 5) and n > 0 and not tier_code(c, descs[di], rcs[di], true) then
       return redis.error_reply('kvbus: tier table full (' .. K .. ' tiers), cannot add ' .. descs[di])
     end
     used[hi] = true
@@ -707,6 +778,11 @@ local function apply(keys, args)
   pos = 1
   while pos <= len do
     local kind, hi, ti, e, s, i, ts, di, n, nxt = struct.unpack(HEADER, blob, pos)
+    local spec = nil
+    if kind == 5 then
+      local sl = byte(blob, nxt)
+      spec, nxt, kind = sub(blob, nxt + 1, nxt + sl), nxt + 1 + sl, 1
+    end
     pos = nxt + 8 * n
     local h = hs[hi]
     if not h then h = holder_load(c, hids[hi]); hs[hi] = h; order[#order + 1] = hi end
@@ -716,6 +792,7 @@ local function apply(keys, args)
     else
       if kind == 1 then
         store(c, h, topic, descs[di], rcs[di], blob, nxt, n)
+        if spec then group_note(h, descs[di], spec) end
       elseif kind == 2 then
         remove(c, h, descs[di], blob, nxt, n)
       elseif kind == 3 then
@@ -729,6 +806,7 @@ local function apply(keys, args)
           if t.o == topic or not p or p[1] < e then clear_tier(c, h, code) end
         end
         if e > h.floor then h.floor = e; h.dirty['f'] = true end
+        groups_clear(h)
         resets = resets + 1
       end
       local p = h.pos[topic]
@@ -782,6 +860,286 @@ local function extend_groups(fresh, nfresh, pend)
     local r, ext = g.r, g.ext
     for e = 1, #ext do local cd = ext[e]; r[cd] = r[cd] + pend end
   end
+end
+
+-- ---------------------------------------------------------------- lookup: hybrid models
+
+--[[
+A holder with two KV cache groups or more (P gs) is answered as vLLM 0.33's HybridKVCacheCoordinator
+.find_longest_cache_hit would hit the chain (docs/lookup-protocol.md, "Hybrid models"): matched is the
+hit, in chain blocks, and each group's run is that group's own hit (find_longest_cache_hit_per_group),
+both over the blocks the walk found the holder holding (max_cache_hit_length = matched blocks in any
+tier). The walk leaves each holder its history as a chain of nodes (node.p the older one), one per
+stretch of blocks over which its tiers stay the same (node.i0 its first block, node.l / node.h its tier
+codes as bit sets, node.bw its best weight); the rule works on the runs of blocks each group holds,
+never block by block. Positions below: group blocks 0-based, chain blocks 1-based, lengths in tokens
+as vLLM counts them.
+]]
+local RULES = {full_attention = 'full', mla_attention = 'full', sink_full_attention = 'full',
+  sliding_window = 'sliding', sliding_window_mla = 'sliding', mamba = 'mamba'}
+-- (any other kind: unknown, chunked_local_attention whose chunk size events do not carry, later kinds:
+-- the full-attention rule, which never answers more than any manager would)
+local FINE_KINDS = {full_attention = true, mla_attention = true, sink_full_attention = true, mamba = true}
+-- (the kinds whose managers take hits inside a block: supports_fine_grained_hash_lookup)
+local SPECS, nspecs = {}, 0 -- P gs value -> its groups, parsed (kept between calls)
+
+local function gcd(a, b)
+  while b > 0 do a, b = b, a % b end
+  return a
+end
+
+-- the groups of a P gs value: {g, kind, rule, window, bmax, bmin} ascending by group
+local function parse_groups(v)
+  local p = SPECS[v]
+  if p then return p end
+  p = {}
+  for g, kind, window, bmax, bmin in string.gmatch(v, '(%d+),([%w_]+),(%d*),(%d+),(%d+)') do
+    local rule, w = RULES[kind] or 'full', tonumber(window)
+    if rule == 'sliding' and not (w and w > 0) then rule = 'full' end
+    p[#p + 1] = {g = tonumber(g), kind = kind, rule = rule, window = w, bmax = tonumber(bmax), bmin = tonumber(bmin)}
+  end
+  if nspecs >= 1024 then SPECS, nspecs = {}, 0 end
+  SPECS[v] = p
+  nspecs = nspecs + 1
+  return p
+end
+
+-- the groups (set) the tier codes of bit sets l (codes < 32), h (codes >= 32) belong to; gof: code -> group
+local function node_groups(l, h, gof, memo)
+  local t1 = memo[l]
+  if not t1 then t1 = {}; memo[l] = t1 end
+  local s = t1[h]
+  if s then return s end
+  s = {}
+  for code, g in pairs(gof) do
+    local bits, k = l, code
+    if code >= 32 then bits, k = h, code - 32 end
+    if floor(bits / P2[k]) % 2 == 1 then s[g] = true end
+  end
+  t1[h] = s
+  return s
+end
+
+-- the common part of two ascending lists of runs {a, b}
+local function intersect(x, y)
+  local out, i, j = {}, 1, 1
+  while i <= #x and j <= #y do
+    local a, b = math.max(x[i][1], y[j][1]), math.min(x[i][2], y[j][2])
+    if a <= b then out[#out + 1] = {a, b} end
+    if x[i][2] < y[j][2] then i = i + 1 else j = j + 1 end
+  end
+  return out
+end
+
+-- group-block runs (0-based) of a group of s chain blocks per block, whose block k is chain block (k + 1) s
+local function block_runs(cr, s)
+  local out, n = {}, 0
+  for _, r in ipairs(cr) do
+    local ka, kb = math.ceil(r[1] / s) - 1, floor(r[2] / s) - 1
+    if ka <= kb then
+      if n > 0 and out[n][2] >= ka - 1 then
+        if kb > out[n][2] then out[n][2] = kb end
+      else
+        n = n + 1
+        out[n] = {ka, kb}
+      end
+    end
+  end
+  return out
+end
+
+-- the last chain position (0-based) in [lo, hi] held per chain runs cr (1-based), or nil
+local function last_held(cr, lo, hi)
+  for k = #cr, 1, -1 do
+    local a, b = cr[k][1] - 1, cr[k][2] - 1
+    if a <= hi then
+      local j = math.min(b, hi)
+      if j >= lo then return j end
+      return nil
+    end
+  end
+  return nil
+end
+
+-- the hit (tokens) of spec group sg no longer than max tokens: its manager's find_longest_cache_hit
+-- (FullAttentionManager, SlidingWindowManager, MambaManager) with alignment align; n chain blocks
+local function manager_hit(sg, max, unit, align, n)
+  local size, R = sg.size, sg.runs
+  local L = floor(max / size)
+  local fine = align < size and size % align == 0
+  if sg.rule == 'full' then
+    local nf = 0
+    if R[1] and R[1][1] == 0 then nf = math.min(R[1][2] + 1, L) end
+    local hit = nf * size
+    if fine then -- phase 2: the hashes inside the next block, last first
+      local s = size / unit
+      local j = last_held(sg.cruns, nf * s, math.min(nf * s + s - 1, floor(max / unit), n) - 1)
+      if j then hit = (j + 1) * unit end
+    end
+    return hit - hit % align
+  end
+  if sg.rule == 'mamba' and fine then -- the last state at any hash block
+    local j = last_held(sg.cruns, 0, math.min(floor(max / unit), n) - 1)
+    return j and (j + 1) * unit or 0
+  end
+  -- sliding window (need contiguous blocks ending the hit, fewer from block 0) and Mamba (need 1): the
+  -- last run holding a block that ends on the alignment with enough blocks before it
+  local q = align / size
+  for k = #R, 1, -1 do
+    local a, b = R[k][1], R[k][2]
+    if a <= L - 1 then
+      local t = floor((math.min(b, L - 1) + 1) / q) * q - 1 -- the last aligned block of the run
+      if t >= a and (t - a + 1 >= sg.need or a == 0) then return (t + 1) * size end
+    end
+  end
+  return 0
+end
+
+-- the answer of a hybrid holder whose history ends in node g, with groups spec (parse_groups); false
+-- when vLLM would hit nothing
+local function hybrid_answer(g, spec, gof, memo)
+  local nodes, k = {}, 0
+  local nd = g
+  while nd.i0 do k = k + 1; nodes[k] = nd; nd = nd.p end
+  local segs, hi = {}, g.m -- oldest first: {first block, last block, groups held, best weight}
+  for j = 1, k do
+    local x = nodes[j]
+    segs[k - j + 1] = {x.i0, hi, node_groups(x.l, x.h, gof, memo), x.bw}
+    hi = x.i0 - 1
+  end
+  local unit, lcm = 0, 1
+  for _, s in ipairs(spec) do unit = gcd(gcd(unit, s.bmax), s.bmin) end
+  if unit == 0 then unit = 1 end
+  -- partial_hash_hits_enabled: a Mamba group of larger blocks than the hash's, and every group either
+  -- able to hit inside a block or of the hash's block size; then hits align on the hash block
+  local fine, able = false, true
+  for _, s in ipairs(spec) do
+    local size = s.bmax > 0 and s.bmax or unit
+    lcm = lcm / gcd(lcm, size) * size
+    if s.rule == 'mamba' and size > unit then fine = true end
+    if not FINE_KINDS[s.kind] and size ~= unit then able = false end
+  end
+  local align = (fine and able) and unit or lcm
+  local sgs, byk, full_first = {}, {}, {} -- spec groups, in vLLM's order: full attention first
+  for _, s in ipairs(spec) do
+    local r, nr = {}, 0 -- chain runs of group s.g
+    for j = 1, k do
+      local sg = segs[j]
+      if sg[3][s.g] then
+        if nr > 0 and r[nr][2] == sg[1] - 1 then r[nr][2] = sg[2] else nr = nr + 1; r[nr] = {sg[1], sg[2]} end
+      end
+    end
+    local size = s.bmax > 0 and s.bmax or unit
+    local key = s.kind .. ',' .. (s.rule == 'sliding' and s.window or '') .. ',' .. size
+    local sg = byk[key]
+    if sg then
+      sg.cruns = intersect(sg.cruns, r)
+      sg.gs[#sg.gs + 1] = s.g
+    else
+      sg = {rule = s.rule, size = size, cruns = r, gs = {s.g},
+        need = s.rule == 'sliding' and math.ceil((s.window - 1) / size) or 1}
+      byk[key] = sg
+      if s.rule == 'full' then full_first[#full_first + 1] = sg else sgs[#sgs + 1] = sg end
+    end
+  end
+  for j = #full_first, 1, -1 do table.insert(sgs, 1, full_first[j]) end
+  for _, sg in ipairs(sgs) do sg.runs = block_runs(sg.cruns, sg.size / unit) end
+  local n = g.m
+  local hit, full_hits = n * unit, {}
+  local simple = #sgs == 2 and sgs[1].rule == 'full'
+  while true do -- HybridKVCacheCoordinator.find_longest_cache_hit's fixed point
+    local curr = hit
+    for _, sg in ipairs(sgs) do
+      if sg.rule == 'full' and full_hits[sg] then
+        curr = math.min(curr, full_hits[sg])
+      else
+        curr = manager_hit(sg, curr, unit, align, n)
+        if sg.rule == 'full' then full_hits[sg] = curr end
+      end
+    end
+    if curr >= hit then break end
+    hit = curr
+    if simple then break end
+  end
+  local m = hit / unit
+  if m < 1 then return false end
+  local score = 0
+  for j = 1, k do
+    local a, b = segs[j][1], math.min(segs[j][2], m)
+    if b >= a then score = score + segs[j][4] * (b - a + 1) end
+  end
+  local runs = {}
+  for _, sg in ipairs(sgs) do
+    local run = manager_hit(sg, n * unit, unit, align, n) / unit
+    for _, gi in ipairs(sg.gs) do runs[gi] = run end
+  end
+  return {m = m, s = score, r = g.r, gr = runs}
+end
+
+-- hid -> answer (a table, or false: no hit) of the hybrid holders among holders[1 .. nholders], whose
+-- walk ended in node G[grp[hid]]; nil when the view has none. tdesc: code -> descriptor of every code met
+local function hybrid_matches(P, G, grp, holders, nholders, tdesc)
+  if nholders == 0 or rcall('EXISTS', P .. 'gs') == 0 then return nil end
+  local specs = hmget(P .. 'gs', holders)
+  local gof, memo, done, out = {}, {}, {}, {}
+  for code, d in pairs(tdesc) do gof[code] = tonumber(desc_group(d)) end
+  for j = 1, nholders do
+    local v = specs[j]
+    if v then
+      local gid = grp[holders[j]]
+      local byv = done[gid]
+      if not byv then byv = {}; done[gid] = byv end
+      local a = byv[v]
+      if a == nil then a = hybrid_answer(G[gid], parse_groups(v), gof, memo); byv[v] = a end
+      out[holders[j]] = a
+    end
+  end
+  return out
+end
+
+-- kvbus_lookup's head and hids (see there) of the answers: holders[1 .. nholders] (walk ended in node
+-- G[grp[hid]]) with the hybrid ones' answers hy (hybrid_matches) in place of theirs; a trailing part
+-- of head when any answer is hybrid: per group, in the same order, k, then k pairs (KV group, run)
+local function answer_parts(G, grp, holders, nholders, hy)
+  local answers, members_of = {}, {}
+  for j = 1, nholders do
+    local hid = holders[j]
+    local a = G[grp[hid]]
+    if hy and hy[hid] ~= nil then a = hy[hid] end
+    if a then
+      local l = members_of[a]
+      if not l then l = {}; members_of[a] = l; answers[#answers + 1] = a end
+      l[#l + 1] = hid
+    end
+  end
+  local head, blobs, hybrid = {}, {}, false
+  for _, g in ipairs(answers) do
+    local hids = members_of[g]
+    head[#head + 1] = g.m
+    head[#head + 1] = floor(g.s * 1000000 + 0.5)
+    local at = #head + 1
+    head[at] = 0
+    local k = 0
+    for code, run in pairs(g.r) do head[#head + 1] = code; head[#head + 1] = run; k = k + 1 end
+    head[at] = k
+    local parts = {}
+    for j = 1, #hids, 1000 do
+      local n = math.min(j + 999, #hids) - j + 1
+      parts[#parts + 1] = struct.pack('>' .. string.rep('I4', n), unpack(hids, j, j + n - 1))
+    end
+    blobs[#blobs + 1] = table.concat(parts)
+    if g.gr then hybrid = true end
+  end
+  if hybrid then
+    for _, g in ipairs(answers) do
+      local at = #head + 1
+      head[at] = 0
+      local k = 0
+      for gi, run in pairs(g.gr or {}) do head[#head + 1] = gi; head[#head + 1] = run; k = k + 1 end
+      head[at] = k
+    end
+  end
+  return head, blobs
 end
 
 local function lookup(keys, args)
@@ -894,7 +1252,7 @@ local function lookup(keys, args)
                   if not bw or w > bw then bw = w end
                   if (r[cd] or 0) == i - 1 then r[cd] = i; ne = ne + 1; ext[ne] = cd end
                 end
-                local g = {m = i, s = old.s + bw, r = r, ext = ext, bw = bw}
+                local g = {m = i, s = old.s + bw, r = r, ext = ext, bw = bw, p = old, i0 = i, l = l, h = h}
                 ngroups = ngroups + 1
                 ng = ngroups
                 G[ng] = g
@@ -917,31 +1275,7 @@ local function lookup(keys, args)
     end
   end
   if pend > 0 then extend_groups(fresh, nfresh, pend) end
-  local members_of = {}
-  for j = 1, nholders do
-    local hid = holders[j]
-    local g = grp[hid]
-    local l = members_of[g]
-    if not l then l = {}; members_of[g] = l end
-    l[#l + 1] = hid
-  end
-  local head, blobs = {}, {}
-  for gid, hids in pairs(members_of) do
-    local g = G[gid]
-    head[#head + 1] = g.m
-    head[#head + 1] = floor(g.s * 1000000 + 0.5)
-    local at = #head + 1
-    head[at] = 0
-    local k = 0
-    for code, run in pairs(g.r) do head[#head + 1] = code; head[#head + 1] = run; k = k + 1 end
-    head[at] = k
-    local parts = {}
-    for j = 1, #hids, 1000 do
-      local n = math.min(j + 999, #hids) - j + 1
-      parts[#parts + 1] = struct.pack('>' .. string.rep('I4', n), unpack(hids, j, j + n - 1))
-    end
-    blobs[#blobs + 1] = table.concat(parts)
-  end
+  local head, blobs = answer_parts(G, grp, holders, nholders, hybrid_matches(c.P, G, grp, holders, nholders, tdesc))
   local descs = {}
   for code, d in pairs(tdesc) do descs[#descs + 1] = code; descs[#descs + 1] = d end
   -- Pay for this call's garbage now, a little each call: left to itself, Lua 5.1 lets the heap
@@ -954,6 +1288,7 @@ end
 local function expire_holder(c, hid, now)
   local h = holder_load(c, hid)
   clear_all(c, h)
+  groups_clear(h)
   holder_save(h)
   redis.call('ZREM', c.P .. 'seen', hid)
   local name = redis.call('HGET', c.P .. 'hname', hid)
@@ -1039,8 +1374,10 @@ kvbus_restore: write one holder's state from a snapshot into a view being rebuil
 ARGV[1] prefix, ARGV[2] replica, ARGV[3] dp_rank, ARGV[4] seen (epoch s, "" for none), ARGV[5] reset
 floor epoch ("" for none), ARGV[6] nP, then nP quadruples (topic, epoch, seq, index): applied
 positions; then nD, then nD quintuples (tier descriptor, rc "1"/"0", origin topic, raws held (8 bytes
-each), raws once more per extra reference count). A large holder may come in several calls (its
-tiers' raws split between them, positions repeated): each call adds. Returns entries added.
+each), raws once more per extra reference count); optionally then nG, then nG pairs (group, its spec
+"<kind>,<window>,<bmax>,<bmin>": see "KV cache groups of a holder"). A large holder may come in several
+calls (its tiers' raws split between them, positions and groups repeated): each call adds. Returns
+entries added.
 ]]
 local function restore(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
@@ -1048,7 +1385,17 @@ local function restore(keys, args)
   local nP = tonumber(args[6]) or -1
   local at = 7 + 4 * nP
   local nD = tonumber(args[at]) or -1
-  if nP < 0 or nD < 0 or #args ~= at + 5 * nD then return redis.error_reply('kvbus: malformed arguments') end
+  local ag = at + 5 * nD + 1 -- nG, the optional groups' count
+  local nG = 0
+  if #args >= ag then nG = tonumber(args[ag]) or -1 end
+  if nP < 0 or nD < 0 or nG < 0 or (#args ~= ag - 1 and #args ~= ag + 2 * nG) then
+    return redis.error_reply('kvbus: malformed arguments')
+  end
+  for j = 1, nG do
+    if not string.match(args[ag + 2 * j - 1], '^%d+$') or not string.match(args[ag + 2 * j], GROUP_SPEC) then
+      return redis.error_reply('kvbus: malformed group spec')
+    end
+  end
   for j = 0, nD - 1 do
     local k = at + 1 + 5 * j
     if #args[k + 3] % 8 ~= 0 or #args[k + 4] % 8 ~= 0 then return redis.error_reply('kvbus: raws are not 8 bytes each') end
@@ -1070,6 +1417,7 @@ local function restore(keys, args)
     h.ptouched[args[k]] = true
   end
   if args[5] ~= '' and tonumber(args[5]) > h.floor then h.floor = tonumber(args[5]); h.dirty['f'] = true end
+  for j = 1, nG do group_set(h, args[ag + 2 * j - 1], args[ag + 2 * j]) end
   for _, t in pairs(h.tiers) do index_flush(t) end
   holder_save(h)
   if args[4] ~= '' then rcall('ZADD', c.P .. 'seen', 'GT', args[4], hid) end
