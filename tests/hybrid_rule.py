@@ -11,8 +11,8 @@ position when any of the holder's tiers of that group holds that hash.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 FULL, SLIDING, MAMBA, CHUNKED = "full", "sliding", "mamba", "chunked"
 RULES = {"full_attention": FULL, "mla_attention": FULL, "sink_full_attention": FULL,

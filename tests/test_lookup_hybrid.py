@@ -13,10 +13,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
+from kvbus.schemas.events import (
+    BlockEvent,
+    BlockRemoved,
+    BlockStored,
+    Reset,
+    canonical_hash,
+)
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.store import ResidencyStore
+
 from tests.memory_store import InMemoryStore
 from tests.redis_server import VALKEY, RedisServer
 
@@ -181,3 +187,45 @@ def test_an_unknown_kind_is_held_to_the_full_attention_rule(store):
     got = store.lookup(H)
     assert (got["a"].matched, got["a"].groups) == (3, {0: 8, 1: 3})
     assert (got["b"].matched, got["b"].groups) == (3, {0: 8, 1: 3})
+
+
+def test_a_snapshot_keeps_the_groups_and_the_rebuilt_view_answers_the_same():
+    """kvbus_dump -> the snapshot record (Avro) -> kvbus_restore (in several calls per holder) into a new
+    view: every vector's answer is the same."""
+    from kvbus.schemas import codec
+    from kvbus.sinks.snapshot import holder_dump, holder_record
+
+    with RedisServer() as srv:
+        live, rebuilt = (RedisStore(srv.client(), f"s{uuid.uuid4().hex[:8]}:") for _ in range(2))
+        live.apply([r for k in range(len(VECTORS)) for r in records(k)])
+        for hid, name in live.holder_ids().items():
+            replica, _, dp = name.rpartition("#")
+            rec = holder_record(1, name, live.dump_holder(hid))
+            rec = codec.decode("ViewSnapshot", codec.encode("ViewSnapshot", rec))
+            assert len(rec.groups) == len(VECTORS[int(replica[1:])]["groups"])
+            rebuilt.restore_holder(replica, int(dp), holder_dump(rec), max_hashes=3)
+        assert rebuilt.snapshot() == live.snapshot()
+        def groups(store):  # holder name -> its P gs value
+            names = store.holder_ids()
+            return {names[int(hid)]: v for hid, v in srv.client().hgetall(store.prefix + "gs").items()}
+
+        assert groups(rebuilt) == groups(live) and len(groups(live)) == len(VECTORS)
+        for k in range(len(VECTORS)):
+            assert answer(rebuilt, k) == answer(live, k)
+
+
+def test_malformed_group_specs_are_refused_before_any_write():
+    """kvbus_apply refuses a kind 5 event whose spec is not "<kind>,<window>,<block_size>", kvbus_restore a
+    group spec that is not "<kind>,<window>,<bmax>,<bmin>"; nothing is written."""
+    import redis
+    from kvbus.sinks.redis_store import EVENT_HEADER, STORED_WITH_SPEC
+
+    with RedisServer() as srv:
+        store = RedisStore(srv.client(), f"m{uuid.uuid4().hex[:8]}:")
+        spec = b"full attention,,16"
+        blob = EVENT_HEADER.pack(STORED_WITH_SPEC, 1, 1, 1, 0, 0, 1.0, 1, 1) + bytes([len(spec)]) + spec + H[0]
+        with pytest.raises(redis.ResponseError, match="malformed group spec"):
+            store._fcall("kvbus_apply", store.prefix, 1, "a", 0, 1, "tb", 1, "GPU||0", "0", blob)
+        with pytest.raises(redis.ResponseError, match="malformed group spec"):
+            store._fcall("kvbus_restore", store.prefix, "a", 0, "", "", 0, 0, 1, 0, "full_attention,16")
+        assert not srv.client().keys(store.prefix + "H:*") and not srv.client().keys(store.prefix + "B:*")

@@ -52,18 +52,21 @@ def _vector_hashes(algo: str, seed: str | None, prompt: str = "B", block_size: i
 
 def _records() -> list:
     """Holders: a (GPU 6 blocks, CPU 2), b#0 (GPU 1), b#1 (CPU@kvcr 3), c (GPU/g1 4; CPU 3 stored
-    twice: counted), pod#x (a replica name with '#'; GPU 5), 24 holders of a shared 2-block prefix
+    twice: counted), pod#x (a replica name with '#'; GPU 5), hybrid (a hybrid model: full attention 6
+    blocks, a 48-token sliding window blocks 2-4: hits 5), hybrid-miss (its window holds too little:
+    no hit), 24 holders of a shared 2-block prefix
     (a wide block), and engines holding a prompt as vLLM hashed it: prompt B with each algorithm
     (sha256 and sha256_cbor with the default seed, xxhash and xxhash_cbor with PYTHONHASHSEED=12345),
     in blocks of 8 (sha256, PYTHONHASHSEED=0), and prompt A with an empty PYTHONHASHSEED."""
     out = []
     seq = {}
 
-    def add(replica, dp, hashes, medium="GPU", ownership=None, group=None):
+    def add(replica, dp, hashes, medium="GPU", ownership=None, group=None, kind=None, window=None):
         n = seq[(replica, dp)] = seq.get((replica, dp), -1) + 1
         out.append(("kvbus.blocks", BlockEvent(
             replica=replica, dp_rank=dp, epoch=1, seq=n, index=0, ts=time.time(),
-            event=BlockStored(block_hashes=hashes, medium=medium, ownership=ownership, group_idx=group))))
+            event=BlockStored(block_hashes=hashes, medium=medium, ownership=ownership, group_idx=group, block_size=16,
+                              kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window))))
 
     add("a", 0, CHAIN)
     add("a", 0, CHAIN[:2], "CPU")
@@ -73,6 +76,10 @@ def _records() -> list:
     add("c", 0, CHAIN[:3], "CPU")
     add("c", 0, CHAIN[:3], "CPU")
     add("pod#x", 0, CHAIN[:5])
+    add("hybrid", 0, CHAIN, group=0, kind="full_attention")
+    add("hybrid", 0, CHAIN[2:5], group=1, kind="sliding_window", window=48)
+    add("hybrid-miss", 0, CHAIN, group=0, kind="full_attention")
+    add("hybrid-miss", 0, CHAIN[3:5], group=1, kind="sliding_window", window=48)
     for k in range(24):
         add(f"shared-{k}", 0, CHAIN[:2])
     add("vllm-sha256-cbor", 0, _vector_hashes("sha256_cbor", None))
@@ -195,15 +202,26 @@ def redis_cli_answer(port: int, views: list[tuple[str, list[str]]], chain: list[
                                        b"".join(chain), spec, *cands, cluster=cluster)
         labels = {descs[j]: _label(descs[j + 1]) for j in range(0, len(descs), 2)}
         k = 0
+        answers = []
         for blob in map(_bytes, blobs):
             matched, score, n = head[k], head[k + 1], head[k + 2]
             tiers = {labels[head[k + 3 + 2 * j]]: head[k + 4 + 2 * j] for j in range(n)}
             k += 3 + 2 * n
+            answers.append((blob, {"matched": matched, "tiers": dict(sorted(tiers.items())), "score": score / 1e6}))
+        if k < len(head):  # the trailing part: per group, its KV cache groups' runs (hybrid models)
+            for _, value in answers:
+                n = head[k]
+                if n:
+                    value["groups"] = {str(g): r for g, r in sorted((head[k + 1 + 2 * j], head[k + 2 + 2 * j])
+                                                                    for j in range(n))}
+                k += 1 + 2 * n
+        for blob, value in answers:
             for j in range(0, len(blob), 4):
                 replica, dp = split[int.from_bytes(blob[j:j + 4], "big")]
                 name = replica if ranks[replica] <= 1 and dp == 0 else f"{replica}#{dp}"
-                rows.append((name, {"matched": matched, "tiers": dict(sorted(tiers.items())), "score": score / 1e6,
-                                    "replica": replica, "dp_rank": dp}))
+                groups = {"groups": value["groups"]} if "groups" in value else {}
+                rows.append((name, {"matched": value["matched"], "tiers": value["tiers"], "score": value["score"],
+                                    "replica": replica, "dp_rank": dp, **groups}))
     rows.sort(key=lambda r: (-r[1]["score"], -r[1]["matched"], r[0]))
     return dict(rows)
 
@@ -296,7 +314,10 @@ def test_the_view_is_what_the_cases_assume(view, capsys):
     assert got["a"] == {"matched": 6, "tiers": {"CPU": 2, "GPU": 6}, "score": 6.0, "replica": "a", "dp_rank": 0}
     assert got["b#1"]["tiers"] == {"CPU@kvcr": 3} and got["c"]["tiers"] == {"CPU": 3, "GPU/g1": 4}
     assert got["pod#x"]["matched"] == 5 and got["shared-7"]["matched"] == 2
-    assert len(got) == 5 + 24
+    assert got["hybrid"] == {"matched": 5, "tiers": {"GPU": 6}, "score": 5.0, "replica": "hybrid", "dp_rank": 0,
+                             "groups": {"0": 6, "1": 5}}
+    assert "hybrid-miss" not in got and "groups" not in got["a"]
+    assert len(got) == 6 + 24
     assert srv.client().exists(prefix.encode() + b"W:" + CHAIN[0]), "block 0 is wide (over 20 members)"
 
 

@@ -25,7 +25,9 @@ Keys (P = prefix)
   P W:<raw>              STRING members of a wide block, packed and sorted the same way
   P H:<hid>              HASH  holder state, binary values (struct formats POS, TSTATE, FLOOR below):
                                p:<topic> -> epoch, seq, index (applied position), f -> reset floor epoch,
-                               t:<code> -> n, L, S of its index, then the origin topic, per tier held
+                               t:<code> -> n, L, S of its index, then the origin topic, per tier held;
+                               g:<group> -> its KV cache group's spec, text ("KV cache groups of a holder")
+  P gs                   HASH  hid -> its groups' specs, for holders with two groups or more (hybrid models)
   P I:<hid>:<code>:<b>   STRING per (holder, tier) index of its blocks: a toggle log of raws (8 bytes each);
                                a raw is in the index iff it occurs an odd number of times in its bucket
   P R:<hid>:<code>       HASH  extra reference counts (count - 1) of ref-counted tiers: raw -> n
@@ -841,9 +843,12 @@ its medium, else of "*" (else 1); ARGV[4...] candidate names (replica or "<repli
 For every holder holding block 0: matched = number of leading blocks it holds in any tier; per tier,
 the number of leading blocks held in that tier; score = sum over the matched blocks of the best
 weight among the tiers holding it. Stops at the first block no remaining holder holds.
+A holder with two KV cache groups or more (P gs) has matched = the prefix vLLM's hybrid coordinator
+would hit ("lookup: hybrid models"), left out when that is none.
 Holders with the same answer are returned as one group (typically: all holders of a shared system
 prompt). Returns {head, hids, descs}:
-  head  per group: matched, score * 10^6 (integer), n, then n pairs (tier code, run)
+  head  per group: matched, score * 10^6 (integer), n, then n pairs (tier code, run); when an answer is
+        hybrid, then per group (same order) k, then k pairs (KV cache group, its run)
   hids  per group: its holder ids, 4-byte big-endian each
   descs {code, descriptor, ...} for the tier codes used
 ]]
@@ -870,10 +875,10 @@ A holder with two KV cache groups or more (P gs) is answered as vLLM 0.33's Hybr
 hit, in chain blocks, and each group's run is that group's own hit (find_longest_cache_hit_per_group),
 both over the blocks the walk found the holder holding (max_cache_hit_length = matched blocks in any
 tier). The walk leaves each holder its history as a chain of nodes (node.p the older one), one per
-stretch of blocks over which its tiers stay the same (node.i0 its first block, node.l / node.h its tier
-codes as bit sets, node.bw its best weight); the rule works on the runs of blocks each group holds,
-never block by block. Positions below: group blocks 0-based, chain blocks 1-based, lengths in tokens
-as vLLM counts them.
+stretch of blocks over which no holder's tiers change (node.i0 its first block, node.l / node.h its
+tier codes as bit sets, node.bw its best weight, node.a the first of the nodes before it with the same
+tiers); the rule works on the runs of blocks each group holds, never block by block. Positions below:
+group blocks 0-based, chain blocks 1-based, lengths in tokens as vLLM counts them.
 ]]
 local RULES = {full_attention = 'full', mla_attention = 'full', sink_full_attention = 'full',
   sliding_window = 'sliding', sliding_window_mla = 'sliding', mamba = 'mamba'}
@@ -881,23 +886,54 @@ local RULES = {full_attention = 'full', mla_attention = 'full', sink_full_attent
 -- the full-attention rule, which never answers more than any manager would)
 local FINE_KINDS = {full_attention = true, mla_attention = true, sink_full_attention = true, mamba = true}
 -- (the kinds whose managers take hits inside a block: supports_fine_grained_hash_lookup)
-local SPECS, nspecs = {}, 0 -- P gs value -> its groups, parsed (kept between calls)
+local SPECS, nspecs = {}, 0 -- P gs value -> its plan (plan_of), kept between calls
 
 local function gcd(a, b)
   while b > 0 do a, b = b, a % b end
   return a
 end
 
--- the groups of a P gs value: {g, kind, rule, window, bmax, bmin} ascending by group
-local function parse_groups(v)
+-- The plan of a P gs value (what depends on the groups only, kept between calls): the hash block unit
+-- (gcd of the block sizes), the alignment of hits (lcm of the groups' block sizes, or the unit when
+-- vLLM's partial_hash_hits_enabled holds: a Mamba group of larger blocks than the unit, every other
+-- group able to hit inside a block or of the unit's size), the groups g[1..n], and the spec groups
+-- (groups of one kind, window and block size, looked up together as vLLM's SpecGroup) in vLLM's
+-- order, full attention first: {rule, size, s = size / unit, need (blocks a window needs), of =
+-- indices into g, gs = group ids}; simple: vLLM's one-pass case (two spec groups, full attention first).
+local function plan_of(v)
   local p = SPECS[v]
   if p then return p end
-  p = {}
+  local gs = {}
   for g, kind, window, bmax, bmin in string.gmatch(v, '(%d+),([%w_]+),(%d*),(%d+),(%d+)') do
     local rule, w = RULES[kind] or 'full', tonumber(window)
     if rule == 'sliding' and not (w and w > 0) then rule = 'full' end
-    p[#p + 1] = {g = tonumber(g), kind = kind, rule = rule, window = w, bmax = tonumber(bmax), bmin = tonumber(bmin)}
+    gs[#gs + 1] = {g = tonumber(g), kind = kind, rule = rule, window = w, bmax = tonumber(bmax), bmin = tonumber(bmin)}
   end
+  local unit, lcm = 0, 1
+  for _, s in ipairs(gs) do unit = gcd(gcd(unit, s.bmax), s.bmin) end
+  if unit == 0 then unit = 1 end
+  local fine, able = false, true
+  for _, s in ipairs(gs) do
+    s.size = s.bmax > 0 and s.bmax or unit
+    lcm = lcm / gcd(lcm, s.size) * s.size
+    if s.rule == 'mamba' and s.size > unit then fine = true end
+    if not FINE_KINDS[s.kind] and s.size ~= unit then able = false end
+  end
+  local sgs, byk, nfull = {}, {}, 0
+  for j, s in ipairs(gs) do
+    local key = s.kind .. ',' .. (s.rule == 'sliding' and s.window or '') .. ',' .. s.size
+    local sg = byk[key]
+    if sg then
+      sg.of[#sg.of + 1] = j
+      sg.gs[#sg.gs + 1] = s.g
+    else
+      sg = {rule = s.rule, size = s.size, s = s.size / unit, of = {j}, gs = {s.g},
+        need = s.rule == 'sliding' and math.ceil((s.window - 1) / s.size) or 1}
+      byk[key] = sg
+      if s.rule == 'full' then nfull = nfull + 1; table.insert(sgs, nfull, sg) else sgs[#sgs + 1] = sg end
+    end
+  end
+  p = {unit = unit, align = (fine and able) and unit or lcm, g = gs, sgs = sgs, simple = #sgs == 2 and nfull >= 1}
   if nspecs >= 1024 then SPECS, nspecs = {}, 0 end
   SPECS[v] = p
   nspecs = nspecs + 1
@@ -920,40 +956,41 @@ local function node_groups(l, h, gof, memo)
   return s
 end
 
--- the common part of two ascending lists of runs {a, b}
+-- Runs below are flat arrays {a1, b1, a2, b2, ...} of 0-based positions [a, b], highest run first.
+
+-- the common part of two lists of runs
 local function intersect(x, y)
-  local out, i, j = {}, 1, 1
-  while i <= #x and j <= #y do
-    local a, b = math.max(x[i][1], y[j][1]), math.min(x[i][2], y[j][2])
-    if a <= b then out[#out + 1] = {a, b} end
-    if x[i][2] < y[j][2] then i = i + 1 else j = j + 1 end
+  local out, n, i, j = {}, 0, 1, 1
+  while i < #x and j < #y do
+    local a, b = math.max(x[i], y[j]), math.min(x[i + 1], y[j + 1])
+    if a <= b then out[n + 1] = a; out[n + 2] = b; n = n + 2 end
+    if x[i] > y[j] then i = i + 2 else j = j + 2 end
   end
   return out
 end
 
--- group-block runs (0-based) of a group of s chain blocks per block, whose block k is chain block (k + 1) s
+-- the group-block runs of a group of s chain blocks per block (its block k ends at chain position (k + 1) s - 1)
 local function block_runs(cr, s)
+  if s == 1 then return cr end
   local out, n = {}, 0
-  for _, r in ipairs(cr) do
-    local ka, kb = math.ceil(r[1] / s) - 1, floor(r[2] / s) - 1
+  for i = 1, #cr, 2 do
+    local ka, kb = math.ceil((cr[i] + 1) / s) - 1, floor((cr[i + 1] + 1) / s) - 1
     if ka <= kb then
-      if n > 0 and out[n][2] >= ka - 1 then
-        if kb > out[n][2] then out[n][2] = kb end
+      if n > 0 and out[n - 1] <= kb + 1 then
+        if ka < out[n - 1] then out[n - 1] = ka end
       else
-        n = n + 1
-        out[n] = {ka, kb}
+        out[n + 1] = ka; out[n + 2] = kb; n = n + 2
       end
     end
   end
   return out
 end
 
--- the last chain position (0-based) in [lo, hi] held per chain runs cr (1-based), or nil
-local function last_held(cr, lo, hi)
-  for k = #cr, 1, -1 do
-    local a, b = cr[k][1] - 1, cr[k][2] - 1
-    if a <= hi then
-      local j = math.min(b, hi)
+-- the last position in [lo, hi] of runs r, or nil
+local function last_held(r, lo, hi)
+  for i = 1, #r, 2 do
+    if r[i] <= hi then
+      local j = math.min(r[i + 1], hi)
       if j >= lo then return j end
       return nil
     end
@@ -961,116 +998,99 @@ local function last_held(cr, lo, hi)
   return nil
 end
 
--- the hit (tokens) of spec group sg no longer than max tokens: its manager's find_longest_cache_hit
--- (FullAttentionManager, SlidingWindowManager, MambaManager) with alignment align; n chain blocks
-local function manager_hit(sg, max, unit, align, n)
-  local size, R = sg.size, sg.runs
+-- the hit (tokens) of a spec group (of plan p; its chain runs cr, group-block runs R) no longer than max
+-- tokens: its manager's find_longest_cache_hit (FullAttentionManager, SlidingWindowManager,
+-- MambaManager) with the plan's alignment; n chain blocks
+local function manager_hit(sg, cr, R, max, p, n)
+  local size, unit, align = sg.size, p.unit, p.align
   local L = floor(max / size)
   local fine = align < size and size % align == 0
   if sg.rule == 'full' then
-    local nf = 0
-    if R[1] and R[1][1] == 0 then nf = math.min(R[1][2] + 1, L) end
+    local nf, last = 0, #R
+    if last > 0 and R[last - 1] == 0 then nf = math.min(R[last] + 1, L) end
     local hit = nf * size
     if fine then -- phase 2: the hashes inside the next block, last first
-      local s = size / unit
-      local j = last_held(sg.cruns, nf * s, math.min(nf * s + s - 1, floor(max / unit), n) - 1)
+      local s = sg.s
+      local j = last_held(cr, nf * s, math.min(nf * s + s - 1, floor(max / unit), n) - 1)
       if j then hit = (j + 1) * unit end
     end
     return hit - hit % align
   end
   if sg.rule == 'mamba' and fine then -- the last state at any hash block
-    local j = last_held(sg.cruns, 0, math.min(floor(max / unit), n) - 1)
+    local j = last_held(cr, 0, math.min(floor(max / unit), n) - 1)
     return j and (j + 1) * unit or 0
   end
   -- sliding window (need contiguous blocks ending the hit, fewer from block 0) and Mamba (need 1): the
   -- last run holding a block that ends on the alignment with enough blocks before it
-  local q = align / size
-  for k = #R, 1, -1 do
-    local a, b = R[k][1], R[k][2]
+  local q, need = align / size, sg.need
+  for i = 1, #R, 2 do
+    local a = R[i]
     if a <= L - 1 then
-      local t = floor((math.min(b, L - 1) + 1) / q) * q - 1 -- the last aligned block of the run
-      if t >= a and (t - a + 1 >= sg.need or a == 0) then return (t + 1) * size end
+      local t = floor((math.min(R[i + 1], L - 1) + 1) / q) * q - 1 -- the run's last aligned block
+      if t >= a and (t - a + 1 >= need or a == 0) then return (t + 1) * size end
     end
   end
   return 0
 end
 
--- the answer of a hybrid holder whose history ends in node g, with groups spec (parse_groups); false
--- when vLLM would hit nothing
-local function hybrid_answer(g, spec, gof, memo)
-  local nodes, k = {}, 0
-  local nd = g
-  while nd.i0 do k = k + 1; nodes[k] = nd; nd = nd.p end
-  local segs, hi = {}, g.m -- oldest first: {first block, last block, groups held, best weight}
-  for j = 1, k do
-    local x = nodes[j]
-    segs[k - j + 1] = {x.i0, hi, node_groups(x.l, x.h, gof, memo), x.bw}
-    hi = x.i0 - 1
-  end
-  local unit, lcm = 0, 1
-  for _, s in ipairs(spec) do unit = gcd(gcd(unit, s.bmax), s.bmin) end
-  if unit == 0 then unit = 1 end
-  -- partial_hash_hits_enabled: a Mamba group of larger blocks than the hash's, and every group either
-  -- able to hit inside a block or of the hash's block size; then hits align on the hash block
-  local fine, able = false, true
-  for _, s in ipairs(spec) do
-    local size = s.bmax > 0 and s.bmax or unit
-    lcm = lcm / gcd(lcm, size) * size
-    if s.rule == 'mamba' and size > unit then fine = true end
-    if not FINE_KINDS[s.kind] and size ~= unit then able = false end
-  end
-  local align = (fine and able) and unit or lcm
-  local sgs, byk, full_first = {}, {}, {} -- spec groups, in vLLM's order: full attention first
-  for _, s in ipairs(spec) do
-    local r, nr = {}, 0 -- chain runs of group s.g
-    for j = 1, k do
-      local sg = segs[j]
-      if sg[3][s.g] then
-        if nr > 0 and r[nr][2] == sg[1] - 1 then r[nr][2] = sg[2] else nr = nr + 1; r[nr] = {sg[1], sg[2]} end
+-- the answer of a hybrid holder whose history ends in node g, with plan p (plan_of); false when vLLM
+-- would hit nothing
+local function hybrid_answer(g, p, gof, memo)
+  local spec = p.g
+  local ng = #spec
+  local cr, open = {}, {} -- per group: chain runs; whether its run is open at the node walked
+  for j = 1, ng do cr[j] = {} end
+  local segs, ns = {}, 0 -- flat: first block, last block, best weight per node, newest first
+  local nd, hi = g, g.m
+  while nd.i0 do
+    nd = nd.a -- the stretch of nodes of the same tiers, from its first
+    local held = node_groups(nd.l, nd.h, gof, memo)
+    local a = nd.i0
+    for j = 1, ng do
+      local r = cr[j]
+      if held[spec[j].g] then
+        if open[j] then r[#r - 1] = a - 1 else r[#r + 1] = a - 1; r[#r + 1] = hi - 1; open[j] = true end
+      else
+        open[j] = false
       end
     end
-    local size = s.bmax > 0 and s.bmax or unit
-    local key = s.kind .. ',' .. (s.rule == 'sliding' and s.window or '') .. ',' .. size
-    local sg = byk[key]
-    if sg then
-      sg.cruns = intersect(sg.cruns, r)
-      sg.gs[#sg.gs + 1] = s.g
-    else
-      sg = {rule = s.rule, size = size, cruns = r, gs = {s.g},
-        need = s.rule == 'sliding' and math.ceil((s.window - 1) / size) or 1}
-      byk[key] = sg
-      if s.rule == 'full' then full_first[#full_first + 1] = sg else sgs[#sgs + 1] = sg end
-    end
+    segs[ns + 1] = a; segs[ns + 2] = hi; segs[ns + 3] = nd.bw; ns = ns + 3
+    hi = a - 1
+    nd = nd.p
   end
-  for j = #full_first, 1, -1 do table.insert(sgs, 1, full_first[j]) end
-  for _, sg in ipairs(sgs) do sg.runs = block_runs(sg.cruns, sg.size / unit) end
-  local n = g.m
+  local sgs = p.sgs
+  local scr, sr = {}, {} -- per spec group: chain runs (common to its groups), group-block runs
+  for k, sg in ipairs(sgs) do
+    local r = cr[sg.of[1]]
+    for j = 2, #sg.of do r = intersect(r, cr[sg.of[j]]) end
+    scr[k], sr[k] = r, block_runs(r, sg.s)
+  end
+  local n, unit = g.m, p.unit
   local hit, full_hits = n * unit, {}
-  local simple = #sgs == 2 and sgs[1].rule == 'full'
   while true do -- HybridKVCacheCoordinator.find_longest_cache_hit's fixed point
     local curr = hit
-    for _, sg in ipairs(sgs) do
-      if sg.rule == 'full' and full_hits[sg] then
-        curr = math.min(curr, full_hits[sg])
+    for k, sg in ipairs(sgs) do
+      if sg.rule == 'full' and full_hits[k] then
+        curr = math.min(curr, full_hits[k])
       else
-        curr = manager_hit(sg, curr, unit, align, n)
-        if sg.rule == 'full' then full_hits[sg] = curr end
+        curr = manager_hit(sg, scr[k], sr[k], curr, p, n)
+        if sg.rule == 'full' then full_hits[k] = curr end
       end
     end
     if curr >= hit then break end
     hit = curr
-    if simple then break end
+    if p.simple then break end
   end
   local m = hit / unit
   if m < 1 then return false end
   local score = 0
-  for j = 1, k do
-    local a, b = segs[j][1], math.min(segs[j][2], m)
-    if b >= a then score = score + segs[j][4] * (b - a + 1) end
+  for j = 1, ns, 3 do
+    local b = math.min(segs[j + 1], m)
+    if b >= segs[j] then score = score + segs[j + 2] * (b - segs[j] + 1) end
   end
   local runs = {}
-  for _, sg in ipairs(sgs) do
-    local run = manager_hit(sg, n * unit, unit, align, n) / unit
+  for k, sg in ipairs(sgs) do
+    local run = manager_hit(sg, scr[k], sr[k], n * unit, p, n) / unit
     for _, gi in ipairs(sg.gs) do runs[gi] = run end
   end
   return {m = m, s = score, r = g.r, gr = runs}
@@ -1090,7 +1110,7 @@ local function hybrid_matches(P, G, grp, holders, nholders, tdesc)
       local byv = done[gid]
       if not byv then byv = {}; done[gid] = byv end
       local a = byv[v]
-      if a == nil then a = hybrid_answer(G[gid], parse_groups(v), gof, memo); byv[v] = a end
+      if a == nil then a = hybrid_answer(G[gid], plan_of(v), gof, memo); byv[v] = a end
       out[holders[j]] = a
     end
   end
@@ -1253,6 +1273,7 @@ local function lookup(keys, args)
                   if (r[cd] or 0) == i - 1 then r[cd] = i; ne = ne + 1; ext[ne] = cd end
                 end
                 local g = {m = i, s = old.s + bw, r = r, ext = ext, bw = bw, p = old, i0 = i, l = l, h = h}
+                g.a = (old.l == l and old.h == h) and old.a or g -- the first node of these tiers
                 ngroups = ngroups + 1
                 ng = ngroups
                 G[ng] = g
@@ -1345,7 +1366,7 @@ end
 --[[
 kvbus_dump (read-only): one holder's whole state, read atomically (view snapshots, sinks/snapshot.py).
 ARGV[1] prefix, ARGV[2] hid. Returns {state, seen, tiers}: state = the flat HGETALL of P H:<hid>
-(p:<topic>, f, t:<code> fields, binary as documented above), seen = its P seen score or false,
+(p:<topic>, f, t:<code>, g:<group> fields, as documented above), seen = its P seen score or false,
 tiers = per tier held {code, descriptor, rc flag, raws held (8 bytes each, concatenated),
 flat HGETALL of its extra reference counts}.
 ]]
