@@ -420,6 +420,7 @@ end
 -- Derived from it, for lookups: P gs (HASH) hid -> "<group>,<spec>;<group>,<spec>..." (groups
 -- ascending) of each holder with two groups or more. A Reset marker and expiry forget the groups.
 local EVENT_SPEC = '^([%w_]+),(%d*),(%d+)$' -- a store's spec in kvbus_apply: "<kind>,<window>,<block_size>"
+local VALID_SPECS, nvalid = {}, 0 -- the store specs found well-formed (kept between calls)
 local GROUP_SPEC = '^[%w_]+,%d*,%d+,%d+$'   -- a group's spec in kvbus_restore
 
 -- the group (a decimal string) of tier descriptor "<MEDIUM>|<ownership>|<group>"
@@ -436,6 +437,10 @@ end
 
 -- an applied BlockStored of tier desc said spec "<kind>,<window>,<block_size>" of its group
 local function group_note(h, desc, spec)
+  local noted = h.noted -- desc -> the last spec noted in this call: the same again changes nothing
+  if not noted then noted = {}; h.noted = noted end
+  if noted[desc] == spec then return end
+  noted[desc] = spec
   local kind, window, bs = string.match(spec, EVENT_SPEC)
   local g = desc_group(desc)
   local bmax, bmin = tonumber(bs), tonumber(bs)
@@ -756,8 +761,13 @@ local function apply(keys, args)
     local kind, hi, ti, _, _, _, _, di, n, nxt = struct.unpack(HEADER, blob, pos)
     if kind == 5 then -- the spec before the hashes
       local sl = byte(blob, nxt) or 0
-      if not string.match(sub(blob, nxt + 1, nxt + sl), EVENT_SPEC) then
-        return redis.error_reply('kvbus: malformed group spec at byte ' .. pos)
+      local spec = sub(blob, nxt + 1, nxt + sl)
+      if not VALID_SPECS[spec] then
+        if not string.match(spec, EVENT_SPEC) then
+          return redis.error_reply('kvbus: malformed group spec at byte ' .. pos)
+        end
+        if nvalid >= 256 then VALID_SPECS, nvalid = {}, 0 end
+        VALID_SPECS[spec], nvalid = true, nvalid + 1
       end
       nxt = nxt + 1 + sl
     end
