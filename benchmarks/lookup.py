@@ -188,6 +188,8 @@ def load_kvbus(store: RedisStore, stores, batch: int, hybrid_window: int = 0) ->
 
 
 BASELINE_LIBRARY = "kvbusbase"
+CPU_ROUNDS = 5
+"""--baseline: rounds of all the queries per side for the CPU figure."""
 
 
 def load_baseline(r: redis.Redis, rev: str) -> None:
@@ -206,7 +208,9 @@ def load_baseline(r: redis.Redis, rev: str) -> None:
 def measure_baseline(store: RedisStore, queries, args) -> dict:
     """This tree's kvbus_lookup next to the baseline's on ``queries``, raw FCALL_RO each, both on every query
     (which goes first alternates: the second runs on keys the first brought into the CPU's caches):
-    client side, then Redis side (SLOWLOG); their answers (decoded replies) compared."""
+    client side, then Redis side (SLOWLOG: wall time in the call), then the server's main-thread CPU per
+    lookup (``INFO cpu``: only the work done, whatever else runs on the machine) over alternating rounds
+    of all the queries, the median round; their answers (decoded replies) compared."""
     spec = Weights({"GPU": 1.0, "CPU": 0.8, "*": 0.0}).spec()
     r = store.r
     names = {"this": "kvbus_lookup", "baseline": f"{BASELINE_LIBRARY}_lookup"}
@@ -243,6 +247,15 @@ def measure_baseline(store: RedisStore, queries, args) -> dict:
     finally:
         r.config_set("slowlog-log-slower-than", 10_000)
         r.slowlog_reset()
+    cpu: dict[str, list[float]] = {"this": [], "baseline": []}
+    for j in range(2 * CPU_ROUNDS):
+        side = ("this", "baseline")[j % 2]
+        c0 = main_thread_cpu(r)
+        for q in queries:
+            call(side, q)
+        cpu[side].append((main_thread_cpu(r) - c0) / len(queries) * 1e6)
+    for side, v in cpu.items():
+        out[side]["server_cpu_us"] = round(pct(v, 0.5), 1)
     out["ratio_this_over_baseline"] = {k: round(out["this"][k] / out["baseline"][k], 3) for k in out["this"]}
     out["answers_differ"] = differ
     return out

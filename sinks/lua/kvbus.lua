@@ -1282,7 +1282,7 @@ local function lookup(keys, args)
                   if not bw or w > bw then bw = w end
                   if (r[cd] or 0) == i - 1 then r[cd] = i; ne = ne + 1; ext[ne] = cd end
                 end
-                local g = {m = i, s = old.s + bw, r = r, ext = ext, bw = bw, p = old, i0 = i, l = l, h = h}
+                local g = {m = i, s = old.s + bw, r = r, ext = ext, bw = bw, p = old, i0 = i, l = l, h = h, a = false}
                 g.a = (old.l == l and old.h == h) and old.a or g -- the first node of these tiers
                 ngroups = ngroups + 1
                 ng = ngroups
