@@ -37,7 +37,8 @@ plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1100px;color:#222}
 h1{font-size:22px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
-table{border-collapse:collapse;font-size:13px;margin:8px 0} td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
+table{border-collapse:collapse;font-size:13px;margin:8px 0}
+td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
 th{background:#f4f4f4} td.l,th.l{text-align:left} .grid{display:grid;grid-template-columns:1fr 1fr;gap:12px}
 .note{color:#666;font-size:12px} svg{max-width:100%;height:auto}
 """

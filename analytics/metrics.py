@@ -180,7 +180,8 @@ def prefixes(annotated: pl.DataFrame, per_block: pl.DataFrame, top: int = 10) ->
             .join(per_block.select("tier", pl.col("block").alias("event_root"), "max_holders"),
                   on=["tier", "event_root"], how="left")
             .select("tier", pl.col("event_root").alias("root"), "holders", "max_holders",
-                    pl.col("blocks").cast(pl.Int64), (pl.col("blocks") * pl.col("block_size")).cast(pl.Int64).alias("tokens"))
+                    pl.col("blocks").cast(pl.Int64),
+                    (pl.col("blocks") * pl.col("block_size")).cast(pl.Int64).alias("tokens"))
             .sort(["max_holders", "holders", "blocks"], descending=True).head(top))
 
 

@@ -71,7 +71,8 @@ def render(report: Report, header: str = "") -> str:
         add("   no tier besides GPU")
     for r in report.offload.iter_rows(named=True):
         add(f"   {r['tier']:12s} kept {r['kept']:7d} of {r['gpu_drops']:7d} GPU drops ({_pct(r['kept_frac'])}); "
-            f"held {r['held_before']:7d} of {r['gpu_stores']:7d} GPU stores before them ({_pct(r['held_before_frac'])})")
+            f"held {r['held_before']:7d} of {r['gpu_stores']:7d} GPU stores before them "
+            f"({_pct(r['held_before_frac'])})")
     add("== most shared prefixes (stores that start a prefix, grouped by their first block)")
     if report.prefixes.is_empty():
         add("   none held by 2+ holders")
@@ -87,7 +88,8 @@ def render(report: Report, header: str = "") -> str:
     if report.incomplete.is_empty():
         add("   none")
     for r in report.incomplete.iter_rows(named=True):
-        add(f"   {r['holder']:14s} {r['kind']:7s} {r['count']:6d} events, {r['blocks']} blocks, missing workers {r['missing']}")
+        add(f"   {r['holder']:14s} {r['kind']:7s} {r['count']:6d} events, {r['blocks']} blocks, "
+            f"missing workers {r['missing']}")
     add("== dead letters (kvbus.dlq) per stage and reason")
     if report.dead_letters.is_empty():
         add("   none")

@@ -13,7 +13,7 @@ consolidated event, plus one row per ``AllBlocksCleared`` / ``Reset`` (``block``
 | ``clock_skew_s`` | ``ts - record_ts``: how far the engine's clock was from the record time (normally ms behind) |
 | ``kind`` | ``store``, ``remove``, ``clear`` (AllBlocksCleared), ``reset`` (kvbus Reset marker) |
 | ``medium``, ``ownership``, ``group_idx`` | the event's tier fields as sent |
-| ``tier`` | tier label ``MEDIUM[@ownership][/g<group>]``, medium null counted as GPU (the sink's labels); null for clear/reset |
+| ``tier`` | tier label ``MEDIUM[@ownership][/g<group>]`` (the sink's labels; null medium: GPU); null for clear/reset |
 | ``block`` | block hash as an unsigned 64-bit int (vLLM's int form); null for clear/reset |
 | ``block_idx`` | index of the block within its event (0 = first) |
 | ``parent`` | hash of the block before it: the previous block of the event, or ``parent_block_hash`` |
@@ -68,7 +68,8 @@ def tier_label(medium: pl.Expr, ownership: pl.Expr, group_idx: pl.Expr) -> pl.Ex
     def labels(s: pl.Series) -> pl.Series:
         keys = s.unique().to_list()
         names = [None if k is None else tiers.tier_label(k["m"], k["o"], k["g"]) for k in keys]
-        return s.replace_strict(pl.Series(keys, dtype=s.dtype), pl.Series(names, dtype=pl.String), return_dtype=pl.String)
+        return s.replace_strict(pl.Series(keys, dtype=s.dtype), pl.Series(names, dtype=pl.String),
+                                return_dtype=pl.String)
 
     return pl.struct(m=medium, o=ownership, g=group_idx).map_batches(labels, return_dtype=pl.String)
 

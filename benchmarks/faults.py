@@ -76,9 +76,9 @@ CLUSTER_ENV = {
 if "--use-env" not in sys.argv:
     os.environ.update(CLUSTER_ENV)
 
-import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, probes, lag, the truth check)
 import redis  # noqa: E402
 
+import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, probes, lag, the truth check)
 from kvbus.procs import Child, free_port, free_port_block  # noqa: E402
 from kvbus.progress import scrape  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
@@ -318,7 +318,8 @@ class OwnRedisCluster:
             time.sleep(0.2)
         store = ShardedRedisStore(self.url, prefix, load=False)
         owners = [store._node(s).port for s in range(store.nshards)]
-        masters = [n for n in self.nodes if redis.Redis(host=n.host, port=n.port).info("replication")["role"] == "master"]
+        masters = [n for n in self.nodes
+                   if redis.Redis(host=n.host, port=n.port).info("replication")["role"] == "master"]
         self.killed = max(masters, key=lambda n: owners.count(n.port))
         os.kill(read_pid(self.killed.pid_path(self.paths)).pid, signal.SIGKILL)
 
@@ -754,7 +755,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="run the selection this many times in a row (default 1)")
     p.add_argument("--rate", type=float, default=1500.0, help="engine events/s the fleet publishes (default 1500)")
     p.add_argument("--replicas", type=int, default=4, help="engine replicas = bridges (default 4)")
-    p.add_argument("--partitions", type=int, default=None, help="partitions of the run's topics (default KVBUS_PARTITIONS)")
+    p.add_argument("--partitions", type=int, default=None,
+                   help="partitions of the run's topics (default KVBUS_PARTITIONS)")
     p.add_argument("--probe-every", type=float, default=0.05, help="seconds between freshness probes (default 0.05)")
     p.add_argument("--before", type=float, default=8.0, help="seconds of steady flow before the fault (default 8)")
     p.add_argument("--down-for", type=float, default=10.0, help="seconds a killed process stays down (default 10)")
@@ -765,7 +767,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="seconds every probe must be in time before the fault counts as over (default 3)")
     p.add_argument("--converge-timeout", type=float, default=120.0,
                    help="seconds after the restart to wait for the view to be fresh again (default 120)")
-    p.add_argument("--drain-timeout", type=float, default=90.0, help="seconds to wait for the pipeline to drain (default 90)")
+    p.add_argument("--drain-timeout", type=float, default=90.0,
+                   help="seconds to wait for the pipeline to drain (default 90)")
     p.add_argument("--seed", type=int, default=11, help="fleet seed (default 11)")
     p.add_argument("--keep", action="store_true", help="leave each fault's topics and Redis keys")
     p.add_argument("--keep-cluster", action="store_true", help="leave the cluster up even if this run started it")

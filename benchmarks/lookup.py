@@ -62,16 +62,15 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvbus.schemas.events import BlockEvent, BlockStored  # noqa: E402
+from benchmarks.fleet_view import load_kvbus, pct, queries as query_set, used_memory  # noqa: E402
 from kvbus.schemas.lookup import LAYOUT, lookup_args, parse_reply  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
-from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
-from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402
-from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync  # noqa: E402
 from kvbus.sinks.sharded_store import ShardedRedisStore, cluster_client  # noqa: E402
 from kvbus.sinks.tiers import Weights  # noqa: E402
+from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
+from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync  # noqa: E402
+from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402
 
-TOPIC = "kvbus.blocks"
 LLMD_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
 
 
@@ -147,44 +146,6 @@ class LlmdIndex:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def used_memory(r: redis.Redis) -> int:
-    return int(r.info("memory")["used_memory"])
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def load_kvbus(store: RedisStore, stores, batch: int, hybrid_window: int = 0) -> tuple[int, float]:
-    """Apply the fleet's stores (``hybrid_window``: also as a sliding-window group, see the module doc);
-    (entries, seconds)."""
-    seq: dict[int, int] = {}
-    records: list = []
-    n = 0
-    t0 = time.perf_counter()
-    for s in stores:
-        events = [BlockStored(block_hashes=s.hashes, medium=s.medium, block_size=16)]
-        if hybrid_window:
-            tail = s.hashes[-(-hybrid_window // 16):]
-            events = [BlockStored(block_hashes=s.hashes, medium=s.medium, block_size=16, group_idx=0,
-                                  kv_cache_spec_kind="full_attention"),
-                      BlockStored(block_hashes=tail, medium=s.medium, block_size=16, group_idx=1,
-                                  kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=hybrid_window)]
-        for e in events:
-            q = seq.get(s.replica, 0)
-            seq[s.replica] = q + 1
-            records.append((TOPIC, BlockEvent(replica=f"r{s.replica}", epoch=1, seq=q, index=0, ts=time.time(),
-                                              event=e)))
-            n += len(e.block_hashes)
-        if len(records) >= batch:
-            store.apply(records)
-            records = []
-    if records:
-        store.apply(records)
-    return n, time.perf_counter() - t0
 
 
 BASELINE_LIBRARY = "kvbusbase"
@@ -286,7 +247,8 @@ def server_side(r: redis.Redis, store: RedisStore, llmd: "LlmdIndex | None", que
         for q in queries:
             store.lookup(q, weights=weights)
         durs = [e["duration"] for e in r.slowlog_get(len(queries) * 4) if e["command"].startswith(b"FCALL_RO")]
-        out["kvbus"] = {"server_p50_ms": round(pct(durs, 0.5) / 1e3, 3), "server_p99_ms": round(pct(durs, 0.99) / 1e3, 3)}
+        out["kvbus"] = {"server_p50_ms": round(pct(durs, 0.5) / 1e3, 3),
+                        "server_p99_ms": round(pct(durs, 0.99) / 1e3, 3)}
         if llmd is not None:
             r.slowlog_reset()
             for q in queries:
@@ -295,7 +257,8 @@ def server_side(r: redis.Redis, store: RedisStore, llmd: "LlmdIndex | None", que
                               if e["command"].startswith(b"HKEYS")), key=lambda e: e["id"])
             per = len(queries[0])
             sums = [sum(e["duration"] for e in entries[i:i + per]) for i in range(0, len(entries), per)]
-            out["llmd"] = {"server_p50_ms": round(pct(sums, 0.5) / 1e3, 3), "server_p99_ms": round(pct(sums, 0.99) / 1e3, 3)}
+            out["llmd"] = {"server_p50_ms": round(pct(sums, 0.5) / 1e3, 3),
+                           "server_p99_ms": round(pct(sums, 0.99) / 1e3, 3)}
     finally:
         r.config_set("slowlog-log-slower-than", 10_000)
         r.slowlog_reset()
@@ -388,26 +351,26 @@ def run_cluster(args) -> dict:
             per = {node.name: _fcall_stats(node.redis_connection)["fcall"] for node in masters}
             cpu = {node.name: round(main_thread_cpu(node.redis_connection) - cpu0s[node.name], 2) for node in masters}
             tot = sum(v["usec"] for v in per.values())
+            busiest = max(v["usec"] for v in per.values())
             result[f"sharded_{S}"] = {
                 "shards": S, "load_entries_per_s": round(n / secs2), "apply_per_master": per,
                 "apply_cpu_seconds_per_master": cpu,
-                "apply_max_master_cpu_over_single": round(max(cpu.values()) / max(result["single"]["apply_cpu_seconds"], 1e-9), 3),
+                "apply_max_master_cpu_over_single":
+                    round(max(cpu.values()) / max(result["single"]["apply_cpu_seconds"], 1e-9), 3),
                 "apply_usec_total": tot,
-                "apply_max_master_share": round(max(v["usec"] for v in per.values()) / max(tot, 1), 3),
-                "apply_max_master_over_single": round(max(v["usec"] for v in per.values()) / max(result["single"]["apply"]["usec"], 1), 3),
+                "apply_max_master_share": round(busiest / max(tot, 1), 3),
+                "apply_max_master_over_single": round(busiest / max(result["single"]["apply"]["usec"], 1), 3),
             }
             print(f"sharded S={S}: loaded in {secs2:.1f}s; apply us per master "
-                  f"{ {k: v['usec'] for k, v in per.items()} } (single {result['single']['apply']['usec']}); main-thread CPU s "
-                  f"per master {cpu} (single {result['single']['apply_cpu_seconds']})", flush=True)
+                  f"{ {k: v['usec'] for k, v in per.items()} } (single {result['single']['apply']['usec']}); "
+                  f"main-thread CPU s per master {cpu} (single {result['single']['apply_cpu_seconds']})", flush=True)
             sharded_stores[S] = st
         S0 = shard_counts[-1]  # the largest count is also read from the replicas
         replica_reader = ShardedRedisStore(cluster_client(f"{cl.url}?read_from=replica"), f"kv{S0}:", shards=S0,
                                            load=False, read_from="replica")
         wait_replicas_in_sync(cl, replica_reader.rc)
         for kind, sample in (("shared", chains), ("private", bodies)):
-            queries = [c[:args.chain] for c in sample][: args.queries]
-            while len(queries) < args.queries:
-                queries += queries[: args.queries - len(queries)]
+            queries = query_set(sample, args.queries, args.chain)
             single.lookup(queries[0], weights=weights)
             out: dict = {"queries": len(queries)}
             lat1, ans1 = _lat(single, queries, weights)
@@ -419,7 +382,8 @@ def run_cluster(args) -> dict:
                     node.redis_connection.config_resetstat()
                 lat2, ans2 = _lat(st, queries, weights)
                 ro = {node.name: _fcall_stats(node.redis_connection)["fcall_ro"] for node in masters}
-                out[f"sharded_{S}"] = {"p50_ms": round(pct(lat2, 0.5) * 1e3, 3), "p99_ms": round(pct(lat2, 0.99) * 1e3, 3),
+                out[f"sharded_{S}"] = {"p50_ms": round(pct(lat2, 0.5) * 1e3, 3),
+                                       "p99_ms": round(pct(lat2, 0.99) * 1e3, 3),
                                        "answers_differ": sum(a != b for a, b in zip(ans1, ans2)),
                                        "redis_us_per_lookup_per_master": {k: round(v["usec"] / len(queries), 1)
                                                                           for k, v in ro.items()}}
@@ -494,9 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             result["bytes_ratio_llmd_over_kvbus"] = round(ll_bytes / n2 / (kv_bytes / n), 2)
 
         for kind, sample in (("shared", chains), ("private", bodies)):
-            queries = [c[:args.chain] for c in sample][: args.queries]
-            while len(queries) < args.queries:
-                queries += queries[: args.queries - len(queries)]
+            queries = query_set(sample, args.queries, args.chain)
             result[kind] = measure(kind, store, llmd, queries, args)
             if args.baseline:
                 result[kind]["baseline"] = {"rev": args.baseline, **measure_baseline(store, queries, args)}

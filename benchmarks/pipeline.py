@@ -76,7 +76,8 @@ KINDS = ("fleet", "bridge", "worker", "sink", "kafka", "registry", "redis", "ben
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=8, help="engine replicas (default 8)")
-    p.add_argument("--tp", type=int, default=1, choices=(1, 2, 4), help="tensor-parallel workers per replica (default 1)")
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2, 4),
+                   help="tensor-parallel workers per replica (default 1)")
     p.add_argument("--workers-procs", type=int, default=1, help="Faust worker processes W (default 1)")
     p.add_argument("--sinks", type=int, default=1, help="sink processes S (default 1)")
     p.add_argument("--rates", default="2000,5000,10000,20000,35000,50000",
@@ -89,8 +90,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--lag-growth", type=float, default=0.05,
                    help="largest lag growth, as a share of the window's records, that counts as bounded (default 0.05)")
     p.add_argument("--keep-going", action="store_true", help="play every rung, even after one is not sustained")
-    p.add_argument("--partitions", type=int, default=None, help="partitions of the run's topics (default KVBUS_PARTITIONS)")
-    p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to wait for the pipeline to drain at the end")
+    p.add_argument("--partitions", type=int, default=None,
+                   help="partitions of the run's topics (default KVBUS_PARTITIONS)")
+    p.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="seconds to wait for the pipeline to drain at the end")
     p.add_argument("--keep", action="store_true", help="leave the run's topics and Redis keys (default: delete them)")
     p.add_argument("--seed", type=int, default=11, help="fleet seed (default 11)")
     p.add_argument("--hops", action="store_true",
@@ -135,7 +138,8 @@ def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
                     dlq=f"{run_id}.dlq")
     settings = replace(base, topics=topics, partitions=args.partitions or base.partitions)
     replication = cluster_replication(settings.bootstrap)
-    ensure_topics(settings.bootstrap, [topics.raw, topics.blocks, topics.for_ownership("kvcr"), topics.incomplete, topics.dlq],
+    ensure_topics(settings.bootstrap,
+                  [topics.raw, topics.blocks, topics.for_ownership("kvcr"), topics.incomplete, topics.dlq],
                   settings.partitions, replication)
     # the worker creates its changelog and tier topics with KVBUS_REPLICATION
     env = {**os.environ, **settings.to_env(), "KVBUS_REPLICATION": str(replication)}
@@ -483,8 +487,10 @@ def rung_line(name: str, fig: dict[str, Any]) -> str:
     f = fig.get("freshness", {})
     lr, lb = fig.get("lag_raw") or {}, fig.get("lag_blocks") or {}
     cpu = fig.get("cpu_cores", {})
-    return (f"{name:>8} | offered {fig.get('offered_ev_s', 0):>7} ev/s | consolidated {fig.get('consolidated_ev_s', 0):>7}"
-            f" | applied {fig.get('applied_ev_s', 0):>7} | fresh p50/p99/max {f.get('p50_ms', '-')}/{f.get('p99_ms', '-')}"
+    return (f"{name:>8} | offered {fig.get('offered_ev_s', 0):>7} ev/s"
+            f" | consolidated {fig.get('consolidated_ev_s', 0):>7}"
+            f" | applied {fig.get('applied_ev_s', 0):>7}"
+            f" | fresh p50/p99/max {f.get('p50_ms', '-')}/{f.get('p99_ms', '-')}"
             f"/{f.get('max_ms', '-')} ms ({f.get('probes', 0)} probes, {f.get('unseen', 0)} unseen)"
             f" | lag raw {lr.get('end', '?')} blocks {lb.get('end', '?')}"
             f" | cores " + " ".join(f"{k}={v:.2f}" for k, v in cpu.items() if v >= 0.005)
@@ -601,7 +607,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     probe_log = state_dir / "logs" / f"{run.run_id}-probes.jsonl"
     manifest = state_dir / "logs" / f"{run.run_id}-manifest.json"
     print(f"run {run.run_id}: {args.replicas} replicas x TP {args.tp}, {args.workers_procs} worker process(es), "
-          f"{args.sinks} sink process(es), {run.settings.partitions} partitions; logs {run.children.log_dir}/{run.run_id}-*",
+          f"{args.sinks} sink process(es), {run.settings.partitions} partitions; "
+          f"logs {run.children.log_dir}/{run.run_id}-*",
           flush=True)
     result: dict[str, Any] = {"run": run.run_id, "replicas": args.replicas, "tp": args.tp,
                               "workers_procs": args.workers_procs, "sinks": args.sinks,

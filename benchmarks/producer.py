@@ -256,8 +256,8 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=4000, help="publish() calls of (b) (40 events each)")
     p.add_argument("--only", choices=("bridge", "publisher"), default=None)
     args = p.parse_args()
-    print("command:", " ".join([os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else sys.executable,
-                                *sys.argv]), flush=True)
+    python = os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else sys.executable
+    print("command:", " ".join([python, *sys.argv]), flush=True)
     import logging
 
     logging.basicConfig(level=logging.INFO if os.environ.get("BENCH_DEBUG") else logging.WARNING)
@@ -297,7 +297,8 @@ def run_benchmarks(args: argparse.Namespace, settings: Settings, results: dict[s
         print(f"(a) bridge ZMQ -> acked Kafka: {r['bridge_events_per_s']:,} events/s "
               f"({r['bridge_batches_per_s']:,} batches/s of 40 events), {r['bridge_cpu_us_per_event']} µs CPU/event "
               f"in the bridge process (all threads; {r['bridge_main_thread_cpu_us_per_event']} µs in its main thread = "
-              f"{r['bridge_main_thread_capacity_events_per_s']:,} events/s on a free core), window {r['bridge_window_s']} s, "
+              f"{r['bridge_main_thread_capacity_events_per_s']:,} events/s on a free core), "
+              f"window {r['bridge_window_s']} s, "
               f"resets {r['bridge_resets']:.0f}",
               flush=True)
         results.update(r)

@@ -34,13 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
-from lookup import load_kvbus, used_memory  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.sinks.rebuild import rebuild  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from kvbus.sinks.snapshot import SnapshotReader, SnapshotWriter  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from lookup import load_kvbus, used_memory  # noqa: E402
 from tests.fleet_workload import fleet_workload  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
 
 
 def ensure_stack() -> Settings:

@@ -40,12 +40,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lookup import pod_entry  # noqa: E402  (the llm-d layout lives in benchmarks/lookup.py)
-
-from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored  # noqa: E402
 from kvbus.schemas.codec import FastSerde  # noqa: E402
+from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored  # noqa: E402
 from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
+from lookup import pod_entry  # noqa: E402  (the llm-d layout lives in benchmarks/lookup.py)
 from tests.redis_server import RedisServer, main_thread_cpu, wait_replica_synced  # noqa: E402
 
 TOPIC = "kvbus.blocks"
@@ -141,9 +140,7 @@ def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards:
     replica: the same calls' CPU on a plain server, on a one-node cluster (cluster mode's own cost),
     and with the batches split into ``shards`` shards there (the sharding's cost)."""
     from kvbus.sinks.sharded_store import ShardedRedisStore
-    from tests.redis_cluster import RedisClusterServer
-
-    from tests.redis_cluster import OneNodeCluster
+    from tests.redis_cluster import OneNodeCluster, RedisClusterServer
 
     cost: dict[str, float] = {}  # where the cluster's extra work comes from, on one server, no replica
     with RedisServer() as srv:
@@ -175,7 +172,8 @@ def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards:
         cpu0s = {name: main_thread_cpu(r) for name, r in prim.items()}
         secs = apply_with_offsets(store, batches)
         cpu = {name: round(main_thread_cpu(r) - cpu0s[name], 2) for name, r in prim.items()}
-        fcall = {name: round(cmd.get("fcall", {}).get("usec", 0) / 1e6, 2) for name, cmd in store.commandstats().items()}
+        fcall = {name: round(cmd.get("fcall", {}).get("usec", 0) / 1e6, 2)
+                 for name, cmd in store.commandstats().items()}
         calls = {name: cmd.get("fcall", {}).get("calls", 0) for name, cmd in store.commandstats().items()}
     out = {"masters": masters, "shards": shards, "single_with_replica": single, "one_server_cpu_seconds": cost,
            "events_per_s": round(events / secs), "hashes_per_s": round(hashes / secs), "seconds": round(secs, 2),
@@ -186,8 +184,9 @@ def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards:
     print(f"single Redis + replica: {events / secs1:,.0f} events/s, main-thread CPU {single['cpu_seconds']} s, "
           f"FCALL {single['fcall_seconds']} s", flush=True)
     print(f"cluster ({masters} masters + replicas, {shards} shards): {events / secs:,.0f} events/s, CPU s per master "
-          f"{sorted(cpu.values(), reverse=True)} (busiest {out['busiest_master_cpu_over_single']} of the single node's, "
-          f"total {out['total_cpu_over_single']}x), FCALL s per master {sorted(fcall.values(), reverse=True)}", flush=True)
+          f"{sorted(cpu.values(), reverse=True)} (busiest {out['busiest_master_cpu_over_single']} "
+          f"of the single node's, total {out['total_cpu_over_single']}x), "
+          f"FCALL s per master {sorted(fcall.values(), reverse=True)}", flush=True)
     return out
 
 

@@ -41,10 +41,10 @@ sys.path.insert(0, str(REPO))
 
 from confluent_kafka import Producer  # noqa: E402
 
+from kvbus.procs import free_port  # noqa: E402
 from kvbus.schemas.events import BlockRemoved, BlockStored, holder_key  # noqa: E402
 from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
-from kvbus.procs import free_port  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
 from kvbus.streams.aggregation import Aggregator  # noqa: E402
 from tests.trace import TraceSpec, batches  # noqa: E402
@@ -153,7 +153,8 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
             if m.get("kvbus_streams_consolidated_total", 0.0) >= want:
                 break
             if proc.poll() is not None:
-                raise RuntimeError(f"worker exited (exit code {proc.returncode}): see its log worker-*.log in the work directory")
+                raise RuntimeError(f"worker exited (exit code {proc.returncode}): "
+                                   "see its log worker-*.log in the work directory")
             time.sleep(0.1)
         else:
             raise RuntimeError("timed out")

@@ -20,8 +20,8 @@ import logging
 import shutil
 import subprocess
 import uuid
-from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -256,11 +256,13 @@ def format_storage(paths: Paths, nodes: list[Node], extra_args: Sequence[str] = 
         n.data_dir.mkdir(parents=True, exist_ok=True)
         out = paths.logs / f"kafka-{mode_name(n.brokers)}-node{n.node_id}-format.log"
         argv = java_argv(
-            paths, n.brokers, "kafka.tools.StorageTool", ["format", "-t", cid, "-c", str(n.props_path), "--ignore-formatted", *extra_args],
+            paths, n.brokers, "kafka.tools.StorageTool",
+            ["format", "-t", cid, "-c", str(n.props_path), "--ignore-formatted", *extra_args],
             server=False
         )
         with open(out, "wb") as fh:
-            procs.append((n, subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), out))
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            procs.append((n, proc, out))
     for n, p, out in procs:
         if p.wait(timeout=180) != 0:
             raise failure(n.name, f"storage format failed (exit {p.returncode})", out)
@@ -306,7 +308,8 @@ def start(paths: Paths, nodes: list[Node], only: set[int] | None = None, *,
     started = []
     for n in todo:
         argv = java_argv(paths, n.brokers, "kafka.Kafka", [str(n.props_path)], server=True)
-        started.append(start_process(n.name, argv, pid_path=n.pid_path, log_path=n.log_path, marker=str(n.props_path), cwd=n.mode_dir))
+        started.append(start_process(n.name, argv, pid_path=n.pid_path, log_path=n.log_path,
+                                     marker=str(n.props_path), cwd=n.mode_dir))
     return started
 
 

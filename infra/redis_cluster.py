@@ -93,7 +93,8 @@ def _cli() -> str:
 
 
 def _client(node: ClusterNode) -> Any:
-    return redis_server.require_client().Redis(host=node.host, port=node.port, socket_connect_timeout=1, socket_timeout=2)
+    return redis_server.require_client().Redis(host=node.host, port=node.port,
+                                               socket_connect_timeout=1, socket_timeout=2)
 
 
 def cluster_info(node: ClusterNode) -> dict[str, str]:

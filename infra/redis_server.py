@@ -101,7 +101,8 @@ def require_client() -> Any:
     try:
         import redis
     except ImportError as exc:  # pragma: no cover
-        raise ServiceError("redis (redis-py) is not importable; install it into the venv: .venv/bin/pip install redis") from exc
+        raise ServiceError("redis (redis-py) is not importable; "
+                           "install it into the venv: .venv/bin/pip install redis") from exc
     return redis
 
 

@@ -50,7 +50,8 @@ def log_path(paths: Paths) -> Path:
 def app_present(paths: Paths) -> bool:
     """True if the wanted version is unpacked in ``$STATE/apicurio/app``."""
     marker = paths.apicurio_app / VERSION_MARKER
-    return marker.is_file() and marker.read_text().strip() == version() and (paths.apicurio_app / "quarkus-run.jar").is_file()
+    return (marker.is_file() and marker.read_text().strip() == version()
+            and (paths.apicurio_app / "quarkus-run.jar").is_file())
 
 
 def ensure_app(paths: Paths) -> bool:
@@ -141,7 +142,8 @@ def argv(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int,
 
 
 def java(paths: Paths) -> str:
-    """A Java >= 21 for the registry (3.3.x classes are Java 21 bytecode); see :func:`kvbus.infra.tools.java_at_least`."""
+    """A Java >= 21 for the registry (3.3.x classes are Java 21 bytecode);
+    see :func:`kvbus.infra.tools.java_at_least`."""
     return tools.java_at_least(JAVA_MIN, jdk_dir=paths.root / "jdk", env_var="KVBUS_REGISTRY_JAVA")
 
 
@@ -169,7 +171,8 @@ def start(paths: Paths, reg: RegistrySettings, bootstrap: str, replication: int,
     data = paths.data / "apicurio"
     data.mkdir(parents=True, exist_ok=True)
     return start_process(
-        NAME, argv(paths, reg, bootstrap, replication, extra_props), pid_path=pid_path(paths), log_path=log_path(paths), marker=marker(paths), cwd=data
+        NAME, argv(paths, reg, bootstrap, replication, extra_props),
+        pid_path=pid_path(paths), log_path=log_path(paths), marker=marker(paths), cwd=data
     )
 
 

@@ -45,9 +45,19 @@ from kvbus.streams.options import StreamsOptions
 
 from . import kafka_broker, pki, redis_server, registry, topics
 from .procs import ServiceError, alive_record, port_open, start_process, stop_process, wait_until
-from .secure_plan import (ADMIN, KAFKA_USERS, KAFKASQL_TOPIC_PREFIX, PRINCIPALS, REGISTRY_KAFKA_USER, REGISTRY_ROLES,
-                          Grant, kafka_grants, redis_rules, registry_grants)
-from .settings import (LOOPBACK, Paths, RedisSettings, RegistrySettings, env_int, kvbus_settings, state_dir)
+from .secure_plan import (
+    ADMIN,
+    KAFKA_USERS,
+    KAFKASQL_TOPIC_PREFIX,
+    PRINCIPALS,
+    REGISTRY_KAFKA_USER,
+    REGISTRY_ROLES,
+    Grant,
+    kafka_grants,
+    redis_rules,
+    registry_grants,
+)
+from .settings import LOOPBACK, Paths, RedisSettings, RegistrySettings, env_int, kvbus_settings, state_dir
 
 log = logging.getLogger("infra")
 
@@ -264,7 +274,8 @@ def kafka_overrides(layout: SecureLayout, cert: pki.CertFiles) -> dict[str, str 
         "listener.security.protocol.map": "CONTROLLER:SSL,INTERNAL:SSL,SASL_SSL:SASL_SSL",
         "inter.broker.listener.name": "INTERNAL",
         "sasl.enabled.mechanisms": SCRAM_MECHANISM,
-        "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+        "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config":
+            "org.apache.kafka.common.security.scram.ScramLoginModule required;",
         "listener.name.controller.ssl.client.auth": "required",
         "listener.name.internal.ssl.client.auth": "required",
         "ssl.keystore.type": "PEM",
@@ -316,7 +327,8 @@ def redis_settings(layout: SecureLayout) -> RedisSettings:
 def redis_argv(layout: SecureLayout, cert: pki.CertFiles) -> list[str]:
     """redis-server on the TLS port only, users from the ACL file."""
     data = layout.paths.data / "redis"
-    return [*redis_server.server_argv(redis_settings(layout), data), "--port", "0", "--tls-port", str(layout.ports.redis),
+    return [*redis_server.server_argv(redis_settings(layout), data),
+            "--port", "0", "--tls-port", str(layout.ports.redis),
             "--tls-cert-file", str(cert.cert), "--tls-key-file", str(cert.key), "--tls-ca-cert-file", str(cert.ca),
             "--tls-auth-clients", "no", "--aclfile", str(layout.redis_acl)]
 
@@ -412,7 +424,8 @@ def up(layout: SecureLayout | None = None, *, timeout: float | None = None) -> d
     rec = alive_record(_redis_pid(layout))
     if rec is None:
         if port_open(LOOPBACK, layout.ports.redis):
-            raise ServiceError(f"redis (secure): port {layout.ports.redis} is in use by a process this stack did not start")
+            raise ServiceError(f"redis (secure): port {layout.ports.redis} is in use "
+                               "by a process this stack did not start")
         (layout.paths.data / "redis").mkdir(parents=True, exist_ok=True)
         rec = start_process("redis", redis_argv(layout, cert), pid_path=_redis_pid(layout),
                             log_path=layout.paths.logs / "redis.log", marker=f"{LOOPBACK}:{layout.ports.redis}",
@@ -420,13 +433,15 @@ def up(layout: SecureLayout | None = None, *, timeout: float | None = None) -> d
     else:  # running: take the ACL file as written now (rules may have changed)
         with redis_client(layout) as r:
             r.acl_load()
-    wait_until("redis (secure)", lambda: _redis_ping(layout), timeout=timeout or REDIS_TIMEOUT, records=[rec], interval=0.1)
+    wait_until("redis (secure)", lambda: _redis_ping(layout), timeout=timeout or REDIS_TIMEOUT,
+               records=[rec], interval=0.1)
     timings["redis"] = time.monotonic() - t
 
     t = time.monotonic()
     node = kafka_node(layout)
     scram = f"{SCRAM_MECHANISM}=[name={ADMIN},password={password(layout, ADMIN)}]"
-    new = kafka_broker.start(layout.paths, [node], overrides=kafka_overrides(layout, cert), format_args=["--add-scram", scram])
+    new = kafka_broker.start(layout.paths, [node], overrides=kafka_overrides(layout, cert),
+                             format_args=["--add-scram", scram])
     live = kafka_broker.running([node])
     wait_until("kafka (secure)", kafka_broker.Readiness([node], admin_conf(layout)), timeout=timeout or KAFKA_TIMEOUT,
                records=new or list(live.values()), log=node.log_path)

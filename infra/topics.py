@@ -90,7 +90,8 @@ def ensure_topics(
     missing = [n for n in wanted if n not in md.topics or md.topics[n].error is not None]
     created: list[str] = []
     if missing:
-        new = [admin_mod.NewTopic(n, num_partitions=partitions, replication_factor=replication, config=cfg) for n in missing]
+        new = [admin_mod.NewTopic(n, num_partitions=partitions, replication_factor=replication, config=cfg)
+               for n in missing]
         futures = client.create_topics(new, operation_timeout=timeout, request_timeout=timeout)
         for name, fut in futures.items():
             try:

@@ -1,7 +1,7 @@
 """The ``kvbus`` command: one subcommand per stage, plus the demo.
 
 Subcommand names are a contract other tools rely on:
-``demo fleet bridge worker sink lookup top report`` (and ``schemas check|register``), and ``-V``/``--version``.
+``demo fleet bridge worker sink lookup serve top report`` (and ``schemas check|register``), and ``-V``/``--version``.
 Every subcommand honours the ``KVBUS_*`` settings (see ``kvbus.schemas.settings``).
 Stage modules are imported only by the subcommand that needs them. A malformed ``KVBUS_*`` value
 or flag ends the command with exit code 2 and one line naming it (:mod:`kvbus.schemas.env`).
@@ -34,6 +34,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
              "consolidated events -> block-residency view in Redis (exactly-once effect)"),
     "lookup": ("kvbus.sinks.cli", "add_lookup_args", "run_lookup",
                "longest cached prefix per replica for a chain of block hashes or tokens"),
+    "serve": ("kvbus.serve.cli", "add_serve_args", "run_serve",
+              "HTTP query API over the view (Mooncake's indexer API: /query, /query_by_hash), probes, metrics"),
     "top": ("kvbus.top.cli", "add_top_args", "run_top",
             "live console: flow, lag, freshness, bridges, workers, sinks, dead letters, the view"),
     "schemas": ("kvbus.schemas.cli", "add_schemas_args", "run_schemas",

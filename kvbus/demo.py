@@ -37,14 +37,18 @@ SINK_GROUP = "kvbus-sink"
 def add_demo_args(p: argparse.ArgumentParser) -> None:
     """Options of ``kvbus demo``."""
     p.add_argument("--replicas", type=int, default=3, help="engine replicas (default 3)")
-    p.add_argument("--workers", type=int, default=1, help="tensor-parallel workers per replica, each its own stream and bridge (default 1)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="tensor-parallel workers per replica, each its own stream and bridge (default 1)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of streaming (default 30)")
-    p.add_argument("--rate", type=float, default=20.0, help="engine steps (batches) per second per replica (default 20)")
+    p.add_argument("--rate", type=float, default=20.0,
+                   help="engine steps (batches) per second per replica (default 20)")
     p.add_argument("--seed", type=int, default=7, help="fleet seed (default 7)")
     p.add_argument("--base-port", type=int, default=5557, help="first ZMQ port of the fleet (default 5557)")
     p.add_argument("--format", default="vllm-0.33", help="engine wire format of the fleet (default vllm-0.33)")
-    p.add_argument("--keep-stack", action="store_true", help="leave the services running at the end (default: stop them if the demo started them)")
-    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for the sink to catch up after the fleet stops")
+    p.add_argument("--keep-stack", action="store_true",
+                   help="leave the services running at the end (default: stop them if the demo started them)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds to wait for the sink to catch up after the fleet stops")
     p.add_argument("--secure", action="store_true",
                    help="run on the secured stack (infra/stack up --secure), each stage as its own principal")
 
@@ -112,9 +116,10 @@ def _streams(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
 def principal_envs() -> dict[str, dict[str, str]]:
     """The secured stack's ``KVBUS_*`` settings of each principal (its env files)."""
     from kvbus.infra import secure
+    from kvbus.infra.settings import read_env_file
 
     layout = secure.SecureLayout.default()
-    return {p: secure.read_env_file(layout.env_file(p)) for p in secure.PRINCIPALS}
+    return {p: read_env_file(layout.env_file(p)) for p in secure.PRINCIPALS}
 
 
 def _start_pipeline(children: Children, args: argparse.Namespace, manifest: Path,

@@ -109,7 +109,8 @@ def _encode_event(fmt: WireFormat, ev: Event, raw: bool) -> object:
     elif isinstance(ev, AllBlocksCleared):
         return {"type": "AllBlocksCleared"} if fmt.maps else ["AllBlocksCleared"]
     else:
-        raise ValueError(f"{type(ev).__name__} is not an engine event (engines send BlockStored, BlockRemoved, AllBlocksCleared)")
+        raise ValueError(f"{type(ev).__name__} is not an engine event "
+                         "(engines send BlockStored, BlockRemoved, AllBlocksCleared)")
     if not fmt.maps:
         return [tag, *(values[f] for f in fields)]
     out: dict[str, object] = {"type": tag}

@@ -29,7 +29,8 @@ worker, for the streams stage's aggregation tests.
 **Python API.** :class:`EnginePublisher` (one stream), :class:`CacheModel` (content +
 ground truth), :class:`Fleet` (``start``/``publish_step``/``play``/``stop``); script mode
 (:meth:`Fleet.play`) publishes an explicit list of :class:`ScriptBatch` for exact
-end-to-end expectations.
+end-to-end expectations; outside-request mode (:meth:`Fleet.serve`) has a chosen replica serve a
+request from a router and publish what its cache did (``benchmarks/routing.py``).
 """
 from __future__ import annotations
 
@@ -48,8 +49,24 @@ from typing import Any, Iterable, Sequence
 
 import zmq
 
-from kvbus.engine_wire import FORMATS, encode_batch, encode_frames, encode_replay_reply, project, replay_end, wire_format
-from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Reset, canonical_hash, normalize_medium
+from kvbus.engine_wire import (
+    FORMATS,
+    encode_batch,
+    encode_frames,
+    encode_replay_reply,
+    project,
+    replay_end,
+    wire_format,
+)
+from kvbus.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Reset,
+    canonical_hash,
+    normalize_medium,
+)
 from kvbus.schemas.hashing import block_digests
 
 log = logging.getLogger("kvbus.fleet")
@@ -294,6 +311,12 @@ def system_prompts(rng: random.Random, cfg: ModelConfig) -> list[list[int]]:
             for _ in range(cfg.system_prompts)]
 
 
+def message(rng: random.Random, cfg: ModelConfig) -> list[int]:
+    """One conversation message (a user turn or a reply): 1-12 full blocks plus a partial block of random tokens."""
+    bs = cfg.block_size
+    return [rng.randrange(1, cfg.vocab) for _ in range(rng.randint(1, 12) * bs + rng.randrange(bs))]
+
+
 class CacheModel:
     """A prefix cache serving synthetic prompts; emits vLLM-like events and keeps ground truth.
 
@@ -334,13 +357,12 @@ class CacheModel:
 
     def new_prompt(self) -> list[int]:
         """A prompt: an earlier one plus a new turn, or a system prompt plus a user suffix."""
-        rng, bs = self.rng, self.cfg.block_size
+        rng = self.rng
         if self.prompts and rng.random() < self.cfg.continue_rate:
             base = rng.choice(self.prompts)
         else:
             base = rng.choice(self.system)
-        suffix = [rng.randrange(1, self.cfg.vocab) for _ in range(rng.randint(1, 12) * bs + rng.randrange(bs))]
-        return base + suffix
+        return base + message(rng, self.cfg)
 
     def hashes(self, tokens: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
         """(canonical 8-byte hashes, full digests) of the full blocks of ``tokens``."""
@@ -352,9 +374,7 @@ class CacheModel:
         self.steps += 1
         events: list[Event] = []
         if self.rng.random() < self.cfg.clear_rate:
-            events.append(AllBlocksCleared())
-            self._lru.clear()
-            self.clears += 1
+            events.append(self._clear())
         lo, hi = self.cfg.requests_per_step
         for _ in range(self.rng.randint(lo, hi)):
             events += self.serve(self.new_prompt())
@@ -362,10 +382,44 @@ class CacheModel:
             self.truth.apply(project(self.fmt, e, raw_hashes=self._raw))
         return events
 
+    def _clear(self) -> AllBlocksCleared:
+        self._lru.clear()
+        self.clears += 1
+        return AllBlocksCleared()
+
+    def clear(self) -> AllBlocksCleared:
+        """Reset the prefix cache (vLLM's ``reset_prefix_cache``): every tier emptied, ground truth
+        included; returns the event that announces it."""
+        event = self._clear()
+        self.truth.apply(event)
+        return event
+
+    def admit(self, tokens: list[int]) -> tuple[int, list[Event]]:
+        """Serve one request sent from outside (a router's choice): returns (leading full blocks of
+        ``tokens`` that were already resident on GPU, i.e. the prefix the engine reused; the events of
+        serving it), the ground truth updated."""
+        hashes, digests = self.hashes(tokens)
+        reused = self.resident_prefix(hashes)
+        events = self._serve_hashed(tokens, hashes, digests)
+        for e in events:
+            self.truth.apply(project(self.fmt, e, raw_hashes=self._raw))
+        return reused, events
+
+    def resident_prefix(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the chain ``hashes`` resident on GPU (ground truth)."""
+        gpu = self.truth.tiers.get(("GPU" if self._has_medium else None, None), {})
+        n = 0
+        while n < len(hashes) and hashes[n] in gpu:
+            n += 1
+        return n
+
     def serve(self, tokens: list[int]) -> list[Event]:
         """Events of serving one prompt (its full blocks cached on GPU, maybe offloaded)."""
-        self.prompts.append(tokens)
         hashes, digests = self.hashes(tokens)
+        return self._serve_hashed(tokens, hashes, digests)
+
+    def _serve_hashed(self, tokens: list[int], hashes: list[bytes], digests: list[bytes]) -> list[Event]:
+        self.prompts.append(tokens)
         if not hashes:
             return []
         gpu_medium = "GPU" if self._has_medium else None
@@ -422,13 +476,10 @@ class CacheModel:
 
     def manifest(self) -> dict[str, Any]:
         """Prompts served (most recent last) with how many leading blocks are resident on GPU."""
-        gpu = self.truth.tiers.get(("GPU" if self._has_medium else None, None), {})
         prompts = []
         for toks in self.prompts:
             hs, _ = self.hashes(toks)
-            resident = 0
-            while resident < len(hs) and hs[resident] in gpu:
-                resident += 1
+            resident = self.resident_prefix(hs)
             prompts.append({"tokens": toks, "blocks": len(hs), "resident_blocks": resident,
                             "resident": resident == len(hs) and bool(hs)})
         return {
@@ -479,8 +530,8 @@ class FleetConfig:
     """Seconds between freshness probes (0 = none): a one-block BlockStored of a fresh random hash,
     published to the next (replica, dp rank) in turn, on every worker stream, like any batch."""
     probe_log: str | None = None
-    """Where probes and rung starts are written, one JSON object per line:
-    ``{"probe": "<hash hex>", "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>, "wall": <time.time()>}``,
+    """Where probes and rung starts are written, one JSON object per line: ``{"probe": "<hash hex>",
+    "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>, "wall": <time.time()>}``,
     ``{"rung": i, "rate": r, "seconds": s, "t": ...}``, and ``{"end": true, "t": ...}`` at the end."""
 
 
@@ -531,8 +582,8 @@ class Fleet:
         system = system_prompts(random.Random(f"system:{cfg.seed}"), mcfg)  # fleet-wide, as in a deployment
         for i, name in enumerate(self.names):
             for d in range(cfg.dp_ranks):
-                self.models[(name, d)] = CacheModel(random.Random(f"{cfg.seed}:{i}:{d}"), mcfg, cfg.format, cfg.raw_hashes,
-                                                    system)
+                self.models[(name, d)] = CacheModel(random.Random(f"{cfg.seed}:{i}:{d}"), mcfg, cfg.format,
+                                                    cfg.raw_hashes, system)
                 for w in range(cfg.workers):
                     k = stream_index(cfg, i, d, w)
                     port = cfg.base_port + 2 * k
@@ -639,6 +690,21 @@ class Fleet:
         self.steps += 1
         self.events += n
         return n
+
+    def serve(self, replica: str, tokens: list[int], dp_rank: int = 0) -> tuple[int, int]:
+        """Outside-request mode: (replica, dp_rank) serves one request a router sent it
+        (:meth:`CacheModel.admit`) and publishes the events as one batch; returns (leading blocks of
+        ``tokens`` it reused from its GPU cache, events published)."""
+        reused, events = self.models[(replica, dp_rank)].admit(tokens)
+        if events:  # vLLM publishes only non-empty batches
+            self.publish_events(replica, events, dp_rank)
+            self.events += len(events)
+        return reused, len(events)
+
+    def clear_caches(self) -> None:
+        """Reset every (replica, dp rank)'s prefix cache and publish its ``AllBlocksCleared``."""
+        for (name, d), model in self.models.items():
+            self.publish_events(name, [model.clear()], d)
 
     def play(self, script: Iterable[ScriptBatch]) -> list[list[int]]:
         """Script mode: publish explicit batches in order (ground truth updated too)."""
@@ -768,13 +834,18 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     """Options of ``kvbus fleet``."""
     p.add_argument("--replicas", type=int, default=3, help="engine replicas (default 3)")
     p.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT,
-                   help="first port; stream k=(replica*dp_ranks+dp)*workers+worker uses base+2k (PUB) and base+2k+1 (replay)")
-    p.add_argument("--dp-ranks", type=int, default=1, help="data-parallel ranks per replica, each its own stream (default 1)")
-    p.add_argument("--workers", type=int, default=1, help="tensor-parallel workers per (replica, dp), each its own stream reporting the same events")
+                   help="first port; stream k=(replica*dp_ranks+dp)*workers+worker uses base+2k (PUB) "
+                        "and base+2k+1 (replay)")
+    p.add_argument("--dp-ranks", type=int, default=1,
+                   help="data-parallel ranks per replica, each its own stream (default 1)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="tensor-parallel workers per (replica, dp), each its own stream reporting the same events")
     p.add_argument("--drop-rate", type=float, default=0.0, help="chance a worker omits one event report (workers > 1)")
     p.add_argument("--dup-rate", type=float, default=0.0, help="chance a worker reports one event twice (workers > 1)")
-    p.add_argument("--live-drop-rate", type=float, default=0.0, help="chance a batch is only kept for replay, not sent live")
-    p.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMATS, help=f"engine wire format (default {DEFAULT_FORMAT})")
+    p.add_argument("--live-drop-rate", type=float, default=0.0,
+                   help="chance a batch is only kept for replay, not sent live")
+    p.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMATS,
+                   help=f"engine wire format (default {DEFAULT_FORMAT})")
     p.add_argument("--seed", type=int, default=0, help="random seed (deterministic content)")
     p.add_argument("--rate", type=float, default=10.0, help="batches per second per replica (default 10)")
     p.add_argument("--duration", type=float, default=0.0, help="seconds to run; 0 = until SIGTERM/SIGINT")
@@ -786,9 +857,12 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-steps", type=int, default=10_000, help="replay buffer size in batches (default 10000)")
     p.add_argument("--gpu-blocks", type=int, default=2048, help="GPU prefix-cache blocks per replica (default 2048)")
     p.add_argument("--cpu-rate", type=float, default=0.2, help="share of prompts offloaded to CPU (default 0.2)")
-    p.add_argument("--kvcr-rate", type=float, default=0.05, help="share of prompts stored in the kvcr tier (default 0.05)")
-    p.add_argument("--clear-rate", type=float, default=0.0005, help="chance per step of AllBlocksCleared (default 0.0005)")
-    p.add_argument("--raw-hashes", action="store_true", help="send digests as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
+    p.add_argument("--kvcr-rate", type=float, default=0.05,
+                   help="share of prompts stored in the kvcr tier (default 0.05)")
+    p.add_argument("--clear-rate", type=float, default=0.0005,
+                   help="chance per step of AllBlocksCleared (default 0.0005)")
+    p.add_argument("--raw-hashes", action="store_true",
+                   help="send digests as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
     p.add_argument("--schedule", type=parse_schedule, default=(),
                    help="load ladder EVENTS_PER_S:SECONDS,... (engine events/s of the whole fleet for so many "
                         "seconds, in order); replaces --rate and --duration")

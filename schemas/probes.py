@@ -57,6 +57,13 @@ class Readiness:
                 out.append(reason)
         return out
 
+    def answer(self) -> tuple[bool, bytes]:
+        """``/readyz``'s answer: (ready, the JSON body ``{"ready": true}`` or ``{"ready": false,
+        "reasons": [...]}`` with its newline); HTTP 200 when ready, else 503."""
+        reasons = self.reasons()
+        body = {"ready": not reasons, **({"reasons": reasons} if reasons else {})}
+        return not reasons, json.dumps(body).encode() + b"\n"
+
 
 class _Quiet(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
@@ -73,11 +80,9 @@ def probe_app(registry: CollectorRegistry, readiness: Readiness) -> Callable:
             start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8")])
             return [b"ok\n"]
         if path == "/readyz":
-            reasons = readiness.reasons()
-            body = {"ready": not reasons, **({"reasons": reasons} if reasons else {})}
-            start_response("503 Service Unavailable" if reasons else "200 OK",
-                           [("Content-Type", "application/json")])
-            return [json.dumps(body).encode() + b"\n"]
+            ready, body = readiness.answer()
+            start_response("200 OK" if ready else "503 Service Unavailable", [("Content-Type", "application/json")])
+            return [body]
         return metrics(environ, start_response)
 
     return app

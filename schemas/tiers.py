@@ -38,6 +38,12 @@ def label(descriptor: str) -> str:
     return out
 
 
+def medium_of(tier_label: str) -> str:
+    """The medium of a display label (the inverse of :func:`label` for it): ``CPU@kvcr`` -> ``CPU``,
+    ``GPU/g1`` -> ``GPU``."""
+    return tier_label.split("@", 1)[0].split("/", 1)[0]
+
+
 def tier_label(medium: str | None, ownership: str | None, group_idx: int | None) -> str:
     """The label of an event's tier: ``label(describe(medium, ownership, group_idx))``."""
     return label(describe(medium, ownership, group_idx))

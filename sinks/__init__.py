@@ -5,6 +5,9 @@ Modules:
   store.py         ``ResidencyStore`` interface, ``ApplyResult`` (``HolderMatch``: kvbus.schemas.lookup)
   redis_store.py   ``RedisStore``: the view in Redis, through the ``kvbus`` functions (lua/kvbus.lua)
   functions.py     loading/calling the function library
+  redis_memory.py  the eviction policy the view needs, a full Redis (``RedisFull``), evicted keys
+  retention.py     the block topics' retention against the snapshot interval (checked at start)
+  rebuild.py       rebuilding a lost view; snapshot.py: snapshots of the view to Kafka
   tiers.py         ref-counting policy (tier names and lookup weights: kvbus.schemas.tiers)
   hashes.py        hash strings and token -> vLLM block hash chains for lookups
   validate.py      checks a record must pass (else: dead-letter topic)

@@ -72,11 +72,29 @@ def sink_config(args: argparse.Namespace) -> SinkConfig:
                    snapshot_every=args.snapshot_every, metrics_port=args.metrics_port, ready_lag=args.ready_lag)
 
 
+def check_topics(settings: Settings, config: SinkConfig) -> None:
+    """Refuse block topics that retain less than one snapshot interval, warn about the doubtful ones
+    (:mod:`kvbus.sinks.retention`); a cluster that does not let this sink read topic configurations is
+    warned about only."""
+    from confluent_kafka import KafkaException
+
+    from kvbus.sinks.retention import INTERVAL_SETTING, check_retention, retentions
+
+    try:
+        found = retentions(settings.kafka(), settings.topics.blocks_pattern())
+    except KafkaException as e:
+        log.warning("could not read the block topics' retention (%s): make sure they retain records longer than %s",
+                    e, INTERVAL_SETTING)
+        return
+    check_retention(found, config.snapshot_every)
+
+
 def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     """Run the sink until SIGTERM/SIGINT."""
     from kvbus.schemas.probes import Readiness, serve
     from kvbus.sinks.consumer import SinkConsumer
     from kvbus.sinks.metrics import SinkMetrics
+    from kvbus.sinks.redis_memory import check_no_eviction
     from kvbus.sinks.sharded_store import open_store
 
     config = sink_config(args)
@@ -86,6 +104,8 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
         log.info("metrics on :%d/metrics, probes on /healthz and /readyz", config.metrics_port)
     check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
     store = open_store(settings.redis_url, config.prefix, client_kwargs=settings.redis_kwargs())  # a redis+cluster:// URL: the sharded view
+    check_no_eviction(store.servers())  # a Redis that evicts keys would delete parts of the view: exit 2
+    check_topics(settings, config)  # retention shorter than the snapshot interval: exit 2 naming both
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -50,6 +50,7 @@ from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.metrics import SinkMetrics
 from kvbus.sinks.rebuild import READY, ensure_view, mark_ready_if_caught_up, view_status
+from kvbus.sinks.redis_memory import NO_EVICTION, POLICY_SETTING, EvictionWatch, RedisFull, memory_policy
 from kvbus.sinks.redis_store import RedisStore, ViewChanged
 from kvbus.sinks.snapshot import SnapshotReader
 from kvbus.sinks.validate import problem
@@ -66,6 +67,11 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.Cluste
               redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
 """Redis (or a Redis Cluster master) is unreachable, failing over or migrating a slot: wait and
 resume from the view's offsets; never a reason to dead-letter or to stop."""
+REDIS_WAIT = (*REDIS_DOWN, RedisFull, redis.exceptions.OutOfMemoryError)
+"""Redis down, or full (OOM at ``maxmemory``): what a sink waits out where it reads or writes the
+view's bookkeeping (where to resume, readiness, staleness), rather than stopping."""
+FULL_LOG_EVERY = 60.0
+"""Seconds between two ERROR lines while Redis stays full (the first is logged at once)."""
 SYNC_TIMEOUT = 120.0
 """Seconds a sink given partitions waits for Redis to find where to resume before it gives up."""
 LAG_EVERY = 1.0
@@ -141,7 +147,10 @@ class SinkConsumer:
             "group.id": config.group,
             "session.timeout.ms": int(config.session_timeout * 1000),
             "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
+            # a stored offset outside the log is the sink's to decide (:meth:`_out_of_range`), never
+            # librdkafka's silent jump to the start: it means the topic was recreated or truncated,
+            # or retention deleted records the view never applied
+            "auto.offset.reset": "error",
             "topic.metadata.refresh.interval.ms": 5000,
             "enable.partition.eof": False,
         }
@@ -169,6 +178,11 @@ class SinkConsumer:
         """Whether the consumer group has given this sink its partitions (possibly none) yet."""
         self.lag = 0
         """Block-topic records not yet read on this sink's partitions, summed, as of the last second."""
+        self.full_since: float | None = None
+        """When Redis began refusing the view's writes for lack of memory (epoch s); None: it accepts them."""
+        self._full_refused = 0
+        self._full_logged = float("-inf")
+        self._evictions = EvictionWatch(store.servers)
         log.info("sink subscribed to %s as group %s", self.topics.blocks_pattern(), config.group)
 
     # -- one batch ------------------------------------------------------------
@@ -184,7 +198,7 @@ class SinkConsumer:
             try:
                 off = self._sync_view()
                 break
-            except REDIS_DOWN as e:
+            except REDIS_WAIT as e:
                 if time.monotonic() > deadline:
                     raise
                 pause = backoff.next()
@@ -200,7 +214,9 @@ class SinkConsumer:
                  extra={"partitions": [f"{tp.topic}[{tp.partition}]" for tp in partitions]})
 
     def _sync_view(self) -> dict[tuple[str, int], int]:
-        """Make sure there is a view (rebuild it if it is gone); its id and stored offsets."""
+        """Make sure there is a view (rebuild it if it is gone); its id and stored offsets. Evictions
+        are counted from here on (those before were the old view's)."""
+        self._evictions.reset()
         self.view_id = ensure_view(self.store, self.reader, self._end_offsets, self.metrics)
         return self.store.offsets()
 
@@ -245,7 +261,7 @@ class SinkConsumer:
         if self._resync:
             try:
                 self._resync_now()
-            except REDIS_DOWN as e:
+            except REDIS_WAIT as e:
                 pause = self._backoff.next()
                 log.warning("Redis unavailable (%s): resync retried in %.1f s", e, pause)
                 time.sleep(pause)
@@ -260,6 +276,11 @@ class SinkConsumer:
             log.warning("%s", e)
             self._resync = True
             return 0
+        except RedisFull as e:
+            self._refused_for_memory(e)
+            self._rewind(msgs)  # nothing after the refused call ran: read the batch again
+            time.sleep(self._backoff.next())
+            return 0
         except TransientError as e:
             pause = self._backoff.next()
             log.warning("%s: batch of %d records will be read again in %.1f s", e, len(msgs), pause)
@@ -271,6 +292,27 @@ class SinkConsumer:
             return 0
         self._backoff.reset()
         return n
+
+    def _refused_for_memory(self, e: RedisFull) -> None:
+        """Redis refused a batch for lack of memory: stop applying (the batch is read again), set
+        ``kvbus_sink_redis_full``, and log an ERROR at once, then once per ``FULL_LOG_EVERY`` s."""
+        if self.full_since is None:
+            self.full_since, self._full_refused = time.time(), 0
+            self.metrics.redis_full.set(1)
+        self._full_refused += 1
+        self.metrics.redis_full_refusals.inc()
+        now = time.monotonic()
+        if now - self._full_logged >= FULL_LOG_EVERY:
+            self._full_logged = now
+            log.error("%s (%d batches refused in %.0f s)", e, self._full_refused, time.time() - self.full_since)
+
+    def _writes_accepted(self) -> None:
+        """Redis took a write of the view: if it was full, say so and clear ``kvbus_sink_redis_full``."""
+        if self.full_since is not None:
+            log.warning("Redis accepts the view's writes again after %.1f s full (%d batches refused): applying "
+                        "from where the sink stopped", time.time() - self.full_since, self._full_refused)
+            self.full_since, self._full_logged = None, float("-inf")
+            self.metrics.redis_full.set(0)
 
     def _update_lag(self) -> None:
         """``kvbus_sink_partition_lag`` of every assigned partition, at most once a second: the high
@@ -297,6 +339,10 @@ class SinkConsumer:
         records. Called from the probe server's thread."""
         if not self.assigned:
             return f"waiting for partitions from consumer group {self.config.group}"
+        full = self.full_since
+        if full is not None:
+            return (f"Redis is full: it refuses the view's writes (OOM at maxmemory) since {time.time() - full:.0f} s; "
+                    "applying stopped until it has memory (raise maxmemory)")
         try:
             status = view_status(view)
         except REDIS_DOWN as e:
@@ -338,7 +384,9 @@ class SinkConsumer:
             if err is not None:
                 if err.fatal():
                     raise KafkaException(err)
-                if err.code() != KafkaError._PARTITION_EOF:
+                if err.code() == KafkaError._AUTO_OFFSET_RESET:
+                    self._out_of_range(msg.topic(), msg.partition(), err)
+                elif err.code() != KafkaError._PARTITION_EOF:
                     log.warning("consumer error: %s", describe_kafka_error(err, self.settings.security.kafka))
                 continue
             source = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
@@ -369,6 +417,7 @@ class SinkConsumer:
                 res = self.store.apply(records, view_id=self.view_id, offsets=offsets, expected=self._expected)
             except REDIS_DOWN as e:
                 raise TransientError(f"Redis unavailable ({e})") from e
+            self._writes_accepted()
             self._expected = self.store.advance(self._expected, offsets)
             self.metrics.apply_seconds.observe(time.perf_counter() - t0)
             self.metrics.observe(res)
@@ -383,6 +432,7 @@ class SinkConsumer:
                 self.store.set_offsets(offsets, self.view_id, self._expected)
             except REDIS_DOWN as e:
                 raise TransientError(f"Redis unavailable ({e})") from e
+            self._writes_accepted()
             self._expected = self.store.advance(self._expected, offsets)
         if msgs:
             self._uncommitted = True
@@ -406,11 +456,69 @@ class SinkConsumer:
                 log.warning("the view is not where this sink left it (lost, rebuilt or rolled back): resync")
                 self._resync = True
                 return
+            if self._evicted():
+                return
             ready = mark_ready_if_caught_up(self.store, self.metrics)
         except REDIS_DOWN:
             self._resync = True
             return
+        except (RedisFull, redis.exceptions.OutOfMemoryError):
+            return  # marking the view ready is a write: once Redis has memory again
         self.metrics.rebuilding.set(0 if ready else 1)
+
+    def _evicted(self) -> bool:
+        """Whether Redis evicted keys since the view was (re)built (``INFO stats`` ``evicted_keys``,
+        :class:`kvbus.sinks.redis_memory.EvictionWatch`): then some of the view is gone, silently, so
+        the view is dropped (not ready) and rebuilt like a lost one, and the sink resyncs."""
+        evicted = self._evictions.evicted()
+        if not evicted:
+            return False
+        self.metrics.evicted_keys.inc(sum(evicted.values()))
+        policies = {name: memory_policy(r)[0] for name, r in self.store.servers() if name in evicted}
+        log.error("Redis evicted keys (%s): the view misses what they held and is rebuilt from the latest snapshot. "
+                  "Set %s %s (now %s), and give Redis memory enough for the view",
+                  ", ".join(f"{n} at {name}" for name, n in evicted.items()), POLICY_SETTING, NO_EVICTION,
+                  ", ".join(f"{p or 'unreadable'} at {name}" for name, p in policies.items()))
+        self._drop_view("keys evicted")
+        return True
+
+    def _drop_view(self, why: str) -> None:
+        """Drop the view's id (it is ``rebuilding`` for routers at once, phase ``why``) and resync:
+        the resync finds no view and rebuilds it (sinks/rebuild.py), or waits for the sink that does."""
+        if self.view_id is not None:
+            self.store.drop_view_id(self.view_id, why)
+        self._resync = True
+
+    def _out_of_range(self, topic: str, partition: int, err: KafkaError) -> None:
+        """librdkafka found this partition's position outside its log (``auto.offset.reset`` is
+        ``error``). If the view's stored offset lies past the log's end, the log is not the one the
+        view was built from (the topic was deleted and recreated, or an unclean leader election
+        truncated it): the view is dropped and rebuilt from the latest snapshot, partitions whose
+        snapshot offset also lies past their end from their start (sinks/rebuild.py). If it lies
+        before the log's start, retention deleted records the view never applied: said loudly, and
+        the partition is read on from its start. Otherwise the sink resyncs to the stored offset."""
+        tp = TopicPartition(topic, partition)
+        try:
+            low, high = self.consumer.get_watermark_offsets(tp, timeout=10, cached=False)
+            stored = self.store.offsets().get((topic, partition))
+        except (KafkaException, *REDIS_DOWN) as e:
+            log.warning("%s[%d] is out of range (%s) and its log's bounds are unknown now (%s): resync", topic,
+                        partition, err.str(), e)
+            self._resync = True
+            return
+        if stored is not None and stored > high:
+            log.error("%s[%d]: the view stores offset %d but the partition's log ends at %d (the topic was deleted "
+                      "and recreated, or its log truncated): rebuilding the view from the latest snapshot", topic,
+                      partition, stored, high)
+            self._drop_view(f"{topic}[{partition}] log replaced")
+            self.metrics.log_replaced.inc()
+        elif stored is not None and stored < low:
+            log.error("%s[%d]: records %d to %d were deleted (retention) before the view applied them: the view "
+                      "misses them; reading on from %d. The block topics must retain records longer than a sink may "
+                      "be stopped", topic, partition, stored, low - 1, low)
+            self.consumer.seek(TopicPartition(topic, partition, low))
+        else:
+            self._resync = True
 
     def _commit(self) -> None:
         """Commit the positions after the records handled so far (asynchronously), if any are new."""
@@ -455,6 +563,8 @@ class SinkConsumer:
             self.metrics.set_view(self.store.size(exact=False), len(self.store.stale()))
         except REDIS_DOWN as e:
             log.warning("staleness check skipped: Redis unavailable (%s)", e)
+        except (RedisFull, redis.exceptions.OutOfMemoryError):
+            pass  # expiring writes too: once Redis has memory again (the apply path says it is full)
 
     # -- loop -----------------------------------------------------------------
 

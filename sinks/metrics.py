@@ -41,6 +41,18 @@ class SinkMetrics:
         self.rebuilds = Counter("kvbus_sink_view_rebuilds", "Views rebuilt from a snapshot by this sink", registry=r)
         self.rebuild_seconds = Gauge("kvbus_sink_view_rebuild_seconds",
                                      "Seconds the last rebuild took, restore and replay", registry=r)
+        self.redis_full = Gauge("kvbus_sink_redis_oom",
+                                "1 while Redis refuses the view's writes for lack of memory (OOM at maxmemory under "
+                                "noeviction): the sink stops applying, loses nothing, goes on once Redis has memory",
+                                registry=r)
+        self.redis_full_refusals = Counter("kvbus_sink_redis_oom_refusals",
+                                           "Batches Redis refused for lack of memory (read again later)", registry=r)
+        self.evicted_keys = Counter("kvbus_sink_redis_evicted_keys",
+                                    "Keys Redis evicted while this sink wrote the view (maxmemory-policy is not "
+                                    "noeviction): each time, the view is rebuilt", registry=r)
+        self.log_replaced = Counter("kvbus_sink_log_replaced",
+                                    "Times a block partition's log ended before the view's stored offset (the topic "
+                                    "was recreated or its log truncated): each time, the view is rebuilt", registry=r)
         self.snapshots = Counter("kvbus_sink_snapshots", "Snapshots of the view written to Kafka", registry=r)
         self.snapshot_seconds = Gauge("kvbus_sink_snapshot_seconds", "Seconds the last snapshot took", registry=r)
         self.snapshot_time = Gauge("kvbus_sink_snapshot_timestamp_seconds",

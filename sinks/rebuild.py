@@ -1,14 +1,17 @@
 """Rebuilding a lost view, and telling routers while it happens.
 
 A view is identified by its id (``P meta vid``). A view without one was never created or is lost
-(Redis restarted without persistence, ``FLUSHALL``, a new or failed-over server that never had it):
+(Redis restarted without persistence, ``FLUSHALL``, a new or failed-over server that never had it),
+or a sink dropped its id (Redis evicted some of its keys; a block topic's log ends before the
+offset the view stores: sinks/consumer.py):
 the first sink to see that takes the rebuild lock (``P lock``) and
 
 1. writes ``P status`` state ``rebuilding`` (routers read it: :func:`view_status`);
 2. deletes what is left under the prefix (a partial view);
 3. restores every holder of the latest complete snapshot (sinks/snapshot.py) and stores the
-   snapshot's offsets in ``P off``; with no snapshot the view starts empty and the offsets at the
-   start of the block topics;
+   snapshot's offsets in ``P off`` (but none past its partition's end: a recreated or truncated
+   topic is replayed from its start, :func:`replay_from`); with no snapshot the view starts empty
+   and the offsets at the start of the block topics;
 4. gives the view a new id.
 
 The sinks then replay the block topics from ``P off`` (sinks/consumer.py); the stored positions
@@ -28,7 +31,7 @@ import json
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvbus.schemas import lookup
 from kvbus.schemas.lookup import READY, REBUILDING  # noqa: F401  (the states routers read)
@@ -73,7 +76,8 @@ def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[],
     store.set_status(state=REBUILDING, since=began, phase="restoring")
     if metrics is not None:
         metrics.rebuilding.set(1)
-    target = {f"{t}:{p}": o for (t, p), o in end_offsets().items() if o > 0}
+    ends = end_offsets()
+    target = {f"{t}:{p}": o for (t, p), o in ends.items() if o > 0}
     lost = store.lost_shards()  # a sharded view that lost some shards only: rebuild just those
     keep_vid, only = lost if lost else (None, None)
     scope = {"shards": only} if only is not None else {}
@@ -101,7 +105,7 @@ def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[],
                 continue  # its shard kept its data
             entries += store.restore_holder(rec.replica, rec.dp_rank, holder_dump(rec))
             restored += 1
-        store.set_offsets({(o.topic, o.partition): o.offset for o in manifest.offsets}, **scope)
+        store.set_offsets(replay_from(manifest, ends), **scope)
     vid = keep_vid or uuid.uuid4().hex
     store.set_view_id(vid, **scope)
     took = time.monotonic() - t0
@@ -117,6 +121,24 @@ def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[],
     if metrics is not None:
         metrics.rebuilds.inc()
     return vid
+
+
+def replay_from(manifest: Any, ends: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+    """Where the replay after restoring ``manifest`` starts: the snapshot's offsets, except those
+    past their partition's end now (``ends``): that log is not the one the snapshot was taken of
+    (the topic was deleted and recreated, or truncated), so the partition is replayed from its start
+    (no offset stored); the positions the holders carry skip what the snapshot already has."""
+    out, past = {}, []
+    for o in manifest.offsets:
+        tp = (o.topic, o.partition)
+        if tp in ends and o.offset > ends[tp]:
+            past.append(f"{o.topic}[{o.partition}] at {o.offset} > {ends[tp]}")
+        else:
+            out[tp] = o.offset
+    if past:
+        log.warning("snapshot %d: offsets past the end of their partition (%s): those are replayed from their start",
+                    manifest.snapshot, ", ".join(past))
+    return out
 
 
 def mark_ready_if_caught_up(store: RedisStore, metrics=None) -> bool:

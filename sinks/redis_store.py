@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import re
 import struct
+import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import redis
 
@@ -27,6 +29,7 @@ from kvbus.schemas.lookup import (
 )
 
 from kvbus.sinks import functions
+from kvbus.sinks.redis_memory import RedisFull, describe_full, is_oom
 from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, summary_from_counts
 from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
 
@@ -95,9 +98,39 @@ LAYOUT = functions.layout_version()
 """The key layout version (written once, in kvbus.lua: LAYOUT)."""
 
 
+DROP_VID = """
+if redis.call('HGET', KEYS[1], 'vid') ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], 'vid')
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'state', 'rebuilding', 'since', ARGV[2], 'phase', ARGV[3])
+return 1
+"""
+"""If ``P meta vid`` (KEYS[1]) is ARGV[1]: delete it and write ``P status`` (KEYS[2]) ``rebuilding``
+since ARGV[2] in phase ARGV[3], atomically (:meth:`RedisStore.drop_view_id`). A script of its own:
+one compare-and-delete of the sinks' bookkeeping, not part of the view's function library."""
+
+
 class ViewChanged(RuntimeError):
     """The view the sink was applying to is gone or was rebuilt (Redis restarted empty, FLUSHALL,
     another sink rebuilt it): nothing of the batch was written; resynchronise first."""
+
+
+def refused(replies: Sequence[Any], what: str, view_id: str | None, server: Callable[[], redis.Redis]) -> None:
+    """Raise what the replies of a batch's calls say about the whole batch, in this order:
+    :class:`ViewChanged` (the view is not ``view_id``, or another sink moved a partition on),
+    Redis's ACL refusing the call (a setting to fix, not bad events), :class:`RedisFull` (OOM at
+    ``maxmemory``: ``server()`` is asked for the figures). Other errors (a table full) are the caller's:
+    it retries those calls event by event. ``what``: the view, as messages name it."""
+    errors = [x for x in replies if isinstance(x, Exception)]
+    for e in errors:
+        if isinstance(e, redis.ResponseError) and VIEW_CHANGED in str(e) and not chain_broken(e):
+            raise ViewChanged(f"{what} is not view {view_id!r} any more: {e}") from e
+    for e in errors:
+        if isinstance(e, redis.exceptions.NoPermissionError):
+            raise e
+    for e in errors:
+        if is_oom(e):
+            raise RedisFull(describe_full(server())) from e
 
 
 Offsets = Mapping[tuple[str, int], int]
@@ -118,23 +151,59 @@ def _offsets_arg(expected: Mapping[tuple[str, int], int | None] | None, new: Off
     return "\n".join(f"{t}:{p}\t{want((t, p))}\t{s(new.get((t, p)))}" for t, p in keys)
 
 
+CHAIN = "~"
+"""First character of the ``P off`` field that chains the calls of one batch (``~<topic>:<partition>``
+of a partition of the batch; ``~`` is not allowed in Kafka topic names, so it never names one)."""
+
+
+def _chained(want: Mapping[tuple[str, int], int | None] | None, offsets: Offsets | None) -> str | None:
+    """The chain field of a batch: ``~`` and a partition of the batch, which only the sink that owns
+    the partition writes (None: the batch names no partition, its calls are not chained)."""
+    first = next(iter(offsets or want or {}), None)
+    return None if first is None else f"{CHAIN}{first[0]}:{first[1]}"
+
+
+def chain_broken(e: BaseException) -> bool:
+    """Whether a call was refused because the call before it in its batch did not run."""
+    return VIEW_CHANGED in str(e) and f"({CHAIN}" in str(e)
+
+
 def _with_extra(calls: Iterator[tuple[list, list]], view_id: str | None, offsets: Offsets | None,
                 expected: Mapping[tuple[str, int], int | None] | None) -> Iterator[tuple[list, list]]:
     """The calls with ``kvbus_apply``'s optional view id and offsets appended: to each the id and the
     offset checks, to the last also the new offsets (one call is looked ahead to know it is the last).
-    A partition of ``offsets`` missing from ``expected`` is expected absent."""
+    A partition of ``offsets`` missing from ``expected`` is expected absent.
+
+    The calls of a batch of several are chained through one more offsets line: call k writes
+    ``<nonce>.k`` into the batch's chain field (:func:`_chained`) and call k+1 runs only if it finds it
+    there. So a batch always runs as a prefix of its calls: a call refused (Redis full at
+    ``maxmemory``, a table full) makes every later call of the batch refuse too (:func:`chain_broken`),
+    instead of a later call running, and the last one storing offsets past events that were not
+    applied, when memory comes free between two calls (``CONFIG SET maxmemory``, a client buffer
+    shrinking)."""
     if view_id is None and not offsets and expected is None:
         yield from calls
         return
     want = None if expected is None else {k: expected.get(k) for k in [*expected, *(offsets or {})]}
-    check = _offsets_arg(want, None) if want else ""
+    field = _chained(want, offsets)
+    nonce = uuid.uuid4().hex[:16]
+
+    def lines(k: int, last: bool) -> str:
+        check = _offsets_arg(want, offsets) if last else (_offsets_arg(want, None) if want else "")
+        if field is None or (last and k == 1):
+            return check
+        link = f"{field}\t{'*' if k == 1 else f'{nonce}.{k - 1}'}\t{'' if last else f'{nonce}.{k}'}"
+        return f"{check}\n{link}" if check else link
+
     prev = None
+    k = 0
     for call in calls:
         if prev is not None:
-            yield prev[0], prev[1] + [view_id or "", check]
+            yield prev[0], prev[1] + [view_id or "", lines(k, False)]
         prev = call
+        k += 1
     if prev is not None:
-        yield prev[0], prev[1] + [view_id or "", _offsets_arg(want, offsets)]
+        yield prev[0], prev[1] + [view_id or "", lines(k, True)]
 
 
 @dataclass
@@ -321,11 +390,7 @@ class RedisStore(ResidencyStore):
         if any(functions.is_missing(x) for x in replies if isinstance(x, Exception)):
             functions.load_library(self.r)
             replies = self._pipeline(calls)
-        for reply in replies:
-            if isinstance(reply, redis.ResponseError) and VIEW_CHANGED in str(reply):
-                raise ViewChanged(f"the view under {self.prefix!r} is not view {view_id!r} any more: {reply}")
-            if isinstance(reply, redis.exceptions.NoPermissionError):
-                raise reply  # Redis's ACL refuses this client the call: a setting to fix, not bad events
+        refused(replies, f"the view under {self.prefix!r}", view_id, lambda: self.r)
         for (part, args), reply in zip(calls, replies):
             if isinstance(reply, Exception):
                 self._apply_one_by_one(part, args, reply, res, view_id)
@@ -373,7 +438,11 @@ class RedisStore(ResidencyStore):
             pool.release(conn)
 
     def _apply_one_by_one(self, part, args, err: Exception, res: ApplyResult, view_id: str | None) -> None:
-        log.warning("apply refused for %d holders (%s): retrying event by event", args[1], err)
+        """The events of a refused call, one call each, in order: those still refused go to ``failed``
+        (for the dead-letter topic); Redis full or the view changed stop the batch
+        (:class:`RedisFull`, :class:`ViewChanged`)."""
+        if not chain_broken(err):
+            log.warning("apply refused for %d holders (%s): retrying event by event", args[1], err)
         for topic, ev in part:
             one = self._pack([(topic, ev)])
             if view_id is not None:
@@ -381,6 +450,7 @@ class RedisStore(ResidencyStore):
             try:
                 self._add_reply(res, self._fcall("kvbus_apply", *one))
             except redis.ResponseError as e:
+                refused([e], f"the view under {self.prefix!r}", view_id, lambda: self.r)
                 res.failed.append((topic, ev, f"{type(e).__name__}: {e}"))
 
     @staticmethod
@@ -396,6 +466,18 @@ class RedisStore(ResidencyStore):
         v = self.r.hget(meta_key(self.prefix), "vid")
         return _s(v) if v is not None else None
 
+    def drop_view_id(self, view_id: str, why: str) -> bool:
+        """Forget the view's id if it is still ``view_id``, and mark it ``rebuilding`` (phase ``why``)
+        for routers, atomically: the view counts as lost, so the sinks rebuild it (sinks/rebuild.py).
+        False: it had another id already (rebuilt meanwhile)."""
+        return bool(self.r.eval(DROP_VID, 2, meta_key(self.prefix), status_key(self.prefix), view_id,
+                                repr(time.time()), why))
+
+    def servers(self) -> list[tuple[str, redis.Redis]]:
+        """(name, client) of the server the view is written to."""
+        kw = self.r.connection_pool.connection_kwargs
+        return [(str(kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"), self.r)]
+
     def lost_shards(self) -> None:
         """Shards that lost the view while others kept it: none on one server (a view is lost whole)."""
         return None
@@ -408,8 +490,10 @@ class RedisStore(ResidencyStore):
         """(topic, partition) -> next Kafka offset to apply, as stored with the applies."""
         out = {}
         for k, v in self.r.hgetall(self.prefix + "off").items():
-            topic, _, part = _s(k).rpartition(":")
-            out[(topic, int(part))] = int(v)
+            name = _s(k)
+            if not name.startswith(CHAIN):  # a batch's chain field, not a partition
+                topic, _, part = name.rpartition(":")
+                out[(topic, int(part))] = int(v)
         return out
 
     def set_offsets(self, offsets: Offsets, view_id: str | None = None,
@@ -422,8 +506,7 @@ class RedisStore(ResidencyStore):
         try:
             self._fcall("kvbus_apply", self.prefix, 0, 0, 0, b"", view_id or "", _offsets_arg(want, offsets))
         except redis.ResponseError as e:
-            if VIEW_CHANGED in str(e):
-                raise ViewChanged(f"the view under {self.prefix!r} is not view {view_id!r} any more: {e}") from e
+            refused([e], f"the view under {self.prefix!r}", view_id, lambda: self.r)
             raise
 
     def checkpoint(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int | None]:

@@ -32,6 +32,7 @@ own slot migration (``redis-cli --cluster reshard`` / ``rebalance``).
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
@@ -40,7 +41,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 
 from kvbus.schemas.events import BlockEvent, holder_key
-from kvbus.schemas.lookup import LOOKUP_FUNCTION, HolderNames, lookup_args, parse_hname, shard_prefix, view_status
+from kvbus.schemas.lookup import (LOOKUP_FUNCTION, HolderNames, lookup_args, parse_hname, shard_prefix, status_key,
+                                  view_status)
 from kvbus.schemas.redis_view import (  # noqa: F401  (re-exported: the sinks' names for them)
     CLUSTER_SCHEMES,
     DEFAULT_SHARDS,
@@ -60,12 +62,13 @@ from kvbus.sinks import functions
 from kvbus.sinks.redis_store import (
     DEFAULT_PREFIX,
     DEFAULT_WEIGHTS,
-    VIEW_CHANGED,
+    DROP_VID,
     Offsets,
     RedisStore,
-    ViewChanged,
+    ViewChanged,  # noqa: F401  (raised by refused; the sinks' name for it)
     _offsets_arg,
     _with_extra,
+    refused,
 )
 from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, summary_from_counts
 from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
@@ -227,11 +230,10 @@ class ShardedRedisStore(ResidencyStore):
         if not calls:
             return res
         replies = self._execute(calls)
-        for (s, _, args), reply in zip(calls, replies):
-            if isinstance(reply, redis.ResponseError) and VIEW_CHANGED in str(reply):
-                raise ViewChanged(f"shard {s} of the view under {self.prefix!r} is not view {view_id!r} any more: {reply}")
-            if isinstance(reply, redis.exceptions.NoPermissionError):
-                raise reply  # Redis's ACL refuses this client the call: a setting to fix, not bad events
+        for s in sorted(set(c[0] for c in calls)):
+            refused([x for (t, _, _), x in zip(calls, replies) if t == s],
+                    f"shard {s} of the view under {self.prefix!r}", view_id,
+                    lambda: self._node(s).redis_connection)
         last_of = {s: j for j, (s, _, _) in enumerate(calls)}
         for j, ((s, _, args), part, reply) in enumerate(zip(calls, parts, replies)):
             if isinstance(reply, RETRYABLE):
@@ -266,9 +268,9 @@ class ShardedRedisStore(ResidencyStore):
         exp = self._expected_per_shard(expected)
         calls = [(s, "kvbus_apply", self._offsets_call(s, offsets, view_id, exp[s]))
                  for s in (range(self.nshards) if shards is None else shards)]
-        for s, reply in enumerate(self._execute(calls)):
-            if isinstance(reply, redis.ResponseError) and VIEW_CHANGED in str(reply):
-                raise ViewChanged(f"shard {s} of the view under {self.prefix!r} is not view {view_id!r} any more: {reply}")
+        for (s, _, _), reply in zip(calls, self._execute(calls)):
+            refused([reply], f"shard {s} of the view under {self.prefix!r}", view_id,
+                    lambda: self._node(s).redis_connection)
             if isinstance(reply, Exception):
                 raise reply
 
@@ -285,6 +287,17 @@ class ShardedRedisStore(ResidencyStore):
         """Mark every shard (or ``shards``) as view ``view_id``."""
         for s in range(self.nshards) if shards is None else shards:
             self.shards[s].set_view_id(view_id)
+
+    def drop_view_id(self, view_id: str, why: str) -> bool:
+        """Forget the view's id, and mark it ``rebuilding`` (phase ``why``), in every shard that still
+        has ``view_id``: the whole view is rebuilt (sinks/rebuild.py). False: no shard had it any more."""
+        now = repr(time.time())
+        return sum(int(self.rc.eval(DROP_VID, 2, st.prefix + "meta", status_key(st.prefix), view_id, now, why))
+                   for st in self.shards) > 0
+
+    def servers(self) -> list[tuple[str, redis.Redis]]:
+        """(name, client) of every master (the servers the view is written to)."""
+        return [(node.name, node.redis_connection) for node in self.rc.get_primaries()]
 
     def lost_shards(self) -> tuple[str, list[int]] | None:
         """(the view id the other shards keep, the shards without one) when some shards lost the view

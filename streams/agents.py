@@ -20,11 +20,11 @@ from faust.types import AppT, Message
 
 from kvbus.schemas.settings import Settings
 from kvbus.streams.app import create_app
+from kvbus.streams.faust_adapter import hold
 from kvbus.streams.options import StreamsOptions
 from kvbus.streams.runtime import Runtime
 
 log = logging.getLogger("kvbus.streams")
-
 
 
 class RawBytes(faust.Schema):
@@ -64,10 +64,9 @@ def build(settings: Settings, options: StreamsOptions) -> faust.App:
     async def consolidate(stream: Any) -> None:
         """Aggregate worker reports into consolidated events, a batch of raw records at a time."""
         async for events in stream.take_events(options.batch, within=options.batch_within):
-            # Faust acks the batch when this body returns; hold each message until the runtime has
-            # delivered its outputs and written its state (Runtime.process acks it then).
-            for event in events:
-                event.message.incref()
+            # Faust acks the batch when this body returns; hold each record until the runtime has
+            # delivered its outputs and written its state (Runtime releases it then).
+            hold(events)
             try:
                 await runtime.process(events)
             except Exception as exc:  # never leave held records behind in a running worker

@@ -13,7 +13,7 @@ import faust
 from faust.sensors import Monitor
 
 from kvbus.schemas.settings import Settings
-from kvbus.streams import transport
+from kvbus.streams import faust_adapter
 from kvbus.streams.options import StreamsOptions
 
 CHANGELOG_LINGER = 0.005
@@ -59,9 +59,9 @@ MAX_FETCH_BYTES = 8 * 1024**2
 gets per round trip (why 8 MiB: docs/performance.md, "Tuning values")."""
 
 
-def broker_url(bootstrap: str, scheme: str = transport.SCHEME) -> str:
+def broker_url(bootstrap: str, scheme: str = faust_adapter.SCHEME) -> str:
     """Faust broker URL for comma-separated bootstrap servers: ``kvbus://h1:p1;h2:p2``
-    (:mod:`kvbus.streams.transport`: Faust's aiokafka transport, cheaper per fetched record)."""
+    (:class:`kvbus.streams.faust_adapter.Transport`: Faust's aiokafka transport, cheaper per fetched record)."""
     return f"{scheme}://" + ";".join(s.strip() for s in bootstrap.split(",") if s.strip())
 
 

@@ -12,12 +12,12 @@ the metrics. Each batch of raw records (and each expiry sweep) goes through:
 
 Step 3 runs in a completion task, so the next batch is decoded while this one is delivered
 (at most ``MAX_INFLIGHT`` batches wait); batches delivered by the same time are completed
-together, their state changes merged (the last value of each key: fewer table writes). Faust only commits acked offsets and flushes its
-producer (the changelog) before committing. Hence: a table entry never describes a record
-whose outputs could still be lost, and a committed record's state is in the changelog. After
-a crash the new owner restores the table and replays from the committed offset; what the
-state already contains is recognised by the per-worker (epoch, seq, index) high-water marks, and
-everything else is applied again and re-emitted with its original position.
+together, their state changes merged (the last value of each key: fewer table writes). Faust only
+commits acked offsets and flushes its producer (the changelog) before committing. Hence: a table
+entry never describes a record whose outputs could still be lost, and a committed record's state is
+in the changelog. After a crash the new owner restores the table and replays from the committed
+offset; what the state already contains is recognised by the per-worker (epoch, seq, index)
+high-water marks, and everything else is applied again and re-emitted with its original position.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import asyncio
 import gc
 import logging
 import time
-import weakref
 from collections import defaultdict, deque
 from typing import Any, Iterable, Optional, Sequence
 
@@ -40,6 +39,7 @@ from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import record_topic_config
 from kvbus.streams.aggregation import Aggregator, Output, check, is_meta_key, load
 from kvbus.streams.codec import Codec
+from kvbus.streams.faust_adapter import ChangelogPartition, release, rewind
 from kvbus.streams.metrics import StreamsMetrics
 from kvbus.streams.options import StreamsOptions
 
@@ -72,27 +72,6 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLD)
-
-
-class _PartitionEvent:
-    """Stand-in for the 'current event' Faust tables read the changelog partition from.
-
-    Table writes normally go to the partition of the event being processed; state changes are
-    written per holder after delivery, so each write is made under a stand-in naming that
-    holder's raw partition (the same partition, so co-partitioning holds).
-    """
-
-    __slots__ = ("message", "__weakref__")
-
-    class _Message:
-        __slots__ = ("topic", "partition")
-
-        def __init__(self, topic: str, partition: int):
-            self.topic = topic
-            self.partition = partition
-
-    def __init__(self, topic: str, partition: int):
-        self.message = self._Message(topic, partition)
 
 
 class _Batch:
@@ -140,7 +119,7 @@ class Runtime:
         self._producer: Optional[Producer] = None
         self._admin: Optional[AdminClient] = None
         self._partitions: dict[str, int] = {}
-        self._contexts: dict[int, _PartitionEvent] = {}
+        self._contexts: dict[int, ChangelogPartition] = {}
         self._inflight: deque[_Batch] = deque()
         self._delivered: list[_Batch] = []
         """Batches whose outputs are all acknowledged, in order, not yet completed."""
@@ -211,8 +190,8 @@ class Runtime:
     async def process(self, events: Sequence[Any]) -> None:
         """Process one batch of raw Faust events; they are acked once durable (module doc).
 
-        The caller has taken a reference on each event's message (``incref``) so that Faust's
-        own ack at the end of the batch does not release it early.
+        The caller holds each event (:func:`kvbus.streams.faust_adapter.hold`) so that Faust's own ack
+        at the end of the batch does not make its offset committable early.
         """
         self.start()
         t0 = time.perf_counter()
@@ -318,12 +297,9 @@ class Runtime:
         partition without a committed offset (or with offset 0): the dropped records would
         never be read again. Seen here when two workers of a new group start together.
 
-        The seeks go through ``seek_wait``, which runs them on the consumer's own thread.
-        ``consumer.seek`` would call aiokafka's ``seek`` from this (the event loop's) thread
-        while the consumer thread may be in ``Fetcher.fetched_records`` (changelog recovery
-        is fetching): both delete from the fetcher's ``_records`` and the consumer thread dies
-        with ``KeyError(TopicPartition(...))``, crashing the worker (seen after a SIGKILL
-        handover on a loaded machine).
+        The seeks run on the consumer's own thread (:func:`kvbus.streams.faust_adapter.rewind`: seeking
+        from the event loop's thread while changelog recovery is fetching killed the consumer thread
+        after a SIGKILL handover on a loaded machine).
         """
         if not tps:
             return
@@ -338,7 +314,7 @@ class Runtime:
             if offset is None:
                 offset = earliest.get(tp, 0) or 0
             offsets[tp] = offset
-        await consumer.seek_wait(offsets)
+        await rewind(consumer, offsets)
         log.info("raw partitions rewound to committed offsets %s", {tp.partition: committed.get(tp.partition)
                                                                       for tp in tps})
 
@@ -448,8 +424,7 @@ class Runtime:
         """Write the merged state changes of delivered batches, then ack their raw records."""
         self._persist(merge_changes(batches))
         for b in batches:
-            for event in b.events:
-                event.ack()  # the reference the agent took: the final ack, offset committable
+            release(b.events)  # the reference the agent took: the final ack, offset committable
         self._progress.set()
 
     def _delivered_batches(self) -> list[_Batch]:
@@ -509,20 +484,18 @@ class Runtime:
         for partition, entries in by_partition.items():
             if partition not in assigned:
                 continue  # revoked: its new owner rebuilds from the changelog and replays
-            token = _set_current_event(self._context(partition))
-            try:
+            with self._context(partition):
                 for key, value in entries:
                     if value is not None:
                         table[key] = value
                     elif key in table:  # a merged batch may delete what it never wrote
                         del table[key]
-            finally:
-                _reset_current_event(token)
 
-    def _context(self, partition: int) -> _PartitionEvent:
+    def _context(self, partition: int) -> ChangelogPartition:
+        """Table writes under it go to the changelog partition of raw partition ``partition``."""
         ctx = self._contexts.get(partition)
         if ctx is None:
-            ctx = self._contexts[partition] = _PartitionEvent(self.topics.raw, partition)
+            ctx = self._contexts[partition] = ChangelogPartition(self.topics.raw, partition)
         return ctx
 
 
@@ -536,14 +509,3 @@ def merge_changes(batches: Sequence[_Batch]) -> list[tuple[int, bytes, Optional[
             (metas if is_meta_key(key) else aggregates)[key] = (partition, value)
     return [(p, k, v) for k, (p, v) in aggregates.items()] + [(p, k, v) for k, (p, v) in metas.items()]
 
-
-def _set_current_event(event: _PartitionEvent) -> Any:
-    from faust.streams import _current_event
-
-    return _current_event.set(weakref.ref(event))
-
-
-def _reset_current_event(token: Any) -> None:
-    from faust.streams import _current_event
-
-    _current_event.reset(token)

@@ -72,8 +72,10 @@ def random_streams(
                 p.held.setdefault(key, set()).update(chain)
             elif x < 0.85:
                 held = sorted(p.held.get(key, ()))
-                victims = rng.sample(held, min(len(held), rng.randint(1, max(2, max_chain // 3)))) if held and rng.random() < 0.9 else \
-                    [rng.choice(hashes)]
+                if held and rng.random() < 0.9:
+                    victims = rng.sample(held, min(len(held), rng.randint(1, max(2, max_chain // 3))))
+                else:
+                    victims = [rng.choice(hashes)]
                 events.append((topic, BlockRemoved(block_hashes=victims, medium=medium, ownership=ownership,
                                                    group_idx=group)))
             elif x < 0.95:  # full-mode re-announcement of a held prefix
@@ -115,3 +117,22 @@ def redeliver(
             batch = []
     if batch:
         yield batch
+
+
+def growing_streams(topics: Topics, *, holders: int = 8, events: int = 400, per: int = 8,
+                    remove_every: int = 5) -> list[tuple[str, BlockEvent]]:
+    """A history whose view keeps growing (what fills a Redis up): holder ``r<h>`` stores ``per`` new
+    blocks on GPU per event and, every ``remove_every``-th event, removes the first block of the event
+    before; holders interleaved, each in position order."""
+    out: list[tuple[str, BlockEvent]] = []
+    for s in range(events):
+        for h in range(holders):
+            base = (h * events + s) * per
+            hashes = [canonical_hash(base + j) for j in range(per)]
+            out.append((topics.blocks, BlockEvent(replica=f"r{h}", epoch=1, seq=2 * s, index=0, ts=1.0 + s,
+                                                  event=BlockStored(block_hashes=hashes, medium="GPU"))))
+            if s and s % remove_every == 0:
+                gone = [canonical_hash(base - per)]
+                out.append((topics.blocks, BlockEvent(replica=f"r{h}", epoch=1, seq=2 * s + 1, index=0, ts=1.0 + s,
+                                                      event=BlockRemoved(block_hashes=gone, medium="GPU"))))
+    return out

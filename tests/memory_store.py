@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
-
 from kvbus.sinks.store import (
     ApplyResult,
     HolderMatch,

@@ -56,9 +56,25 @@ class Pipeline:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+class Waiting:
+    """What a check of :func:`eventually` saw while its condition does not hold yet: falsy, and shown
+    in the message when ``eventually`` gives up (``Waiting(lag=3, flow=[10, 9, 9])``)."""
+
+    def __init__(self, **seen: object) -> None:
+        self.seen = seen
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "Waiting(" + ", ".join(f"{k}={v!r}" for k, v in self.seen.items()) + ")"
+
+
 def eventually(check: Callable[[], object], timeout: float, pipeline: Pipeline | None = None,
                interval: float = 0.5) -> object:
-    """Poll ``check()`` until it returns a truthy value; fail after ``timeout`` seconds with its last value."""
+    """Poll ``check()`` until it returns a truthy value; after ``timeout`` seconds fail naming the
+    check (its name and the first line of its docstring: what it waited for) and its last value (what
+    it saw: return a :class:`Waiting` to say more than None or False)."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
@@ -68,7 +84,9 @@ def eventually(check: Callable[[], object], timeout: float, pipeline: Pipeline |
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"not reached in {timeout}s; last value: {last!r}")
+    doc = (check.__doc__ or "").strip().splitlines()
+    what = getattr(check, "__name__", repr(check)) + (f" ({doc[0]})" if doc else "")
+    raise AssertionError(f"not reached in {timeout}s: {what}; last value: {last!r}")
 
 
 class RawProducer:

@@ -14,8 +14,8 @@ import redis
 from redis.cluster import ClusterNode as PyClusterNode, RedisCluster
 
 from kvbus.infra import redis_cluster
-from kvbus.infra.settings import Paths
 from kvbus.infra.redis_server import REDIS, ServerKind
+from kvbus.infra.settings import Paths
 from tests.redis_server import RedisServer
 
 
@@ -94,7 +94,8 @@ def _replicas_caught_up(cluster: RedisClusterServer) -> bool:
     return True
 
 
-def wait_replicas_in_sync(cluster: RedisClusterServer, client: RedisCluster | None = None, timeout: float = 30.0) -> None:
+def wait_replicas_in_sync(cluster: RedisClusterServer, client: RedisCluster | None = None,
+                          timeout: float = 30.0) -> None:
     """Wait until every replica has caught up with its master and, if ``client`` is given, until its
     slot map lists a replica per master (replicas enter ``CLUSTER SLOTS`` once gossip has them; the
     client's map is re-read meanwhile)."""

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from confluent_kafka import Consumer, KafkaError, Producer
 
 from kvbus.infra import secure
+from kvbus.infra.settings import read_env_file
 from kvbus.procs import free_port_block
 
 QUIET = logging.getLogger("tests.secure.librdkafka")
@@ -47,7 +48,8 @@ class Errors:
         return {e.code() for e in self.seen}
 
 
-def kafka_conf(layout: secure.SecureLayout, principal: str, errors: Errors | None = None, **conf: Any) -> dict[str, Any]:
+def kafka_conf(layout: secure.SecureLayout, principal: str, errors: Errors | None = None,
+               **conf: Any) -> dict[str, Any]:
     """librdkafka configuration of ``principal`` on the secured listener (``conf`` last)."""
     out: dict[str, Any] = {"bootstrap.servers": layout.bootstrap, **secure.admin_conf(layout, principal),
                            "logger": QUIET, "socket.connection.setup.timeout.ms": 5000}
@@ -96,7 +98,7 @@ def principal_env(layout: secure.SecureLayout, principal: str, **extra: str) -> 
     """This process's environment without any ``KVBUS_*`` variable (a developer's exports of the
     open stack must not leak in), plus ``principal``'s env file and ``extra``."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVBUS_")}
-    return {**base, **secure.read_env_file(layout.env_file(principal)), **extra}
+    return {**base, **read_env_file(layout.env_file(principal)), **extra}
 
 
 class StagePipeline:
@@ -113,7 +115,8 @@ class StagePipeline:
         from kvbus.procs import Children
 
         if principal not in self.children:
-            self.children[principal] = Children(log_dir=self.workdir, env=principal_env(self.layout, principal), log_prefix="")
+            self.children[principal] = Children(log_dir=self.workdir, env=principal_env(self.layout, principal),
+                                                log_prefix="")
         self.children[principal].start(name, *args)
 
     def check_alive(self) -> None:
@@ -133,7 +136,8 @@ class StagePipeline:
         import subprocess
         import sys
 
-        return subprocess.run([sys.executable, "-m", "kvbus", *args], env=principal_env(self.layout, principal, **extra),
+        return subprocess.run([sys.executable, "-m", "kvbus", *args],
+                              env=principal_env(self.layout, principal, **extra),
                               capture_output=True, text=True, timeout=timeout)
 
     def watch(self, principal: str, args: tuple[str, ...], needle: str | None, timeout: float,

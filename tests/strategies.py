@@ -3,8 +3,16 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, EventBatch,
-                            Incomplete, Reset)
+from kvbus.schemas.events import (
+    AllBlocksCleared,
+    BlockEvent,
+    BlockRemoved,
+    BlockStored,
+    DeadLetter,
+    EventBatch,
+    Incomplete,
+    Reset,
+)
 
 h8 = st.binary(min_size=8, max_size=8)
 longs = st.integers(-(2**63), 2**63 - 1)

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvbus.schemas.events import (
     AllBlocksCleared,

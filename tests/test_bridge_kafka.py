@@ -158,7 +158,8 @@ def test_bridge_records_read_back_field_for_field(test_settings: Settings, fleet
     epoch = values[0]["epoch"]
     assert epoch > 1_700_000_000_000
     for i, (v, evs) in enumerate(zip(values, sent)):
-        assert {k: v[k] for k in ("replica", "dp_rank", "worker_rank", "workers", "engine", "epoch", "seq", "ts", "topic")} == {
+        header = ("replica", "dp_rank", "worker_rank", "workers", "engine", "epoch", "seq", "ts", "topic")
+        assert {k: v[k] for k in header} == {
             "replica": REPLICA, "dp_rank": 0, "worker_rank": 0, "workers": 1, "engine": "vllm", "epoch": epoch,
             "seq": i, "ts": 1_750_000_000.0 + i, "topic": ZMQ_TOPIC,
         }

@@ -415,8 +415,8 @@ def _vllm_events():
 
 
 def test_publisher_encodes_vllm_objects_like_the_normalized_structs():
-    from kvbus.schemas.codec import encode_events
     from kvbus.producers.publisher import encode_engine_events, to_kvbus_event
+    from kvbus.schemas.codec import encode_events
 
     events = _vllm_events()
     converted = [to_kvbus_event(e) for e in events]

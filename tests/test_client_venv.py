@@ -62,6 +62,8 @@ def test_only_the_client_dependencies_are_installed(client_venv):
     r = _run(client_venv, [py, "-c", "import kvbus.client, kvbus.schemas.lookup; print(kvbus.client.__file__)"])
     assert r.returncode == 0, r.stderr
     assert str(client_venv) in r.stdout, "kvbus comes from the venv, not from the checkout"
+    r = _run(client_venv, [py, "-c", "from kvbus.client import production_stack as ps; print(ps.PRODUCTION_STACK)"])
+    assert (r.returncode, r.stdout) == (0, "False\n"), "the production-stack adapter imports without it: " + r.stderr
 
 
 @pytest.mark.parametrize("where", ["single", "cluster"])

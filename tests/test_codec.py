@@ -12,16 +12,26 @@ import msgspec
 import pytest
 from confluent_kafka.schema_registry import Schema
 from fastavro import parse_schema, schemaless_writer
-from hypothesis import HealthCheck, given, settings
-
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvbus.schemas import codec as fast
 from kvbus.schemas.avro import SCHEMA_DIR, TO_AVRO, parsed_schema, schema_str
 from kvbus.schemas.codec import FastSerde, batch_scanner, build, confluent_header, default_structs
 from kvbus.schemas.codec_runtime import WireError
-from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Incomplete, Reset,
-                            ViewGroup, ViewOffset, ViewPosition, ViewSnapshot, ViewTier)
+from kvbus.schemas.events import (
+    AllBlocksCleared,
+    BlockEvent,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    Incomplete,
+    Reset,
+    ViewGroup,
+    ViewOffset,
+    ViewPosition,
+    ViewSnapshot,
+    ViewTier,
+)
 from kvbus.schemas.serde import RecordSerde, registry_client, value_schema_id
 from tests.strategies import batches, events, ints, longs, maybe, records, text
 
@@ -134,8 +144,9 @@ def test_parts_of_a_split_batch_round_trip_with_first_index(first_index):
     assert batch_scanner(Raw)(data, 5).first_index == first_index
     assert spy.loads_calls == 0
     assert fast.decode("EventBatch", data, 5).first_index == first_index
+    body = FAST["EventBatch"].dumps(msgspec.structs.replace(part, first_index=0), "codec.parts")
     with pytest.raises(WireError):  # a body without the trailing first_index is not ours
-        fast.decode("EventBatch", FAST["EventBatch"].dumps(msgspec.structs.replace(part, first_index=0), "codec.parts")[:-1], 5)
+        fast.decode("EventBatch", body[:-1], 5)
 
 
 class Raw:
@@ -308,7 +319,8 @@ def test_lookup_only_serde_does_not_register():
 def test_block_hashes_must_be_8_bytes():
     for hashes in ([b"short"], [b"short", b"12345678"]):
         with pytest.raises(ValueError):
-            fast.encode("EventBatch", EventBatch(replica="r", seq=0, ts=0.0, events=[BlockRemoved(block_hashes=hashes)]))
+            fast.encode("EventBatch",
+                        EventBatch(replica="r", seq=0, ts=0.0, events=[BlockRemoved(block_hashes=hashes)]))
     with pytest.raises(ValueError):
         fast.encode_event(BlockStored(block_hashes=[b"12345678"], parent_block_hash=b"short"))
     stored = fast.event_writer("BlockStored", PUBLISHER_SHAPES[BlockStored])
@@ -396,7 +408,8 @@ def _to_avro(value):
     return value
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.lists(events, max_size=4), maybe(text))
 def test_an_optional_field_added_to_the_avsc_and_the_struct_round_trips_like_fastavro(tmp_path_factory, evs, shard):
     new = _CODEC_WITH_SHARD or _make_shard_codec(tmp_path_factory)

@@ -84,7 +84,8 @@ def test_known_sequence_gives_exact_view_and_lookup(pipeline, tmp_path) -> None:
             got = pipeline.lookup_json("--hashes", hashes, "--prefix", prefix, check=False)
             if isinstance(got, str):  # the sink has not loaded the view's functions yet
                 return None
-            return got if {k: {"matched": v["matched"], "tiers": v["tiers"]} for k, v in got.items()} == expected else None
+            seen = {k: {"matched": v["matched"], "tiers": v["tiers"]} for k, v in got.items()}
+            return got if seen == expected else None
 
         got = eventually(answer, 120, pipeline)
         assert set(got) == {"replica-0", "replica-1"}

@@ -9,9 +9,9 @@ import uuid
 
 import msgspec
 import pytest
-from kvbus.schemas.events import BlockStored, canonical_hash
 
 from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
+from kvbus.schemas.events import BlockStored, canonical_hash
 from tests.pipeline import Pipeline, eventually
 from tests.vllm_hash_vectors import ALL, NEWEST, Vector
 

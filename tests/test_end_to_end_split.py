@@ -18,9 +18,8 @@ import pytest
 from kvbus.engine_wire import project
 from kvbus.fleet import Fleet, FleetConfig
 from kvbus.producers.publisher import KafkaEventPublisher
-from kvbus.schemas.events import DLQ_PAYLOAD_BYTES
 from kvbus.schemas.codec import encode_event
-from kvbus.schemas.events import BlockRemoved, BlockStored, Reset
+from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, BlockRemoved, BlockStored, Reset
 from tests.pipeline import Pipeline
 from tests.test_end_to_end_tp import read_topics
 

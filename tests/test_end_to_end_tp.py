@@ -17,7 +17,7 @@ from kvbus.fleet import Fleet, FleetConfig, ModelConfig
 from kvbus.schemas.events import Event
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
-from tests.pipeline import Pipeline, eventually
+from tests.pipeline import Pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,8 @@ def read_topics(settings: Settings, pattern: str, record: str, count: int, timeo
     Records are keyed by (topic, partition, offset): a regex subscription rebalances when a new
     matching topic appears and, with nothing committed, reads the old ones again."""
     c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"t-{uuid.uuid4().hex}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False, "topic.metadata.refresh.interval.ms": 1000})
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                  "topic.metadata.refresh.interval.ms": 1000})
     serde = RecordSerde(registry_client(settings.registry_url), record, auto_register=False)
     c.subscribe([pattern])
     out: dict[tuple[str, int, int], object] = {}

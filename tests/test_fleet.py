@@ -219,6 +219,43 @@ def test_script_mode_publishes_explicit_batches_and_tracks_truth():
     assert fleet.truth("replica-0").snapshot() == {}
 
 
+def test_admit_reports_the_reused_prefix_and_updates_the_truth():
+    m = model(gpu_blocks=8, cpu_rate=0, kvcr_rate=0, clear_rate=0)
+    system = list(range(1, 3 * 16 + 1))  # 3 full blocks
+    first = system + [7] * 20  # 4 full blocks, then 4 tokens
+    reused, events = m.admit(first)
+    assert reused == 0 and [type(e) for e in events] == [BlockStored]
+    assert events[0].block_hashes == block_hashes(first, 16)
+    assert m.truth.snapshot() == {("GPU", None): set(block_hashes(first, 16))}
+    second = system + [9] * 16  # shares the 3 system blocks
+    reused, events = m.admit(second)
+    assert reused == 3 and [len(e.block_hashes) for e in events] == [1]  # only the new block stored
+    assert m.resident_prefix(block_hashes(second, 16)) == 4
+    reused, events = m.admit([5] * 80)  # 5 blocks and 5 new: 10 > 8, the 2 least recently used leave
+    assert reused == 0 and [type(e) for e in events] == [BlockRemoved] * 2 + [BlockStored]
+    assert [e.block_hashes for e in events[:2]] == [block_hashes(first, 16)[3:], block_hashes(system, 16)[2:]]
+    assert m.resident_prefix(block_hashes(first, 16)) == 2 and len(m.truth.tiers[("GPU", None)]) == 8
+
+
+def test_serve_publishes_what_the_chosen_replica_cached_and_clear_caches_resets_every_replica():
+    with Fleet(FleetConfig(replicas=2, base_port=0, model=ModelConfig(cpu_rate=0, kvcr_rate=0))) as fleet:
+        tokens = list(range(1, 40))  # 2 full blocks
+        assert fleet.serve("replica-1", tokens) == (0, 1)
+        assert fleet.serve("replica-1", tokens) == (2, 0)  # all cached: nothing new, no batch
+        assert fleet.publisher("replica-0").next_seq == 0 and fleet.publisher("replica-1").next_seq == 1
+        _, payload = fleet.publisher("replica-1").buffer[0]
+        (stored,) = decode_batch(payload).events
+        assert stored.block_hashes == block_hashes(tokens, 16) and stored.medium == "GPU"
+        assert fleet.truth("replica-1").snapshot() == {("GPU", None): set(stored.block_hashes)}
+        fleet.clear_caches()
+        for name in ("replica-0", "replica-1"):
+            pub = fleet.publisher(name)
+            assert [type(e) for e in decode_batch(pub.buffer[-1][1]).events] == [AllBlocksCleared]
+            assert fleet.truth(name).snapshot() == {}
+        assert fleet.serve("replica-1", tokens) == (0, 1)  # the cache really is empty
+        assert fleet.events == 2
+
+
 def test_cli_runs_for_a_duration_and_writes_the_manifest(tmp_path):
     manifest = tmp_path / "fleet.json"
     proc = subprocess.run(

@@ -37,19 +37,27 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from kvbus.fleet import Fleet, FleetConfig
 from kvbus.producers.decode import DecodeError, decode_batch, parse_frames
-from kvbus.schemas.events import DLQ_PAYLOAD_BYTES
-from kvbus.schemas.events import EventBatch, Reset
+from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, EventBatch, Reset
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
-from tests.hostile import (ACCEPT, BACKWARD, FRAMES, PARTIAL, REJECT, TopicReader, engine_inputs,
-                           good_payload, marker_hash, rss_mib)
+from tests.hostile import (
+    ACCEPT,
+    BACKWARD,
+    FRAMES,
+    PARTIAL,
+    REJECT,
+    TopicReader,
+    engine_inputs,
+    good_payload,
+    marker_hash,
+    rss_mib,
+)
 
 SEED = 20240904
 N = 10_000

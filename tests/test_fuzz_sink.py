@@ -32,10 +32,10 @@ from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
-from tests.memory_store import InMemoryStore
 from kvbus.sinks.redis_store import RedisStore
-from tests.redis_server import RedisServer
 from tests.hostile import ACCEPT, GOOD, REJECT, TopicReader, good_stored, marker_hash, rss_mib
+from tests.memory_store import InMemoryStore
+from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -82,7 +82,8 @@ def _inputs(seed: int, n: int, t: Topics, serde: RecordSerde, other_id: int):
             bad_id = rng.choice([2**31 - 1, 999_999, 4_000_000_000])
             yield REJECT, "unknown schema id", t.blocks, key, b"\x00" + bad_id.to_bytes(4, "big") + good_value[5:], None
         elif r < 0.67:
-            yield REJECT, "EventBatch schema id", t.blocks, key, b"\x00" + other_id.to_bytes(4, "big") + good_value[5:], None
+            value = b"\x00" + other_id.to_bytes(4, "big") + good_value[5:]
+            yield REJECT, "EventBatch schema id", t.blocks, key, value, None
         elif r < 0.85:
             bad = rng.choice([dict(replica=""), dict(dp_rank=-1), dict(epoch=-1), dict(seq=-2), dict(index=-1),
                               dict(key=True), dict(tier=True)])

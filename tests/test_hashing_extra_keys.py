@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.hashing import (
     HASH_ALGOS,
@@ -29,7 +30,6 @@ from kvbus.schemas.hashing import (
 from kvbus.schemas.settings import Settings
 from kvbus.sinks import cli
 from kvbus.sinks.redis_store import RedisStore
-
 from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import ALL, NEWEST, PROMPTS, RELEASES, Vector
 

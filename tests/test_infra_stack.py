@@ -21,8 +21,10 @@ from confluent_kafka.admin import AdminClient  # noqa: E402
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient  # noqa: E402
 from confluent_kafka.schema_registry.error import SchemaRegistryError  # noqa: E402
 
-from kvbus.infra import stack as infra_stack  # noqa: E402
-from kvbus.infra import topics as infra_topics  # noqa: E402
+from kvbus.infra import (
+    stack as infra_stack,  # noqa: E402
+    topics as infra_topics,  # noqa: E402
+)
 from kvbus.infra.settings import env_int  # noqa: E402
 from kvbus.schemas.settings import DEFAULT_PARTITIONS  # noqa: E402
 
@@ -93,9 +95,8 @@ def test_registry_enforces_backward_compatibility(stack_info: dict[str, Any]) ->
     assert err.value.http_status_code == 409
 
     # adding a field with a default is BACKWARD compatible
-    good = _record(
-        "Compat", [{"name": "id", "type": "long"}, {"name": "n", "type": "int"}, {"name": "note", "type": "string", "default": ""}]
-    )
+    good = _record("Compat", [{"name": "id", "type": "long"}, {"name": "n", "type": "int"},
+                              {"name": "note", "type": "string", "default": ""}])
     id2 = sr.register_schema(subject, good)
     assert id2 != id1
     assert subject in sr.get_subjects()
@@ -105,7 +106,8 @@ def test_registry_enforces_backward_compatibility(stack_info: dict[str, Any]) ->
 def test_schema_ids_survive_registry_restart(stack_info: dict[str, Any]) -> None:
     sr = SchemaRegistryClient({"url": stack_info["registry_url"], "timeout": 10})
     subject = f"kvbus-test-{uuid.uuid4().hex}-value"
-    schema = _record("Persist", [{"name": "k", "type": "string"}, {"name": "v", "type": ["null", "bytes"], "default": None}])
+    schema = _record("Persist", [{"name": "k", "type": "string"},
+                                 {"name": "v", "type": ["null", "bytes"], "default": None}])
     sid = sr.register_schema(subject, schema)
     before = _get_json(f"{stack_info['registry_url']}/schemas/ids/{sid}")
 

@@ -23,6 +23,7 @@ from kvbus import __version__
 from kvbus.cli import build_parser
 from kvbus.infra import manifests, prometheus_rule, strimzi
 from kvbus.infra.secure_plan import ADMIN, BRIDGE, KAFKA_USERS, SINK, STREAMS, kafka_grants
+from kvbus.schemas.logs import log_format
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
@@ -36,7 +37,7 @@ KUBE_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 """The oldest Kubernetes with native sidecars on by default, and the newest the schemas know."""
 CUSTOM_KINDS = {"KafkaTopic", "KafkaUser", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 """Kinds of operators' CRDs (Strimzi, Prometheus Operator): no built-in schema; checked below instead."""
-SETTINGS_READERS = (Settings.from_env, StreamsOptions.from_env, SinkConfig.from_env)
+SETTINGS_READERS = (Settings.from_env, StreamsOptions.from_env, SinkConfig.from_env, log_format)
 """Where the stages read their ``KVBUS_*`` variables (every one takes the environment as a mapping)."""
 STAGE_PRINCIPAL = {"bridge": BRIDGE, "worker": STREAMS, "sink": SINK}
 """The access plan's principal each kvbus subcommand runs as."""
@@ -352,6 +353,11 @@ def option(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+def loopback(endpoint: str) -> str:
+    """The address a bridge connects to for an engine's ``endpoint`` (the engine binds all addresses: ``*``)."""
+    return endpoint.replace("*", "127.0.0.1")
+
+
 def test_one_bridge_sidecar_per_data_parallel_rank_of_the_engine(rendered: list[dict[str, Any]]) -> None:
     spec = one(rendered, "StatefulSet", "vllm")["spec"]["template"]["spec"]
     engine = next(c for c in spec["containers"] if c["name"] == "vllm")
@@ -365,7 +371,6 @@ def test_one_bridge_sidecar_per_data_parallel_rank_of_the_engine(rendered: list[
     metrics = set()
     for rank, c in by_rank.items():
         args = parsed(rendered, c)
-        loopback = lambda e: e.replace("*", "127.0.0.1")  # the engine binds all addresses, the bridge connects
         assert args.endpoint == loopback(offset_port(config["endpoint"], rank)), f"rank {rank}: {args.endpoint}"
         assert args.replay_endpoint == loopback(offset_port(config["replay_endpoint"], rank))
         assert args.topic == config["topic"]

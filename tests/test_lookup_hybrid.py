@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from kvbus.schemas.events import (
     BlockEvent,
     BlockRemoved,
@@ -22,7 +23,6 @@ from kvbus.schemas.events import (
 )
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.store import ResidencyStore
-
 from tests.memory_store import InMemoryStore
 from tests.redis_server import VALKEY, RedisServer
 
@@ -218,6 +218,7 @@ def test_malformed_group_specs_are_refused_before_any_write():
     """kvbus_apply refuses a kind 5 event whose spec is not "<kind>,<window>,<block_size>", kvbus_restore a
     group spec that is not "<kind>,<window>,<bmax>,<bmin>"; nothing is written."""
     import redis
+
     from kvbus.sinks.redis_store import EVENT_HEADER, STORED_WITH_SPEC
 
     with RedisServer() as srv:

@@ -52,21 +52,18 @@ def _vector_hashes(algo: str, seed: str | None, prompt: str = "B", block_size: i
 
 def _records() -> list:
     """Holders: a (GPU 6 blocks, CPU 2), b#0 (GPU 1), b#1 (CPU@kvcr 3), c (GPU/g1 4; CPU 3 stored
-    twice: counted), pod#x (a replica name with '#'; GPU 5), hybrid (a hybrid model: full attention 6
-    blocks, a 48-token sliding window blocks 2-4: hits 5), hybrid-miss (its window holds too little:
-    no hit), 24 holders of a shared 2-block prefix
+    twice: counted), pod#x (a replica name with '#'; GPU 5), 24 holders of a shared 2-block prefix
     (a wide block), and engines holding a prompt as vLLM hashed it: prompt B with each algorithm
     (sha256 and sha256_cbor with the default seed, xxhash and xxhash_cbor with PYTHONHASHSEED=12345),
     in blocks of 8 (sha256, PYTHONHASHSEED=0), and prompt A with an empty PYTHONHASHSEED."""
     out = []
     seq = {}
 
-    def add(replica, dp, hashes, medium="GPU", ownership=None, group=None, kind=None, window=None):
+    def add(replica, dp, hashes, medium="GPU", ownership=None, group=None):
         n = seq[(replica, dp)] = seq.get((replica, dp), -1) + 1
         out.append(("kvbus.blocks", BlockEvent(
             replica=replica, dp_rank=dp, epoch=1, seq=n, index=0, ts=time.time(),
-            event=BlockStored(block_hashes=hashes, medium=medium, ownership=ownership, group_idx=group, block_size=16,
-                              kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window))))
+            event=BlockStored(block_hashes=hashes, medium=medium, ownership=ownership, group_idx=group))))
 
     add("a", 0, CHAIN)
     add("a", 0, CHAIN[:2], "CPU")
@@ -76,10 +73,6 @@ def _records() -> list:
     add("c", 0, CHAIN[:3], "CPU")
     add("c", 0, CHAIN[:3], "CPU")
     add("pod#x", 0, CHAIN[:5])
-    add("hybrid", 0, CHAIN, group=0, kind="full_attention")
-    add("hybrid", 0, CHAIN[2:5], group=1, kind="sliding_window", window=48)
-    add("hybrid-miss", 0, CHAIN, group=0, kind="full_attention")
-    add("hybrid-miss", 0, CHAIN[3:5], group=1, kind="sliding_window", window=48)
     for k in range(24):
         add(f"shared-{k}", 0, CHAIN[:2])
     add("vllm-sha256-cbor", 0, _vector_hashes("sha256_cbor", None))
@@ -89,6 +82,21 @@ def _records() -> list:
     add("vllm-sha256-b8", 0, _vector_hashes("sha256", "0", block_size=8))
     add("vllm-sha256-empty-seed", 0, _vector_hashes("sha256", "", prompt="A"))
     return out
+
+
+def _hybrid_records() -> list:
+    """Hybrid-model holders (docs/lookup-protocol.md, "Hybrid models"), in this file's views: hybrid (full
+    attention 6 blocks, a 48-token sliding window blocks 2-4: hits 5) and hybrid-miss (its window holds too
+    little: no hit)."""
+    def stored(replica, seq, hashes, group, kind, window=None):
+        return ("kvbus.blocks", BlockEvent(replica=replica, dp_rank=0, epoch=1, seq=seq, index=0, ts=time.time(),
+                                           event=BlockStored(block_hashes=hashes, medium="GPU", group_idx=group,
+                                                             block_size=16, kv_cache_spec_kind=kind,
+                                                             kv_cache_spec_sliding_window=window)))
+
+    return [stored("hybrid", 0, CHAIN, 0, "full_attention"), stored("hybrid", 1, CHAIN[2:5], 1, "sliding_window", 48),
+            stored("hybrid-miss", 0, CHAIN, 0, "full_attention"),
+            stored("hybrid-miss", 1, CHAIN[3:5], 1, "sliding_window", 48)]
 
 
 def _hashes(chain: list[bytes]) -> str:
@@ -105,7 +113,8 @@ CASES = {
     "weights": ["--hashes", _hashes(CHAIN), "--weights", "cpu=0.25,kvcr=2,GPU=3"],
     "zero-weights": ["--hashes", _hashes(CHAIN), "--weights", "GPU=0,CPU=0,*=0"],
     "gap": ["--hashes", _hashes(CHAIN[:2] + [UNKNOWN] + CHAIN[3:])],
-    "hex-and-signed": ["--hashes", ",".join(["0x" + CHAIN[0].hex(), str(int.from_bytes(CHAIN[1], "big", signed=True))])],
+    "hex-and-signed": ["--hashes",
+                       ",".join(["0x" + CHAIN[0].hex(), str(int.from_bytes(CHAIN[1], "big", signed=True))])],
     "nobody": ["--hashes", _hashes([UNKNOWN] + CHAIN)],
     "tokens-sha256-cbor": ["--tokens", TOKENS_B, "--algo", "sha256_cbor"],
     "tokens-xxhash-cbor": ["--tokens", TOKENS_B, "--algo", "xxhash_cbor", "--hash-seed", "12345"],
@@ -241,7 +250,8 @@ def go_lookup(tmp_path_factory) -> Path:
     xxh3 from the Go module proxy; ~25 s with a cold build cache, ~1 s warm)."""
     _need_go()
     out = tmp_path_factory.mktemp("go") / "kvbus-lookup-go"
-    subprocess.run([GO, "build", "-mod=readonly", "-buildvcs=false", "-o", str(out), "."], cwd=EXAMPLE, check=True, timeout=600)
+    subprocess.run([GO, "build", "-mod=readonly", "-buildvcs=false", "-o", str(out), "."],
+                   cwd=EXAMPLE, check=True, timeout=600)
     return out
 
 
@@ -269,7 +279,7 @@ def go(binary: Path, target: list[str], prefix: str, argv: list[str], env: dict 
 def view():
     with RedisServer() as srv:
         prefix = f"p{uuid.uuid4().hex[:8]}:"
-        RedisStore(srv.client(), prefix).apply(_records())
+        RedisStore(srv.client(), prefix).apply(_records() + _hybrid_records())
         yield srv, prefix
 
 
@@ -401,7 +411,7 @@ def sharded_view():
 
     with RedisClusterServer(3) as cl, RedisServer() as srv:
         prefix = f"c{uuid.uuid4().hex[:8]}:"
-        records = _records()
+        records = _records() + _hybrid_records()
         ShardedRedisStore(cl.url, prefix).apply(records)
         RedisStore(srv.client(), prefix).apply(records)
         masters = [f"{n.host}:{n.port}" for n in cl.nodes if n.master]

@@ -19,7 +19,8 @@ DASHBOARD = ROOT / "ops/grafana/kvbus.json"
 
 EXTERNAL = {
     "up": "Prometheus itself: 1 when the target's last scrape succeeded",
-    "vllm:prompt_tokens_total": "vLLM's /metrics (the engine job): prefill tokens processed (vllm/v1/metrics/loggers.py)",
+    "vllm:prompt_tokens_total":
+        "vLLM's /metrics (the engine job): prefill tokens processed (vllm/v1/metrics/loggers.py)",
     "sglang:prompt_tokens_total": "SGLang's /metrics (the engine job): prefill tokens processed",
 }
 """Names the rules read that no kvbus process exports, and who exports them."""

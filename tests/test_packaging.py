@@ -230,6 +230,7 @@ ROLES = {
     "streams": (["kvbus.streams"], ["worker"], ["redis", "zmq", "polars", "matplotlib"]),
     "sink": (["kvbus.sinks"], ["sink", "lookup"], ["faust", "zmq", "polars", "matplotlib"]),
     "top": (["kvbus.top"], ["top"], ["faust", "zmq", "polars", "matplotlib"]),
+    "serve": (["kvbus.serve"], ["serve"], ["faust", "zmq", "confluent_kafka", "polars", "matplotlib"]),
     "analytics": (["kvbus.analytics"], ["report"], ["faust", "redis", "zmq", "pyarrow"]),
 }
 
@@ -246,7 +247,7 @@ def test_each_role_install_imports_its_stage_and_nothing_of_the_others(wheel: Pa
 
 # ------------------------------------------------------------------------------------------ the image
 
-IMAGE_STAGES = ("kvbus.producers", "kvbus.streams", "kvbus.sinks", "kvbus.top")
+IMAGE_STAGES = ("kvbus.producers", "kvbus.streams", "kvbus.sinks", "kvbus.top", "kvbus.serve")
 
 
 def test_the_dockerfile_runs_the_install_script_as_a_non_root_kvbus_entrypoint():

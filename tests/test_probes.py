@@ -33,7 +33,6 @@ from tests.memory_store import InMemoryStore
 from tests.redis_server import RedisServer
 from tests.test_sink_consumer import produce
 
-
 QUIET = logging.getLogger("tests.probes.librdkafka")
 """Where the test's own librdkafka clients log (not stderr)."""
 

@@ -53,7 +53,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
     assert sorted(tests["rule_files"]) == sorted(f"../rules/{p.name}" for p in RULES)
     cases = [c for t in tests["tests"] for c in t.get("alert_rule_test", [])]
     alerts = _alerts()
-    assert len(alerts) == 8
+    assert len(alerts) == 10
     for alert in alerts:
         mine = [c for c in cases if c["alertname"] == alert]
         assert any(c.get("exp_alerts") for c in mine), f"{alert}: no case where it fires"
@@ -139,17 +139,18 @@ def test_prometheus_scrapes_a_running_pipeline_and_records_its_rates(test_settin
         def recorded() -> dict | None:
             assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
             got = {q: {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in _query(web, q)}
-                   for q in ("kvbus:events_in:rate1m", "kvbus:events_consolidated:rate1m", "kvbus:events_applied:rate1m",
-                             "kvbus:bridge_events_in:rate5m", "kvbus:hop_lag:records", "kvbus:sink_apply_seconds:p99_5m",
-                             'up{job=~"kvbus-.*"}')}
+                   for q in ("kvbus:events_in:rate1m", "kvbus:events_consolidated:rate1m",
+                             "kvbus:events_applied:rate1m", "kvbus:bridge_events_in:rate5m",
+                             "kvbus:hop_lag:records", "kvbus:sink_apply_seconds:p99_5m", 'up{job=~"kvbus-.*"}')}
             flowing = all(v > 0 for q in ("kvbus:events_in:rate1m", "kvbus:events_consolidated:rate1m",
                                           "kvbus:events_applied:rate1m", "kvbus:bridge_events_in:rate5m")
                           for v in got[q].values()) and all(got[q] for q in got)
             replicas = {dict(k).get("replica") for k in got["kvbus:bridge_events_in:rate5m"]}
-            every_up = len(got['up{job=~"kvbus-.*"}']) == 4 and all(v == 1 for v in got['up{job=~"kvbus-.*"}'].values())
+            ups = got['up{job=~"kvbus-.*"}']
+            every_up = len(ups) == 4 and all(v == 1 for v in ups.values())
             hops = {dict(k)["hop"] for k in got["kvbus:hop_lag:records"]}
-            return got if flowing and replicas == {"replica-0", "replica-1"} and every_up and hops == {"raw", "blocks"} \
-                else None
+            ok = flowing and replicas == {"replica-0", "replica-1"} and every_up and hops == {"raw", "blocks"}
+            return got if ok else None
 
         got = eventually(recorded, 90, pipeline, interval=1.0)
         assert {dict(k)["hop"] for k in got["kvbus:hop_lag:records"]} == {"raw", "blocks"}  # worker's and sink's gauges

@@ -13,7 +13,6 @@ and dead-letter summaries and the time range.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,8 +30,15 @@ from kvbus.analytics.cli import build_report
 from kvbus.analytics.reader import Record, read
 from kvbus.analytics.timerange import TimeRange
 from kvbus.fleet import Fleet, FleetConfig, ModelConfig
-from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, DeadLetter, Incomplete,
-                            normalize_medium)
+from kvbus.schemas.events import (
+    AllBlocksCleared,
+    BlockEvent,
+    BlockRemoved,
+    BlockStored,
+    DeadLetter,
+    Incomplete,
+    normalize_medium,
+)
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
 from tests.pipeline import Pipeline, env_for, eventually
@@ -309,8 +315,10 @@ def test_report_matches_the_fleets_ground_truth(fleet_run, tmp_path) -> None:
 
     # incomplete aggregates and dead letters, and the summary on stdout
     inc = pl.read_parquet(out / "incomplete.parquet").row(0, named=True)
-    assert (inc["holder"], inc["kind"], inc["count"], inc["blocks"], inc["missing"]) == ("replica-9#0", "remove", 2, 4, [1, 2])
-    dlq = {(r["stage"], r["reason_kind"]): r["count"] for r in pl.read_parquet(out / "dead_letters.parquet").iter_rows(named=True)}
+    assert (inc["holder"], inc["kind"], inc["count"], inc["blocks"], inc["missing"]) == \
+        ("replica-9#0", "remove", 2, 4, [1, 2])
+    dlq = {(r["stage"], r["reason_kind"]): r["count"]
+           for r in pl.read_parquet(out / "dead_letters.parquet").iter_rows(named=True)}
     assert dlq == {("bridge", "DecodeError"): 2, ("sink", "UnknownTier"): 1}
     assert "== sharing" in done.stdout and f"{tiers['GPU']['stores']:9d}" in done.stdout
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 from functools import lru_cache
 
 import msgspec
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvbus.engine_wire import FORMATS, encode_batch, project, wire_format
 from kvbus.producers import decode as dec
-from kvbus.schemas.events import KNOWN_MEDIUMS, BlockRemoved, BlockStored, AllBlocksCleared, EventBatch, canonical_hash
+from kvbus.schemas.events import KNOWN_MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, canonical_hash
 from kvbus.schemas.serde import RecordSerde, registry_client
 
 SGLANG_ONLY = {"CPU_PINNED", "DISK", "EXTERNAL"}

@@ -13,8 +13,8 @@ from confluent_kafka.schema_registry import Schema
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
 from kvbus.schemas.avro import batch_to_avro, schema_str
-from kvbus.schemas.events import BlockRemoved, BlockStored, EventBatch
 from kvbus.schemas.codec import FastSerde, batch_scanner, confluent_header
+from kvbus.schemas.events import BlockRemoved, BlockStored, EventBatch
 from kvbus.schemas.registry import check_schema, register_schema, set_compatibility
 from kvbus.schemas.serde import RecordSerde, registry_client
 
@@ -114,8 +114,9 @@ def test_registry_accepts_additions_and_refuses_breaking_changes(stack) -> None:
 
 @pytest.mark.integration
 def test_kvbus_schemas_check_reports_new_then_compatible(test_settings, capsys) -> None:
-    from kvbus.schemas.cli import add_schemas_args, run_schemas
     import argparse
+
+    from kvbus.schemas.cli import add_schemas_args, run_schemas
 
     p = argparse.ArgumentParser()
     add_schemas_args(p)

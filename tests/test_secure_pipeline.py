@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
+from kvbus.fleet import Fleet, FleetConfig
 from kvbus.infra.secure_plan import ANALYTICS, BRIDGE, ROUTER, SINK, STREAMS
 from kvbus.procs import free_port
-from kvbus.fleet import Fleet, FleetConfig
 from kvbus.sinks.config import SinkConfig
 from tests.pipeline import eventually
 from tests.secure_stack import StagePipeline
@@ -55,7 +55,8 @@ def test_the_pipeline_runs_with_least_privilege_users_and_the_router_sees_the_vi
             if out.returncode != 0:  # the sink has not loaded the view's functions yet
                 return None
             got = json.loads(out.stdout.strip().splitlines()[-1])
-            return got if {k: {"matched": v["matched"], "tiers": v["tiers"]} for k, v in got.items()} == EXPECTED else None
+            seen = {k: {"matched": v["matched"], "tiers": v["tiers"]} for k, v in got.items()}
+            return got if seen == EXPECTED else None
 
         got = eventually(answer, 180, stages)
         assert set(got) == set(EXPECTED)

@@ -15,14 +15,15 @@ import uuid
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import NewTopic
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, SchemaRegistryError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvbus.infra import secure
 from kvbus.infra.secure_plan import ANALYTICS, BRIDGE, KAFKA_USERS, PRINCIPALS, ROUTER, SINK, STREAMS
+from kvbus.infra.settings import read_env_file
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.topics import REPORT_GROUP_PREFIX, Topics
 from kvbus.sinks.config import SinkConfig
@@ -128,7 +129,8 @@ def test_streams_reads_raw_writes_outputs_and_creates_tier_and_own_topics_only(s
     err = produce_one(conf, T.raw)
     assert err is not None and err.code() == DENIED
     admin = secure.topics.admin_client(secure_stack.bootstrap, **conf)
-    tier, changelog, other = T.for_ownership(f"t{uuid.uuid4().hex[:6]}"), f"{app}-x{uuid.uuid4().hex[:6]}-changelog", f"x{uuid.uuid4().hex[:6]}"
+    tier = T.for_ownership(f"t{uuid.uuid4().hex[:6]}")
+    changelog, other = f"{app}-x{uuid.uuid4().hex[:6]}-changelog", f"x{uuid.uuid4().hex[:6]}"
     futs = admin.create_topics([NewTopic(t, 1, 1) for t in (tier, changelog, other)], operation_timeout=PROMPT)
     futs[tier].result(PROMPT)
     futs[changelog].result(PROMPT)
@@ -165,7 +167,8 @@ def test_router_has_no_kafka_user(secure_stack):
 
 def test_a_wrong_password_is_refused_with_an_authentication_error(secure_stack):
     errors = Errors()
-    p = Producer(kafka_conf(secure_stack, BRIDGE, errors, **{"sasl.password": "not-" + secure.password(secure_stack, BRIDGE)}))
+    wrong = {"sasl.password": "not-" + secure.password(secure_stack, BRIDGE)}
+    p = Producer(kafka_conf(secure_stack, BRIDGE, errors, **wrong))
     assert wait_for(lambda: KafkaError._AUTHENTICATION in errors.codes(), PROMPT, lambda: p.poll(0.2))
     auth = next(e for e in errors.seen if e.code() == KafkaError._AUTHENTICATION)
     assert "invalid credentials" in auth.str()
@@ -177,12 +180,14 @@ def test_plaintext_and_unauthenticated_tls_clients_get_nothing(secure_stack):
     errors = Errors()
     p = Producer({"bootstrap.servers": secure_stack.bootstrap, "logger": kafka_conf(secure_stack, BRIDGE)["logger"],
                   "error_cb": errors})
-    assert wait_for(lambda: errors.codes() & {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN}, PROMPT, lambda: p.poll(0.2))
+    assert wait_for(lambda: errors.codes() & {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN}, PROMPT,
+                    lambda: p.poll(0.2))
     with pytest.raises(KafkaException):
         p.list_topics(timeout=3)
     errors = Errors()
     p = Producer({"bootstrap.servers": secure_stack.bootstrap, "security.protocol": "SSL",
-                  "ssl.ca.location": str(secure_stack.ca), "logger": kafka_conf(secure_stack, BRIDGE)["logger"], "error_cb": errors})
+                  "ssl.ca.location": str(secure_stack.ca), "logger": kafka_conf(secure_stack, BRIDGE)["logger"],
+                  "error_cb": errors})
     assert wait_for(lambda: bool(errors.seen), PROMPT, lambda: p.poll(0.2))  # TLS without SASL: dropped
     with pytest.raises(KafkaException):
         p.list_topics(timeout=3)
@@ -257,10 +262,12 @@ def test_redis_refuses_the_default_user_a_wrong_password_and_plaintext(secure_st
     with redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=ca, **once) as r:
         with pytest.raises(redis.exceptions.AuthenticationError):
             r.get(SinkConfig().prefix + "meta")  # NOAUTH: the default user is off
-    with redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=ca, username=SINK, password="wrong", **once) as r:
+    with redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=ca, username=SINK, password="wrong",
+                     **once) as r:
         with pytest.raises(redis.exceptions.AuthenticationError):
             r.ping()
-    with redis.Redis(host="127.0.0.1", port=port, username=SINK, password=secure.password(secure_stack, SINK), **once) as r:
+    with redis.Redis(host="127.0.0.1", port=port, username=SINK, password=secure.password(secure_stack, SINK),
+                     **once) as r:
         with pytest.raises(redis.exceptions.ConnectionError):
             r.ping()
 
@@ -307,7 +314,7 @@ def test_env_files_hold_settings_not_secrets_and_secret_files_are_private(secure
     for p in PRINCIPALS:
         path = secure_stack.env_file(p)
         text = path.read_text()
-        env = secure.read_env_file(path)
+        env = read_env_file(path)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         assert not any(pw in text for pw in passwords.values()), p
         assert all(k.startswith("KVBUS_") for k in env)
@@ -316,10 +323,10 @@ def test_env_files_hold_settings_not_secrets_and_secret_files_are_private(secure
             assert stat.S_IMODE(secure_stack.password_file(p).stat().st_mode) == 0o600
         assert (p in KAFKA_USERS) == ("KVBUS_KAFKA_SASL_USERNAME" in env)
         assert env["KVBUS_BOOTSTRAP"] == secure_stack.bootstrap  # every file points at this stack only
-    router = secure.read_env_file(secure_stack.env_file(ROUTER))
+    router = read_env_file(secure_stack.env_file(ROUTER))
     assert router["KVBUS_REDIS_USERNAME"] == ROUTER
     assert not {k for k in router if k.startswith("KVBUS_KAFKA_") or k.startswith("KVBUS_REGISTRY_USER")}
-    assert secure.read_env_file(secure_stack.env_file(SINK))["KVBUS_REDIS_URL"].startswith("rediss://")
+    assert read_env_file(secure_stack.env_file(SINK))["KVBUS_REDIS_URL"].startswith("rediss://")
 
 
 def test_no_password_in_logs_configs_or_command_lines(secure_stack):

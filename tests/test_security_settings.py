@@ -97,7 +97,8 @@ def test_redis_and_registry_credentials(secrets):
     assert sec.redis.client_kwargs("rediss://h:6380/0") == {"username": "router", "password": "r-pw",
                                                            "ssl_ca_certs": secrets["ca"]}
     assert "ssl_ca_certs" not in sec.redis.client_kwargs("redis://h:6379/0")
-    assert sec.registry.client_conf() == {"basic.auth.user.info": "analytics:s3cret-kafka", "ssl.ca.location": secrets["ca"]}
+    assert sec.registry.client_conf() == {"basic.auth.user.info": "analytics:s3cret-kafka",
+                                          "ssl.ca.location": secrets["ca"]}
     assert sec.registry.http_headers()["Authorization"].startswith("Basic ")
     assert "r-pw" not in repr(sec) and "s3cret" not in repr(sec)
 
@@ -120,8 +121,9 @@ def test_kafka_refusals_name_the_setting_to_fix():
     denied = describe_kafka_error(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), sasl.librdkafka())
     assert "user 'bridge'" in denied and "KVBUS_KAFKA_SASL_USERNAME" in denied and "pw" not in denied.split("--")[1]
     assert "KVBUS_KAFKA_SSL_CA" in kafka_security_hint(KafkaError(KafkaError._SSL), sasl)
-    wrong = KafkaError(KafkaError._TRANSPORT, "Disconnected while requesting ApiVersion: might be caused by "
-                                              "incorrect security.protocol configuration (connecting to a SSL listener?)")
+    wrong = KafkaError(KafkaError._TRANSPORT,
+                       "Disconnected while requesting ApiVersion: might be caused by "
+                       "incorrect security.protocol configuration (connecting to a SSL listener?)")
     assert "KVBUS_KAFKA_SECURITY_PROTOCOL (now PLAINTEXT)" in kafka_security_hint(wrong, KafkaSecurity())
     assert kafka_security_hint(KafkaError(KafkaError._MSG_TIMED_OUT), sasl) is None
 

@@ -15,6 +15,7 @@ from kvbus.schemas.env import COUNT, SettingError, read
 from kvbus.schemas.logs import log_format
 from kvbus.schemas.security import Security
 from kvbus.schemas.settings import Settings
+from kvbus.serve.config import ServeConfig
 from kvbus.sinks.config import SinkConfig
 from kvbus.streams.options import StreamsOptions
 
@@ -30,23 +31,28 @@ def numeric_variables(cls: type, prefix: str, renamed: dict[str, str] | None = N
 
 SINK_VARIABLES = [v for v in numeric_variables(SinkConfig, "KVBUS_SINK_") if v != "KVBUS_SINK_POLL_TIMEOUT"]
 STREAMS_VARIABLES = numeric_variables(StreamsOptions, "KVBUS_STREAMS_", {"replication": "KVBUS_REPLICATION"})
+SERVE_VARIABLES = numeric_variables(ServeConfig, "KVBUS_SERVE_")
 
 
 def test_every_numeric_option_has_a_variable_in_its_module_doc():
     """The introspected names are the documented variables (else the tests below would test nothing)."""
+    import kvbus.serve.config as serve_doc
     import kvbus.sinks.config as sink_doc
     import kvbus.streams.options as streams_doc
 
-    assert len(SINK_VARIABLES) >= 8 and len(STREAMS_VARIABLES) >= 10
+    assert len(SINK_VARIABLES) >= 8 and len(STREAMS_VARIABLES) >= 10 and len(SERVE_VARIABLES) >= 3
     for name in SINK_VARIABLES:
         assert f"``{name}``" in sink_doc.__doc__, name
     for name in STREAMS_VARIABLES:
         assert f"``{name}``" in streams_doc.__doc__, name
+    for name in SERVE_VARIABLES:
+        assert f"``{name}``" in serve_doc.__doc__, name
 
 
 @pytest.mark.parametrize("load, name", [
     *[(SinkConfig.from_env, n) for n in SINK_VARIABLES],
     *[(StreamsOptions.from_env, n) for n in STREAMS_VARIABLES],
+    *[(ServeConfig.from_env, n) for n in SERVE_VARIABLES],
     (Settings.from_env, "KVBUS_PARTITIONS"),
     (Settings.from_env, "KVBUS_MAX_RECORD_BYTES"),
     (Security.from_env, "KVBUS_KAFKA_SECURITY_PROTOCOL"),

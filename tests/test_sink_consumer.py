@@ -20,10 +20,10 @@ from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
-from tests.memory_store import InMemoryStore
 from kvbus.sinks.redis_store import RedisStore
-from tests.redis_server import RedisServer
 from tests.histories import random_streams
+from tests.memory_store import InMemoryStore
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 

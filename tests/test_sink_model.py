@@ -13,10 +13,10 @@ import uuid
 import pytest
 
 from kvbus.schemas.topics import Topics
-from tests.memory_store import InMemoryStore
 from kvbus.sinks.redis_store import RedisStore
-from tests.redis_server import RedisServer
 from tests.histories import random_streams, redeliver
+from tests.memory_store import InMemoryStore
+from tests.redis_server import RedisServer
 
 T = Topics(blocks="mb")
 

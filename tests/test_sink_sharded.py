@@ -4,7 +4,6 @@ path on a ``redis+cluster://`` URL, and a slot migration while applying (TRYAGAI
 never an error or a lost event). The cluster is started by infra/redis_cluster.py."""
 from __future__ import annotations
 
-import argparse
 import random
 import threading
 import time
@@ -13,6 +12,7 @@ import uuid
 import pytest
 import redis
 
+from kvbus.cli import build_parser
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.cli import lookup_answer
@@ -87,8 +87,9 @@ def test_kvbus_lookup_on_a_cluster_url_reads_the_sharded_view(redis_server, clus
     assert isinstance(open_store(redis_server.url, prefix, load=False), RedisStore)
     chains = _chains(records, random.Random(7))[:15]
     for chain in chains:
-        args = argparse.Namespace(hashes=",".join(str(int.from_bytes(h, "big")) for h in chain), tokens=None,
-                                  replicas=None, weights="GPU=1,CPU=0.5", prefix=prefix, block_size=16, algo="sha256")
+        hashes = ",".join(str(int.from_bytes(h, "big")) for h in chain)
+        args = build_parser("lookup").parse_args(["lookup", "--hashes", hashes, "--weights", "GPU=1,CPU=0.5",
+                                                  "--prefix", prefix])
         want = lookup_answer(args, Settings(redis_url=redis_server.url))
         assert lookup_answer(args, Settings(redis_url=cluster.url)) == want
     assert parse_cluster_url("redis+cluster://10.0.0.1:7000,10.0.0.2:7001/0?shards=32") == \

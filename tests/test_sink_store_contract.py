@@ -13,13 +13,13 @@ import pytest
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
 from kvbus.schemas.topics import Topics
-from tests.memory_store import InMemoryStore
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.sharded_store import ShardedRedisStore
 from kvbus.sinks.store import ResidencyStore
+from kvbus.sinks.tiers import Weights
+from tests.memory_store import InMemoryStore
 from tests.redis_cluster import RedisClusterServer
 from tests.redis_server import REDIS, VALKEY, RedisServer
-from kvbus.sinks.tiers import Weights
 
 T = Topics(blocks="tb")
 MAIN = T.blocks

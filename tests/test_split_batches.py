@@ -11,8 +11,7 @@ from dataclasses import replace as dc_replace
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvbus.producers.kafka_out import KafkaSink
 from kvbus.producers.metrics import BridgeMetrics

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvbus.schemas.events import BlockEvent
 from kvbus.schemas.serde import RecordSerde, registry_client
@@ -40,7 +39,8 @@ def test_fast_decoding_matches_record_serde(batch):
     assert Codec(REGISTRY, fast=False).decode(data, "codec.raw") == batch
 
 
-@pytest.mark.parametrize("data", [b"", b"\x00", b"garbage", b"\x00\x00\x00\x00\x01\xff\xff", b"\x00\x00\x0f\xff\xff\x02"])
+@pytest.mark.parametrize("data", [b"", b"\x00", b"garbage", b"\x00\x00\x00\x00\x01\xff\xff",
+                                  b"\x00\x00\x0f\xff\xff\x02"])
 def test_bad_values_raise_like_record_serde(data):
     with pytest.raises(Exception) as fast:
         CODEC.decode(data, "codec.raw")

@@ -22,13 +22,21 @@ import pytest
 from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
-from kvbus.schemas.events import (AllBlocksCleared, BlockEvent, BlockStored, EventBatch, Incomplete, Reset,
-                            canonical_hash, holder_key)
-from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.procs import free_port
+from kvbus.schemas.events import (
+    AllBlocksCleared,
+    BlockEvent,
+    BlockStored,
+    EventBatch,
+    Incomplete,
+    Reset,
+    canonical_hash,
+    holder_key,
+)
+from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
-from tests.trace import TraceSpec, batches, expected
 from tests.pipeline import RawProducer
+from tests.trace import TraceSpec, batches, expected
 
 pytestmark = pytest.mark.integration
 

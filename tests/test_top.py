@@ -13,11 +13,11 @@ import pytest
 
 from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
 from kvbus.procs import free_port
-from kvbus.top.config import parse_endpoints
-from kvbus.top.metrics import quantile
 from kvbus.schemas.events import BlockRemoved, BlockStored
 from kvbus.schemas.hashing import block_hashes
-from tests.pipeline import Pipeline, RawProducer, env_for, eventually
+from kvbus.top.config import parse_endpoints
+from kvbus.top.metrics import quantile
+from tests.pipeline import Pipeline, RawProducer, Waiting, env_for, eventually
 from tests.tmux import TmuxPane
 
 BS = 16
@@ -48,6 +48,26 @@ def top_once(settings, *args: str) -> dict:
     return json.loads(out.stdout)
 
 
+class TopSampler:
+    """Snapshots as ``kvbus top`` takes them, from one collector in this process sampled on every call
+    (what the live console does every interval; rates span the time between two calls), so polling a
+    pipeline starts no process. The ``--once --json`` command is checked once, on the settled state."""
+
+    def __init__(self, settings, *args: str) -> None:
+        from kvbus.cli import build_parser
+        from kvbus.top.collect import Collector
+        from kvbus.top.config import top_config
+
+        self.collector = Collector(top_config(build_parser("top").parse_args(["top", *args])), settings)
+        self.collector.collect()
+
+    def snap(self) -> dict:
+        return self.collector.collect()
+
+    def close(self) -> None:
+        self.collector.close()
+
+
 @pytest.mark.integration
 def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
     settings = test_settings
@@ -74,10 +94,12 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
                 "--sinks", str(sink_port), "--worker-group", worker_group, "--sink-group", sink_group,
                 "--prefix", prefix, "--interval", "0.5")
 
-        def settled() -> dict | None:
+        sampler = TopSampler(settings, *args)
+
+        def settled() -> dict | Waiting:
             """Everything has gone through and every process's metrics say so (a worker syncs its
             counters every sweep, a sink its view gauges every few seconds when caught up)."""
-            snap = top_once(settings, *args)
+            snap = sampler.snap()
             hops = snap["kafka"].get("hops") or []
             flow = [snap["flow"][k]["total"] for k in ("in", "consolidated", "applied")]
             dead = [(r["stage"], r["reason"], r["total"]) for r in snap["dead_letters"]["rows"] if r["total"]]
@@ -86,9 +108,15 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
                     and flow == [ENGINE_EVENTS] * 3 and dead == [("worker", "decode", 1)]
                     and snap["dead_letters"]["topic"]["records"] == 1
                     and sinks[0]["up"] and sinks[0]["gauges"]["view_holders"] == 2)
-            return snap if done else None
+            return snap if done else Waiting(view=snap["view"].get("replicas"), lags=[h["lag"] for h in hops],
+                                             flow=flow, dead=dead, dlq=snap["dead_letters"]["topic"]["records"],
+                                             sink=(sinks[0]["up"], sinks[0].get("gauges", {}).get("view_holders")))
 
-        snap = eventually(settled, 120, pipeline, interval=0.2)
+        try:
+            eventually(settled, 120, pipeline, interval=0.5)
+        finally:
+            sampler.close()
+        snap = top_once(settings, *args)  # the command itself, on the settled pipeline
 
         # flow: every engine event acknowledged by Kafka, consolidated (passed through: TP=1), applied
         assert snap["flow"]["in"]["total"] == ENGINE_EVENTS
@@ -98,7 +126,8 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
         # bridges: two up, the third endpoint unreachable
         by_endpoint = {b["endpoint"]: b for b in snap["bridges"]}
         assert [by_endpoint[f"127.0.0.1:{p}"]["up"] for p in bridge_ports] == [True, True]
-        assert sorted(by_endpoint[f"127.0.0.1:{p}"]["counters"]["events_acked"]["total"] for p in bridge_ports) == [2, 3]
+        acked = sorted(by_endpoint[f"127.0.0.1:{p}"]["counters"]["events_acked"]["total"] for p in bridge_ports)
+        assert acked == [2, 3]
         resets = sum(by_endpoint[f"127.0.0.1:{p}"]["counters"]["resets"]["total"] for p in bridge_ports)
         assert by_endpoint[f"127.0.0.1:{dead_port}"] == {
             "endpoint": f"127.0.0.1:{dead_port}", "up": False,
@@ -129,6 +158,8 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
         # the live screen shows the same
         tmux = TmuxPane([sys.executable, "-m", "kvbus", "top", *args], env_for(settings), width=200, height=80)
 
+        partition_lags = " ".join(f"p{i} 0" for i in range(settings.partitions))
+
         def screen_shows() -> str | None:
             text = tmux.screen()
             assert not tmux.exited(), text
@@ -140,8 +171,7 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
                   and f"unreachable: 127.0.0.1:{dead_port} (connection refused)" in text
                   and f"{settings.topics.dlq} holds 1 records" in text
                   and f"raw -> worker ({worker_group}): lag 0" in text
-                  and f"{settings.topics.raw} lag by partition: " + " ".join(f"p{i} 0" for i in range(settings.partitions))
-                  in text)
+                  and f"{settings.topics.raw} lag by partition: {partition_lags}" in text)
             return text if ok else None
 
         text = eventually(screen_shows, 30, interval=0.5)
@@ -223,10 +253,18 @@ def test_the_command_the_demo_prints_watches_the_demos_processes(monkeypatch) ->
     import shlex
 
     from kvbus.cli import build_parser
-    from kvbus.demo import BRIDGE_METRICS_BASE, SINK_GROUP, SINK_METRICS_PORT, WORKER_GROUP, WORKER_METRICS_PORT, top_command
+    from kvbus.demo import (
+        BRIDGE_METRICS_BASE,
+        SINK_GROUP,
+        SINK_METRICS_PORT,
+        WORKER_GROUP,
+        WORKER_METRICS_PORT,
+        top_command,
+    )
     from kvbus.top.config import top_config
 
-    for var in ("KVBUS_TOP_BRIDGES", "KVBUS_TOP_WORKERS", "KVBUS_TOP_SINKS", "KVBUS_STREAMS_APP_ID", "KVBUS_SINK_GROUP"):
+    for var in ("KVBUS_TOP_BRIDGES", "KVBUS_TOP_WORKERS", "KVBUS_TOP_SINKS", "KVBUS_STREAMS_APP_ID",
+                "KVBUS_SINK_GROUP"):
         monkeypatch.delenv(var, raising=False)
     argv = shlex.split(top_command(5))[1:]
     cfg = top_config(build_parser("top").parse_args(argv))
@@ -265,36 +303,50 @@ def test_top_shows_incompletes_of_tensor_parallel_workers(test_settings, tmp_pat
         pipeline.start("worker", "worker", "--app-id", f"streams-{run}", "--workdir", str(tmp_path),
                        "--metrics-port", str(worker_port), "--window", "1")
         for w in range(2):
-            pipeline.start(f"bridge-w{w}", "bridge", "--endpoint", f"tcp://127.0.0.1:{base + 2 * w}", "--replay-endpoint",
-                           f"tcp://127.0.0.1:{base + 2 * w + 1}", "--replica", "replica-0", "--worker-rank", str(w),
-                           "--workers", "2")
+            pipeline.start(f"bridge-w{w}", "bridge", "--endpoint", f"tcp://127.0.0.1:{base + 2 * w}",
+                           "--replay-endpoint", f"tcp://127.0.0.1:{base + 2 * w + 1}", "--replica", "replica-0",
+                           "--worker-rank", str(w), "--workers", "2")
+        # the fleet streams until the console has seen incompletes, however long the worker takes to start
         pipeline.start("fleet", "fleet", "--replicas", "1", "--workers", "2", "--drop-rate", "0.2",
-                       "--base-port", str(base), "--rate", "20", "--duration", "8")
+                       "--base-port", str(base), "--rate", "20", "--duration", "600")
+        fleet = pipeline.children.started[-1].proc
         args = ("--bridges", "", "--workers", str(worker_port), "--sinks", str(sink_port),
                 "--worker-group", f"streams-{run}", "--sink-group", f"sink-{run}", "--interval", "0.5")
+        sampler = TopSampler(settings, *args)
 
-        def streaming_with_incompletes() -> dict | None:
-            snap = top_once(settings, *args)
-            return snap if (snap["incomplete"]["share"] or 0) > 0 else None
+        def streaming_with_incompletes() -> dict | Waiting:
+            """The workers panel shows a share of incompletes while the fleet streams."""
+            snap = sampler.snap()
+            return snap if (snap["incomplete"]["share"] or 0) > 0 else Waiting(
+                incomplete=snap["incomplete"], workers=[w["up"] for w in snap["workers"]])
 
-        snap = eventually(streaming_with_incompletes, 60, pipeline, interval=0.2)
+        snap = eventually(streaming_with_incompletes, 120, pipeline, interval=0.5)
+        fleet.terminate()
+        fleet.wait(30)
         assert set(snap["incomplete"]["reasons"]) <= {"window", "cleared", "disordered"}  # streams/metrics.py
         # the share is of TP-consolidated events over the same interval (bursts of expiries can exceed 1)
         inc = sum(v["per_s"] for v in snap["incomplete"]["reasons"].values())
         (worker,) = snap["workers"]
         assert snap["incomplete"]["share"] == pytest.approx(inc / worker["counters"]["consolidated"]["per_s"])
 
-        def settled() -> dict | None:
-            fleet_done = pipeline.children.started[-1].proc.poll() is not None
-            snap = top_once(settings, *args)
+        def settled() -> dict | Waiting:
+            """No aggregate pending, no raw lag, and the incompletes counted equal the incomplete topic's records."""
+            snap = sampler.snap()
             (worker,) = snap["workers"]
-            done = (fleet_done and worker["up"] and worker["gauges"]["pending_aggregates"] == 0
+            done = (worker["up"] and worker["gauges"]["pending_aggregates"] == 0
                     and snap["kafka"]["hops"][0]["lag"] == 0)
             # the counters and the topic meet once the last Incomplete records are acknowledged
             total = sum(v["total"] for v in snap["incomplete"]["reasons"].values())
-            return snap if done and total == _records(settings, settings.topics.incomplete) else None
+            records = _records(settings, settings.topics.incomplete)
+            return snap if done and total == records else Waiting(
+                up=worker["up"], pending=worker.get("gauges", {}).get("pending_aggregates"),
+                raw_lag=snap["kafka"]["hops"][0]["lag"], counted=total, records=records)
 
-        snap = eventually(settled, 60, interval=0.5)
+        try:
+            eventually(settled, 120, interval=0.5)
+        finally:
+            sampler.close()
+        snap = top_once(settings, *args)  # the command itself, on the settled pipeline
         assert sum(v["total"] for v in snap["incomplete"]["reasons"].values()) > 0
         assert snap["flow"]["consolidated"]["total"] > 0
         (sink,) = snap["sinks"]  # no sink runs in this test

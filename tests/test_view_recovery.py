@@ -6,15 +6,22 @@ The first tests need only a private Redis; the last ones run the sink against th
 registry, and kill or restart its Redis."""
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from kvbus.schemas.topics import Topics
-from tests.memory_store import InMemoryStore
+from kvbus.sinks.config import SinkConfig
+from kvbus.sinks.consumer import SinkConsumer
 from kvbus.sinks.redis_store import RedisStore, ViewChanged
-from tests.redis_server import RedisServer
+from kvbus.sinks.snapshot import SnapshotWriter
 from tests.histories import random_streams
+from tests.memory_store import InMemoryStore
+from tests.redis_server import RedisServer
+from tests.test_sink_consumer import produce, wait_for
 
 TOPICS = Topics(blocks="rt.blocks")
 
@@ -115,16 +122,6 @@ def test_wipe_deletes_the_view_and_nothing_else(redis_server):
 
 
 # ------------------------------------------------------------------ with the real Kafka and registry
-
-import dataclasses  # noqa: E402
-
-from confluent_kafka import TopicPartition  # noqa: E402
-from confluent_kafka.admin import AdminClient  # noqa: E402
-
-from kvbus.sinks.config import SinkConfig
-from kvbus.sinks.consumer import SinkConsumer  # noqa: E402
-from kvbus.sinks.snapshot import SnapshotWriter  # noqa: E402
-from tests.test_sink_consumer import produce, wait_for  # noqa: E402
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import uuid
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
 from kvbus.sinks.redis_store import RedisStore
-from tests.redis_server import RedisServer
 from kvbus.sinks.view import summary
+from tests.redis_server import RedisServer
 
 H = [canonical_hash(i * 31337 + 5) for i in range(10)]
 

@@ -9,7 +9,6 @@ import subprocess
 import uuid
 from typing import Sequence
 
-
 EXITED = "[program exited with"
 
 

@@ -7,14 +7,14 @@
 #
 # SOURCE  the repository's root (a wheel is built from a clean copy of it) or a built kvbus wheel
 # PREFIX  where kvbus goes: a new virtual environment (PREFIX/bin/kvbus); must not exist yet
-# EXTRAS  comma-separated role extras of pyproject.toml; default bridge,streams,sink,top: every
-#         long-running stage (kvbus bridge, worker, sink) plus kvbus top and kvbus lookup.
+# EXTRAS  comma-separated role extras of pyproject.toml; default bridge,streams,sink,top,serve: every
+#         long-running stage (kvbus bridge, worker, sink, serve) plus kvbus top and kvbus lookup.
 #         `all` adds kvbus report (analytics: polars, matplotlib).
 # PYTHON  the interpreter the environment is made from (default python3; 3.11 or later)
 # pip's own settings apply (PIP_NO_CACHE_DIR, PIP_INDEX_URL, ...).
 set -euo pipefail
 
-DEFAULT_EXTRAS=bridge,streams,sink,top
+DEFAULT_EXTRAS=bridge,streams,sink,top,serve
 if [ $# -lt 2 ] || [ $# -gt 3 ]; then
   sed -n '2,/^set /{/^#/p}' "$0" >&2
   exit 2

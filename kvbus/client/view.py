@@ -15,7 +15,7 @@ import redis
 from redis.cluster import LoadBalancingStrategy, RedisCluster
 
 from kvbus.schemas import lookup
-from kvbus.schemas.events import canonical_hash
+from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes
 from kvbus.schemas.hashing import LoRA, block_hashes
 from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
 from kvbus.schemas.redis_view import (
@@ -69,7 +69,10 @@ def chain_of(tokens: Sequence[int] | None, hashes: Sequence[int | bytes] | None,
     if hashes is not None:
         if lora is not None or cache_salt is not None or engine_version is not None:
             raise ValueError("lora=, cache_salt= and engine_version= apply to tokens=: hashes= are hashed already")
-        return [canonical_hash(h) for h in hashes]
+        try:
+            return canonical_hashes(hashes)[0]  # ints, or digests: the fast path of a chain of one kind
+        except MixedHashes:
+            return [canonical_hash(h) for h in hashes]
     return block_hashes(tokens, block_size, algo, seed=seed, lora=lora, cache_salt=cache_salt,
                         engine_version=engine_version)
 

@@ -15,8 +15,8 @@ import logging
 import sys
 import time
 
-from kvbus.top.config import add_top_config_args, top_config
 from kvbus.schemas.settings import Settings
+from kvbus.top.config import add_top_config_args, top_config
 
 
 def add_top_args(p: argparse.ArgumentParser) -> None:

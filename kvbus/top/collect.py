@@ -29,11 +29,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from kvbus.schemas.security import redact_url
+from kvbus.schemas.settings import Settings
 from kvbus.top.config import TopConfig
 from kvbus.top.metrics import ROLES, Role, Samples, describe_error, fetch, quantile
 from kvbus.top.sources import KafkaSource, ViewSource
-from kvbus.schemas.security import redact_url
-from kvbus.schemas.settings import Settings
 
 Prev = tuple[float, Samples]
 """(monotonic time, samples) of an endpoint's previous good scrape."""
@@ -194,7 +194,8 @@ class Collector:
         if any(b["up"] for b in bridges):
             rows.append({"stage": "bridge", "reason": "-", **role_counter(bridges, "dead_letters")})
         for stage, entries in (("worker", workers), ("sink", sinks)):
-            rows += [{"stage": stage, "reason": reason, **v} for reason, v in role_labelled(entries, "dead_letters").items()]
+            rows += [{"stage": stage, "reason": reason, **v}
+                     for reason, v in role_labelled(entries, "dead_letters").items()]
         return {"rows": rows, "topic": kafka.get("dlq")}
 
     def _view(self, got: dict | BaseException) -> dict:

@@ -87,8 +87,10 @@ def add_top_config_args(p: argparse.ArgumentParser) -> None:
     worker_group = StreamsOptions.from_env().app_id
     p.add_argument("--worker-group", default=worker_group,
                    help=f"the Faust workers' consumer group (KVBUS_STREAMS_APP_ID; now {worker_group})")
-    p.add_argument("--sink-group", default=sink.group, help=f"the sinks' consumer group (KVBUS_SINK_GROUP; now {sink.group})")
-    p.add_argument("--prefix", default=sink.prefix, help=f"Redis key prefix of the view (KVBUS_SINK_PREFIX; now {sink.prefix})")
+    p.add_argument("--sink-group", default=sink.group,
+                   help=f"the sinks' consumer group (KVBUS_SINK_GROUP; now {sink.group})")
+    p.add_argument("--prefix", default=sink.prefix,
+                   help=f"Redis key prefix of the view (KVBUS_SINK_PREFIX; now {sink.prefix})")
     interval = read(env, "KVBUS_TOP_INTERVAL", SECONDS, 1.0)
     p.add_argument("--interval", type=SECONDS, default=interval,
                    help=f"seconds between refreshes (KVBUS_TOP_INTERVAL; now {interval:g})")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
-from tests.vectors.make_vllm_vectors import Finder, StubModule
+from tests.vectors.make_vllm_vectors import Finder, StubModule  # noqa: E402
 
 RELEASE = "0.33.0"
 ROOT = Path(tempfile.gettempdir()) / "kvbus-vllm-hybrid"

@@ -1,0 +1,266 @@
+"""The query API's requests and answers: the shape of Mooncake's conductor indexer API, which Dynamo's
+standalone indexer follows, over :class:`kvbus.client.ViewClient` (docs/serve.md).
+
+A request is decoded and checked here (:func:`parse`: a :class:`BadRequest` names the field), asked
+of the view through one function (:func:`ask`), and its holders are folded into the answer
+(:func:`answer`): keyed by tenant, then instance (kvbus's replica), each with ``longest_matched`` in
+tokens, one count per medium (:func:`medium`), and ``DP`` (rank -> tokens).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Mapping, Sequence
+
+import msgspec
+from msgspec import Meta
+
+from kvbus.client import HolderMatch, ViewClient
+from kvbus.schemas.hashing import LoRA, hash_rules
+from kvbus.schemas.tiers import medium_of
+
+DEFAULT_TENANT = "default"
+"""The tenant of a request that names none (Mooncake's default)."""
+
+MEDIA: dict[str, str] = {
+    "GPU": "GPU",
+    "CPU": "CPU",
+    "CPU_PINNED": "CPU",
+    "DISK": "DISK",
+    "STORAGE": "DISK",
+    "FS": "DISK",
+}
+"""kvbus medium (an event's ``medium``, upper-cased) -> the answer's medium: Mooncake's device pool
+(``GPU``), host pool (``CPU``) and disk pool (``DISK``). Any other medium (``OBJ``, ``EXTERNAL``, an
+engine's own) is answered under its own name."""
+ANSWER_MEDIA = ("GPU", "CPU", "DISK")
+"""Media every instance's answer lists, 0 when nothing is held there (more when held)."""
+
+U64 = 1 << 64
+
+
+@functools.cache
+def medium(tier_label: str) -> str:
+    """The answer's medium of a kvbus tier label (``GPU``, ``CPU@kvcr``, ``GPU/g1``, ``STORAGE``):
+    :data:`MEDIA` of its medium, else the medium itself."""
+    m = medium_of(tier_label)
+    return MEDIA.get(m, m)
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+Token = Annotated[int, Meta(ge=0)]
+Hash = Annotated[int, Meta(ge=-(1 << 63))]  # and < 2**64, checked in parse (msgspec bounds stop at int64)
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True):
+    """Fields of both endpoints (Mooncake's names; ``model_name`` is Dynamo's name of ``model``)."""
+
+    model: str | None = None
+    model_name: str | None = None
+    lora_name: str | None = None
+    tenant_id: str | None = None
+    instance_id: str | None = None
+    block_size: Annotated[int, Meta(ge=1)] | None = None
+    cache_salt: str | None = None
+
+
+class TokensBody(_Common, forbid_unknown_fields=True):
+    """``POST /query``."""
+
+    token_ids: list[Token] | None = None
+
+
+class HashesBody(_Common, forbid_unknown_fields=True):
+    """``POST /query_by_hash``: ``seq_hashes``, or ``block_hash`` (Mooncake's earlier name) or
+    ``block_hashes`` (Dynamo's)."""
+
+    seq_hashes: list[Hash] | None = None
+    block_hash: list[Hash] | None = None
+    block_hashes: list[Hash] | None = None
+
+
+class BadRequest(ValueError):
+    """A request the API cannot answer (HTTP 400): ``field`` names the request field at fault (None:
+    the body as a whole)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+    def to_json(self) -> dict[str, Any]:
+        """The 400 answer's body: ``{"error": message, "field": name or null}``."""
+        return {"error": str(self), "field": self.field}
+
+
+@dataclass(frozen=True)
+class Hashing:
+    """How the server hashes ``token_ids``: the engines' settings (``kvbus serve`` flags)."""
+
+    algo: str = "sha256"
+    """The engines' ``--prefix-caching-hash-algo``."""
+    seed: str | None = None
+    """Their ``PYTHONHASHSEED`` (None: this process's, else vLLM's default)."""
+    engine_version: str | None = None
+    """Their vLLM release where it hashes differently (None: the newest rules)."""
+    lora_modules: Mapping[str, str] = field(default_factory=dict)
+    """Adapter name -> the path the engines loaded it from (vLLM's ``--lora-modules NAME=PATH``)."""
+
+    def lora(self, name: str | None) -> LoRA | None:
+        """The adapter a request's ``lora_name`` names (None or "": the base model). BadRequest for a
+        name the server was not given a path for, where the engines' release hashes the path."""
+        if not name:
+            return None
+        rules = hash_rules(self.engine_version)
+        if rules.lora_key == "int_id":
+            raise BadRequest(f"vLLM {rules.release} hashes an adapter's blocks with the lora_int_id each engine "
+                             "assigns itself, which no router can compute", "lora_name")
+        path = self.lora_modules.get(name)
+        if path is None:
+            if rules.lora_key == "name":
+                return LoRA(name)
+            known = ", ".join(sorted(self.lora_modules)) or "none"
+            raise BadRequest(f"unknown LoRA adapter {name!r}: the engines hash its path, and this server knows "
+                             f"the paths of {known} (kvbus serve --lora-module NAME=PATH)", "lora_name")
+        return LoRA(name, path)
+
+
+@dataclass(frozen=True)
+class Query:
+    """A checked request: what is asked of the view and how the answer is keyed."""
+
+    model: str
+    """The model the request names."""
+    tenant: str
+    """The answer's top-level key."""
+    block_size: int
+    """Tokens per block: the hashing of ``tokens`` and the unit of every count in the answer."""
+    tokens: list[int] | None = None
+    """``/query``: the prompt's token ids (hashed by the client as the engines do)."""
+    hashes: list[int] | None = None
+    """``/query_by_hash``: the prompt's block hashes (rolling: each covers the prefix up to its block)."""
+    lora: LoRA | None = None
+    """The adapter (``/query``: hashed in; ``/query_by_hash``: checked only, the hashes carry it)."""
+    cache_salt: str | None = None
+    """The salt (``/query``: hashed in; ``/query_by_hash``: the hashes carry it)."""
+    instance: str | None = None
+    """Only this instance (a replica, or ``replica#rank``), None: all."""
+
+
+_AT = re.compile(r"at `\$\.([A-Za-z_]\w*)")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+_DECODERS = {TokensBody: msgspec.json.Decoder(TokensBody), HashesBody: msgspec.json.Decoder(HashesBody)}
+
+
+def _decode(body: bytes, kind: type) -> Any:
+    try:
+        return _DECODERS[kind].decode(body)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        at = _UNKNOWN.search(text) or _AT.search(text)
+        if _UNKNOWN.search(text):
+            text += f" (this endpoint takes {', '.join(kind.__struct_fields__)})"
+        raise BadRequest(text, at.group(1) if at else None) from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"the body is not JSON: {e}") from None
+
+
+def _one_of(body: Any, names: Sequence[str], required: bool = True) -> tuple[str | None, Any]:
+    """The value of whichever of the alias fields ``names`` the body gives; BadRequest when several
+    are given, or none while ``required``."""
+    given = [n for n in names if getattr(body, n) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"{' and '.join(given)} name the same thing: give one", given[1])
+    if not given:
+        if required:
+            raise BadRequest(f"{names[0]} is required", names[0])
+        return None, None
+    return given[0], getattr(body, given[0])
+
+
+def parse(body: bytes, by_hash: bool, hashing: Hashing) -> Query:
+    """The :class:`Query` of a request body (JSON) to ``/query`` (``by_hash`` False) or
+    ``/query_by_hash``; :class:`BadRequest` naming the field otherwise."""
+    b = _decode(body, HashesBody if by_hash else TokensBody)
+    _, model = _one_of(b, ("model", "model_name"))
+    if not model:
+        raise BadRequest("model must name the model", "model")
+    if b.block_size is None:
+        raise BadRequest("block_size is required", "block_size")
+    if b.instance_id is not None and not b.instance_id:
+        raise BadRequest("instance_id must name an instance, or be left out for all", "instance_id")
+    common = dict(model=model, tenant=b.tenant_id if b.tenant_id is not None else DEFAULT_TENANT,
+                  block_size=b.block_size, lora=hashing.lora(b.lora_name), cache_salt=b.cache_salt,
+                  instance=b.instance_id)
+    if not by_hash:
+        _, tokens = _one_of(b, ("token_ids",))
+        return Query(tokens=tokens, **common)
+    name, hashes = _one_of(b, ("seq_hashes", "block_hash", "block_hashes"))
+    if hashes and max(hashes) >= U64:
+        i, h = next((i, h) for i, h in enumerate(hashes) if h >= U64)
+        raise BadRequest(f"{name}[{i}] = {h} is not a 64-bit hash (at most 2**64 - 1)", name)
+    return Query(hashes=hashes, **common)
+
+
+# ------------------------------------------------------------------------------------------ the lookup
+
+@functools.cache
+def takes_model(client: type) -> bool:
+    """Whether lookups of a client class take ``model=`` (a view with a model dimension)."""
+    return "model" in inspect.signature(client.lookup).parameters
+
+
+def ask(view: ViewClient, q: Query, hashing: Hashing) -> list[HolderMatch]:
+    """The view's holders for ``q``, best first: the one call every request's lookup goes through.
+
+    ``q.model`` reaches the view here, as ``lookup(model=...)`` where the client takes it
+    (:func:`takes_model`); a client without it answers from a view that has no model dimension.
+    ValueError (the client's) for what cannot be hashed."""
+    scope: dict[str, Any] = {"model": q.model} if takes_model(type(view)) else {}
+    candidates = None if q.instance is None else [q.instance]
+    if q.hashes is not None:
+        return view.lookup(hashes=q.hashes, candidates=candidates, **scope)
+    return view.lookup(tokens=q.tokens, block_size=q.block_size, algo=hashing.algo, seed=hashing.seed,
+                       lora=q.lora, cache_salt=q.cache_salt, engine_version=hashing.engine_version,
+                       candidates=candidates, **scope)
+
+
+# ------------------------------------------------------------------------------------------ answers
+
+
+def instance_answer(holders: Sequence[HolderMatch], block_size: int) -> dict[str, Any]:
+    """One instance's answer from its holders (one per data-parallel rank), every count in tokens:
+    ``longest_matched`` (the longest prefix any rank holds, on any medium), each medium's longest
+    prefix held there by any rank (never more than that rank's ``matched``), and ``DP``: rank ->
+    the prefix that rank holds."""
+    blocks = dict.fromkeys(ANSWER_MEDIA, 0)
+    for m in holders:
+        for tier, n in m.tiers.items():
+            name = medium(tier)
+            n = min(n, m.matched)
+            if n > blocks.get(name, 0):
+                blocks[name] = n
+    if len(blocks) > len(ANSWER_MEDIA):  # other media after the three, by name
+        blocks = {k: blocks[k] for k in (*ANSWER_MEDIA, *sorted(blocks.keys() - set(ANSWER_MEDIA)))}
+    out = {"longest_matched": max(m.matched for m in holders) * block_size}
+    for name, n in blocks.items():
+        out[name] = n * block_size
+    ranks = holders if len(holders) == 1 else sorted(holders, key=_dp_rank)
+    out["DP"] = {str(m.dp_rank): m.matched * block_size for m in ranks}
+    return out
+
+
+def _dp_rank(m: HolderMatch) -> int:
+    return m.dp_rank
+
+
+def answer(q: Query, holders: Sequence[HolderMatch]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{tenant: {instance: instance_answer}}``; instances in the order of their best holder (the
+    lookup's ranking: longest and best-scored first, ties by the client's tie-break); instances that
+    hold no block of the prompt are left out."""
+    by_instance: dict[str, list[HolderMatch]] = {}
+    for m in holders:
+        by_instance.setdefault(m.replica, []).append(m)
+    return {q.tenant: {name: instance_answer(hs, q.block_size) for name, hs in by_instance.items()}}

@@ -1,0 +1,406 @@
+"""The one module of kvbus that touches Faust's (faust-streaming's) private internals.
+
+The rest of the streams stage uses Faust's public API, and calls this module for four things the
+public API does not offer:
+
+* :class:`Transport` (broker scheme :data:`SCHEME`, ``kvbus://host:port;host2:port2``): Faust's
+  aiokafka transport whose :class:`Consumer` hands the records of one fetch to the conductor in one
+  task instead of one ``wait_first`` per record (below);
+* :class:`ChangelogPartition`: table writes made inside ``with ChangelogPartition(topic, partition):``
+  go to that changelog partition, outside of an agent's iteration;
+* :func:`hold` / :func:`release`: keep a raw record uncommittable after Faust's own ack at the end of
+  ``take_events``, until kvbus has delivered its outputs and written its state;
+* :func:`rewind`: seek partitions on the consumer's own thread.
+
+:data:`INTERNALS` lists every private name (and every behaviour of a public one) this relies on, with
+its kind, its parameters and a fingerprint of the source reviewed. :func:`broken_internals` and
+:func:`revised_internals` compare them with the installed faust-streaming and mode-streaming: the
+worker refuses to start when a name is missing or has another kind or signature, and logs a warning
+when a reviewed source changed (``tests/test_faust_adapter.py`` fails on both). No aiokafka name is
+used directly: aiokafka is reached only through Faust's driver, whose ``seek_wait`` is reviewed here.
+
+The fast hand-over. Faust's ``Consumer._drain_messages`` hands every fetched record to the conductor
+through ``Service.wait_first(callback(message), suspend_flow.wait())``: four tasks and an
+``asyncio.wait`` per record, so that a callback blocked on a full stream buffer is cancelled when a
+rebalance suspends the flow. Profiled (py-spy, a Faust agent that only acks), that is ~40% of the
+event loop's time per raw record. :class:`Consumer` keeps the same loop and the same semantics but
+waits that way once per *fetch*: the records of one ``getmany`` are delivered by one coroutine, which
+``wait_first`` cancels wherever it is blocked when the flow is suspended, the worker stops or crashes
+(the records not yet delivered are dropped, as Faust drops them per record; after the rebalance the
+consumer seeks back to committed offsets: :meth:`kvbus.streams.runtime.Runtime.rebuild`). Faust offers
+no hook for this, hence the subclass of a private method. Everything else (fetching thread,
+rebalancing, commits, producer, tables) is Faust's ``faust.transport.drivers.aiokafka``.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import weakref
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Literal, Mapping, Optional, Sequence
+
+from faust.streams import _current_event
+from faust.transport import drivers
+from faust.transport.consumer import CONSUMER_FETCHING
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP, EventT, Message
+from mode.services import ServiceTask
+from mode.utils.locks import Event
+
+log = logging.getLogger("kvbus.streams")
+
+SCHEME = "kvbus"
+"""Broker URL scheme of :class:`Transport` (``kvbus://host:port;host2:port2``)."""
+
+YIELD_EVERY = 100
+"""Records delivered between two ``sleep(0)`` (as Faust does), so other tasks keep running."""
+
+Kind = Literal["context variable", "function", "coroutine function", "async generator function", "service task",
+               "instance attribute"]
+"""What an internal is: a ``ContextVar``; a plain function or method; an ``async def``; an ``async def``
+that yields; a mode ``Service.task`` (a ``ServiceTask`` wrapping an ``async def``); an attribute every
+instance of the owner class has after ``__init__``."""
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One name of faust-streaming (or mode-streaming) kvbus relies on beyond Faust's documented API."""
+
+    where: str
+    """``module:qualified.name``, e.g. ``faust.transport.consumer:Consumer._add_gap``."""
+    kind: Kind
+    params: Optional[tuple[str, ...]] = None
+    """Parameter names of a callable in order (``self`` included); None: not checked."""
+    types: tuple[type, ...] = ()
+    """Instance attributes: the types the value may have."""
+    reviewed: Optional[str] = None
+    """First 16 hex digits of the SHA-256 of the source kvbus was written against (``inspect.getsource``);
+    None for names whose use depends only on their kind and signature."""
+    why: str = ""
+    """What kvbus does with it."""
+
+    @property
+    def private(self) -> bool:
+        """Whether a component of the name starts with an underscore (not Faust's public API)."""
+        return any(part.startswith("_") for part in self.where.replace(":", ".").split("."))
+
+
+INTERNALS: tuple[Internal, ...] = (
+    Internal("faust.streams:_current_event", "context variable",
+             why="ChangelogPartition sets it to a stand-in event naming the changelog partition"),
+    Internal("faust.streams:current_event", "function", (), reviewed="3b821f1a78d86a58",
+             why="reads _current_event as a weak reference to the event"),
+    Internal("faust.tables.base:Collection.partition_for_key", "function", ("self", "key"),
+             reviewed="3b2291811b8dd791",
+             why="a table write's changelog partition is current_event().message.partition; only "
+                 ".message.topic and .message.partition of the stand-in are read"),
+    Internal("faust.transport.consumer:Consumer._drain_messages", "coroutine function", ("self", "fetcher"),
+             reviewed="44a2500309e83c63",
+             why="overridden by Consumer._drain_messages, a copy of its loop with one wait_first per fetch"),
+    Internal("faust.transport.consumer:Fetcher._fetcher", "service task", ("self",), reviewed="68f894f0b577d810",
+             why="the caller of consumer._drain_messages(fetcher): the override is only used if it calls it"),
+    Internal("faust.transport.consumer:Consumer._add_gap", "coroutine function", ("self", "tp", "offset_from",
+                                                                                  "offset_to"),
+             why="the copied loop records gaps in offsets of acking topics"),
+    Internal("faust.transport.consumer:Consumer._read_offset", "instance attribute", types=(Mapping,),
+             why="the copied loop skips records already read and notes the offset read, per TP"),
+    Internal("faust.transport.consumer:Consumer._n_acked", "instance attribute", types=(int,),
+             why="the copied loop commits every broker_commit_every acks"),
+    Internal("faust.transport.consumer:Consumer._commit_every", "instance attribute", types=(int, type(None)),
+             why="the copied loop's broker_commit_every"),
+    Internal("mode.services:Service._stopped", "instance attribute", types=(Event,),
+             why="the copied loop stops when the consumer's or the fetcher's stopped event is set (is_set)"),
+    Internal("faust.types.tuples:Message.incref", "function", ("self", "n"),
+             why="hold: one more reference, so Faust's ack at the end of take_events is not the final one"),
+    Internal("faust.types.tuples:Message.ack", "function", ("self", "consumer", "n"), reviewed="4751b72c4ed84153",
+             why="the final ack (reference count 0) is the one that makes the offset committable"),
+    Internal("faust.streams:Stream.take_events", "async generator function", ("self", "max_", "within"),
+             reviewed="607d48aead118ba8",
+             why="acks every event of a batch once, after the agent's body returns (so one hold per event)"),
+    Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread.seek_wait", "coroutine function",
+             ("self", "partitions"), reviewed="12e8d34e554e9024",
+             why="rewind: seeks run on the consumer thread (calling aiokafka's seek from the event loop's "
+                 "thread races the fetcher and kills the consumer thread)"),
+)
+"""Every Faust internal this module relies on (tests/test_faust_adapter.py checks the list is complete)."""
+
+
+# -- the fast hand-over ----------------------------------------------------------------------------
+
+
+class Consumer(faust_aiokafka.Consumer):
+    """Faust's aiokafka consumer; records of one fetch go to the conductor in one task.
+
+    Built by Faust at worker start; it refuses to be built when :func:`broken_internals` finds a
+    change (raises :class:`FaustInternalsChanged`) and logs :func:`revised_internals`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        broken = broken_internals(self)
+        if broken:
+            raise FaustInternalsChanged(broken)
+        for change in revised_internals():
+            log.warning("Faust internal changed since kvbus reviewed it: %s", change)
+
+    async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - runs in the worker
+        consumer_should_stop = self._stopped.is_set
+        fetcher_should_stop = fetcher._stopped.is_set
+        try:
+            while not (consumer_should_stop() or fetcher_should_stop()):
+                self.diag.set_flag(CONSUMER_FETCHING)
+                records = self.getmany(timeout=1.0)
+                await self.sleep(0)  # getmany may return at once again and again (as Faust does)
+                if not self.should_stop:
+                    await self.wait_first(self._deliver(records), self.suspend_flow.wait())
+                self.diag.unset_flag(CONSUMER_FETCHING)
+        except self.consumer_stopped_errors:
+            if self.transport.app.should_stop:
+                self.log.info("Broker stopped consumer, shutting down...")
+                return
+            raise
+        except asyncio.CancelledError:
+            if self.transport.app.should_stop:
+                self.log.info("Consumer shutting down for user cancel.")
+                return
+            raise
+        except Exception as exc:
+            self.log.exception("Drain messages raised: %r", exc)
+            raise
+        finally:
+            self.diag.unset_flag(CONSUMER_FETCHING)
+
+    async def _deliver(self, records: AsyncIterator[tuple[TP, Message]]) -> None:
+        """Hand one fetch's records to the conductor in order; per record exactly what Faust's
+        loop does (skip offsets already read, note gaps of acking topics, commit every N acks)."""
+        callback: Callable[[Message], Awaitable[Any]] = self.callback
+        get_read_offset = self._read_offset.__getitem__
+        set_read_offset = self._read_offset.__setitem__
+        acks_enabled_for = self.app.topics.acks_enabled_for
+        commit_every: Optional[int] = self._commit_every
+        since_yield = 0
+        async for tp, message in records:
+            since_yield += 1
+            if since_yield > YIELD_EVERY:
+                await asyncio.sleep(0)
+                since_yield = 0
+            offset = message.offset
+            r_offset = get_read_offset(tp)
+            if r_offset is not None and offset < r_offset:
+                continue  # already read (Faust logs "DROPPED MESSAGE ROFF" at dev level)
+            if r_offset and offset - r_offset > 1 and acks_enabled_for(message.topic):
+                await self._add_gap(tp, r_offset + 1, offset)
+            if commit_every is not None and self._n_acked >= commit_every:
+                self._n_acked = 0
+                await self.commit()
+            await callback(message)
+            set_read_offset(tp, offset)
+
+
+class Transport(faust_aiokafka.Transport):
+    """Faust's aiokafka transport with :class:`Consumer` (broker scheme :data:`SCHEME`)."""
+
+    Consumer = Consumer
+
+
+drivers.TRANSPORTS.aliases.setdefault(SCHEME, f"{__name__}:Transport")
+
+
+# -- table writes under a chosen changelog partition -----------------------------------------------
+
+
+class _Source:
+    """The two fields of a Kafka message a table write reads: where it came from."""
+
+    __slots__ = ("topic", "partition")
+
+    def __init__(self, topic: str, partition: int):
+        self.topic = topic
+        self.partition = partition
+
+
+class ChangelogPartition:
+    """``with ChangelogPartition(topic, partition): table[key] = value`` writes to changelog partition
+    ``partition``, as if a record of ``topic`` on that partition were being processed.
+
+    Faust tables send each write to the partition of the event being processed (the "current
+    event", a context variable set while an agent iterates). kvbus writes state after delivery,
+    outside that iteration, per holder: each write goes under a stand-in event naming the holder's
+    raw topic and partition (the same partition number, so co-partitioning holds). ``topic`` is the
+    topic the table is co-partitioned with (Faust checks the partition counts agree once per topic).
+    Reusable, not re-entrant; keep one per partition.
+    """
+
+    __slots__ = ("message", "_token", "__weakref__")
+
+    def __init__(self, topic: str, partition: int):
+        self.message = _Source(topic, partition)
+        self._token: Optional[Token] = None
+
+    def __enter__(self) -> "ChangelogPartition":
+        self._token = _current_event.set(weakref.ref(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            _current_event.reset(token)
+
+
+# -- acking after delivery --------------------------------------------------------------------------
+
+
+def hold(events: Iterable[EventT]) -> None:
+    """Take one reference on each event's message, so that the ack Faust's ``take_events`` makes when
+    the agent's body returns is not the final one: the offset stays uncommittable until :func:`release`."""
+    for event in events:
+        event.message.incref()
+
+
+def release(events: Iterable[EventT]) -> None:
+    """Drop the reference :func:`hold` took; once Faust's own ack was made too, the offset may be committed."""
+    for event in events:
+        event.ack()
+
+
+# -- seeking ----------------------------------------------------------------------------------------
+
+
+async def rewind(consumer: Any, offsets: Mapping[TP, int]) -> None:
+    """Seek ``consumer`` (the app's) to ``offsets`` on its own thread and wait until done.
+
+    Faust runs aiokafka in a thread of its own; ``consumer.seek()`` would call aiokafka's ``seek``
+    from the event loop's thread while the consumer thread may be in ``Fetcher.fetched_records``:
+    both delete from the fetcher's records and the consumer thread dies with
+    ``KeyError(TopicPartition(...))``. ``seek_wait`` runs the seeks on the consumer thread (as
+    Faust's own recovery does).
+    """
+    await consumer.seek_wait(dict(offsets))
+
+
+# -- checking the installed Faust -------------------------------------------------------------------
+
+
+class FaustInternalsChanged(RuntimeError):
+    """The installed faust-streaming lacks, or changed the kind or signature of, a name kvbus relies on."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__(f"{installed_versions()}: kvbus.streams.faust_adapter cannot run on it: "
+                         + "; ".join(self.problems))
+
+
+def installed_versions() -> str:
+    """The installed faust-streaming, mode-streaming and aiokafka, and the release kvbus requires."""
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    try:
+        required = [r for r in importlib.metadata.requires("kvbus") or () if r.startswith("faust-streaming")]
+    except importlib.metadata.PackageNotFoundError:
+        required = []
+    wanted = f" (kvbus requires {required[0].split(';')[0]})" if required else ""
+    return (f"faust-streaming {version('faust-streaming')}{wanted}, mode-streaming {version('mode-streaming')}, "
+            f"aiokafka {version('aiokafka')}")
+
+
+def resolve(where: str) -> Any:
+    """The object ``module:qualified.name`` names; AttributeError or ImportError naming what is missing."""
+    module_name, _, qualname = where.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    path = module_name
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"{path} has no attribute {part!r}")
+        obj = getattr(obj, part)
+        path = f"{path}.{part}"
+    return obj
+
+
+def _function(obj: Any) -> Any:
+    """The function behind a mode ServiceTask or a decorator (``__wrapped__``); ``obj`` itself otherwise."""
+    return inspect.unwrap(obj.fun if isinstance(obj, ServiceTask) else obj)
+
+
+def _kind_of(obj: Any) -> str:
+    if isinstance(obj, ContextVar):
+        return "context variable"
+    if isinstance(obj, ServiceTask):
+        return "service task" if inspect.iscoroutinefunction(obj.fun) else f"service task over {obj.fun!r}"
+    obj = _function(obj)
+    if inspect.iscoroutinefunction(obj):
+        return "coroutine function"
+    if inspect.isasyncgenfunction(obj):
+        return "async generator function"
+    if inspect.isfunction(obj):
+        return "function"
+    return type(obj).__name__
+
+
+def _check(internal: Internal, instances: Sequence[object]) -> Optional[str]:
+    name = internal.where.replace(":", ".")
+    if internal.kind == "instance attribute":
+        owner_path, _, attr = internal.where.rpartition(".")
+        try:
+            owner = resolve(owner_path)
+        except (ImportError, AttributeError) as exc:
+            return f"{name}: missing ({exc})"
+        for instance in instances:
+            if isinstance(instance, owner):
+                if not hasattr(instance, attr):
+                    return f"{name}: a {type(instance).__name__} has no attribute {attr!r} after __init__"
+                value = getattr(instance, attr)
+                if internal.types and not isinstance(value, internal.types):
+                    expected = " or ".join(t.__name__ for t in internal.types)
+                    return f"{name}: is a {type(value).__name__}, expected {expected}"
+        return None
+    try:
+        obj = resolve(internal.where)
+    except (ImportError, AttributeError) as exc:
+        return f"{name}: missing ({exc})"
+    kind = _kind_of(obj)
+    if kind != internal.kind:
+        return f"{name}: is of kind {kind!r}, expected {internal.kind!r}"
+    if internal.params is not None:
+        params = tuple(inspect.signature(_function(obj)).parameters)
+        if params != internal.params:
+            return f"{name}: parameters ({', '.join(params)}), expected ({', '.join(internal.params)})"
+    return None
+
+
+def broken_internals(*instances: object) -> list[str]:
+    """What the installed Faust lacks or changed among :data:`INTERNALS`, one message per name
+    (empty: nothing). Instance attributes are checked on those of ``instances`` that are instances of
+    their owner class (the consumer itself when it is built), and skipped without one."""
+    return [p for p in (_check(i, instances) for i in INTERNALS) if p is not None]
+
+
+def source_fingerprint(obj: Any) -> str:
+    """First 16 hex digits of the SHA-256 of ``obj``'s source (what :attr:`Internal.reviewed` holds)."""
+    return hashlib.sha256(inspect.getsource(_function(obj)).encode()).hexdigest()[:16]
+
+
+def revised_internals() -> list[str]:
+    """Which reviewed internals have another source than the one kvbus was written against, one
+    message per name (empty: none). Names :func:`broken_internals` reports missing are skipped."""
+    changes = []
+    for internal in INTERNALS:
+        if internal.reviewed is None:
+            continue
+        try:
+            fingerprint = source_fingerprint(resolve(internal.where))
+        except (ImportError, AttributeError, TypeError, OSError):
+            continue
+        if fingerprint != internal.reviewed:
+            changes.append(f"{internal.where.replace(':', '.')}: source {fingerprint}, reviewed {internal.reviewed} "
+                           f"({internal.why}): compare the new source with its use in kvbus.streams.faust_adapter, "
+                           f"then update Internal.reviewed")
+    return changes

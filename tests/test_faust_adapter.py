@@ -1,0 +1,372 @@
+"""Faust behind one door: kvbus.streams.faust_adapter is the only module touching Faust's private names.
+
+* The installed faust-streaming (and mode-streaming) has every internal the adapter declares, with
+  its kind and signature, and the sources the adapter was reviewed against: an upgrade whose
+  internals changed fails here, each message naming what changed.
+* The checks do catch a change (an internal removed, re-signed, retyped or rewritten).
+* No product module other than the adapter imports or touches a private name of faust, mode or
+  aiokafka (an AST scan, below), and the adapter declares every private name it touches.
+
+The scan, per product module: ``from faust... import _x`` or a private module path; ``x._y`` where ``x``
+is an imported faust/mode/aiokafka module or object; ``self._y`` and ``def _y`` inside a class deriving
+from a Faust class, where a class of that Faust MRO defines ``_y``; ``obj._y`` and
+``getattr(obj, "_y")`` on any other object, where ``_y`` is defined somewhere in faust, mode or
+aiokafka and nowhere in kvbus's product code. kvbus's own privates are therefore not flagged; the one
+blind spot is a Faust private reached through a non-Faust-typed name whose name kvbus also defines
+for itself (``_producer``, ``_lock``, ...).
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import inspect
+import textwrap
+import tomllib
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+import faust
+import faust.streams
+import faust.transport.consumer
+import pytest
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
+from kvbus.streams import faust_adapter
+from kvbus.streams.faust_adapter import INTERNALS, FaustInternalsChanged, broken_internals, revised_internals
+
+ROOT = Path(__file__).resolve().parents[1]
+ADAPTER = ROOT / "streams" / "faust_adapter.py"
+THIRD_PARTY = ("faust", "mode", "aiokafka")
+"""Top-level packages whose private names only the adapter may touch."""
+
+
+def product_files() -> list[Path]:
+    """Every Python file of the wheel (pyproject.toml's package-dir folders)."""
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return sorted(p for folder in set(package_dir.values()) for p in (ROOT / folder).rglob("*.py")
+                  if "__pycache__" not in p.parts)
+
+
+def is_private(name: str) -> bool:
+    """``_x`` but not ``__x__``."""
+    return name.startswith("_") and not name.endswith("__")
+
+
+def is_third_party(dotted: str) -> bool:
+    return dotted.split(".")[0] in THIRD_PARTY
+
+
+def defined_privates(tree: ast.AST) -> set[str]:
+    """Private names a module defines: functions, classes, assigned names and attributes stored."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if is_private(n)}
+
+
+@functools.cache
+def third_party_privates() -> frozenset[str]:
+    """Every private name defined anywhere in the installed faust, mode and aiokafka."""
+    names: set[str] = set()
+    for package in THIRD_PARTY:
+        for path in Path(importlib.import_module(package).__file__).parent.rglob("*.py"):
+            names |= defined_privates(ast.parse(path.read_text(encoding="utf-8")))
+    return frozenset(names)
+
+
+@functools.cache
+def kvbus_privates() -> frozenset[str]:
+    """Every private name kvbus's product code outside the adapter defines for itself."""
+    names: set[str] = set()
+    for path in product_files():
+        if path != ADAPTER:
+            names |= defined_privates(ast.parse(path.read_text(encoding="utf-8")))
+    return frozenset(names)
+
+
+@functools.cache
+def mro_privates(cls: type) -> frozenset[str]:
+    """Private names the faust/mode/aiokafka classes of ``cls``'s MRO define (members and ``self._x`` stores)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if not is_third_party(klass.__module__):
+            continue
+        names |= {n for n in vars(klass) if is_private(n)}
+        try:
+            names |= defined_privates(ast.parse(textwrap.dedent(inspect.getsource(klass))))
+        except (OSError, TypeError, SyntaxError):
+            pass
+    return frozenset(names)
+
+
+def resolve(dotted: str) -> Any:
+    """The object ``a.b.C`` names: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(dotted)
+
+
+class Scan(ast.NodeVisitor):
+    """Private faust/mode/aiokafka names one module touches, as ``line: what``."""
+
+    def __init__(self, tree: ast.Module):
+        self.imports: dict[str, str] = {}
+        """Local name -> dotted path it was imported as."""
+        self.classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+        self.found: list[tuple[int, str, str]] = []
+        """(line, private name, what)."""
+        self.faust_bases: list[Optional[type]] = []
+        """Per enclosing class: the Faust-derived base it extends, or None."""
+        self.selves: list[str] = []
+        self.visit(tree)
+
+    def hit(self, node: ast.AST, name: str, what: str) -> None:
+        self.found.append((node.lineno, name, what))
+
+    def dotted(self, node: ast.AST) -> Optional[str]:
+        """``a.b.c`` as the dotted path of what ``a`` was imported as; None when ``a`` is not an import."""
+        if isinstance(node, ast.Name):
+            return self.imports.get(node.id)
+        if isinstance(node, ast.Attribute):
+            head = self.dotted(node.value)
+            return None if head is None else f"{head}.{node.attr}"
+        return None
+
+    def faust_base(self, cls: ast.ClassDef) -> Optional[type]:
+        """The first base class of ``cls`` whose MRO has a faust/mode/aiokafka class, or None."""
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in self.classes and base.id not in self.imports:
+                found = self.faust_base(self.classes[base.id])
+                if found is not None:
+                    return found
+                continue
+            path = self.dotted(base)
+            if path is None:
+                continue
+            obj = resolve(path)
+            if isinstance(obj, type) and any(is_third_party(k.__module__) for k in obj.__mro__):
+                return obj
+        return None
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if is_third_party(alias.name) and any(is_private(p) for p in alias.name.split(".")):
+                self.hit(node, alias.name, f"imports the private module {alias.name}")
+            if alias.asname:
+                self.imports[alias.asname] = alias.name
+            else:
+                top = alias.name.split(".")[0]
+                self.imports[top] = top
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = node.module or ""
+        for alias in node.names:
+            if node.level == 0:
+                self.imports[alias.asname or alias.name] = f"{module}.{alias.name}"
+            if node.level == 0 and is_third_party(module):
+                private = [p for p in [*module.split("."), alias.name] if is_private(p)]
+                if private:
+                    self.hit(node, private[-1], f"imports {module}.{alias.name}")
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.faust_bases.append(self.faust_base(node))
+        for child in node.body:
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.method(child)
+            else:
+                self.visit(child)
+        self.faust_bases.pop()
+
+    def method(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        base = self.faust_bases[-1]
+        if base is not None and is_private(node.name) and node.name in mro_privates(base):
+            self.hit(node, node.name, f"overrides {base.__module__}.{base.__qualname__}.{node.name}")
+        args = node.args.posonlyargs + node.args.args
+        self.selves.append(args[0].arg if args else "")
+        self.generic_visit(node)
+        self.selves.pop()
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        name = node.attr
+        if is_private(name):
+            receiver = node.value
+            path = self.dotted(receiver)
+            own = (isinstance(receiver, ast.Name) and self.selves and receiver.id == self.selves[-1]) or (
+                isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Name) and receiver.func.id == "super")
+            base = self.faust_bases[-1] if self.faust_bases else None
+            if path is not None and is_third_party(path):
+                self.hit(node, name, f"{path}.{name}")
+            elif own:
+                if base is not None and name in mro_privates(base):
+                    self.hit(node, name, f"self.{name} of {base.__module__}.{base.__qualname__}")
+            elif name in third_party_privates() and name not in kvbus_privates():
+                self.hit(node, name, f"{ast.unparse(node)} (a faust/mode/aiokafka private)")
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if (isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+            name = node.args[1].value
+            if isinstance(name, str) and is_private(name) and name in third_party_privates() \
+                    and name not in kvbus_privates():
+                self.hit(node, name, f"{node.func.id}(..., {name!r}) (a faust/mode/aiokafka private)")
+        self.generic_visit(node)
+
+
+def scan(source: str) -> list[tuple[int, str, str]]:
+    return Scan(ast.parse(source)).found
+
+
+def stock_consumer() -> faust_aiokafka.Consumer:
+    """A consumer of Faust's own aiokafka transport, built but not started (no broker is contacted)."""
+    app = faust.App("kvbus-faust-internals", broker="aiokafka://127.0.0.1:9", autodiscover=False)
+    consumer = app.consumer
+    assert type(consumer) is faust_aiokafka.Consumer
+    return consumer
+
+
+# -- the installed Faust ------------------------------------------------------------------------
+
+
+def test_installed_faust_has_every_internal_the_adapter_relies_on():
+    consumer = stock_consumer()
+    owners = [i for i in INTERNALS if i.kind == "instance attribute"]
+    for internal in owners:  # every instance attribute is checked on an instance, not skipped
+        assert isinstance(consumer, faust_adapter.resolve(internal.where.rpartition(".")[0])), internal.where
+    broken = broken_internals(consumer)
+    assert not broken, f"{faust_adapter.installed_versions()}:\n" + "\n".join(broken)
+
+
+def test_installed_faust_has_the_sources_the_adapter_was_reviewed_against():
+    revised = revised_internals()
+    assert not revised, f"{faust_adapter.installed_versions()}:\n" + "\n".join(revised)
+
+
+def test_the_worker_consumer_is_the_adapters_and_passes_its_own_check():
+    app = faust.App("kvbus-faust-internals", broker=f"{faust_adapter.SCHEME}://127.0.0.1:9", autodiscover=False)
+    assert type(app.consumer) is faust_adapter.Consumer
+
+
+# -- the checks catch a change --------------------------------------------------------------------
+
+
+def test_a_missing_internal_is_named_and_stops_the_worker_consumer(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delattr(faust.transport.consumer.Consumer, "_add_gap")
+    assert broken_internals() == ["faust.transport.consumer.Consumer._add_gap: missing "
+                                  "(faust.transport.consumer.Consumer has no attribute '_add_gap')"]
+    app = faust.App("kvbus-faust-internals", broker=f"{faust_adapter.SCHEME}://127.0.0.1:9", autodiscover=False)
+    with pytest.raises(FaustInternalsChanged, match=r"faust-streaming .*Consumer\._add_gap: missing"):
+        app.consumer
+
+
+def test_a_changed_signature_kind_or_type_is_named(monkeypatch: pytest.MonkeyPatch):
+    async def add_gap(self: Any, tp: Any, start: int, end: int) -> None:
+        """Stands for a release that renamed the parameters."""
+
+    def drain_messages(self: Any, fetcher: Any) -> None:
+        """Stands for a release whose loop is no longer a coroutine."""
+
+    monkeypatch.setattr(faust.transport.consumer.Consumer, "_add_gap", add_gap)
+    monkeypatch.setattr(faust.transport.consumer.Consumer, "_drain_messages", drain_messages)
+    monkeypatch.setattr(faust.streams, "_current_event", {})
+    consumer = stock_consumer()
+    consumer._n_acked = "0"
+    assert broken_internals(consumer) == [
+        "faust.streams._current_event: is of kind 'dict', expected 'context variable'",
+        "faust.transport.consumer.Consumer._drain_messages: is of kind 'function', expected 'coroutine function'",
+        "faust.transport.consumer.Consumer._add_gap: parameters (self, tp, start, end), "
+        "expected (self, tp, offset_from, offset_to)",
+        "faust.transport.consumer.Consumer._n_acked: is a str, expected int",
+    ]
+
+
+def test_a_rewritten_source_is_named(monkeypatch: pytest.MonkeyPatch):
+    async def take_events(self: Any, max_: int, within: float) -> AsyncIterator[list]:
+        """Stands for a release that acks differently: same signature, another body."""
+        yield []
+
+    monkeypatch.setattr(faust.streams.Stream, "take_events", take_events)
+    revised = revised_internals()
+    assert len(revised) == 1 and revised[0].startswith("faust.streams.Stream.take_events: source "), revised
+    assert broken_internals() == []  # the signature still fits: only the review is due
+
+
+# -- one door -----------------------------------------------------------------------------------
+
+
+def test_no_product_module_outside_the_adapter_touches_a_private_faust_name():
+    found = []
+    for path in product_files():
+        if path != ADAPTER:
+            found += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, _, what in
+                      scan(path.read_text(encoding="utf-8"))]
+    assert not found, "only kvbus/streams/faust_adapter.py may touch Faust's privates:\n" + "\n".join(found)
+
+
+def test_the_adapter_declares_every_private_faust_name_it_touches():
+    touched = {name for _, name, _ in scan(ADAPTER.read_text(encoding="utf-8"))}
+    declared = {i.where.rpartition(".")[2].rpartition(":")[2] for i in INTERNALS if i.private}
+    assert touched, "the scan found nothing in the adapter: it no longer sees Faust privates"
+    assert touched <= declared, f"touched but not in INTERNALS: {sorted(touched - declared)}"
+
+
+SNIPPET = '''
+import faust.streams
+from faust.streams import _current_event
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
+
+class Fast(faust_aiokafka.Consumer):
+    async def _drain_messages(self, fetcher):
+        self._n_acked = 0
+        fetcher._stopped.is_set()
+        self._mine = 1
+        await self._deliver()
+
+
+class Faster(Fast):
+    def _add_gap(self):
+        super()._read_offset.clear()
+
+
+class Plain:
+    def __init__(self):
+        self._stopped = False
+
+    def f(self, runtime):
+        runtime._producer.flush()
+        faust.streams._current_event.get()
+        return getattr(runtime.app.consumer, "_read_offset"), getattr(runtime, "_producer")
+'''
+
+
+def test_the_scan_flags_faust_privates_and_not_kvbus_own():
+    # the premises: Faust and kvbus both define _producer and _stopped is Faust's alone
+    assert "_producer" in third_party_privates() and "_producer" in kvbus_privates()
+    assert "_stopped" in third_party_privates() and "_stopped" not in kvbus_privates()
+    found = [(line, name) for line, name, _ in scan(SNIPPET)]
+    assert found == [
+        (3, "_current_event"),  # a private imported
+        (8, "_drain_messages"),  # a Faust private overridden
+        (9, "_n_acked"),  # a Faust private of the base, through self
+        (10, "_stopped"),  # a Faust private of another object (no kvbus class defines _stopped)
+        (16, "_add_gap"),  # overridden through a kvbus base class
+        (17, "_read_offset"),  # through super()
+        (26, "_current_event"),  # an attribute of an imported Faust module
+        (27, "_read_offset"),  # by name
+    ]
+    # not flagged: Fast's own self._mine and self._deliver, Plain's self._stopped (a kvbus class),
+    # runtime._producer (kvbus.streams.runtime's own, though Faust has a _producer too)
