@@ -33,12 +33,12 @@ def pct(xs: Sequence[float], q: float) -> float:
 
 
 def load_kvbus(store: RedisStore, stores: Iterable[FleetStore], batch: int = 2000,
-               hybrid_window: int = 0) -> tuple[int, float]:
-    """Apply ``stores`` as BlockStored events (replica ``r<i>``, one sequence per replica) through
-    ``store.apply`` in batches of ``batch`` records, the sink's write path; returns (entries, seconds).
-    ``hybrid_window`` > 0: every replica a hybrid model, each store named as full attention (group 0)
-    and its last ``ceil(hybrid_window / 16)`` blocks stored once more in a sliding-window group (group 1,
-    window ``hybrid_window`` tokens)."""
+               model: str | None = None, hybrid_window: int = 0) -> tuple[int, float]:
+    """Apply ``stores`` as BlockStored events (replica ``r<i>``, one sequence per replica, naming
+    ``model``) through ``store.apply`` in batches of ``batch`` records, the sink's write path; returns
+    (entries, seconds). ``hybrid_window`` > 0: every replica a hybrid model, each store named as full
+    attention (group 0) and its last ``ceil(hybrid_window / 16)`` blocks stored once more in a
+    sliding-window group (group 1, window ``hybrid_window`` tokens)."""
     seq: dict[int, int] = {}
     records: list = []
     n = 0
@@ -55,7 +55,7 @@ def load_kvbus(store: RedisStore, stores: Iterable[FleetStore], batch: int = 200
             q = seq.get(s.replica, 0)
             seq[s.replica] = q + 1
             records.append((TOPIC, BlockEvent(replica=f"r{s.replica}", epoch=1, seq=q, index=0, ts=time.time(),
-                                              event=e)))
+                                              model=model, event=e)))
             n += len(e.block_hashes)
         if len(records) >= batch:
             store.apply(records)

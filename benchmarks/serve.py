@@ -56,6 +56,8 @@ from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402
 PREFIX = "kvbus:"
 BLOCK = 16
 SEED = "0"
+MODEL = "m"
+"""The model the fleet's bridges name (its events carry it) and every request names."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -139,13 +141,14 @@ def latency(server: Server, view: ViewClient, kind: str, sample: list, chain: in
     for prompt in sample:
         if by_hash:
             ints = [int.from_bytes(h, "big") for h in prompt]
-            body = json.dumps({"model": "m", "block_size": BLOCK, "seq_hashes": ints}).encode()
-            q = Query(model="m", tenant="default", block_size=BLOCK, hashes=ints)
-            ask = lambda: view.lookup(hashes=ints)  # noqa: E731
+            body = json.dumps({"model": MODEL, "block_size": BLOCK, "seq_hashes": ints}).encode()
+            q = Query(model=MODEL, tenant="default", block_size=BLOCK, hashes=ints)
+            ask = lambda: view.lookup(hashes=ints, model=MODEL)  # noqa: E731
         else:
-            body = json.dumps({"model": "m", "block_size": BLOCK, "token_ids": prompt}).encode()
-            q = Query(model="m", tenant="default", block_size=BLOCK, tokens=prompt)
-            ask = lambda: view.lookup(tokens=prompt, block_size=BLOCK, algo="sha256", seed=SEED)  # noqa: E731
+            body = json.dumps({"model": MODEL, "block_size": BLOCK, "token_ids": prompt}).encode()
+            q = Query(model=MODEL, tenant="default", block_size=BLOCK, tokens=prompt)
+            ask = lambda: view.lookup(tokens=prompt, block_size=BLOCK, algo="sha256", seed=SEED,  # noqa: E731
+                                      model=MODEL)
         t = time.perf_counter()
         holders = ask()
         direct.append(time.perf_counter() - t)
@@ -196,7 +199,7 @@ async def _load(port: int, bodies: list[bytes], concurrency: int, seconds: float
 
 def throughput(server: Server, r, sample: list, args) -> dict:
     """Concurrent requests for ``--seconds``: requests/s, and per CPU second of the server (per core)."""
-    bodies = [json.dumps({"model": "m", "block_size": BLOCK, "seq_hashes": [int.from_bytes(h, "big") for h in q]}
+    bodies = [json.dumps({"model": MODEL, "block_size": BLOCK, "seq_hashes": [int.from_bytes(h, "big") for h in q]}
                          ).encode() for q in sample]
     cpu0, rcpu0 = proc_cpu(server.proc.pid), main_thread_cpu(r)
     sent, errors, wall = asyncio.run(_load(server.port, bodies, args.concurrency, args.seconds, args.max_requests))
@@ -214,7 +217,7 @@ def direct_throughput(view: ViewClient, r, sample: list) -> dict:
     ints = [[int.from_bytes(h, "big") for h in q] for q in sample]
     cpu0, rcpu0, t0 = time.process_time(), main_thread_cpu(r), time.perf_counter()
     for q in ints:
-        view.lookup(hashes=q)
+        view.lookup(hashes=q, model=MODEL)
     cpu, rcpu, wall = time.process_time() - cpu0, main_thread_cpu(r) - rcpu0, time.perf_counter() - t0
     out = {"lookups": len(ints), "lookups_per_s": round(len(ints) / wall),
            "lookups_per_s_per_core": round(len(ints) / cpu) if cpu else None,
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         stores, chains, bodies = fleet_workload(args.entries, replicas=args.replicas, cpu_frac=0.5, seed=args.seed,
                                                 min_chain=args.chain)
         prompts, prompt_stores = token_prompts(args.token_prompts, args.chain, args.replicas, args.seed)
-        n, secs = load_kvbus(RedisStore(r, PREFIX), itertools.chain(stores, prompt_stores))
+        n, secs = load_kvbus(RedisStore(r, PREFIX), itertools.chain(stores, prompt_stores), model=MODEL)
         result["entries"] = n
         print(f"view: {n:,} entries loaded in {secs:.1f}s, Redis used_memory {used_memory(r) / 2**20:,.0f} MiB",
               flush=True)

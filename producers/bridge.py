@@ -76,6 +76,9 @@ class BridgeConfig:
     """SUB receive high-water mark (messages queued in the bridge before ZMQ drops)."""
     max_held: int = 50_000
     """Live batches held during a replay before it is abandoned (bounds memory)."""
+    model: str | None = None
+    """The model the engine serves (its served model name), written into every record
+    (``EventBatch.model``) so that lookups naming a model find this replica; None: not told."""
 
     @property
     def engine_label(self) -> str:
@@ -189,9 +192,10 @@ class Bridge:
         sub.connect(self.cfg.endpoint)
         self.sub = sub
         self._poller.register(sub, zmq.POLLIN)
-        log.info("bridge %s worker %d/%d: SUB %s topic %r, replay %s, epoch %s last seq %s",
+        log.info("bridge %s worker %d/%d: SUB %s topic %r, replay %s, epoch %s last seq %s, model %s",
                  self.cfg.replica, self.cfg.worker_rank, self.cfg.workers, self.cfg.endpoint, self.cfg.topic,
-                 self.cfg.replay_endpoint or "off", self.sequencer.epoch, self.sequencer.last)
+                 self.cfg.replay_endpoint or "off", self.sequencer.epoch, self.sequencer.last,
+                 self.cfg.model or "not named (--model)")
         self._apply(self.sequencer.start())
 
     def stop(self) -> None:
@@ -374,7 +378,7 @@ class Bridge:
         return EventBatch(
             replica=cfg.replica, seq=e.seq, ts=d.ts, events=d.events, dp_rank=dp,
             worker_rank=cfg.worker_rank, workers=cfg.workers, engine=self.engine_label,
-            epoch=e.epoch, topic=topic,
+            epoch=e.epoch, topic=topic, model=cfg.model,
         )
 
     def _marker(self, m: ResetMarker, dp_rank: int) -> EventBatch:
@@ -383,7 +387,7 @@ class Bridge:
             replica=cfg.replica, seq=-1, ts=time.time(),
             events=[Reset(reason=m.reason, missing_from=m.missing_from, missing_to=m.missing_to)],
             dp_rank=dp_rank, worker_rank=cfg.worker_rank, workers=cfg.workers, engine=self.engine_label,
-            epoch=m.epoch, topic=self._topic,
+            epoch=m.epoch, topic=self._topic, model=cfg.model,
         )
 
     def _detect(self, payload: bytes) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -30,8 +31,8 @@ from kvbus.producers.replay import DEFAULT_TIMEOUT
 from kvbus.schemas import logs
 from kvbus.schemas.backoff import Backoff, sleep
 from kvbus.schemas.codec import FastSerde
-from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, Form
-from kvbus.schemas.events import holder_key
+from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, Form, read
+from kvbus.schemas.events import check_model, holder_key
 from kvbus.schemas.probes import Readiness
 from kvbus.schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
 from kvbus.schemas.serde import RecordSerde, registry_client
@@ -51,12 +52,22 @@ KEY_VALUE: Form[tuple[str, str]] = Form("KEY=VALUE (a librdkafka producer settin
 """``--producer-conf``'s form."""
 
 
+MODEL: Form[str] = Form("a model name (not empty)", check_model)
+"""``--model``'s form (and ``KVBUS_BRIDGE_MODEL``'s)."""
+
+
 def add_bridge_args(p: argparse.ArgumentParser) -> None:
     """Options of ``kvbus bridge``."""
     p.add_argument("--endpoint", required=True, help="engine PUB endpoint to connect, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--replay-endpoint", default=None, help="engine replay ROUTER endpoint, e.g. tcp://127.0.0.1:5558 (gap fill)")
     p.add_argument("--replica", required=True, help="replica id written into every record (unique in the fleet)")
     p.add_argument("--engine", default="auto", choices=ENGINES, help="payload layout (default auto)")
+    model = read(os.environ, "KVBUS_BRIDGE_MODEL", MODEL, None)
+    now = model or "none: lookups naming a model skip this replica"
+    p.add_argument("--model", type=MODEL, default=model,
+                   help="the model the engine serves: its served model name, which requests name as their model "
+                        "(vLLM --served-model-name), written into every record so that lookups naming the model "
+                        f"find this replica (KVBUS_BRIDGE_MODEL; now {now})")
     p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default '' = all)")
     p.add_argument("--dp-rank", type=NATURAL, default=0, help="DP rank of this stream when batches do not carry one (default 0)")
     p.add_argument("--worker-rank", type=NATURAL, default=0, help="tensor-parallel worker of this stream (default 0)")
@@ -105,7 +116,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
     return BridgeConfig(
         endpoint=args.endpoint, replica=args.replica, replay_endpoint=args.replay_endpoint, engine=args.engine,
         topic=args.topic, dp_rank=args.dp_rank, worker_rank=args.worker_rank, workers=args.workers,
-        replay_timeout=args.replay_timeout,
+        replay_timeout=args.replay_timeout, model=args.model,
     )
 
 

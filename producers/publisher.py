@@ -9,7 +9,7 @@ same Avro ``EventBatch`` records to the raw topic as the bridge does, with
 
 Usage::
 
-    pub = create_publisher("kafka", replica="pod-a", data_parallel_rank=0)
+    pub = create_publisher("kafka", replica="pod-a", data_parallel_rank=0, model="Qwen/Qwen3-8B")
     pub.publish(batch)          # vLLM KVEventBatch, or ts/events/data_parallel_rank duck-typed
     pub.shutdown()
 """
@@ -35,6 +35,7 @@ from kvbus.schemas.events import (
     Reset,
     canonical_hashes,
     canonical_parent,
+    check_model,
     holder_key,
 )
 from kvbus.schemas.codec import (
@@ -296,7 +297,9 @@ class KafkaEventPublisher:
     ``max_record_bytes``, ``metrics`` (a :class:`~kvbus.producers.metrics.BridgeMetrics`; records out and
     acknowledged, delivery errors, dropped batches, markers, queue and backlog depth),
     ``metrics_port`` (serve those at ``http://0.0.0.0:<port>/metrics``, with ``/healthz`` and ``/readyz``:
-    503 while the producer fails; default: not served).
+    503 while the producer fails; default: not served), ``model`` (the model the engine serves, its
+    served model name, written into every record as ``EventBatch.model`` so that lookups naming the
+    model find this replica; default None: lookups naming a model skip it).
 
     vLLM constructor arguments: ``endpoint`` is the Kafka bootstrap (default
     ``settings.bootstrap``); ``topic`` is carried as EventBatch.topic; ``hwm`` bounds
@@ -324,10 +327,12 @@ class KafkaEventPublisher:
         max_record_bytes: int | None = None,
         metrics: BridgeMetrics | None = None,
         metrics_port: int | None = None,
+        model: str | None = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
         self.dp_rank = data_parallel_rank
         self.replica = replica
+        self.model = check_model(model)
         self.topic = topic
         self.worker_rank = worker_rank
         self.workers = workers
@@ -383,7 +388,7 @@ class KafkaEventPublisher:
         prefix = self._prefix.get(dp)
         if prefix is None:
             prefix = self._prefix[dp] = self._header + batch_head(self.replica, dp, self.worker_rank, self.workers,
-                                                                  ENGINE)
+                                                                  ENGINE, self.model)
             self._keys[dp] = holder_key(self.replica, dp).encode()
         return self._keys[dp], prefix
 

@@ -19,7 +19,7 @@ Module-level names are those of the codec of ``schemas/avro``:
   the ``avro`` bytes of a pre-encoded one (any object with that attribute, e.g.
   :class:`kvbus.streams.raw_event.RawEvent`); ``encode_events`` / ``event_array``: an ``events``
   array; ``decode_event(data, pos=0)``;
-* ``batch_head(replica, dp_rank, worker_rank, workers, engine)`` and
+* ``batch_head(replica, dp_rank, worker_rank, workers, engine, model)`` and
   ``batch_from_head(head, epoch, seq, ts, topic, events, first_index=0)``: an EventBatch body
   from a cached head and an encoded events array (the producers' hot path);
 * ``batch_scanner(raw, shared=None)``: an EventBatch reader that keeps each BlockStored and
@@ -52,7 +52,7 @@ log = logging.getLogger("kvbus.schemas")
 SCAN = ("kvbus.EventBatch", "events", ("kvbus.BlockStored", "kvbus.BlockRemoved"), "ownership", "lora_name")
 """What :func:`batch_scanner` keeps raw: the block events of EventBatch.events, with their
 ``ownership`` read (the streams stage routes by it) and ``lora_name`` blanked for the identity."""
-SPLIT = ("kvbus.EventBatch", ("replica", "dp_rank", "worker_rank", "workers", "engine"), "events")
+SPLIT = ("kvbus.EventBatch", ("replica", "dp_rank", "worker_rank", "workers", "engine", "model"), "events")
 """The EventBatch fields a producer encodes once per stream (``batch_head``), and the field it
 passes already encoded (``batch_from_head``)."""
 

@@ -190,6 +190,9 @@ class EventBatch(msgspec.Struct, omit_defaults=True, kw_only=True):
     first_index: int = 0
     """Index in the engine batch of this record's first event: the position of ``events[i]`` is
     ``(epoch, seq, first_index + i)``. 0 for a whole batch (or its first part)."""
+    model: str | None = None
+    """The model the engine serves (its served model name, what requests name as their model), as
+    the bridge (``--model``) or the publisher (``model=``) was told; None when not told."""
 
 
 class BlockEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -212,6 +215,9 @@ class BlockEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The event."""
     dp_rank: int = 0
     """Data-parallel rank."""
+    model: str | None = None
+    """The model the replica serves, from the raw batch that carried the event (``EventBatch.model``);
+    None when unknown."""
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -326,12 +332,23 @@ class ViewSnapshot(msgspec.Struct, kw_only=True):
     """Staleness clock of the holder (epoch s); None if expired."""
     floor: float | None = None
     """Reset floor epoch; None if none."""
+    model: str | None = None
+    """The model the view records for the holder; None if unknown."""
     positions: list[ViewPosition] = []
     tiers: list[ViewTier] = []
     offsets: list[ViewOffset] = []
     holders: list[str] = []
     groups: list[ViewGroup] = []
     """The holder's KV cache groups (hybrid models); empty when its engine names none."""
+
+
+def check_model(model: str | None) -> str | None:
+    """A model name as events and lookups carry it (``EventBatch.model``, ``BlockEvent.model``, a lookup's
+    ``model``): any non-empty string, or None for "not named". ValueError for anything else (an empty
+    name would be indistinguishable from an unknown model in the view)."""
+    if model is None or (isinstance(model, str) and model):
+        return model
+    raise ValueError(f"a model name must be a non-empty string or None, got {model!r}")
 
 
 def holder_key(replica: str, dp_rank: int) -> str:

@@ -7,7 +7,7 @@ docs/lookup-protocol.md. Pure Python: no Redis client here (the Redis side is
 
 * the key layout version (:data:`LAYOUT`; the function library is loaded with it filled in);
 * key names: ``P meta``, ``P hname``, ``P status``, the guard key, shard prefixes ``P{s<i>}:``;
-* the call: ``FCALL_RO kvbus_lookup <numkeys> [keys] P <chain> <weights> [candidates...]``
+* the call: ``FCALL_RO kvbus_lookup <numkeys> [keys] P <chain> <weights> ["\0model" <model>] [candidates...]``
   (:func:`lookup_args`) and its reply ``{head, hids, descs}`` (:func:`parse_reply`);
 * holder names: hid -> ``"<replica>#<dp_rank>"`` (``P hname``), display names (:func:`display_name`),
   a cache of them (:class:`HolderNames`);
@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from kvbus.schemas.events import check_model
 from kvbus.schemas.tiers import label
 
 LAYOUT = "3"
@@ -97,10 +98,19 @@ def check_layout(prefix: str, layout: str | bytes | None) -> None:
 # ----------------------------------------------------------------------------- the call
 
 
-def lookup_args(prefix: str, chain: Sequence[bytes], weights: str, candidates: Iterable[str] = ()) -> list:
+MODEL_OPTION = "\0model"
+"""The lookup option naming a model: this argument, then the model's name, among ``kvbus_lookup``'s
+candidates (an argument that starts with NUL names an option; holder names never contain NUL)."""
+
+
+def lookup_args(prefix: str, chain: Sequence[bytes], weights: str, candidates: Iterable[str] = (),
+                model: str | None = None) -> list:
     """``kvbus_lookup``'s arguments after the keys: ``P``, the chain (8-byte hashes, block 0 first,
-    concatenated), the weights spec ``"NAME=W,..."`` (may be empty) and candidate holder or replica names."""
-    return [prefix, b"".join(chain), weights, *candidates]
+    concatenated), the weights spec ``"NAME=W,..."`` (may be empty), the model option when ``model`` is
+    named (only holders whose latest event named that model answer), then candidate holder or replica
+    names. ``model`` None: every model's holders, as a call without the option (ValueError for ``""``)."""
+    options = [] if check_model(model) is None else [MODEL_OPTION, model]
+    return [prefix, b"".join(chain), weights, *options, *candidates]
 
 
 @dataclass(frozen=True)

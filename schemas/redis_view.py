@@ -50,6 +50,17 @@ def is_missing(err: BaseException) -> bool:
     return isinstance(err, redis.ResponseError) and "function not found" in str(err).lower()
 
 
+REFUSED_ARGUMENTS = "kvbus: malformed arguments"
+"""What a kvbus function answers, before writing anything, to arguments it does not take: also what
+a library of an older release (loaded by a sink of that release) answers to a newer caller."""
+
+
+def is_refused_arguments(err: BaseException) -> bool:
+    """Whether ``err`` is a kvbus function refusing its arguments (:data:`REFUSED_ARGUMENTS`): nothing
+    was written; a caller whose library is not the loaded one loads its own and calls again."""
+    return isinstance(err, redis.ResponseError) and REFUSED_ARGUMENTS in str(err)
+
+
 def is_cluster_url(url: str) -> bool:
     """Whether ``url`` names a Redis Cluster (``redis+cluster://``)."""
     return urlsplit(url).scheme in CLUSTER_SCHEMES
@@ -121,7 +132,9 @@ class ShardCalls:
     :func:`cluster_client` with ``?read_from=replica``). ``migration_check``: seconds between two
     checks of which shards are migrating, when reading from replicas. ``retry_for``: seconds a
     refused call is retried. ``reload``: loads the function library on every master; called once
-    per :meth:`execute` when a call finds it missing (None: such a call's error is its reply).
+    per :meth:`execute` when a call finds it missing, or refusing its arguments (a library of an older
+    release, loaded by a sink of that release: such a call wrote nothing; once reloaded, a refusal is
+    the call's reply); None: such a call's error is its reply.
     """
 
     def __init__(self, rc: RedisCluster, keys: Sequence[Sequence[str]], *, read_from: str = "primary",
@@ -258,8 +271,9 @@ class ShardCalls:
                         raise RuntimeError(f"shard {s}: a call ran after an earlier one of the batch was refused "
                                            "(slot migration aborted mid-batch?); resync the shard")
                     retry.append(j)
-                elif isinstance(r, RETRYABLE) or (self.reload is not None and is_missing(r)):
-                    missing = missing or is_missing(r)
+                elif isinstance(r, RETRYABLE) or (self.reload is not None and (
+                        is_missing(r) or (is_refused_arguments(r) and not loaded))):
+                    missing = missing or not isinstance(r, RETRYABLE)
                     refused.add(s)
                     retry.append(j)
                     replies[j] = r

@@ -5,7 +5,7 @@
     kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16]
                   [--algo sha256|sha256_cbor|xxhash|xxhash_cbor] [--hash-seed S]
                   [--lora-name NAME [--lora-path PATH]] [--cache-salt SALT] [--engine-version V])
-                 [--replicas a,b#1] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
+                 [--replicas a,b#1] [--model NAME] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
 
 Standalone: ``python -m kvbus.sinks.cli sink ...`` / ``python -m kvbus.sinks.cli lookup ...``.
 """
@@ -155,6 +155,9 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
                    help="with --tokens: the engines' vLLM release, e.g. 0.30.0, where it hashes differently "
                         f"(default: {HASH_RELEASES[-1].release} and later)")
     p.add_argument("--replicas", help="only these candidates: replica names or <replica>#<dp_rank>, comma-separated")
+    p.add_argument("--model", default=None,
+                   help="only replicas serving this model (their bridges' --model); default: every replica, "
+                        "whatever its model")
     p.add_argument("--weights", help="tier weights NAME=W over the defaults GPU=1,CPU=0.8,STORAGE=0.5,*=0.5 "
                                      "(NAME: a medium or an ownership)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="Redis key prefix of the view (default kvbus:)")
@@ -182,7 +185,7 @@ def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dic
                   "cache_salt": args.cache_salt, "engine_version": args.engine_version}
     candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
     with ViewClient(settings.redis_url, args.prefix, tie_break=BY_NAME, **settings.redis_kwargs()) as view:
-        found = view.lookup(**source, weights=args.weights, candidates=candidates)
+        found = view.lookup(**source, weights=args.weights, candidates=candidates, model=args.model)
         status = view.status()
     if not status.ready:
         print(f"kvbus lookup: warning: the view is {status.state} since {status.fields.get('since', '?')} "

@@ -2,7 +2,9 @@
 
 Functions are loaded once with ``FUNCTION LOAD REPLACE`` and called with FCALL / FCALL_RO. When a
 server lost them (restart without persistence, ``FUNCTION FLUSH``, a new replica), a call fails with
-"Function not found": :func:`call` loads the library and retries once.
+"Function not found": :func:`call` loads the library and retries once. So does a write refused for its
+arguments by another version of the library (a sink of another release, started later, loaded its
+own): the library loaded is this release's again, whose functions still take the older calls.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any, Sequence
 import redis
 
 from kvbus.schemas.lookup import LAYOUT
-from kvbus.schemas.redis_view import is_missing  # noqa: F401  (re-exported for the sinks)
+from kvbus.schemas.redis_view import is_missing, is_refused_arguments  # noqa: F401  (re-exported for the sinks)
 
 LIBRARY_PATH = Path(__file__).parent / "lua" / "kvbus.lua"
 MIN_REDIS = (7, 0, 0)
@@ -78,14 +80,24 @@ def ensure_library(r: redis.Redis) -> None:
         load_library(r)
 
 
+def needs_library(err: BaseException, readonly: bool = False) -> bool:
+    """Whether a call's error may be cured by loading this release's library: the library is missing,
+    or (a write) it refused the call's arguments, as another version of it does (nothing was written)."""
+    return is_missing(err) or (not readonly and is_refused_arguments(err))
+
+
 def call(r: redis.Redis, name: str, *args: Any, readonly: bool = False, keys: Sequence[str] = ()) -> Any:
     """FCALL (or FCALL_RO) ``name`` with ``keys`` (none: a standalone Redis; Redis Cluster: the
-    declared keys of the call's slot) and ``args``; loads the library once if it is missing."""
+    declared keys of the call's slot) and ``args``; loads this release's library and calls once more
+    if it is missing, or is another version that refuses a write's arguments (:func:`needs_library`)."""
     fn = r.fcall_ro if readonly else r.fcall
     try:
         return fn(name, len(keys), *keys, *args)
     except redis.ResponseError as e:
-        if not is_missing(e):
+        if not needs_library(e, readonly):
             raise
-    load_library(r)
+        if not is_missing(e):
+            ensure_library(r)  # the same version loaded: the refusal stands (raised again below)
+        else:
+            load_library(r)
     return fn(name, len(keys), *keys, *args)

@@ -76,10 +76,17 @@ def _s(v: Any) -> str:
 _pack_header = EVENT_HEADER.pack
 
 
+Call = tuple[list, list, list[str]]
+"""One ``kvbus_apply`` call being packed: its (topic, event) records, its arguments up to the event blob
+(:func:`_call_args`), and its holders' models (in holder order, "" when not named), which follow the view
+id and the offsets (:func:`_with_extra`)."""
+
+
 def _call_args(prefix: str, holders: dict, topics: dict, tiers: dict, rcs: list[str], blob: list[bytes]) -> list:
-    """``kvbus_apply``'s arguments (after the key count): ``holders`` (replica, dp_rank) -> index,
-    ``topics`` topic -> index, ``tiers`` descriptor -> index (each 1-based, in order of first use),
-    ``rcs`` per tier "1" if reference-counted, ``blob`` the event headers and hashes (kvbus.lua)."""
+    """``kvbus_apply``'s arguments (after the key count) up to the event blob: ``holders`` (replica,
+    dp_rank) -> index, ``topics`` topic -> index, ``tiers`` descriptor -> index (each 1-based, in order
+    of first use), ``rcs`` per tier "1" if reference-counted, ``blob`` the event headers and hashes
+    (kvbus.lua)."""
     args: list = [prefix, len(holders)]
     for replica, dp in holders:
         args += (replica, dp)
@@ -168,11 +175,12 @@ def chain_broken(e: BaseException) -> bool:
     return VIEW_CHANGED in str(e) and f"({CHAIN}" in str(e)
 
 
-def _with_extra(calls: Iterator[tuple[list, list]], view_id: str | None, offsets: Offsets | None,
+def _with_extra(calls: Iterator[Call], view_id: str | None, offsets: Offsets | None,
                 expected: Mapping[tuple[str, int], int | None] | None) -> Iterator[tuple[list, list]]:
-    """The calls with ``kvbus_apply``'s optional view id and offsets appended: to each the id and the
-    offset checks, to the last also the new offsets (one call is looked ahead to know it is the last).
-    A partition of ``offsets`` missing from ``expected`` is expected absent.
+    """The calls (records, arguments) with ``kvbus_apply``'s optional arguments appended: to each the
+    view id and the offset checks ("" when not checked), to the last also the new offsets (one call is
+    looked ahead to know it is the last), then the holders' models. A partition of ``offsets``
+    missing from ``expected`` is expected absent.
 
     The calls of a batch of several are chained through one more offsets line: call k writes
     ``<nonce>.k`` into the batch's chain field (:func:`_chained`) and call k+1 runs only if it finds it
@@ -181,9 +189,6 @@ def _with_extra(calls: Iterator[tuple[list, list]], view_id: str | None, offsets
     instead of a later call running, and the last one storing offsets past events that were not
     applied, when memory comes free between two calls (``CONFIG SET maxmemory``, a client buffer
     shrinking)."""
-    if view_id is None and not offsets and expected is None:
-        yield from calls
-        return
     want = None if expected is None else {k: expected.get(k) for k in [*expected, *(offsets or {})]}
     field = _chained(want, offsets)
     nonce = uuid.uuid4().hex[:16]
@@ -199,11 +204,11 @@ def _with_extra(calls: Iterator[tuple[list, list]], view_id: str | None, offsets
     k = 0
     for call in calls:
         if prev is not None:
-            yield prev[0], prev[1] + [view_id or "", lines(k, False)]
+            yield prev[0], prev[1] + [view_id or "", lines(k, False), *prev[2]]
         prev = call
         k += 1
     if prev is not None:
-        yield prev[0], prev[1] + [view_id or "", lines(k, True)]
+        yield prev[0], prev[1] + [view_id or "", lines(k, True), *prev[2]]
 
 
 @dataclass
@@ -219,6 +224,8 @@ class HolderDump:
     """(topic, epoch, seq, index) applied per topic."""
     tiers: list[tuple[str, bool, str, bytes, bytes]] = field(default_factory=list)
     """(descriptor, ref-counted, origin topic, raws held, raws once more per extra count) per tier."""
+    model: str | None = None
+    """The model the view records for the holder; None if unknown."""
     groups: list[tuple[int, str]] = field(default_factory=list)
     """(KV cache group, its spec ``"<kind>,<window>,<block_size max>,<block_size min>"``) per group its
     events named (kvbus.lua, "KV cache groups of a holder"); empty for engines that name none."""
@@ -284,22 +291,23 @@ class RedisStore(ResidencyStore):
             v = self._specs[k] = None if spec is None else bytes([len(spec)]) + spec.encode()
             return v
 
-    def _pack(self, part: list[tuple[str, BlockEvent]]) -> list:
-        """FCALL arguments of ``kvbus_apply`` for ``part`` (any holders; format: kvbus.lua).
+    def _pack(self, part: list[tuple[str, BlockEvent]], view_id: str | None = None) -> list:
+        """FCALL arguments of ``kvbus_apply`` for ``part`` (any holders; format: kvbus.lua), checking
+        the view id ``view_id`` if given.
 
         ``part`` keeps each holder's records in record order (other orders do not matter)."""
-        return self._calls(part, cut=False)[0][1]
+        return next(_with_extra(self._iter_calls(part, cut=False), view_id, None, None))[1]
 
     def _calls(self, records: Iterable[tuple[str, BlockEvent]],
                cut: bool = True) -> list[tuple[list[tuple[str, BlockEvent]], list]]:
-        """(records, FCALL args) per call: every holder's records in record order, grouped by holder,
-        cut at the per-call limits (events, hashes, holders) unless ``cut`` is False."""
-        return list(self._iter_calls(records, cut))
+        """(records, FCALL args) per call, no view id or offsets checked: every holder's records in record
+        order, grouped by holder, cut at the per-call limits (events, hashes, holders) unless ``cut`` is False."""
+        return list(_with_extra(self._iter_calls(records, cut), None, None, None))
 
-    def _iter_calls(self, records: Iterable[tuple[str, BlockEvent]],
-                    cut: bool = True) -> Iterator[tuple[list[tuple[str, BlockEvent]], list]]:
-        """:meth:`_calls`, each call yielded as soon as it is packed (:meth:`_stream` sends it while the
-        next is packed). One pass packs the headers while it cuts (the sink's per-record Python cost)."""
+    def _iter_calls(self, records: Iterable[tuple[str, BlockEvent]], cut: bool = True) -> Iterator[Call]:
+        """The calls (:data:`Call`), each yielded as soon as it is packed (:meth:`_stream` sends it while
+        the next is packed; :func:`_with_extra` completes its arguments). One pass packs the headers while
+        it cuts (the sink's per-record Python cost)."""
         groups: dict[tuple[str, int], list[tuple[str, BlockEvent]]] = {}
         for rec in records:
             ev = rec[1]
@@ -311,18 +319,20 @@ class RedisStore(ResidencyStore):
                 g.append(rec)
         prefix, tier, spec_of, pack, join = self.prefix, self._tier, self._spec, _pack_header, b"".join
         max_ev, max_h = (self.max_events_per_call, self.max_hashes_per_call) if cut else (1 << 62, 1 << 62)
-        # the call being packed: its records, holders / topics / tiers -> 1-based index, rc flags, blob
+        # the call being packed: its records, holders / topics / tiers -> 1-based index, rc flags, blob,
+        # the holders' models
         part: list = []
         holders: dict = {}
         topics: dict = {}
         tiers: dict = {}
         rcs: list[str] = []
         blob: list[bytes] = []
+        mods: list[str] = []
         nh = 0  # its block hashes
         for hk, recs in groups.items():
             if len(holders) >= MAX_HOLDERS_PER_CALL:
-                yield part, _call_args(prefix, holders, topics, tiers, rcs, blob)
-                part, holders, topics, tiers, rcs, blob, nh = [], {}, {}, {}, [], [], 0
+                yield part, _call_args(prefix, holders, topics, tiers, rcs, blob), mods
+                part, holders, topics, tiers, rcs, blob, mods, nh = [], {}, {}, {}, [], [], [], 0
             hi = 0  # its index in the call, given at its first record there
             for rec in recs:
                 topic, ev = rec
@@ -330,13 +340,16 @@ class RedisStore(ResidencyStore):
                 t = type(e)
                 hashed = t is BlockStored or t is BlockRemoved
                 n = len(e.block_hashes) if hashed else 0
-                if part and (len(part) >= max_ev or nh + n > max_h):
-                    yield part, _call_args(prefix, holders, topics, tiers, rcs, blob)
-                    part, holders, topics, tiers, rcs, blob, nh = [], {}, {}, {}, [], [], 0
+                model = ev.model or ""
+                # a holder's records in one call share one model (its model is that of its last applied event)
+                if part and (len(part) >= max_ev or nh + n > max_h or (hi and mods[hi - 1] != model)):
+                    yield part, _call_args(prefix, holders, topics, tiers, rcs, blob), mods
+                    part, holders, topics, tiers, rcs, blob, mods, nh = [], {}, {}, {}, [], [], [], 0
                     hi = 0
                 part.append(rec)
                 if not hi:
                     hi = holders[hk] = len(holders) + 1
+                    mods.append(model)
                 ti = topics.get(topic)
                 if ti is None:
                     ti = topics[topic] = len(topics) + 1
@@ -363,7 +376,7 @@ class RedisStore(ResidencyStore):
                 else:
                     raise TypeError(f"not a kvbus event: {t.__name__}")
         if part:
-            yield part, _call_args(prefix, holders, topics, tiers, rcs, blob)
+            yield part, _call_args(prefix, holders, topics, tiers, rcs, blob), mods
 
     def apply(self, records: Iterable[tuple[str, BlockEvent]], *, view_id: str | None = None,
               offsets: Offsets | None = None,
@@ -387,8 +400,8 @@ class RedisStore(ResidencyStore):
         replies = self._stream(_with_extra(self._iter_calls(records), view_id, offsets, expected), calls)
         if not calls:
             return res
-        if any(functions.is_missing(x) for x in replies if isinstance(x, Exception)):
-            functions.load_library(self.r)
+        if any(functions.needs_library(x) for x in replies if isinstance(x, Exception)):
+            functions.ensure_library(self.r)  # missing, or another version that refuses these calls
             replies = self._pipeline(calls)
         refused(replies, f"the view under {self.prefix!r}", view_id, lambda: self.r)
         for (part, args), reply in zip(calls, replies):
@@ -444,9 +457,7 @@ class RedisStore(ResidencyStore):
         if not chain_broken(err):
             log.warning("apply refused for %d holders (%s): retrying event by event", args[1], err)
         for topic, ev in part:
-            one = self._pack([(topic, ev)])
-            if view_id is not None:
-                one += [view_id, ""]
+            one = self._pack([(topic, ev)], view_id)
             try:
                 self._add_reply(res, self._fcall("kvbus_apply", *one))
             except redis.ResponseError as e:
@@ -568,6 +579,8 @@ class RedisStore(ResidencyStore):
         out = HolderDump(seen=float(seen) if seen is not None else None)
         f = fields.get("f")
         out.floor = struct.unpack(">d", f)[0] if f is not None else None
+        m = fields.get("m")
+        out.model = _s(m) if m is not None else None
         for name, v in fields.items():
             if name.startswith("p:"):
                 e, sq, i = (int(x) for x in STATE_POS.unpack(v))
@@ -600,6 +613,7 @@ class RedisStore(ResidencyStore):
             args = head + [len(part)]
             for piece in part:
                 args += piece
+            args.append(state.model or "")
             added += int(self._fcall("kvbus_restore", *args, *groups))
         return added
 
@@ -625,6 +639,7 @@ class RedisStore(ResidencyStore):
         *,
         weights: Weights | None = None,
         candidates: Sequence[str] | None = None,
+        model: str | None = None,
     ) -> dict[str, HolderMatch]:
         """One FCALL_RO (works on replicas and for read-only ACL users). Holder names come from a
         client-side cache of the holder table (:class:`kvbus.schemas.lookup.HolderNames`), read again
@@ -632,7 +647,8 @@ class RedisStore(ResidencyStore):
         if not chain:
             return {}
         spec = (weights or DEFAULT_WEIGHTS).spec()
-        reply = self._fcall(LOOKUP_FUNCTION, *lookup_args(self.prefix, chain, spec, candidates or ()), readonly=True)
+        args = lookup_args(self.prefix, chain, spec, candidates or (), model)
+        reply = self._fcall(LOOKUP_FUNCTION, *args, readonly=True)
         return {m.name: m for m in self._names.answer([reply], lambda: [self._holders()])}
 
     def stale(self) -> dict[str, float]:
@@ -656,6 +672,12 @@ class RedisStore(ResidencyStore):
                     e, s, i = (int(x) for x in STATE_POS.unpack(v))
                     out[(name, f[2:])] = (e, s, i)
         return out
+
+    def models(self) -> dict[str, str]:
+        """From ``P mh`` (model -> the hids of its live holders)."""
+        names = self._holders()
+        return {names[int(hid)]: _s(model) for model, hids in self.r.hgetall(self.prefix + "mh").items()
+                for hid in hids.split()}
 
     def _tiers_of(self, hid: int) -> dict[int, tuple[int, int, int]]:
         """tier code -> (entries, L, S of its index) of one holder."""

@@ -408,7 +408,7 @@ class ShardedRedisStore(ResidencyStore):
     # -- reads ----------------------------------------------------------------
 
     def lookup(self, chain: Sequence[bytes], *, weights: Weights | None = None,
-               candidates: Sequence[str] | None = None) -> dict[str, HolderMatch]:
+               candidates: Sequence[str] | None = None, model: str | None = None) -> dict[str, HolderMatch]:
         """One ``FCALL_RO kvbus_lookup`` per shard, pipelined per master, all masters at once; the
         union of the answers (holders are disjoint across shards). Holder names: a client-side cache
         of every shard's holder table (display names need the replica's dp ranks over all shards)."""
@@ -416,7 +416,8 @@ class ShardedRedisStore(ResidencyStore):
             return {}
         spec = (weights or DEFAULT_WEIGHTS).spec()
         cands = list(candidates or ())
-        calls = [(s, LOOKUP_FUNCTION, lookup_args(st.prefix, chain, spec, cands)) for s, st in enumerate(self.shards)]
+        calls = [(s, LOOKUP_FUNCTION, lookup_args(st.prefix, chain, spec, cands, model))
+                 for s, st in enumerate(self.shards)]
         replies = self._execute(calls, ordered=False)
         for r in replies:
             if isinstance(r, Exception):
@@ -440,6 +441,12 @@ class ShardedRedisStore(ResidencyStore):
         out: dict = {}
         for st in self.shards:
             out.update(st.positions())
+        return out
+
+    def models(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for st in self.shards:
+            out.update(st.models())
         return out
 
     def snapshot(self) -> Snapshot:

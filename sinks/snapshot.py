@@ -7,7 +7,7 @@ store with a compacted changelog topic:
 
 * it reads the view's stored offsets ``O`` first (``P off``: where the view stands in each block
   topic partition, written atomically with the applies), then each holder's whole state, atomically
-  per holder (``kvbus_dump``: positions, reset floor, blocks per tier, reference counts);
+  per holder (``kvbus_dump``: positions, reset floor, model, blocks per tier, reference counts);
 * it writes one record per holder (key: the view's prefix and block topic, ``<replica>#<dp_rank>``;
   :func:`record_key`), then a manifest (the same key without a holder) with ``O`` and the holders'
   names;
@@ -79,7 +79,7 @@ def holder_record(snapshot: int, name: str, dump: HolderDump) -> ViewSnapshot:
     replica, _, dp = name.rpartition("#")
     return ViewSnapshot(
         snapshot=snapshot, taken=time.time(), holder=name, replica=replica, dp_rank=int(dp), seen=dump.seen,
-        floor=dump.floor,
+        floor=dump.floor, model=dump.model,
         positions=[ViewPosition(topic=t, epoch=e, seq=s, index=i) for t, e, s, i in dump.positions],
         tiers=[ViewTier(descriptor=d, refcounted=rc, origin=o, blocks=raws, extra=extra)
                for d, rc, o, raws, extra in dump.tiers],
@@ -92,6 +92,7 @@ def holder_dump(rec: ViewSnapshot) -> HolderDump:
     return HolderDump(seen=rec.seen, floor=rec.floor,
                       positions=[(p.topic, p.epoch, p.seq, p.index) for p in rec.positions],
                       tiers=[(t.descriptor, t.refcounted, t.origin, t.blocks, t.extra) for t in rec.tiers],
+                      model=rec.model,
                       groups=[(g.group, g.spec) for g in rec.groups])
 
 

@@ -15,7 +15,10 @@ Semantics every implementation follows (docs/sinks-layout.md):
 * AllBlocksCleared drops the holder's tiers that came from the same topic (kvbus.blocks: the
   framework's own cache); a Reset marker drops those too, plus tiers from other topics whose applied
   epoch is older than the marker's, and makes older epochs stale on every topic;
-* holders not seen (event or heartbeat) for ``max_age`` are expired: dropped and listed as stale.
+* holders not seen (event or heartbeat) for ``max_age`` are expired: dropped and listed as stale;
+* a holder's model is the one its latest applied event named (``BlockEvent.model``; None: unknown,
+  also after it expired or was dropped, until its next event); a lookup naming a model answers only
+  holders of that model, never those of another model or of an unknown one.
 """
 from __future__ import annotations
 
@@ -73,9 +76,11 @@ class ResidencyStore(abc.ABC):
         *,
         weights: Weights | None = None,
         candidates: Sequence[str] | None = None,
+        model: str | None = None,
     ) -> dict[str, HolderMatch]:
         """Per holder (display name) holding block 0 of ``chain``: its match. ``candidates``: replica
-        names or ``<replica>#<dp>`` names to restrict the answer to."""
+        names or ``<replica>#<dp>`` names to restrict the answer to. ``model``: only holders whose model
+        is this one (see the module docstring); None: every holder."""
 
     @abc.abstractmethod
     def heartbeat(self, replica: str, dp_rank: int, ts: float) -> None:
@@ -96,6 +101,10 @@ class ResidencyStore(abc.ABC):
     @abc.abstractmethod
     def positions(self) -> dict[tuple[str, str], tuple[int, int, int]]:
         """Applied position per (holder name, topic)."""
+
+    @abc.abstractmethod
+    def models(self) -> dict[str, str]:
+        """Holder name ``"<replica>#<dp>"`` -> its model, for the holders whose model is known."""
 
     @abc.abstractmethod
     def snapshot(self) -> Snapshot:

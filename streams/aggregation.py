@@ -42,6 +42,9 @@ Rules (see docs/streams.md for the reasoning):
    dropped as the Reset would have dropped them pending: :meth:`Aggregator._void_before_reset`.)
 8. ``workers == 1`` passes straight through: no aggregation state, no dedup (consumers drop
    redeliveries by position).
+9. **Model**: every output BlockEvent carries ``EventBatch.model`` of a batch that reported it:
+   a passed-through event and a forwarded Reset their own batch's, a consolidated event that of
+   its lowest-rank report (like the event itself). The model is not part of the identity.
 """
 from __future__ import annotations
 
@@ -122,6 +125,8 @@ class Aggregate(msgspec.Struct, array_like=True):
     """Processing time (epoch seconds) of the first report; expiry counts from here."""
     partition: int = -1
     """Raw partition of the holder (lets a store entry be placed without its meta)."""
+    model: str | None = None
+    """``EventBatch.model`` of the batch of the lowest-rank report (the consolidated event's model)."""
 
 
 class HolderMeta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -306,7 +311,7 @@ class Aggregator:
         meta.hwm[rank] = high_water(seen, batch)
         meta.partition = partition
         st.meta_dirty = True
-        epoch, seq, ts, workers = batch.epoch, batch.seq, batch.ts, batch.workers
+        epoch, seq, ts, workers, model = batch.epoch, batch.seq, batch.ts, batch.workers, batch.model
         kbytes = key.encode()
         self.stats.reports += len(events)
         first = batch.first_index + skip
@@ -314,9 +319,9 @@ class Aggregator:
             events, first = self._void_before_reset(meta.last, epoch, seq, events, first)
         for index, event in enumerate(events, first):
             if type(event) is Reset:
-                self._reset(st, kbytes, rank, (epoch, seq, index), ts, event, now, out)
+                self._reset(st, kbytes, rank, (epoch, seq, index), ts, event, now, out, model)
             else:
-                self._report(st, kbytes, rank, workers, (epoch, seq, index), ts, event, now, out)
+                self._report(st, kbytes, rank, workers, (epoch, seq, index), ts, event, now, out, model)
 
     def _void_before_reset(self, last: Position, epoch: int, seq: int, events: list,
                            first: int) -> tuple[list, int]:
@@ -354,10 +359,11 @@ class Aggregator:
         key = holder_key(batch.replica, batch.dp_rank)
         kbytes = key.encode()
         replica, dp_rank, epoch, seq, ts = batch.replica, batch.dp_rank, batch.epoch, batch.seq, batch.ts
+        model = batch.model
         self.stats.reports += len(batch.events)
         for index, event in enumerate(batch.events, batch.first_index):
             value = BlockEvent(replica=replica, epoch=epoch, seq=seq, index=index, ts=ts,
-                               event=event, dp_rank=dp_rank)
+                               event=event, dp_rank=dp_rank, model=model)
             t = type(event)
             if t is Reset:
                 st = self.holders.get(key)
@@ -370,25 +376,25 @@ class Aggregator:
             self.stats.passthrough += 1
 
     def _report(self, st: HolderState, kbytes: bytes, rank: int, workers: int, pos: Position,
-                ts: float, event: Event, now: float, out: list[Output]) -> None:
+                ts: float, event: Event, now: float, out: list[Output], model: str | None = None) -> None:
         ident = identity(event, workers)
         pending = st.pending
         aggs = pending.get(ident)
         st.dirty.add(ident)
         if aggs is None:
             pending[ident] = [Aggregate(ident, workers, event, ts, rank, {rank: pos}, pos, now,
-                                        st.meta.partition)]
+                                        st.meta.partition, model)]
             return
         for i, agg in enumerate(aggs):
             if rank not in agg.reports:
                 break
         else:
             aggs.append(Aggregate(ident, workers, event, ts, rank, {rank: pos}, pos, now,
-                                  st.meta.partition))
+                                  st.meta.partition, model))
             return
         agg.reports[rank] = pos
         if rank < agg.low:
-            agg.low, agg.event, agg.ts = rank, event, ts
+            agg.low, agg.event, agg.ts, agg.model = rank, event, ts, model
         if len(agg.reports) < workers:
             return
         del aggs[i]
@@ -408,7 +414,7 @@ class Aggregator:
         event = agg.event
         t = type(event)
         value = BlockEvent(replica=meta.replica, epoch=pos[0], seq=pos[1], index=pos[2],
-                           ts=agg.ts, event=event, dp_rank=meta.dp_rank)
+                           ts=agg.ts, event=event, dp_rank=meta.dp_rank, model=agg.model)
         if t is AllBlocksCleared:
             out.append(Output(self.topics.blocks, kbytes, meta.partition, value, "consolidated"))
             self.stats.consolidated += 1
@@ -442,7 +448,7 @@ class Aggregator:
                     del st.pending[ident]
 
     def _reset(self, st: HolderState, kbytes: bytes, rank: int, pos: Position, ts: float,
-               event: Reset, now: float, out: list[Output]) -> None:
+               event: Reset, now: float, out: list[Output], model: str | None = None) -> None:
         meta = st.meta
         if (
             meta.era_started is not None
@@ -471,7 +477,7 @@ class Aggregator:
             return
         meta.last = at
         value = BlockEvent(replica=meta.replica, epoch=at[0], seq=at[1], index=at[2], ts=ts,
-                           event=event, dp_rank=meta.dp_rank)
+                           event=event, dp_rank=meta.dp_rank, model=model)
         self._fan_out_reset(st, kbytes, meta.partition, value, out)
 
     def _fan_out_reset(self, st: Optional[HolderState], kbytes: bytes, partition: int,

@@ -17,6 +17,7 @@ class _Publisher:
     epoch: int
     seq: int = 0
     held: dict[str, set[bytes]] = field(default_factory=dict)
+    model: str | None = None
 
 
 def random_streams(
@@ -29,17 +30,22 @@ def random_streams(
     ownerships: Sequence[str] = ("kvcr",),
     max_chain: int = 6,
     restart: float = 0.05,
+    models: Sequence[str | None] = (),
 ) -> list[tuple[str, BlockEvent]]:
     """A plausible multi-holder event history in canonical order, as ``(topic, event)``.
 
     Stores and removes on GPU (set tier), CPU (ref-counted, hashes repeated as OffloadingConnector
     does), a KV group 1 tier and ownership tiers (on their own topic); full-mode re-stores;
     AllBlocksCleared; engine restarts (Reset markers on every topic, then a new epoch). Hashes come
-    from a small pool so holders share blocks. Positions grow per (holder, topic).
+    from a small pool so holders share blocks. Positions grow per (holder, topic). ``models``: the
+    events name one of them, drawn per holder at its start and again at each engine restart (none:
+    no model).
     """
     rng = random.Random(seed)
     hashes = [canonical_hash(rng.getrandbits(64)) for _ in range(pool)]
     pubs = [_Publisher(f"r{i // 2}", i % 2, epoch=1_000 + i) for i in range(holders)]
+    for p in pubs:
+        p.model = rng.choice(models) if models else None
     out: list[tuple[str, BlockEvent]] = []
     for _ in range(batches):
         p = rng.choice(pubs)
@@ -47,9 +53,10 @@ def random_streams(
         if rng.random() < restart:  # engine restart: reset markers first, then a new epoch from seq 0
             p.epoch += rng.randint(1, 1000)
             p.seq = 0
+            p.model = rng.choice(models) if models else None
             for topic in [topics.blocks] + [topics.for_ownership(o) for o in ownerships]:
                 out.append((topic, BlockEvent(replica=p.replica, dp_rank=p.dp_rank, epoch=p.epoch, seq=-1, index=0,
-                                              ts=ts, event=Reset(reason="engine-restart"))))
+                                              ts=ts, event=Reset(reason="engine-restart"), model=p.model)))
             p.held.clear()
             continue
         events: list[tuple[str, object]] = []
@@ -88,7 +95,7 @@ def random_streams(
                     del p.held[k]
         for index, (topic, ev) in enumerate(events):
             out.append((topic, BlockEvent(replica=p.replica, dp_rank=p.dp_rank, epoch=p.epoch, seq=p.seq,
-                                          index=index, ts=ts, event=ev)))
+                                          index=index, ts=ts, event=ev, model=p.model)))
         p.seq += 1
     return out
 

@@ -34,6 +34,7 @@ class _Holder:
     positions: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     floor: int = -1
     tiers: dict[str, _Tier] = field(default_factory=dict)  # descriptor -> tier
+    model: str | None = None  # the model its latest applied event named
     groups: dict[int, GroupSpec] = field(default_factory=dict)  # KV cache group -> what its stores said
 
 
@@ -88,6 +89,7 @@ class InMemoryStore(ResidencyStore):
             h.groups.clear()
             res.resets += 1
         h.positions[topic] = pos
+        h.model = ev.model
         res.applied += 1
         self.seen[name] = max(self.seen.get(name, ev.ts), ev.ts)
         self._stale.pop(name, None)
@@ -161,6 +163,7 @@ class InMemoryStore(ResidencyStore):
         h = self.holders[name]
         n = sum(len(t.blocks) for t in h.tiers.values())
         h.tiers.clear()
+        h.model = None
         h.groups.clear()
         self.seen.pop(name, None)
         self._stale[name] = now
@@ -174,11 +177,14 @@ class InMemoryStore(ResidencyStore):
         *,
         weights: Weights | None = None,
         candidates: Sequence[str] | None = None,
+        model: str | None = None,
     ) -> dict[str, HolderMatch]:
         weights = weights or Weights()
         allowed = None
         if candidates:
             allowed = {n for n in self.holders if n in candidates or split_holder(n)[0] in candidates}
+        if model is not None:
+            allowed = {n for n, h in self.holders.items() if h.model == model and (allowed is None or n in allowed)}
         block_map: dict[bytes, dict[str, list[str]]] = {}
         wanted = set(chain)
         for name, h in self.holders.items():
@@ -234,6 +240,9 @@ class InMemoryStore(ResidencyStore):
 
     def positions(self) -> dict[tuple[str, str], tuple[int, int, int]]:
         return {(n, t): p for n, h in self.holders.items() for t, p in h.positions.items()}
+
+    def models(self) -> dict[str, str]:
+        return {n: h.model for n, h in self.holders.items() if h.model is not None}
 
     def snapshot(self) -> Snapshot:
         out: Snapshot = {}

@@ -31,9 +31,10 @@ class Pipeline:
         self.settings = settings
         self.children = Children(log_dir=workdir, env=env_for(settings), log_prefix="")
 
-    def start(self, name: str, *args: str) -> None:
-        """Start ``python -m kvbus <args>`` with output to ``<workdir>/<name>.log``."""
-        self.children.start(name, *args)
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
+        """Start ``python -m kvbus <args>`` with output to ``<workdir>/<name>.log``; ``env``: variables
+        laid over the pipeline's for this process."""
+        self.children.start(name, *args, env=env)
 
     def stop(self) -> None:
         """SIGTERM every process, SIGKILL what is left."""

@@ -52,7 +52,7 @@ reset = st.builds(Reset, reason=text, missing_from=maybe(longs), missing_to=mayb
 events = st.one_of(stored, common_stored, removed, st.just(AllBlocksCleared()), reset)
 
 block_events = st.builds(BlockEvent, replica=text, epoch=longs, seq=longs, index=ints, ts=floats, event=events,
-                         dp_rank=ints)
+                         dp_rank=ints, model=maybe(text))
 incompletes = st.builds(Incomplete, replica=text, epoch=longs, seq=longs, index=ints, workers=ints,
                         reported=st.lists(ints, max_size=10), missing=st.lists(ints, max_size=10), event=events,
                         dp_rank=ints)
@@ -60,6 +60,6 @@ dead_letters = st.builds(DeadLetter, stage=text, source=text, reason=text,
                          payload=st.lists(st.binary(max_size=20), max_size=3), ts=floats)
 batches = st.builds(EventBatch, replica=text, seq=longs, ts=floats, events=st.lists(events, max_size=5),
                     dp_rank=ints, worker_rank=ints, workers=ints, engine=text, epoch=longs, topic=text,
-                    first_index=st.one_of(st.just(0), ints))
+                    first_index=st.one_of(st.just(0), ints), model=maybe(text))
 records = st.one_of(batches, block_events, incompletes, dead_letters)
 """Any of the four top-level records."""

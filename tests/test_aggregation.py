@@ -582,3 +582,38 @@ def test_merged_state_changes_keep_last_values_and_write_metas_last():
     assert merged == [(0, aggregate_key("r#0", ident), None), (1, aggregate_key("s#0", ident), b"w1"),
                       (0, meta_key("r#0"), b"m2"), (1, meta_key("s#0"), b"n1")]
     assert [is_meta_key(k) for _, k, _ in merged] == [False, False, True, True]
+
+
+def _with_model(b: EventBatch, model: str | None) -> EventBatch:
+    return msgspec.structs.replace(b, model=model)
+
+
+def test_outputs_carry_the_model_of_their_batch():
+    """Passed through: the batch's model; consolidated: the lowest rank's batch's (rank 1 may report
+    first); a forwarded Reset: its own batch's. The model is not part of the identity."""
+    agg = Aggregator(TOPICS, window=WINDOW)
+    out = run(agg, [_with_model(batch(0, 1, 0, [stored(1), Reset(reason="gap-unrecoverable")], replica="p"), "llama")])
+    assert [(o.kind, o.value.model) for o in out] == [("passthrough", "llama"), ("reset", "llama")]
+    out = run(agg, [_with_model(batch(1, 2, 0, [stored(2)]), "rank-1-told-otherwise"),
+                    _with_model(batch(0, 2, 0, [stored(2)]), "qwen")])
+    assert [(o.kind, o.value.model) for o in out] == [("consolidated", "qwen")]
+    out = run(agg, [_with_model(batch(0, 2, 1, [stored(3)]), "qwen"), batch(1, 2, 1, [stored(3)])])
+    assert [(o.kind, o.value.model) for o in out] == [("consolidated", "qwen")], "reports pair whatever their model"
+    out = run(agg, [_with_model(batch(0, 2, -1, [Reset(reason="engine-restart")], epoch=500), "mistral")], now=1.0)
+    assert [(o.kind, o.value.model) for o in out] == [("reset", "mistral")]
+    assert blocks(run(agg, [batch(0, 1, 5, [stored(9)], replica="none")]))[0].model is None
+
+
+def test_open_aggregates_stored_before_models_load_without_one():
+    """A state store written before aggregates kept the model (nine fields) still loads."""
+    from kvbus.streams.aggregation import Aggregate, aggregate_key, encode_aggregates, encode_meta, meta_key
+
+    agg = Aggregator(TOPICS, window=WINDOW)
+    run(agg, [_with_model(batch(0, 2, 0, [stored(1)]), "qwen")])
+    (key, st), = agg.holders.items()
+    (ident, aggs), = st.pending.items()
+    old = msgspec.msgpack.encode([list(msgspec.structs.astuple(a))[:9] for a in aggs])
+    states = load([(aggregate_key(key, ident), old), (meta_key(key), encode_meta(st.meta))])
+    (restored,) = states[key].pending[ident]
+    assert isinstance(restored, Aggregate) and restored.model is None and restored.reports == aggs[0].reports
+    assert load([(aggregate_key(key, ident), encode_aggregates(aggs))])[key].pending[ident][0].model == "qwen"

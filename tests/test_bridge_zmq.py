@@ -67,7 +67,8 @@ class Harness:
     """A fleet of one replica and a bridge running in a thread, collecting its output."""
 
     def __init__(self, fmt: str = "vllm-0.33", *, replay: bool = True, buffer_steps: int = 10_000,
-                 topic: str = "", replay_timeout: float = 1.0, max_held: int = 200_000) -> None:
+                 topic: str = "", replay_timeout: float = 1.0, max_held: int = 200_000,
+                 model: str | None = None) -> None:
         self.fleet = Fleet(FleetConfig(replicas=1, base_port=0, format=fmt, buffer_steps=buffer_steps, topic=topic))
         self.fleet.start()
         self.stream = self.fleet.streams()[0]
@@ -77,7 +78,7 @@ class Harness:
         self.sink = CallbackSink(self.batches.append, self.dead.append)
         self.cfg = BridgeConfig(endpoint=self.stream.endpoint, replica=REPLICA,
                                 replay_endpoint=self.stream.replay_endpoint if replay else None,
-                                topic=topic, replay_timeout=replay_timeout, max_held=max_held)
+                                topic=topic, replay_timeout=replay_timeout, max_held=max_held, model=model)
         self.bridge = Bridge(self.cfg, self.sink)
         self._thread: threading.Thread | None = None
 
@@ -216,6 +217,42 @@ def test_gap_without_replay_endpoint_gives_reset_marker(harness_factory):
     wait_for(lambda: hs.data() and hs.data()[-1].seq == last + 2, what="after gap")
     marker = [m for m in hs.markers() if m.events[0].reason == REASON_GAP][-1]
     assert marker.events[0] == Reset(reason=REASON_GAP, missing_from=last + 1, missing_to=last + 1)
+
+
+def test_every_record_names_the_model_the_bridge_was_told(harness_factory):
+    """Data batches and the bridge's own reset markers carry ``--model``; a bridge told none writes None."""
+    told = harness_factory(replay=False, model="meta-llama/Llama-3.1-8B-Instruct").start()
+    wait_for(lambda: told.bridge.sub is not None)
+    wait_for(lambda: (told.pub.publish([stored(1)]) is not None and len(told.data()) > 0), what="first batch")
+    told.pub.publish([stored(2)], send_live=False)  # a gap: the bridge writes a reset marker
+    told.pub.publish([stored(3)])
+    wait_for(lambda: any(m.events[0].reason == REASON_GAP for m in told.markers()), what="the gap's marker")
+    assert told.markers() and {b.model for b in told.batches} == {"meta-llama/Llama-3.1-8B-Instruct"}
+    untold = harness_factory(replay=False).start()
+    wait_for(lambda: untold.bridge.sub is not None)
+    wait_for(lambda: (untold.pub.publish([stored(1)]) is not None and len(untold.data()) > 0), what="first batch")
+    assert {b.model for b in untold.batches} == {None}
+
+
+def test_bridge_model_flag_and_variable():
+    import argparse
+
+    from kvbus.producers.cli import add_bridge_args, config_from_args
+
+    def parsed(argv, env):
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            p = argparse.ArgumentParser()
+            add_bridge_args(p)
+            return config_from_args(p.parse_args(["--endpoint", "tcp://x:1", "--replica", "r", *argv]))
+
+    assert parsed([], {}).model is None
+    assert parsed([], {"KVBUS_BRIDGE_MODEL": " qwen "}).model == "qwen"
+    assert parsed(["--model", "llama"], {"KVBUS_BRIDGE_MODEL": "qwen"}).model == "llama"  # the flag wins
+    assert parsed([], {"KVBUS_BRIDGE_MODEL": ""}).model is None
+    with pytest.raises(SystemExit):
+        parsed(["--model", ""], {})
 
 
 def test_engine_restart_gives_reset_marker_and_new_epoch(harness_factory):
@@ -468,6 +505,18 @@ def test_publisher_writes_monotonic_seqs_after_a_restart_marker(publisher_factor
     assert (b0.replica, b0.dp_rank, b0.engine, b0.topic, b0.ts) == ("pod-a", 1, "kvbus", "kv@pod-a@m", 5.0)
     assert b1.dp_rank == 2 and b1.events == [BlockRemoved(block_hashes=[(2**63 + 5).to_bytes(8, "big")],
                                                           medium="GPU", group_idx=0)]
+
+
+def test_publisher_names_its_model_in_every_record(publisher_factory):
+    pub, fake, loads = publisher_factory(model="qwen")
+    pub.publish(VllmBatch(ts=5.0, events=_vllm_events()[:1]))
+    pub.publish(VllmBatch(ts=6.0, events=_vllm_events()[3:4], data_parallel_rank=2))
+    assert [loads(v).model for _, v, _ in fake.records] == ["qwen", "qwen", "qwen"]  # the start marker too
+    plain, fake, loads = publisher_factory()
+    plain.publish(VllmBatch(ts=5.0, events=_vllm_events()[:1]))
+    assert {loads(v).model for _, v, _ in fake.records} == {None}
+    with pytest.raises(ValueError, match="non-empty"):
+        publisher_factory(model="")
 
 
 def test_publisher_never_blocks_and_announces_what_it_had_to_drop(publisher_factory):

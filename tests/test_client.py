@@ -37,7 +37,7 @@ from kvbus.sinks.tiers import Weights
 from tests.histories import random_streams
 from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync
 from tests.redis_server import RedisServer
-from tests.test_lookup_protocol import CASES, CHAIN, TOKENS_B, _records, _spec_and_cands
+from tests.test_lookup_protocol import CASES, CHAIN, EMPTY_CASES, TOKENS_B, _records, _spec_and_cands
 
 T = Topics(blocks="tb")
 
@@ -80,9 +80,10 @@ def _client_kwargs(argv: list[str]) -> dict:
     a = p.parse_args(argv)
     cands = [c.strip() for c in (a.replicas or "").split(",") if c.strip()] or None
     if a.hashes:
-        return {"hashes": [int(h, 0) for h in a.hashes.split(",")], "weights": a.weights, "candidates": cands}
+        return {"hashes": [int(h, 0) for h in a.hashes.split(",")], "weights": a.weights, "candidates": cands,
+                "model": a.model}
     return {"tokens": [int(t) for t in a.tokens.split(",")], "block_size": a.block_size, "algo": a.algo,
-            "seed": a.hash_seed, "weights": a.weights, "candidates": cands}
+            "seed": a.hash_seed, "weights": a.weights, "candidates": cands, "model": a.model}
 
 
 def _json(matches: list[HolderMatch]) -> str:
@@ -96,12 +97,12 @@ def test_answers_equal_kvbus_lookup_json_and_the_stores_lookup(views, capsys, wh
     with ViewClient(url, prefix, tie_break=BY_NAME) as view:
         got = view.lookup(**_client_kwargs(CASES[case]))
     assert _json(got) + "\n" == _kvbus_lookup_json(url, prefix, CASES[case], capsys)
-    chain, _, cands = _spec_and_cands(CASES[case])
+    chain, _, cands, model = _spec_and_cands(CASES[case])
     argv = CASES[case]
     weights = Weights.parse(argv[argv.index("--weights") + 1] if "--weights" in argv else None)
-    want = store.lookup(chain, weights=weights, candidates=cands or None)
+    want = store.lookup(chain, weights=weights, candidates=cands or None, model=model)
     assert {m.name: m for m in got} == want
-    if case not in ("nobody", "unknown-candidates"):
+    if case not in EMPTY_CASES:
         assert got, "the case finds holders"
 
 

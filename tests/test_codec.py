@@ -80,7 +80,7 @@ def test_batch_head_path_equals_whole_batch(batch):
     """The producers' cached-head encoding of a batch is the whole-batch encoding."""
     serde = FAST["EventBatch"]
     head = serde.header("codec.raw") + fast.batch_head(batch.replica, batch.dp_rank, batch.worker_rank,
-                                                       batch.workers, batch.engine)
+                                                       batch.workers, batch.engine, batch.model)
     value = fast.batch_from_head(head, batch.epoch, batch.seq, batch.ts, batch.topic,
                                  fast.encode_events(batch.events), batch.first_index)
     assert value == serde.dumps(batch, "codec.raw") == SLOW["EventBatch"].dumps(batch, "codec.raw")
@@ -450,7 +450,7 @@ def test_an_optional_field_added_to_the_avsc_and_the_struct_is_encoded_decoded_a
         assert raw.avro == new.encode_event(ev) and raw.ownership == ev.ownership
         assert raw.without_lora_name == (None if ev.lora_name is None else
                                          new.encode_event(msgspec.structs.replace(ev, lora_name=None)))
-    head = new.batch_head("r", 0, 0, 2, "vllm")
+    head = new.batch_head("r", 0, 0, 2, "vllm", None)
     assert new.batch_from_head(head, 9, 3, 1.5, "", new.encode_events(batch.events)) == body
     # the positional writer of the publisher's shape, generated from the new schema: shard at its default
     shape = PUBLISHER_SHAPES[BlockStored]

@@ -376,6 +376,9 @@ def test_one_bridge_sidecar_per_data_parallel_rank_of_the_engine(rendered: list[
         assert args.topic == config["topic"]
         assert "$(POD_NAME)" in c["args"] and args.replica == SAMPLE_POD, \
             f"{c['name']}: --replica must be the pod name (the name the router knows the endpoint by)"
+        served = option(engine["args"], "--served-model-name") if "--served-model-name" in engine["args"] else \
+            engine["args"][0]
+        assert args.model == served, f"{c['name']}: --model {args.model!r} is not the model vLLM serves ({served!r})"
         metrics.add(next(p["name"] for p in c["ports"] if p["containerPort"] == args.metrics_port))
     ports = {offset_port(config[e], r) for r in range(ranks) for e in ("endpoint", "replay_endpoint")}
     assert len(ports) == 2 * ranks, "the ranks' PUB and replay ports overlap"

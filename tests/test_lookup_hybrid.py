@@ -228,5 +228,5 @@ def test_malformed_group_specs_are_refused_before_any_write():
         with pytest.raises(redis.ResponseError, match="malformed group spec"):
             store._fcall("kvbus_apply", store.prefix, 1, "a", 0, 1, "tb", 1, "GPU||0", "0", blob)
         with pytest.raises(redis.ResponseError, match="malformed group spec"):
-            store._fcall("kvbus_restore", store.prefix, "a", 0, "", "", 0, 0, 1, 0, "full_attention,16")
+            store._fcall("kvbus_restore", store.prefix, "a", 0, "", "", 0, 0, "", 1, 0, "full_attention,16")
         assert not srv.client().keys(store.prefix + "H:*") and not srv.client().keys(store.prefix + "B:*")

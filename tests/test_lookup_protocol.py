@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
@@ -50,19 +51,27 @@ def _vector_hashes(algo: str, seed: str | None, prompt: str = "B", block_size: i
     return [canonical_hash(bytes.fromhex(d)) for d in digests]
 
 
+MODELS = {"a": "llama", "c": "llama", "b": "qwen", "vllm-sha256": "llama"}
+"""The model of each replica's holders (by replica name; shared-<k>: llama for even k, qwen for odd k;
+the others name no model)."""
+
+
 def _records() -> list:
     """Holders: a (GPU 6 blocks, CPU 2), b#0 (GPU 1), b#1 (CPU@kvcr 3), c (GPU/g1 4; CPU 3 stored
     twice: counted), pod#x (a replica name with '#'; GPU 5), 24 holders of a shared 2-block prefix
     (a wide block), and engines holding a prompt as vLLM hashed it: prompt B with each algorithm
     (sha256 and sha256_cbor with the default seed, xxhash and xxhash_cbor with PYTHONHASHSEED=12345),
-    in blocks of 8 (sha256, PYTHONHASHSEED=0), and prompt A with an empty PYTHONHASHSEED."""
+    in blocks of 8 (sha256, PYTHONHASHSEED=0), and prompt A with an empty PYTHONHASHSEED. Models:
+    :data:`MODELS`."""
     out = []
     seq = {}
 
     def add(replica, dp, hashes, medium="GPU", ownership=None, group=None):
         n = seq[(replica, dp)] = seq.get((replica, dp), -1) + 1
+        model = MODELS.get(replica) or (("llama", "qwen")[int(replica[7:]) % 2] if replica.startswith("shared-")
+                                        else None)
         out.append(("kvbus.blocks", BlockEvent(
-            replica=replica, dp_rank=dp, epoch=1, seq=n, index=0, ts=time.time(),
+            replica=replica, dp_rank=dp, epoch=1, seq=n, index=0, ts=time.time(), model=model,
             event=BlockStored(block_hashes=hashes, medium=medium, ownership=ownership, group_idx=group))))
 
     add("a", 0, CHAIN)
@@ -122,7 +131,14 @@ CASES = {
     "tokens-xxhash": ["--tokens", TOKENS_B, "--algo", "xxhash", "--hash-seed", "12345"],
     "tokens-sha256-blocks-of-8": ["--tokens", TOKENS_B, "--algo", "sha256", "--hash-seed", "0", "--block-size", "8"],
     "tokens-sha256-empty-seed": ["--tokens", TOKENS_A, "--algo", "sha256", "--hash-seed", ""],
+    "model": ["--hashes", _hashes(CHAIN), "--model", "llama"],
+    "model-other": ["--hashes", _hashes(CHAIN), "--model", "qwen"],
+    "model-and-candidates": ["--hashes", _hashes(CHAIN), "--model", "qwen", "--replicas", "a,b#1,pod#x,shared-3"],
+    "model-of-nobody": ["--hashes", _hashes(CHAIN), "--model", "mistral"],
+    "model-tokens": ["--tokens", TOKENS_B, "--algo", "sha256", "--model", "llama"],
 }
+EMPTY_CASES = {"nobody", "unknown-candidates", "model-of-nobody"}
+"""The cases no holder answers."""
 
 
 def _kvbus_lookup(settings: Settings, prefix: str, argv: list[str], capsys) -> str:
@@ -196,8 +212,9 @@ def _label(desc: str) -> str:
 
 
 def redis_cli_answer(port: int, views: list[tuple[str, list[str]]], chain: list[bytes], spec: str,
-                     cands: list[str], cluster: bool = False) -> dict:
+                     cands: list[str], cluster: bool = False, model: str | None = None) -> dict:
     """kvbus lookup's JSON answer computed from redis-cli's output by docs/lookup-protocol.md."""
+    options = [b"\0model", model] if model is not None else []
     holders, ranks = [], {}
     for prefix, _ in views:
         names = {int(k): v for k, v in redis_cli(port, "HGETALL", prefix + "hname", cluster=cluster).items() if k}
@@ -208,7 +225,7 @@ def redis_cli_answer(port: int, views: list[tuple[str, list[str]]], chain: list[
     rows = []
     for (prefix, keys), split in zip(views, holders):
         head, blobs, descs = redis_cli(port, "FCALL_RO", "kvbus_lookup", str(len(keys)), *keys, prefix,
-                                       b"".join(chain), spec, *cands, cluster=cluster)
+                                       b"".join(chain), spec, *options, *cands, cluster=cluster)
         labels = {descs[j]: _label(descs[j + 1]) for j in range(0, len(descs), 2)}
         k = 0
         answers = []
@@ -283,8 +300,8 @@ def view():
         yield srv, prefix
 
 
-def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str]]:
-    """What kvbus lookup sends for these flags: the chain, ARGV[3] and the candidates."""
+def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str], str | None]:
+    """What kvbus lookup sends for these flags: the chain, ARGV[3], the candidates and the model."""
     from kvbus.sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
     from kvbus.sinks.tiers import Weights
 
@@ -294,7 +311,7 @@ def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str]]:
     chain = parse_hashes(a.hashes) if a.hashes else chain_from_tokens(parse_tokens(a.tokens), a.block_size, a.algo,
                                                                       a.hash_seed)
     cands = [c.strip() for c in (a.replicas or "").split(",") if c.strip()]
-    return chain, Weights.parse(a.weights).spec(), cands
+    return chain, Weights.parse(a.weights).spec(), cands, a.model
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -302,10 +319,10 @@ def test_redis_cli_gets_kvbus_lookups_answer(view, capsys, case):
     srv, prefix = view
     argv = CASES[case]
     answer = json.loads(_kvbus_lookup(Settings(redis_url=srv.url), prefix, argv, capsys))
-    if case not in ("nobody", "unknown-candidates"):
+    if case not in EMPTY_CASES:
         assert answer, "the case finds holders"
-    chain, spec, cands = _spec_and_cands(argv)
-    got = redis_cli_answer(srv.port, [(prefix, [])], chain, spec, cands)
+    chain, spec, cands, model = _spec_and_cands(argv)
+    got = redis_cli_answer(srv.port, [(prefix, [])], chain, spec, cands, model=model)
     assert list(got.items()) == list(answer.items())  # same holders, values and order
 
 
@@ -329,6 +346,10 @@ def test_the_view_is_what_the_cases_assume(view, capsys):
     assert "hybrid-miss" not in got and "groups" not in got["a"]
     assert len(got) == 6 + 24
     assert srv.client().exists(prefix.encode() + b"W:" + CHAIN[0]), "block 0 is wide (over 20 members)"
+    llama = json.loads(_kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES["model"], capsys))
+    assert set(llama) == {"a", "c"} | {f"shared-{k}" for k in range(0, 24, 2)} and llama["a"] == got["a"]
+    assert set(json.loads(_kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES["model-and-candidates"],
+                                        capsys))) == {"b#1", "shared-3"}
 
 
 def test_layout_version_is_in_the_views_meta(view):
@@ -357,6 +378,106 @@ def test_errors_of_the_call(view):
     assert redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, b"", "") == [[], [], []]
     with pytest.raises(RuntimeError, match="(?i)function not found"):
         redis_cli(srv.port, "FCALL_RO", "kvbus_nosuch", "0", prefix)
+
+
+def test_errors_of_the_model_option(view):
+    srv, prefix = view
+    chain = b"".join(CHAIN)
+    with pytest.raises(RuntimeError, match='kvbus: unknown lookup option tenant'):
+        redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, chain, "", b"\0tenant", "x")
+    for bad in ([b"\0model"], [b"\0model", ""], ["a", b"\0model"]):
+        with pytest.raises(RuntimeError, match="kvbus: lookup option model needs a model name"):
+            redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, chain, "", *bad)
+    # options and candidates in any order: the same answer
+    first = redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, chain, "", b"\0model", "qwen", "b")
+    assert first == redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, chain, "", "b", b"\0model", "qwen")
+    assert len(first[1]) == 2, "b#0 and b#1, qwen's, answer as two groups"
+
+
+# ---------------------------------------------------------------- views and readers from before models
+
+def _without_models(records: list) -> list:
+    return [(t, msgspec.structs.replace(ev, model=None)) for t, ev in records]
+
+
+def _old_apply_args(store: RedisStore, records: list) -> list[list]:
+    """The ``kvbus_apply`` calls a sink of the release before models sends: no model names after the
+    view id and offsets (or neither of them)."""
+    return [args[:-(2 + args[1])] for _, args in store._calls(records)]
+
+
+@pytest.fixture(scope="module")
+def old_view(view):
+    """The records of ``view`` as a sink before models wrote them: old-shaped ``kvbus_apply`` calls."""
+    srv, _ = view
+    prefix = f"old{uuid.uuid4().hex[:8]}:"
+    store = RedisStore(srv.client(), prefix)
+    for args in _old_apply_args(store, _records() + _hybrid_records()):
+        store._fcall("kvbus_apply", *args)
+    return srv, prefix
+
+
+def test_a_view_written_before_models_has_no_model_keys_and_answers_as_before(view, old_view, capsys):
+    srv, old = old_view
+    _, new = view
+    keys = {k[len(old):] for k in srv.client().scan_iter(match=old + "*", count=1000)}
+    assert b"mh" not in keys and not any(srv.client().hexists(old + k.decode(), "m") for k in keys
+                                         if k.startswith(b"H:"))
+    model_less = RedisStore(srv.client(), f"n{uuid.uuid4().hex[:8]}:")
+    model_less.apply(_without_models(_records() + _hybrid_records()))
+    assert sorted(srv.client().scan_iter(match=model_less.prefix + "*", count=1000)) == sorted(
+        model_less.prefix.encode() + k for k in keys), "events without a model write the old view's keys"
+    for case in ("all", "mixed-candidates", "weights", "tokens-sha256"):
+        chain, spec, cands, _ = _spec_and_cands(CASES[case])
+        old_shaped = ["FCALL_RO", "kvbus_lookup", "0"]
+        replies = [redis_cli(srv.port, *old_shaped, p, b"".join(chain), spec, *cands) for p in (old, new)]
+        assert replies[0] == replies[1], "an old-shaped call answers the same on a view with models"
+        assert _kvbus_lookup(Settings(redis_url=srv.url), old, CASES[case], capsys) == \
+            _kvbus_lookup(Settings(redis_url=srv.url), new, CASES[case], capsys)
+
+
+def test_a_new_reader_on_a_view_before_models_finds_no_holder_of_a_model_until_it_names_one(old_view, go_lookup,
+                                                                                            capsys):
+    srv, old = old_view
+    assert json.loads(_kvbus_lookup(Settings(redis_url=srv.url), old, CASES["model"], capsys)) == {}
+    g = go(go_lookup, ["-addr", f"127.0.0.1:{srv.port}"], old, CASES["model"])
+    assert (g.returncode, g.stdout.strip()) == (0, "{}"), g.stderr
+    store = RedisStore(srv.client(), old)
+    store.apply([("kvbus.blocks", BlockEvent(replica="a", epoch=1, seq=100, index=0, ts=time.time(), model="llama",
+                                             event=BlockStored(block_hashes=CHAIN[5:], medium="GPU")))])
+    got = json.loads(_kvbus_lookup(Settings(redis_url=srv.url), old, CASES["model"], capsys))
+    assert list(got) == ["a"] and got["a"]["matched"] == 6, "its next event names the holder's model"
+    for args in _old_apply_args(store, [("kvbus.blocks", BlockEvent(
+            replica="a", epoch=1, seq=101, index=0, ts=time.time(), event=BlockStored(block_hashes=CHAIN[:1])))]):
+        store._fcall("kvbus_apply", *args)  # an older sink still running: its calls leave models as they are
+    assert list(json.loads(_kvbus_lookup(Settings(redis_url=srv.url), old, CASES["model"], capsys))) == ["a"]
+
+
+# ---------------------------------------------------------------- the Go package's own test against Redis
+
+def _model_view_records() -> list:
+    """The view the Go package's TestLookupNamingAModelAnswersOnlyItsHolders reads (model_redis_test.go)."""
+    chain = [canonical_hash(i) for i in (1, 2, 3)]
+    return [("kvbus.blocks", BlockEvent(replica=r, epoch=1, seq=0, index=0, ts=time.time(), model=m,
+                                        event=BlockStored(block_hashes=chain[:n], medium="GPU")))
+            for r, m, n in (("l0", "llama", 3), ("l1", "llama", 2), ("q0", "qwen", 3), ("u0", None, 3))]
+
+
+def test_go_package_lookups_naming_a_model_on_redis_and_redis_cluster():
+    """``go test`` of the Go package against a view the sink store wrote, on a Redis and a Redis Cluster."""
+    _need_go()
+    from tests.redis_cluster import RedisClusterServer
+
+    prefix = f"g{uuid.uuid4().hex[:8]}:"
+    with RedisServer() as srv, RedisClusterServer(3) as cl:
+        RedisStore(srv.client(), prefix).apply(_model_view_records())
+        ShardedRedisStore(cl.url, prefix).apply(_model_view_records())
+        env = {**os.environ, "KVBUS_TEST_PREFIX": prefix, "KVBUS_TEST_REDIS_ADDR": f"127.0.0.1:{srv.port}",
+               "KVBUS_TEST_CLUSTER_ADDRS": ",".join(f"{n.host}:{n.port}" for n in cl.nodes if n.master)}
+        r = subprocess.run([GO, "test", "-count=1", "-v", "-run", "TestLookupNamingAModel", "./..."], cwd=GO_PACKAGE,
+                           capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--- PASS: TestLookupNamingAModelAnswersOnlyItsHolders" in r.stdout and "SKIP" not in r.stdout
 
 
 def test_status_key_as_routers_read_it(view, go_lookup):
@@ -424,7 +545,8 @@ def sharded_view():
         yield cl, srv, prefix, masters, views
 
 
-SHARDED_CASES = ("all", "mixed-candidates", "weights", "tokens-xxhash-cbor", "tokens-sha256")
+SHARDED_CASES = ("all", "mixed-candidates", "weights", "tokens-xxhash-cbor", "tokens-sha256", "model",
+                 "model-and-candidates")
 
 
 def test_sharded_view_redis_cli_one_call_per_shard_union_of_answers(sharded_view, capsys):
@@ -432,8 +554,8 @@ def test_sharded_view_redis_cli_one_call_per_shard_union_of_answers(sharded_view
     for case in SHARDED_CASES:
         want = _kvbus_lookup(Settings(redis_url=cl.url), prefix, CASES[case], capsys)
         assert want == _kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES[case], capsys)
-        chain, spec, cands = _spec_and_cands(CASES[case])
-        got = redis_cli_answer(cl.nodes[0].port, views, chain, spec, cands, cluster=True)
+        chain, spec, cands, model = _spec_and_cands(CASES[case])
+        got = redis_cli_answer(cl.nodes[0].port, views, chain, spec, cands, cluster=True, model=model)
         assert list(got.items()) == list(json.loads(want).items())
 
 

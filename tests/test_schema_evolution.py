@@ -205,3 +205,67 @@ def test_registry_accepts_first_index_and_old_records_still_read(stack) -> None:
     new_value = serde.dumps(part, topic)
     assert new_value[1:5] == new_id.to_bytes(4, "big")
     assert serde.loads(new_value, topic) == part
+
+
+# -- model (EventBatch, BlockEvent, ViewSnapshot) ------------------------------------------------
+
+MODEL_RECORDS = ("EventBatch", "BlockEvent", "ViewSnapshot")
+
+
+def _schema_before_models(record: str) -> dict:
+    """``kvbus.<record>`` as it was before records named the model."""
+    schema = json.loads(schema_str(record))
+    assert [f["default"] for f in schema["fields"] if f["name"] == "model"] == [None]  # added with a default
+    schema["fields"] = [f for f in schema["fields"] if f["name"] != "model"]
+    return schema
+
+
+def _with_model(record: str, model: str | None):
+    from kvbus.schemas.events import BlockEvent, ViewSnapshot, ViewTier
+
+    if record == "EventBatch":
+        return msgspec.structs.replace(_batch("kvcr"), model=model)
+    if record == "BlockEvent":
+        return BlockEvent(replica="r1", epoch=3, seq=4, index=0, ts=2.5, event=_batch(None).events[0], model=model)
+    tier = ViewTier(descriptor="GPU||0", refcounted=False, origin="kvbus.blocks", blocks=b"\1" * 8)
+    return ViewSnapshot(snapshot=7, taken=1.0, holder="r1#0", replica="r1", model=model, tiers=[tier])
+
+
+@pytest.mark.parametrize("record", MODEL_RECORDS)
+def test_records_before_models_read_with_the_model_unknown_and_new_ones_read_by_old_readers(record) -> None:
+    from kvbus.schemas.avro import TO_AVRO
+
+    old, current = _schema_before_models(record), json.loads(schema_str(record))
+    value = TO_AVRO[record](_with_model(record, "llama"), None)
+    old_value = {k: v for k, v in TO_AVRO[record](_with_model(record, None), None).items() if k != "model"}
+    assert _read(old, current, _write(old, old_value))["model"] is None
+    out = _read(current, old, _write(current, value))
+    assert "model" not in out and out["replica"] == "r1"
+    assert _read(current, current, _write(current, value))["model"] == "llama"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("record", MODEL_RECORDS)
+def test_registry_accepts_the_model_field_and_kvbus_readers_decode_both_versions(stack, record) -> None:
+    """FULL_TRANSITIVE takes the model field; a value written before it decodes with model None (through
+    RecordSerde: the fast decoder is only used for the current schema), a current one keeps it."""
+    from kvbus.schemas.avro import TO_AVRO
+
+    url = stack.registry_url
+    topic = f"evolution-{uuid.uuid4().hex[:8]}"
+    subject = f"{topic}-value"
+    set_compatibility(url, subject)
+    old_id = register_schema(url, subject, json.dumps(_schema_before_models(record)))
+    assert check_schema(url, subject, schema_str(record))[0] == "compatible"
+    assert register_schema(url, subject, schema_str(record)) != old_id
+    registry = registry_client(url)
+    old_record = {k: v for k, v in TO_AVRO[record](_with_model(record, None), None).items() if k != "model"}
+    old_value = confluent_header(old_id) + _write(_schema_before_models(record), old_record)
+    reader = batch_scanner(Raw) if record == "EventBatch" else None
+    for serde in (FastSerde(registry, record, auto_register=False, reader=reader),
+                  RecordSerde(registry, record, auto_register=False)):
+        assert serde.loads(old_value, topic).model is None
+    fast = FastSerde(registry, record, auto_register=False)
+    current = fast.dumps(_with_model(record, "llama"), topic)
+    assert fast.loads(current, topic) == _with_model(record, "llama")
+    assert RecordSerde(registry, record, auto_register=False).loads(current, topic).model == "llama"

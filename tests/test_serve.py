@@ -17,10 +17,11 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvbus.client import HolderMatch, ViewClient
+from kvbus.client import ViewClient
 from kvbus.procs import free_port
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.lookup import status_key
@@ -32,10 +33,17 @@ from kvbus.sinks import cli
 from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer
 from tests.test_hashing_extra_keys import HOLDERS, SQL_V1, SQL_V2, _vector
-from tests.test_lookup_protocol import CASES, CHAIN, UNKNOWN, _records
+from tests.test_lookup_protocol import CASES, CHAIN, EMPTY_CASES, UNKNOWN, _records
 from tests.vllm_hash_vectors import PROMPTS
 
 KVBUS = Path(sys.executable).parent / "kvbus"
+MODEL = "m"
+"""The model the requests name and the test views' holders serve (their events name it)."""
+
+
+def _as_model(records: list, model: str | None = MODEL) -> list:
+    """``records`` with every event naming ``model``."""
+    return [(topic, msgspec.structs.replace(ev, model=model)) for topic, ev in records]
 
 
 @pytest.fixture(autouse=True)
@@ -48,16 +56,17 @@ def redis_view():
     """A private Redis with two views written by ``RedisStore.apply``: the lookup protocol's cases
     (tiers GPU, CPU, CPU@kvcr, GPU/g1; replica b with ranks 0 and 1; 24 holders of a shared prefix;
     prompts hashed by vLLM) under ``prefix``, and prompt B as vLLM published it for a base, a salted
-    and a LoRA engine per hash algorithm (PYTHONHASHSEED=0) under ``lora_prefix``."""
+    and a LoRA engine per hash algorithm (PYTHONHASHSEED=0) under ``lora_prefix``; every holder
+    serves :data:`MODEL`."""
     with RedisServer() as srv:
         prefix, lora_prefix = f"s{uuid.uuid4().hex[:8]}:", f"l{uuid.uuid4().hex[:8]}:"
-        RedisStore(srv.client(), prefix).apply(_records())
+        RedisStore(srv.client(), prefix).apply(_as_model(_records()))
         records = []
         for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
             for holder, (release, lora, salt) in HOLDERS.items():
                 v = _vector(release, algo, lora, salt)
                 records.append(("kvbus.blocks", BlockEvent(
-                    replica=f"{holder}-{algo}", dp_rank=0, epoch=1, seq=0, index=0, ts=time.time(),
+                    replica=f"{holder}-{algo}", dp_rank=0, epoch=1, seq=0, index=0, ts=time.time(), model=MODEL,
                     event=BlockStored(block_hashes=[canonical_hash(h) for h in v.hashes], medium="GPU",
                                       block_size=16))))
         RedisStore(srv.client(), lora_prefix).apply(records)
@@ -131,7 +140,7 @@ def _request(argv: list[str]) -> tuple[str, dict, dict]:
     p = argparse.ArgumentParser()
     cli.add_lookup_args(p)
     a = p.parse_args(argv)
-    body: dict = {"model": "m", "block_size": a.block_size}
+    body: dict = {"model": a.model or MODEL, "block_size": a.block_size}
     if a.replicas:
         body["instance_id"] = a.replicas
     if a.hashes:
@@ -142,7 +151,7 @@ def _request(argv: list[str]) -> tuple[str, dict, dict]:
 
 SINGLE_CANDIDATE = {case for case, argv in CASES.items() if "--replicas" not in argv or "," not in
                     argv[argv.index("--replicas") + 1]}
-ANSWER_CASES = sorted(c for c in SINGLE_CANDIDATE if "--weights" not in CASES[c])
+ANSWER_CASES = sorted(c for c in SINGLE_CANDIDATE if "--weights" not in CASES[c] and "--model" not in CASES[c])
 
 
 @pytest.mark.parametrize("threads", [4, 0])
@@ -158,7 +167,7 @@ async def test_answers_equal_kvbus_lookup_json(redis_view, capsys, case, threads
     assert status == 200, got
     assert got == want
     assert list(got["default"]) == list(want["default"]), "instances in the lookup's order"
-    if case not in ("nobody", "unknown-candidates"):
+    if case not in EMPTY_CASES:
         assert got["default"], "the case finds holders"
 
 
@@ -209,10 +218,10 @@ async def test_a_medium_counts_the_longest_prefix_any_rank_holds_in_any_of_its_t
     stores = {("r", 0): [("GPU", None, None, 3), ("GPU", None, 1, 2), ("CPU", None, None, 1), ("CPU", "kvcr", None, 2)],
               ("r", 1): [("GPU", None, None, 4)],
               ("s", 0): [("STORAGE", None, None, 3), ("OBJ", None, None, 2), ("CPU_PINNED", None, None, 1)]}
-    RedisStore(srv.client(), prefix).apply([
+    RedisStore(srv.client(), prefix).apply(_as_model([
         ("kvbus.blocks", BlockEvent(replica=replica, dp_rank=dp, epoch=1, seq=n, index=0, ts=time.time(),
                                     event=BlockStored(block_hashes=h[:k], medium=m, ownership=own, group_idx=g)))
-        for (replica, dp), tiers in stores.items() for n, (m, own, g, k) in enumerate(tiers)])
+        for (replica, dp), tiers in stores.items() for n, (m, own, g, k) in enumerate(tiers)]))
     async with Served(_service(srv.url, prefix)) as s:
         assert await s.post("/query_by_hash", {"model": "m", "block_size": 16,
                                                "seq_hashes": [int.from_bytes(x, "big") for x in h]}) == \
@@ -250,24 +259,25 @@ async def test_lora_and_cache_salt_requests_match_what_vllm_published(redis_view
         assert (status, err["field"]) == (400, "lora_name") and "lora_int_id" in err["error"]
 
 
-class ModelAwareClient(ViewClient):
-    """A client whose lookups take ``model=`` (as a view with a model dimension does): records it."""
-
-    models: list[str] = []
-
-    def lookup(self, *args, model: str | None = None, **kw) -> list[HolderMatch]:
-        self.models.append(model)
-        return super().lookup(*args, **kw)
-
-
-def test_the_model_reaches_a_lookup_that_takes_it(redis_view):
-    srv, prefix, _ = redis_view
-    q = Query(model="llama-3-8b", tenant="default", block_size=16, hashes=[int.from_bytes(CHAIN[0], "big")])
-    with ModelAwareClient(srv.url, prefix) as view:
-        assert {m.replica for m in ask(view, q, ServeConfig().hashing)} >= {"a", "b", "c"}
-    assert ModelAwareClient.models == ["llama-3-8b"]
-    with ViewClient(srv.url, prefix) as plain:  # a client without model= is asked without it
-        assert ask(plain, q, ServeConfig().hashing)
+async def test_a_request_is_answered_by_the_instances_of_its_model_only(redis_view):
+    """Two models' instances hold the same blocks (same prompt, same hash seed) and a third's bridge
+    names no model: each request is answered by its model's instances, never by the others."""
+    srv, _, _ = redis_view
+    prefix = f"d{uuid.uuid4().hex[:8]}:"
+    hashes = [int.from_bytes(h, "big") for h in CHAIN[:3]]
+    RedisStore(srv.client(), prefix).apply([
+        ("kvbus.blocks", BlockEvent(replica=r, dp_rank=0, epoch=1, seq=0, index=0, ts=time.time(), model=model,
+                                    event=BlockStored(block_hashes=CHAIN[:n], medium="GPU")))
+        for r, model, n in (("llama-0", "llama-3-8b", 3), ("llama-1", "llama-3-8b", 2), ("qwen-0", "qwen3-8b", 3),
+                            ("unnamed-0", None, 3))])
+    async with Served(_service(srv.url, prefix)) as s:
+        for model, want in (("llama-3-8b", {"llama-0": 48, "llama-1": 32}), ("qwen3-8b", {"qwen-0": 48}),
+                            ("mistral-7b", {})):
+            status, got = await s.post("/query_by_hash", {"model": model, "block_size": 16, "seq_hashes": hashes})
+            assert status == 200 and {k: v["longest_matched"] for k, v in got["default"].items()} == want, model
+    q = Query(model="qwen3-8b", tenant="default", block_size=16, hashes=hashes, instance="llama-0")
+    with ViewClient(srv.url, prefix) as view:
+        assert ask(view, q, ServeConfig().hashing) == []
 
 
 # ------------------------------------------------------------------------------------ bad requests

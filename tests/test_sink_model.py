@@ -42,11 +42,15 @@ def check_same(rs: RedisStore, model: InMemoryStore) -> None:
     assert rs.block_table() == forward_from(snap), "block table and per-holder index disagree"
     assert rs.positions() == model.positions()
     assert rs.size() == model.size()
+    assert rs.models() == model.models()
+    names = rs.holder_ids()
+    fields = {names[hid]: rs.dump_holder(hid).model for hid in names}
+    assert {h: m for h, m in fields.items() if m is not None} == rs.models(), "P mh and the holders' m disagree"
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_view_equals_model_under_redelivery(redis_server, seed):
-    records = random_streams(seed, T, holders=4, batches=160, pool=30)
+    records = random_streams(seed, T, holders=4, batches=160, pool=30, models=("llama", "qwen", None))
     rs = RedisStore(redis_server.client(), f"m{uuid.uuid4().hex[:8]}:")
     same, once = InMemoryStore(), InMemoryStore()
     once.apply(records)  # every event exactly once, canonical order
@@ -61,9 +65,10 @@ def test_view_equals_model_under_redelivery(redis_server, seed):
     for _ in range(25):
         start = rng.randrange(len(hashes))
         chain = hashes[start:start + rng.randint(1, 8)]
-        mine = {k: (v.matched, v.tiers, round(v.score, 6)) for k, v in rs.lookup(chain).items()}
-        model = {k: (v.matched, v.tiers, round(v.score, 6)) for k, v in same.lookup(chain).items()}
-        assert mine == model
+        for name in (None, "llama", "qwen"):
+            mine = {k: (v.matched, v.tiers, round(v.score, 6)) for k, v in rs.lookup(chain, model=name).items()}
+            model = {k: (v.matched, v.tiers, round(v.score, 6)) for k, v in same.lookup(chain, model=name).items()}
+            assert mine == model
 
 
 @pytest.mark.parametrize("seed", range(3))

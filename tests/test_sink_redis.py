@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import msgspec
 import pytest
 import redis
 
@@ -53,6 +54,39 @@ def test_an_older_library_version_is_replaced(server):
     r.function_load("#!lua name=kvbus\nredis.register_function{function_name='kvbus_version', "
                     "callback=function() return 'old' end, flags={'no-writes'}}", replace=True)
     RedisStore(r, prefix())
+    assert r.fcall_ro("kvbus_version", 0).decode() == functions.library_version()
+
+
+def older_library() -> str:
+    """This library as a release before models had it: kvbus_apply and kvbus_restore refuse the
+    holders' models (the trailing arguments it did not take), another version string."""
+    code = functions.library_code()
+    for taken in (" and (nH == 0 or #args ~= last + 2 + nH)", " and #args ~= base + 1 and #args ~= ag + 2 * nG"):
+        assert taken in code
+        code = code.replace(taken, "")
+    return code.replace(functions.library_version(), "older-release")
+
+
+def test_a_sink_reloads_its_library_when_another_release_loaded_one_that_refuses_its_calls(server):
+    """A sink of an older release started later and loaded its library: this sink's writes are refused
+    before anything is written; it loads its own again (which takes the older sink's calls too)."""
+    r = server.client()
+    store = RedisStore(r, prefix())
+    def older():
+        r.function_load(older_library(), replace=True)
+
+    older()
+    recs = [(TOPIC, msgspec.structs.replace(ev(n, 0, gpu(H[:3])), model="llama")) for n in ("a", "b")]
+    res = store.apply(recs)
+    assert (res.applied, res.failed) == (2, []) and store.models() == {"a#0": "llama", "b#0": "llama"}
+    assert r.fcall_ro("kvbus_version", 0).decode() == functions.library_version()
+    dump = store.dump_holder(0)
+    older()
+    again = RedisStore(r, prefix(), load=False)
+    assert again.restore_holder("a", 0, dump) == 3 and again.models() == {"a#0": "llama"}
+    older()
+    with pytest.raises(redis.ResponseError, match="malformed arguments"):  # refused by this library too: raised
+        functions.call(r, "kvbus_apply", store.prefix, 0, 0, 0)  # no event blob
     assert r.fcall_ro("kvbus_version", 0).decode() == functions.library_version()
 
 
@@ -163,7 +197,7 @@ def test_a_connection_lost_mid_batch_is_retried_whole(server):
     r = server.client()
     store = RedisStore(r, prefix(), max_events_per_call=2)
     recs = [(TOPIC, ev("a", i, gpu(H[i:i + 1]))) for i in range(10)]
-    calls = store._iter_calls(recs)
+    calls = store._calls(recs)
 
     def killed_after_two():
         for k, call in enumerate(calls):

@@ -20,6 +20,7 @@ from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.sharded_store import ShardedRedisStore, open_store, parse_cluster_url, shard_prefix
 from kvbus.sinks.tiers import Weights
 from tests.histories import random_streams, redeliver
+from tests.memory_store import InMemoryStore
 from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync
 from tests.redis_server import RedisServer
 
@@ -54,7 +55,7 @@ def _chains(records, rng: random.Random) -> list[list[bytes]]:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_same_answers_as_the_single_node_view(redis_server, cluster, seed):
     _, single, sharded = _pair(redis_server, cluster)
-    records = random_streams(seed, T, holders=12, batches=150, pool=30)
+    records = random_streams(seed, T, holders=12, batches=150, pool=30, models=("llama", "qwen", None))
     for batch in redeliver(records, seed, max_batch=40):
         a, b = single.apply(batch), sharded.apply(batch)
         assert (a.applied, a.skipped, a.entries_delta, a.resets, a.clears) == \
@@ -63,6 +64,7 @@ def test_same_answers_as_the_single_node_view(redis_server, cluster, seed):
     assert sharded.positions() == single.positions()
     assert sharded.summary() == single.summary()
     assert sharded.size() == single.size()
+    assert sharded.models() == single.models() and sharded.models()
     used = {s for s in range(sharded.nshards) if sharded.shards[s].size()["holders"]}
     assert len(used) > 3, "the holders are spread over the shards"
     rng = random.Random(seed)
@@ -73,6 +75,10 @@ def test_same_answers_as_the_single_node_view(redis_server, cluster, seed):
         assert sharded.lookup(chain, weights=w) == single.lookup(chain, weights=w)
         cands = rng.sample(names, 2) + [f"{names[0]}#1"]
         assert sharded.lookup(chain, candidates=cands) == single.lookup(chain, candidates=cands)
+        for model in ("llama", "qwen"):
+            assert sharded.lookup(chain, model=model) == single.lookup(chain, model=model)
+            assert sharded.lookup(chain, model=model, candidates=cands) == \
+                single.lookup(chain, model=model, candidates=cands)
     now = records[-1][1].ts + 50
     assert sorted(sharded.expire_stale(100.0, now=now)) == sorted(single.expire_stale(100.0, now=now))
     assert sharded.stale() == single.stale() and sharded.snapshot() == single.snapshot()
@@ -249,3 +255,24 @@ def test_reads_from_replicas_answer_like_the_masters_and_avoid_a_migrating_shard
     th.join(timeout=30)
     assert answers == [single.lookup(chains[0])]
     assert reader.migrating_shards() == set()
+
+
+def test_the_sharded_store_reloads_its_library_over_one_that_refuses_its_calls(cluster):
+    """Every master runs a library of an older release (a sink of that release started later): the
+    shards' calls are refused before they write, the library is loaded again, they are sent again."""
+    from kvbus.sinks import functions
+    from tests.test_sink_redis import older_library
+
+    prefix = f"o{uuid.uuid4().hex[:8]}:"
+    store = ShardedRedisStore(cluster.url, prefix)
+    records = random_streams(4, T, holders=8, batches=60, pool=20, models=("llama", "qwen"))
+    masters = [n.redis_connection for n in store.rc.get_primaries()]
+    for r in masters:
+        r.function_load(older_library(), replace=True)
+    res = store.apply(records)
+    assert not res.failed and res.applied == len(records)
+    assert {r.fcall_ro("kvbus_version", 0).decode() for r in masters} == {functions.library_version()}
+    model = InMemoryStore()
+    model.apply(records)
+    assert store.snapshot() == model.snapshot() and store.models() == model.models()
+    assert len(set(store.models().values())) == 2

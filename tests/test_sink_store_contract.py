@@ -83,16 +83,17 @@ def test_the_servers_are_the_tested_releases(kind):
 
 
 class Stream:
-    """Builds events of one holder with growing positions."""
+    """Builds events of one holder with growing positions, naming ``model`` (None: no model)."""
 
-    def __init__(self, replica: str = "a", dp: int = 0, epoch: int = 100, ts: float = 1000.0):
-        self.replica, self.dp, self.epoch, self.seq, self.ts = replica, dp, epoch, 0, ts
+    def __init__(self, replica: str = "a", dp: int = 0, epoch: int = 100, ts: float = 1000.0,
+                 model: str | None = None):
+        self.replica, self.dp, self.epoch, self.seq, self.ts, self.model = replica, dp, epoch, 0, ts, model
 
     def ev(self, event, seq: int | None = None, index: int = 0) -> BlockEvent:
         if seq is None:
             seq, self.seq = self.seq, self.seq + 1
         return BlockEvent(replica=self.replica, dp_rank=self.dp, epoch=self.epoch, seq=seq, index=index,
-                          ts=self.ts + seq, event=event)
+                          ts=self.ts + seq, event=event, model=self.model)
 
     def restart(self, topics=(MAIN,)) -> list[tuple[str, BlockEvent]]:
         self.epoch += 10
@@ -340,6 +341,83 @@ def test_store_without_hashes_only_moves_the_position(store):
     res = store.apply([(MAIN, a.ev(BlockStored(block_hashes=[], medium="CPU")))])
     assert res.applied == 1 and view(store) == {}
     assert store.positions()[("a#0", MAIN)] == (100, 0, 0)
+
+
+def test_a_lookup_naming_a_model_answers_only_the_holders_of_that_model(store):
+    """Two models' replicas hold the same hashes (same prompt, same seed); a third replica's model is
+    unknown (its bridge has no --model): a model's lookup never answers the others."""
+    a, a1 = Stream("a", model="llama-8b"), Stream("a", 1, model="llama-8b")
+    b, u = Stream("b", model="qwen-7b"), Stream("u")
+    store.apply([(MAIN, a.ev(stored(H[:4]))), (MAIN, a1.ev(stored(H[:2]))), (MAIN, b.ev(stored(H[:3]))),
+                 (MAIN, b.ev(stored(H[:1], "CPU"))), (MAIN, u.ev(stored(H[:4])))])
+    every = store.lookup(H[:4])
+    assert {k: v.matched for k, v in every.items()} == {"a#0": 4, "a#1": 2, "b": 3, "u": 4}
+    assert store.lookup(H[:4], model="llama-8b") == {k: every[k] for k in ("a#0", "a#1")}
+    assert store.lookup(H[:4], model="qwen-7b") == {"b": every["b"]}
+    assert store.lookup(H[:4], model="mistral") == {}
+    assert store.lookup(H[:4], model="LLAMA-8B") == {}, "model names are compared exactly"
+    assert set(store.lookup(H[:4], model="llama-8b", candidates=["a#1", "b", "u"])) == {"a#1"}
+    assert store.lookup(H[:4], model="qwen-7b", candidates=["a", "u"]) == {}
+    assert store.lookup(H[:4], model="qwen-7b", weights=Weights.parse("GPU=2"))["b"].score == pytest.approx(6.0)
+
+
+def test_a_holders_model_is_the_one_its_latest_applied_event_named(store):
+    a = Stream("a", model="m1")
+    first = a.ev(stored(H[:2]))
+    store.apply([(MAIN, first)])
+    a.model = "m2"  # the replica now serves another model (a bridge restarted with another --model)
+    store.apply([(MAIN, a.ev(stored(H[2:3])))])
+    assert store.lookup(H[:3], model="m1") == {}
+    assert store.lookup(H[:3], model="m2")["a"].matched == 3
+    assert store.apply([(MAIN, first)]).skipped == 1  # a redelivered old event does not bring m1 back
+    assert store.lookup(H[:3], model="m1") == {} and set(store.lookup(H[:3], model="m2")) == {"a"}
+    a.model = None  # a bridge without --model: the model is unknown, no model's lookup answers it
+    store.apply([(MAIN, a.ev(removed(H[2:3])))])
+    assert store.lookup(H[:3], model="m2") == {}
+    assert store.lookup(H[:3])["a"].matched == 2
+    a.model = "m1"
+    b = Stream("b", model="m1")
+    store.apply([(MAIN, a.ev(AllBlocksCleared())), (MAIN, a.ev(stored(H[:1]))), (MAIN, b.ev(stored(H[:2])))])
+    assert {k: v.matched for k, v in store.lookup(H[:3], model="m1").items()} == {"a": 1, "b": 2}
+
+
+def test_models_change_within_one_batch(store):
+    """A holder's records of one apply naming different models: the last one applied decides."""
+    a, b = Stream("a", model="m1"), Stream("b", model="m1")
+    recs = [(MAIN, a.ev(stored(H[:1]))), (MAIN, b.ev(stored(H[:1])))]
+    a.model = "m2"
+    recs += [(MAIN, a.ev(stored(H[1:2]))), (MAIN, b.ev(stored(H[1:2])))]
+    store.apply(recs)
+    assert set(store.lookup(H[:2], model="m1")) == {"b"} and set(store.lookup(H[:2], model="m2")) == {"a"}
+    c = Stream("c", model="m2")
+    old = c.ev(stored(H[:1]))
+    store.apply([(MAIN, old)])
+    c.model = "m1"
+    assert store.apply([(MAIN, c.ev(stored(H[1:2]))), (MAIN, old)]).skipped == 1  # the m2 record: a redelivery
+    assert set(store.lookup(H[:2], model="m1")) == {"b", "c"} and set(store.lookup(H[:2], model="m2")) == {"a"}
+
+
+def test_an_expired_holder_loses_its_model_until_its_next_event(store):
+    a, b = Stream("a", ts=1000.0, model="m"), Stream("b", ts=5000.0, model="m")
+    store.apply([(MAIN, a.ev(stored(H[:3]))), (MAIN, b.ev(stored(H[:3])))])
+    assert store.expire_stale(max_age=600, now=5100.0) == ["a#0"]
+    assert set(store.lookup(H[:3], model="m")) == {"b"}
+    store.heartbeat("a", 0, 5200.0)
+    store.apply([(MAIN, a.ev(stored(H[:2])))])
+    assert {k: v.matched for k, v in store.lookup(H[:3], model="m").items()} == {"a": 2, "b": 3}
+    assert store.drop_holder("b", 0, now=5300.0) == 3
+    store.apply([(MAIN, b.ev(stored(H[:1]), seq=99))])
+    assert {k: v.matched for k, v in store.lookup(H[:3], model="m").items()} == {"a": 2, "b": 1}
+
+
+def test_hundreds_of_holders_of_two_models(store):
+    """Wide blocks shared by both models' holders: each model's lookup answers exactly its own."""
+    streams = [Stream(f"p{i}", model=("even" if i % 2 == 0 else "odd")) for i in range(40)]
+    store.apply([(MAIN, s.ev(stored(H[:10 + i]))) for i, s in enumerate(streams)])
+    for model, parity in (("even", 0), ("odd", 1)):
+        got = store.lookup(H[:60], model=model)
+        assert {k: v.matched for k, v in got.items()} == {f"p{i}": 10 + i for i in range(parity, 40, 2)}
+    assert len(store.lookup(H[:60])) == 40
 
 
 def grouped(hashes, group, kind, window=None, medium="GPU"):

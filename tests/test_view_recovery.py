@@ -47,18 +47,20 @@ def copy_view(src: RedisStore, dst: RedisStore) -> None:
 def test_restored_view_replayed_from_an_earlier_point_is_exact(redis_server, seed):
     """A holder state read after offset O, replayed from O: the stored positions skip what it has.
     (The overlap is what a snapshot has: its offsets are read before its holders.)"""
-    records = random_streams(seed, TOPICS, holders=5, batches=300, pool=25)
+    records = random_streams(seed, TOPICS, holders=5, batches=300, pool=25, models=("llama", "qwen", None))
     n = len(records)
     replay_from, dumped_at = n // 3, 2 * n // 3
     live, rebuilt, model = fresh(redis_server), fresh(redis_server), InMemoryStore()
     live.apply(records[:dumped_at])
     copy_view(live, rebuilt)  # tiers split in 5-hash pieces: several kvbus_restore calls per holder
     assert rebuilt.snapshot() == live.snapshot() and rebuilt.positions() == live.positions()
+    assert rebuilt.models() == live.models() and live.models(), "the holders keep their models"
     res = rebuilt.apply(records[replay_from:])
     assert res.skipped >= dumped_at - replay_from  # the overlap is skipped, not applied twice
     model.apply(records)
     assert rebuilt.snapshot() == model.snapshot()
     assert rebuilt.positions() == model.positions()
+    assert rebuilt.models() == model.models()
     assert rebuilt.size()["entries"] == model.size()["entries"]
 
 
@@ -106,6 +108,39 @@ def test_an_incomplete_snapshot_is_not_restored(redis_server):
     again = fresh(redis_server)
     rebuild(again, Reader(), lambda: {})
     assert again.snapshot() == live.snapshot() and again.offsets() == {(TOPICS.blocks, 0): 77}
+
+
+def test_a_view_rebuilt_from_a_snapshot_keeps_the_holders_models(redis_server):
+    """Each holder record of a snapshot (through its Avro encoding) brings the holder's model back:
+    a lookup naming a model answers the same before the view was lost and after its rebuild."""
+    from kvbus.schemas import codec
+    from kvbus.schemas.events import ViewSnapshot
+    from kvbus.sinks.rebuild import rebuild
+    from kvbus.sinks.snapshot import holder_record
+
+    live = fresh(redis_server)
+    records = random_streams(12, TOPICS, holders=6, batches=80, pool=20, models=("llama", "qwen", None))
+    live.apply(records)
+    names = live.holder_ids()
+    saved = {n: codec.decode("ViewSnapshot", codec.encode("ViewSnapshot", holder_record(300, n, live.dump_holder(h))))
+             for h, n in names.items()}
+    assert {n: r.model for n, r in saved.items() if r.model} == live.models() and len(set(live.models().values())) == 2
+
+    class Reader:
+        def read(self):
+            return ViewSnapshot(snapshot=300, taken=0.0, holders=list(saved)), saved
+
+    again = fresh(redis_server)
+    rebuild(again, Reader(), dict)
+    assert again.models() == live.models() and again.snapshot() == live.snapshot()
+    held = sorted({h for tiers in live.snapshot().values() for blocks in tiers.values() for h in blocks})
+    answered = set()
+    for h in held:
+        for model in ("llama", "qwen"):
+            got = again.lookup([h], model=model)
+            assert got == live.lookup([h], model=model)
+            answered.update(got)
+    assert len(answered) >= 2, "holders of both models answered"
 
 
 def test_wipe_deletes_the_view_and_nothing_else(redis_server):
@@ -181,7 +216,7 @@ def test_a_lost_view_is_rebuilt_from_the_snapshot_beyond_the_topics_retention(st
     """Redis restarts empty: the sink rebuilds the view from the snapshot and replays from the
     snapshot's offsets; the records before them were deleted from the block topics (retention), so
     only the snapshot has them. Routers see the view rebuilding, then ready."""
-    records = random_streams(43, topics, holders=6, batches=600, pool=40)
+    records = random_streams(43, topics, holders=6, batches=600, pool=40, models=("llama", "qwen", None))
     half = len(records) // 2
     settings = dataclasses.replace(stack, topics=topics)
     with RedisServer() as srv:
@@ -214,6 +249,7 @@ def test_a_lost_view_is_rebuilt_from_the_snapshot_beyond_the_topics_retention(st
                      step=lambda: (sink.step(), note()))
             assert states[0] == "rebuilding" and states[-1] == "ready"
             assert store.snapshot() == model_of(records).snapshot()
+            assert store.models() == model_of(records).models() and store.models(), "the holders keep their models"
             assert store.size() == model_of(records).size()
             re_read = sink.metrics.records._value.get() - read_before
             assert re_read <= len(records) - half, "replayed from the snapshot's offsets, not from the start"

@@ -29,6 +29,7 @@ func main() {
 		"sha256 | sha256_cbor | xxhash | xxhash_cbor")
 	seed := flag.String("hash-seed", "", "the engines' PYTHONHASHSEED (default: $PYTHONHASHSEED, else vLLM's default)")
 	replicas := flag.String("replicas", "", "only these candidates: replica or <replica>#<dp>, comma-separated")
+	model := flag.String("model", "", "only replicas serving this model (their bridges' --model); default: every replica")
 	weights := flag.String("weights", "", "tier weights NAME=W over kvbus lookup's defaults")
 	user := flag.String("user", "", "Redis ACL user (a read-only one is enough: docs/lookup-protocol.md)")
 	password := flag.String("password", os.Getenv("REDIS_PASSWORD"), "its password (default $REDIS_PASSWORD)")
@@ -60,7 +61,7 @@ func main() {
 	if err != nil {
 		fail(err)
 	}
-	q := kvbuslookup.Query{Weights: w, TieBreak: kvbuslookup.ByName}
+	q := kvbuslookup.Query{Weights: w, Model: *model, TieBreak: kvbuslookup.ByName}
 	for _, c := range strings.Split(*replicas, ",") {
 		if c = strings.TrimSpace(c); c != "" {
 			q.Candidates = append(q.Candidates, c)

@@ -15,7 +15,7 @@ import redis
 from redis.cluster import LoadBalancingStrategy, RedisCluster
 
 from kvbus.schemas import lookup
-from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes
+from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes, check_model
 from kvbus.schemas.hashing import LoRA, block_hashes
 from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
 from kvbus.schemas.redis_view import (
@@ -210,7 +210,7 @@ class ViewClient:
                block_size: int = 16, algo: str = "sha256", seed: str | None = None,
                lora: LoRA | None = None, cache_salt: str | None = None, engine_version: str | None = None,
                weights: WeightsLike | None = None, candidates: Iterable[str] | None = None,
-               tie_break: TieBreakLike | None = None) -> list[HolderMatch]:
+               model: str | None = None, tie_break: TieBreakLike | None = None) -> list[HolderMatch]:
         """The holders of the longest cached prefix of a prompt, best first.
 
         The prompt as ``tokens`` (its token ids, hashed as vLLM does: ``block_size`` tokens per
@@ -227,8 +227,11 @@ class ViewClient:
         ``weights``: tier weights laid over the defaults (:data:`WeightsLike`); a holder's score is
         the sum over its matched blocks of the best weight among the tiers holding each block.
         ``candidates``: holder names ``"<replica>#<dp_rank>"`` or replica names (all its ranks) to
-        restrict the answer to; None: every holder; empty: none. ``tie_break``: this lookup's order
-        of tied holders (default: the client's).
+        restrict the answer to; None: every holder; empty: none. ``model``: the model the request is
+        for (the engines' served model name, as their bridges name it with ``--model``): only holders
+        whose latest event named this model answer, never those of another model or of an unknown one
+        (a bridge without ``--model``, a view written before models); None: every holder, whatever its
+        model. ``tie_break``: this lookup's order of tied holders (default: the client's).
 
         Returns one :class:`~kvbus.schemas.lookup.HolderMatch` per holder that holds block 0, by
         score descending, then matched descending, then ``tie_break``. Raises ValueError for bad
@@ -236,6 +239,7 @@ class ViewClient:
         :class:`~kvbus.schemas.lookup.LayoutMismatch` for a view of another layout, and redis-py's
         errors when Redis cannot be reached.
         """
+        check_model(model)
         chain = chain_of(tokens, hashes, block_size, algo, seed, lora=lora, cache_salt=cache_salt,
                          engine_version=engine_version)
         cands = None if candidates is None else [c for c in candidates]
@@ -245,19 +249,19 @@ class ViewClient:
         spec = as_weights(weights).spec()
         if self._names.stale or (self._cluster and self._calls is None):
             self._refresh()
-        replies = self._call(chain, spec, cands or ())
+        replies = self._call(chain, spec, cands or (), model)
         with self._lock:
             found = self._names.answer(replies, self._tables)
         return rank(found, tb)
 
-    def _call(self, chain: list[bytes], spec: str, cands: Sequence[str]) -> list:
+    def _call(self, chain: list[bytes], spec: str, cands: Sequence[str], model: str | None) -> list:
         """One ``kvbus_lookup`` reply per view (shard)."""
         try:
             if not self._cluster:
                 return [self._redis().fcall_ro(lookup.LOOKUP_FUNCTION, 0,
-                                               *lookup.lookup_args(self.prefix, chain, spec, cands))]
+                                               *lookup.lookup_args(self.prefix, chain, spec, cands, model))]
             calls = self._calls
-            replies = calls.execute([(s, lookup.LOOKUP_FUNCTION, lookup.lookup_args(p, chain, spec, cands))
+            replies = calls.execute([(s, lookup.LOOKUP_FUNCTION, lookup.lookup_args(p, chain, spec, cands, model))
                                      for s, p in enumerate(self._prefixes())], ordered=False)
         except redis.ResponseError as e:
             raise self._missing(e) if is_missing(e) else e

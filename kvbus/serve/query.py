@@ -9,7 +9,6 @@ tokens, one count per medium (:func:`medium`), and ``DP`` (rank -> tokens).
 from __future__ import annotations
 
 import functools
-import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Mapping, Sequence
@@ -206,25 +205,17 @@ def parse(body: bytes, by_hash: bool, hashing: Hashing) -> Query:
 
 # ------------------------------------------------------------------------------------------ the lookup
 
-@functools.cache
-def takes_model(client: type) -> bool:
-    """Whether lookups of a client class take ``model=`` (a view with a model dimension)."""
-    return "model" in inspect.signature(client.lookup).parameters
-
-
 def ask(view: ViewClient, q: Query, hashing: Hashing) -> list[HolderMatch]:
     """The view's holders for ``q``, best first: the one call every request's lookup goes through.
 
-    ``q.model`` reaches the view here, as ``lookup(model=...)`` where the client takes it
-    (:func:`takes_model`); a client without it answers from a view that has no model dimension.
-    ValueError (the client's) for what cannot be hashed."""
-    scope: dict[str, Any] = {"model": q.model} if takes_model(type(view)) else {}
+    ``q.model`` reaches the view here, as ``lookup(model=...)``: only the holders whose bridges name
+    that model answer (docs/client.md, "Models"). ValueError (the client's) for what cannot be hashed."""
     candidates = None if q.instance is None else [q.instance]
     if q.hashes is not None:
-        return view.lookup(hashes=q.hashes, candidates=candidates, **scope)
+        return view.lookup(hashes=q.hashes, candidates=candidates, model=q.model)
     return view.lookup(tokens=q.tokens, block_size=q.block_size, algo=hashing.algo, seed=hashing.seed,
                        lora=q.lora, cache_salt=q.cache_salt, engine_version=hashing.engine_version,
-                       candidates=candidates, **scope)
+                       candidates=candidates, model=q.model)
 
 
 # ------------------------------------------------------------------------------------------ answers

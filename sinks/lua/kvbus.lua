@@ -25,8 +25,10 @@ Keys (P = prefix)
   P W:<raw>              STRING members of a wide block, packed and sorted the same way
   P H:<hid>              HASH  holder state, binary values (struct formats POS, TSTATE, FLOOR below):
                                p:<topic> -> epoch, seq, index (applied position), f -> reset floor epoch,
-                               t:<code> -> n, L, S of its index, then the origin topic, per tier held;
+                               t:<code> -> n, L, S of its index, then the origin topic, per tier held,
+                               m -> the model it serves (absent: unknown), as its latest applied event said,
                                g:<group> -> its KV cache group's spec, text ("KV cache groups of a holder")
+  P mh                   HASH  model -> space-separated hids of the live holders whose m is that model
   P gs                   HASH  hid -> its groups' specs, for holders with two groups or more (hybrid models)
   P I:<hid>:<code>:<b>   STRING per (holder, tier) index of its blocks: a toggle log of raws (8 bytes each);
                                a raw is in the index iff it occurs an odd number of times in its bucket
@@ -355,7 +357,7 @@ local FLOOR = '>d'    -- holder state f: the reset floor epoch
 -- groups = {group -> spec} (see group_note), dirty, gone}
 local function holder_load(c, hid)
   local h = {hid = hid, key = holder_key(c, hid), P = c.P, pos = {}, floor = -1, tiers = {}, groups = {}, dirty = {},
-    gone = {}, ptouched = {}}
+    gone = {}, ptouched = {}, model = nil}
   local all = rcall('HGETALL', h.key)
   local unpack_ = struct.unpack
   for k = 1, #all, 2 do
@@ -372,6 +374,8 @@ local function holder_load(c, hid)
       h.groups[sub(f, 3)] = v
     elseif f == 'f' then
       h.floor = unpack_(FLOOR, v)
+    elseif f == 'm' then
+      h.model = v
     end
   end
   return h
@@ -386,6 +390,8 @@ local function holder_save(h)
   for f, _ in pairs(h.dirty) do
     if f == 'f' then
       set[#set + 1] = f; set[#set + 1] = struct.pack(FLOOR, h.floor)
+    elseif f == 'm' then
+      if h.model then set[#set + 1] = f; set[#set + 1] = h.model else h.gone['m'] = true end
     elseif byte(f, 1) == 103 then -- g:<group>
       set[#set + 1] = f; set[#set + 1] = h.groups[sub(f, 3)]
     else -- t:<code>
@@ -459,6 +465,55 @@ local function groups_clear(h)
     h.gchanged = true
   end
   h.groups = {}
+end
+
+-- ---------------------------------------------------------------- models
+
+-- the hids listed in string s ("3 17 42"), without hid (a new string; "" when none is left)
+local function without_hid(s, hid)
+  local out = {}
+  for x in string.gmatch(s, '%d+') do
+    if tonumber(x) ~= hid then out[#out + 1] = x end
+  end
+  return table.concat(out, ' ')
+end
+
+-- record that holder h serves model (nil or '': unknown), keeping P mh in step with its field m
+local function set_model(c, h, model)
+  if model == '' then model = nil end
+  if h.model == model then return end
+  local key = c.P .. 'mh'
+  if h.model then
+    local rest = without_hid(rcall('HGET', key, h.model) or '', h.hid)
+    if rest == '' then rcall('HDEL', key, h.model) else rcall('HSET', key, h.model, rest) end
+  end
+  if model then
+    local list = without_hid(rcall('HGET', key, model) or '', h.hid)
+    rcall('HSET', key, model, list == '' and tostring(h.hid) or (list .. ' ' .. h.hid))
+  end
+  h.model = model
+  h.dirty['m'] = true
+  h.gone['m'] = nil
+end
+
+-- Parsed P mh lists kept between calls: MODELS[P .. '\0' .. model] = {s = the list as read, set = {hid -> true}}:
+-- a lookup naming a model reads the list (one HGET) and parses it again only when it changed
+local MODELS, nmodels = {}, 0
+
+-- the set of hids of the live holders of model (the table is shared: never change it)
+local function model_holders(c, model)
+  local s = rcall('HGET', c.P .. 'mh', model) or ''
+  local key = c.P .. '\0' .. model
+  local e = MODELS[key]
+  if e and e.s == s then return e.set end
+  if not e then
+    if nmodels >= 256 then MODELS, nmodels = {}, 0 end
+    nmodels = nmodels + 1
+  end
+  local set = {}
+  for x in string.gmatch(s, '%d+') do set[tonumber(x)] = true end
+  MODELS[key] = {s = s, set = set}
+  return set
 end
 
 -- ---------------------------------------------------------------- per (holder, tier) index
@@ -715,6 +770,9 @@ this call's changes, atomically. Either check failing (the view was flushed, los
 back, or another sink took the partition) fails the call with "view changed" before any write. The
 sink resumes from P off, so a view that rolled back (AOF everysec, failover) is replayed forward
 from exactly where it stands.
+After those two, optionally: nH model names, one per holder in order ("" = not named): each applied
+event records its holder's model (P H:<hid> m, P mh), so a holder's model is the one its latest applied
+event named; a call without them leaves every model as it is.
 Returns {applied, skipped, entries_delta, resets, clears} (totals over all holders).
 ]]
 local HEADER = '>BHHddI4dHI4'
@@ -736,8 +794,11 @@ local function apply(keys, args)
   for j = 1, nD do descs[j] = args[at + 2 * j - 1]; rcs[j] = args[at + 2 * j] end
   local blob = args[at + 2 * nD + 1]
   local last = at + 2 * nD + 1
-  if not blob or (#args ~= last and #args ~= last + 2) then return redis.error_reply('kvbus: malformed arguments') end
+  if not blob or (#args ~= last and #args ~= last + 2 and (nH == 0 or #args ~= last + 2 + nH)) then
+    return redis.error_reply('kvbus: malformed arguments')
+  end
   local vid, offsets = args[last + 1], args[last + 2]
+  local models = #args > last + 2 and last + 2 or nil -- models[j] = args[models + j]
   if vid and vid ~= '' and rcall('HGET', args[1] .. 'meta', 'vid') ~= vid then
     return redis.error_reply('kvbus: view changed (expected view ' .. vid .. '): resync')
   end
@@ -824,6 +885,7 @@ local function apply(keys, args)
       local p = h.pos[topic]
       if p then p[1], p[2], p[3] = e, s, i else h.pos[topic] = {e, s, i} end
       h.ptouched[topic] = true
+      if models then set_model(c, h, args[models + hi]) end
       applied = applied + 1
       if not maxts[hi] or ts > maxts[hi] then maxts[hi] = ts end
     end
@@ -849,7 +911,10 @@ end
 kvbus_lookup (read-only, FCALL_RO): longest cached prefix of a chain of block hashes per holder.
 ARGV[1] prefix, ARGV[2] chain: concatenated 8-byte hashes, block 0 first,
 ARGV[3] weights "NAME=W,NAME=W,...": weight of a tier = weight of its ownership if given, else of
-its medium, else of "*" (else 1); ARGV[4...] candidate names (replica or "<replica>#<dp>"; none = all).
+its medium, else of "*" (else 1); ARGV[4...] candidate names (replica or "<replica>#<dp>"; none = all),
+and options among them: an argument that starts with a NUL byte names an option, the next argument
+is its value. Option "\0model" NAME: only holders whose model (P H:<hid> m) is NAME count, within the
+candidates if any are named; holders of an unknown model never match a named model.
 For every holder holding block 0: matched = number of leading blocks it holds in any tier; per tier,
 the number of leading blocks held in that tier; score = sum over the matched blocks of the best
 weight among the tiers holding it. Stops at the first block no remaining holder holds.
@@ -1178,11 +1243,23 @@ local function lookup(keys, args)
   local chain = args[2]
   local weights = {}
   for name, w in string.gmatch(args[3], '([^,=]+)=([^,]+)') do weights[name] = tonumber(w) end
-  local cand = nil
-  if #args > 3 then
+  local cand, model, names = nil, nil, {}
+  local k = 4
+  while k <= #args do -- candidates, and options: a NUL, the option's name, then its value as the next argument
+    local a = args[k]
+    if byte(a, 1) == 0 then
+      if a ~= '\0model' then return redis.error_reply('kvbus: unknown lookup option ' .. sub(a, 2)) end
+      model = args[k + 1]
+      if not model or model == '' then return redis.error_reply('kvbus: lookup option model needs a model name') end
+      k = k + 2
+    else
+      names[#names + 1] = a
+      k = k + 1
+    end
+  end
+  if #names > 0 then
     cand = {}
-    local names, rest = {}, {}
-    for k = 4, #args do names[#names + 1] = args[k] end
+    local rest = {}
     for j, hid in ipairs(hmget(c.P .. 'hid', names)) do
       if hid then cand[tonumber(hid)] = true else rest[#rest + 1] = names[j] end
     end
@@ -1190,6 +1267,14 @@ local function lookup(keys, args)
       for _, rh in ipairs(hmget(c.P .. 'rh', rest)) do
         if rh then for x in string.gmatch(rh, '%d+') do cand[tonumber(x)] = true end end
       end
+    end
+  end
+  if model then -- only the holders whose latest applied event named this model (unknown models never match)
+    local of = model_holders(c, model)
+    if cand then
+      for hid in pairs(cand) do if not of[hid] then cand[hid] = nil end end
+    else
+      cand = of
     end
   end
   local tw, tdesc = {}, {}
@@ -1320,6 +1405,7 @@ local function expire_holder(c, hid, now)
   local h = holder_load(c, hid)
   clear_all(c, h)
   groups_clear(h)
+  set_model(c, h, nil) -- P mh lists live holders only; the holder's next event names its model again
   holder_save(h)
   redis.call('ZREM', c.P .. 'seen', hid)
   local name = redis.call('HGET', c.P .. 'hname', hid)
@@ -1330,8 +1416,8 @@ end
 --[[
 kvbus_expire: expire holders last seen at or before a cutoff (no events or heartbeat since).
 ARGV[1] prefix, ARGV[2] cutoff (epoch s), ARGV[3] now (epoch s), ARGV[4] max holders to expire.
-Drops all their entries, removes them from P seen, adds them to P stale (score = now); their
-applied positions are kept (a redelivered old event stays a duplicate).
+Drops all their entries and their model, removes them from P seen, adds them to P stale (score = now);
+their applied positions are kept (a redelivered old event stays a duplicate).
 Returns the names expired.
 ]]
 local function expire(keys, args)
@@ -1376,9 +1462,9 @@ end
 --[[
 kvbus_dump (read-only): one holder's whole state, read atomically (view snapshots, sinks/snapshot.py).
 ARGV[1] prefix, ARGV[2] hid. Returns {state, seen, tiers}: state = the flat HGETALL of P H:<hid>
-(p:<topic>, f, t:<code>, g:<group> fields, as documented above), seen = its P seen score or false,
-tiers = per tier held {code, descriptor, rc flag, raws held (8 bytes each, concatenated),
-flat HGETALL of its extra reference counts}.
+(p:<topic>, f, t:<code> fields, binary as documented above, m: the model and g:<group> fields as text),
+seen = its P seen score or false, tiers = per tier held {code, descriptor, rc flag, raws held (8 bytes
+each, concatenated), flat HGETALL of its extra reference counts}.
 ]]
 local function dump(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
@@ -1405,10 +1491,11 @@ kvbus_restore: write one holder's state from a snapshot into a view being rebuil
 ARGV[1] prefix, ARGV[2] replica, ARGV[3] dp_rank, ARGV[4] seen (epoch s, "" for none), ARGV[5] reset
 floor epoch ("" for none), ARGV[6] nP, then nP quadruples (topic, epoch, seq, index): applied
 positions; then nD, then nD quintuples (tier descriptor, rc "1"/"0", origin topic, raws held (8 bytes
-each), raws once more per extra reference count); optionally then nG, then nG pairs (group, its spec
+each), raws once more per extra reference count); optionally then the holder's model ("" = unknown;
+without it the model is left as it is), and after it optionally nG, then nG pairs (group, its spec
 "<kind>,<window>,<bmax>,<bmin>": see "KV cache groups of a holder"). A large holder may come in several
-calls (its tiers' raws split between them, positions and groups repeated): each call adds. Returns
-entries added.
+calls (its tiers' raws split between them, positions, model and groups repeated): each call adds.
+Returns entries added.
 ]]
 local function restore(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
@@ -1416,10 +1503,12 @@ local function restore(keys, args)
   local nP = tonumber(args[6]) or -1
   local at = 7 + 4 * nP
   local nD = tonumber(args[at]) or -1
-  local ag = at + 5 * nD + 1 -- nG, the optional groups' count
+  local base = at + 5 * nD
+  local model = args[base + 1] -- nil: not given
+  local ag = base + 2 -- nG, the optional groups' count (after the model)
   local nG = 0
   if #args >= ag then nG = tonumber(args[ag]) or -1 end
-  if nP < 0 or nD < 0 or nG < 0 or (#args ~= ag - 1 and #args ~= ag + 2 * nG) then
+  if nP < 0 or nD < 0 or nG < 0 or (#args ~= base and #args ~= base + 1 and #args ~= ag + 2 * nG) then
     return redis.error_reply('kvbus: malformed arguments')
   end
   for j = 1, nG do
@@ -1448,6 +1537,7 @@ local function restore(keys, args)
     h.ptouched[args[k]] = true
   end
   if args[5] ~= '' and tonumber(args[5]) > h.floor then h.floor = tonumber(args[5]); h.dirty['f'] = true end
+  if model then set_model(c, h, model) end
   for j = 1, nG do group_set(h, args[ag + 2 * j - 1], args[ag + 2 * j]) end
   for _, t in pairs(h.tiers) do index_flush(t) end
   holder_save(h)

@@ -36,6 +36,10 @@ type Query struct {
 	// Candidates restricts the answer to these holders ("<replica>#<dp_rank>") or replicas (all
 	// their ranks). nil: every holder; empty but not nil: none.
 	Candidates []string
+	// Model restricts the answer to the holders of this model: the replicas whose bridges name it
+	// with --model (the engines' served model name), never those of another model or of an unknown
+	// one. "": every holder, whatever its model.
+	Model string
 	// TieBreak orders tied holders for this lookup (nil: the Client's).
 	TieBreak TieBreak
 }
@@ -179,7 +183,7 @@ func (c *Client) Lookup(ctx context.Context, chain []uint64, q Query) ([]Match, 
 			return nil, err
 		}
 	}
-	replies, err := c.call(ctx, arg, spec, q.Candidates)
+	replies, err := c.call(ctx, arg, spec, q.Model, q.Candidates)
 	if err != nil {
 		return nil, err
 	}
@@ -232,9 +236,12 @@ func (c *Client) resolve(replies [][]group) ([]Match, error) {
 
 // call sends kvbus_lookup to every view: one call on a single node, one per shard pipelined on a
 // cluster (go-redis sends each node's calls together), retrying refused shards.
-func (c *Client) call(ctx context.Context, chain []byte, spec string, cands []string) ([][]group, error) {
+func (c *Client) call(ctx context.Context, chain []byte, spec, model string, cands []string) ([][]group, error) {
 	args := func(prefix string) []interface{} {
 		a := []interface{}{prefix, chain, spec}
+		if model != "" {
+			a = append(a, ModelOption, model)
+		}
 		for _, s := range cands {
 			a = append(a, s)
 		}

@@ -10,7 +10,7 @@
 //	view := kvbuslookup.New(rdb, kvbuslookup.Options{})
 //	seed := "0" // the engines' PYTHONHASHSEED
 //	chain, err := kvbuslookup.ChainFromTokens(promptIDs, 16, kvbuslookup.SHA256, &seed)
-//	matches, err := view.Lookup(ctx, chain, kvbuslookup.Query{})
+//	matches, err := view.Lookup(ctx, chain, kvbuslookup.Query{Model: "meta-llama/Llama-3.1-8B-Instruct"})
 //	if len(matches) > 0 {
 //		target := matches[0].Replica
 //	}

@@ -17,6 +17,10 @@ const DefaultPrefix = "kvbus:"
 // LookupFunction is the read-only Redis function a lookup calls.
 const LookupFunction = "kvbus_lookup"
 
+// ModelOption is the lookup option naming a model: this argument, then the model's name, before the
+// candidates (an argument that starts with NUL names an option; holder names never contain NUL).
+const ModelOption = "\x00model"
+
 // scoreScale: the reply carries score * scoreScale, rounded to an integer.
 const scoreScale = 1e6
 

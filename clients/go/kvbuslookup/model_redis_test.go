@@ -1,0 +1,76 @@
+package kvbuslookup
+
+import (
+	"context"
+	"os"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// The view these tests read is written by kvbus's own sink store on a real Redis (single node:
+// KVBUS_TEST_REDIS_ADDR, a Redis Cluster: KVBUS_TEST_CLUSTER_ADDRS, comma-separated) under the key
+// prefix KVBUS_TEST_PREFIX: tests/test_lookup_protocol.py writes it and runs them. Every holder
+// holds the same chain (hashes 1, 2, 3), as two models that share a tokenizer and a hash seed publish
+// for the same prompt: l0 (3 blocks) and l1 (2) of model "llama", q0 (3) of model "qwen", u0 (3)
+// of an unknown model (its bridge named none). Without the variables the tests are skipped.
+var modelChain = []uint64{1, 2, 3}
+
+func modelViews(t *testing.T) map[string]redis.UniversalClient {
+	prefix := os.Getenv("KVBUS_TEST_PREFIX")
+	out := map[string]redis.UniversalClient{}
+	if addr := os.Getenv("KVBUS_TEST_REDIS_ADDR"); addr != "" && prefix != "" {
+		out["single node"] = redis.NewClient(&redis.Options{Addr: addr})
+	}
+	if addrs := os.Getenv("KVBUS_TEST_CLUSTER_ADDRS"); addrs != "" && prefix != "" {
+		out["cluster"] = redis.NewClusterClient(&redis.ClusterOptions{Addrs: strings.Split(addrs, ",")})
+	}
+	if len(out) == 0 {
+		t.Skip("no view to read: KVBUS_TEST_PREFIX with KVBUS_TEST_REDIS_ADDR or KVBUS_TEST_CLUSTER_ADDRS " +
+			"(tests/test_lookup_protocol.py sets them)")
+	}
+	return out
+}
+
+func matched(ms []Match) map[string]int {
+	out := map[string]int{}
+	for _, m := range ms {
+		out[m.Name] = m.Matched
+	}
+	return out
+}
+
+func TestLookupNamingAModelAnswersOnlyItsHolders(t *testing.T) {
+	ctx := context.Background()
+	for where, rdb := range modelViews(t) {
+		defer rdb.Close()
+		view := New(rdb, Options{Prefix: os.Getenv("KVBUS_TEST_PREFIX")})
+		for _, c := range []struct {
+			q    Query
+			want map[string]int
+		}{
+			{Query{}, map[string]int{"l0": 3, "l1": 2, "q0": 3, "u0": 3}},
+			{Query{Model: "llama"}, map[string]int{"l0": 3, "l1": 2}},
+			{Query{Model: "qwen"}, map[string]int{"q0": 3}},
+			{Query{Model: "mistral"}, map[string]int{}},
+			{Query{Model: "Llama"}, map[string]int{}},
+			{Query{Model: "llama", Candidates: []string{"l1", "q0", "u0"}}, map[string]int{"l1": 2}},
+			{Query{Model: "qwen", Candidates: []string{"l0", "u0"}}, map[string]int{}},
+		} {
+			got, err := view.Lookup(ctx, modelChain, c.q)
+			if err != nil {
+				t.Fatalf("%s: Lookup(%+v): %v", where, c.q, err)
+			}
+			if !reflect.DeepEqual(matched(got), c.want) {
+				t.Fatalf("%s: Lookup(model %q, candidates %v) = %v, want %v", where, c.q.Model, c.q.Candidates,
+					matched(got), c.want)
+			}
+		}
+		best, err := view.Lookup(ctx, modelChain, Query{Model: "llama"})
+		if err != nil || best[0].Name != "l0" {
+			t.Fatalf("%s: the longest prefix of model llama is l0's: %v %v", where, best, err)
+		}
+	}
+}
