@@ -230,3 +230,30 @@ def test_malformed_group_specs_are_refused_before_any_write():
         with pytest.raises(redis.ResponseError, match="malformed group spec"):
             store._fcall("kvbus_restore", store.prefix, "a", 0, "", "", 0, 0, "", 1, 0, "full_attention,16")
         assert not srv.client().keys(store.prefix + "H:*") and not srv.client().keys(store.prefix + "B:*")
+
+
+def test_an_answer_without_hybrid_holders_has_no_trailing_part():
+    """One-group holders answer as before, byte for byte: no trailing part in head, no "groups" key,
+    even in a view that has hybrid holders (here: candidates without them)."""
+    with RedisServer() as srv:
+        _no_trailing_part(RedisStore(srv.client(), f"t{uuid.uuid4().hex[:8]}:"))
+
+
+def _no_trailing_part(store: RedisStore) -> None:
+    from kvbus.schemas.lookup import lookup_args
+
+    store.apply([_stored("a", 0, H[:8], 0, "full_attention"), _stored("a", 1, H[5:8], 1, "sliding_window", 48),
+                 _stored("p", 0, H[:6], 0, "full_attention"),
+                 ("tb", BlockEvent(replica="q", dp_rank=0, epoch=1, seq=0, index=0, ts=1.0,
+                                   event=BlockStored(block_hashes=H[:3], medium="GPU")))])
+    for cands, hybrid in (((), True), (("p", "q"), False)):
+        head, blobs, descs = store.r.fcall_ro("kvbus_lookup", 0, *lookup_args(store.prefix, H, "GPU=1", cands))
+        groups = len(blobs)
+        k = 0
+        for _ in range(groups):
+            k += 3 + 2 * head[k + 2]
+        assert (len(head) > k) == hybrid and groups == (3 if hybrid else 2)
+    got = store.lookup(H, candidates=["p", "q"])
+    assert {n: m.to_json() for n, m in got.items()} == {
+        "p": {"matched": 6, "tiers": {"GPU": 6}, "score": 6.0, "replica": "p", "dp_rank": 0},
+        "q": {"matched": 3, "tiers": {"GPU": 3}, "score": 3.0, "replica": "q", "dp_rank": 0}}
