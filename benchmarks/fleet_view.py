@@ -33,21 +33,30 @@ def pct(xs: Sequence[float], q: float) -> float:
 
 
 def load_kvbus(store: RedisStore, stores: Iterable[FleetStore], batch: int = 2000,
-               model: str | None = None) -> tuple[int, float]:
+               model: str | None = None, hybrid_window: int = 0) -> tuple[int, float]:
     """Apply ``stores`` as BlockStored events (replica ``r<i>``, one sequence per replica, naming
     ``model``) through ``store.apply`` in batches of ``batch`` records, the sink's write path; returns
-    (entries, seconds)."""
+    (entries, seconds). ``hybrid_window`` > 0: every replica a hybrid model, each store named as full
+    attention (group 0) and its last ``ceil(hybrid_window / 16)`` blocks stored once more in a
+    sliding-window group (group 1, window ``hybrid_window`` tokens)."""
     seq: dict[int, int] = {}
     records: list = []
     n = 0
     t0 = time.perf_counter()
     for s in stores:
-        q = seq.get(s.replica, 0)
-        seq[s.replica] = q + 1
-        ev = BlockEvent(replica=f"r{s.replica}", epoch=1, seq=q, index=0, ts=time.time(), model=model,
-                        event=BlockStored(block_hashes=s.hashes, medium=s.medium, block_size=16))
-        records.append((TOPIC, ev))
-        n += len(s.hashes)
+        events = [BlockStored(block_hashes=s.hashes, medium=s.medium, block_size=16)]
+        if hybrid_window:
+            tail = s.hashes[-(-hybrid_window // 16):]
+            events = [BlockStored(block_hashes=s.hashes, medium=s.medium, block_size=16, group_idx=0,
+                                  kv_cache_spec_kind="full_attention"),
+                      BlockStored(block_hashes=tail, medium=s.medium, block_size=16, group_idx=1,
+                                  kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=hybrid_window)]
+        for e in events:
+            q = seq.get(s.replica, 0)
+            seq[s.replica] = q + 1
+            records.append((TOPIC, BlockEvent(replica=f"r{s.replica}", epoch=1, seq=q, index=0, ts=time.time(),
+                                              model=model, event=e)))
+            n += len(e.block_hashes)
         if len(records) >= batch:
             store.apply(records)
             records = []

@@ -36,12 +36,24 @@ lookups of the largest shard count once more from the replicas (``?read_from=rep
     .venv/bin/python benchmarks/lookup.py --cluster                    # 1 M entries, 16 shards
     .venv/bin/python benchmarks/lookup.py --cluster --shards 3,16 --entries 2000000
 
+``--baseline REV``: the lookups of this tree's ``kvbus_lookup`` next to those of git revision ``REV``'s
+(its ``sinks/lua/kvbus.lua`` loaded into the same server as library ``kvbusbase``), alternating, on the
+same view and queries: client-side and Redis-side p50/p99 of each raw ``FCALL_RO`` and their ratios
+(this tree over ``REV``), answers compared. Only for revisions of the same key layout.
+
+``--hybrid-window W``: every replica serves a hybrid model: each store also goes to a sliding-window KV
+cache group (group 1, window ``W`` tokens, blocks of 16) as its last ``ceil(W / 16)`` blocks, and every
+event names its group's kind, so every lookup answers with vLLM's hybrid rule (implies ``--skip-llmd``).
+
+    .venv/bin/python benchmarks/lookup.py --entries 1000000 --queries 200 --skip-llmd --baseline main
+
 The last line printed is one JSON object with the figures.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,6 +63,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fleet_view import load_kvbus, pct, queries as query_set, used_memory  # noqa: E402
+from kvbus.schemas.lookup import LAYOUT, lookup_args, parse_reply  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from kvbus.sinks.sharded_store import ShardedRedisStore, cluster_client  # noqa: E402
 from kvbus.sinks.tiers import Weights  # noqa: E402
@@ -133,6 +146,80 @@ class LlmdIndex:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+BASELINE_LIBRARY = "kvbusbase"
+CPU_ROUNDS = 5
+"""--baseline: rounds of all the queries per side for the CPU figure."""
+
+
+def load_baseline(r: redis.Redis, rev: str) -> None:
+    """Load git revision ``rev``'s function library into ``r`` as library :data:`BASELINE_LIBRARY` (its
+    functions ``kvbusbase_*``), with this tree's key layout version."""
+    root = Path(__file__).resolve().parent.parent
+    code = subprocess.run(["git", "show", f"{rev}:sinks/lua/kvbus.lua"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout
+    renamed = (code.replace("#!lua name=kvbus", f"#!lua name={BASELINE_LIBRARY}", 1)
+               .replace("register_function('kvbus_", f"register_function('{BASELINE_LIBRARY}_")
+               .replace("function_name = 'kvbus_", f"function_name = '{BASELINE_LIBRARY}_")
+               .replace("@VERSION@", f"{BASELINE_LIBRARY}-{rev}").replace("@LAYOUT@", LAYOUT))
+    r.function_load(renamed, replace=True)
+
+
+def measure_baseline(store: RedisStore, queries, args) -> dict:
+    """This tree's kvbus_lookup next to the baseline's on ``queries``, raw FCALL_RO each, both on every query
+    (which goes first alternates: the second runs on keys the first brought into the CPU's caches):
+    client side, then Redis side (SLOWLOG: wall time in the call), then the server's main-thread CPU per
+    lookup (``INFO cpu``: only the work done, whatever else runs on the machine) over alternating rounds
+    of all the queries, the median round; their answers (decoded replies) compared."""
+    spec = Weights({"GPU": 1.0, "CPU": 0.8, "*": 0.0}).spec()
+    r = store.r
+    names = {"this": "kvbus_lookup", "baseline": f"{BASELINE_LIBRARY}_lookup"}
+
+    def call(side: str, q) -> list:
+        return r.fcall_ro(names[side], 0, *lookup_args(store.prefix, q, spec))
+
+    def decoded(reply) -> list:
+        return sorted((g.matched, g.score_micro, sorted(g.tiers.items()), sorted(g.hids)) for g in parse_reply(reply))
+
+    lat: dict[str, list[float]] = {"this": [], "baseline": []}
+    differ = 0
+    for j, q in enumerate(queries):
+        replies = {}
+        for side in ("this", "baseline")[:: 1 if j % 2 else -1]:
+            t = time.perf_counter()
+            replies[side] = call(side, q)
+            lat[side].append(time.perf_counter() - t)
+        differ += decoded(replies["this"]) != decoded(replies["baseline"])
+    out: dict = {side: {"p50_ms": round(pct(v, 0.5) * 1e3, 3), "p99_ms": round(pct(v, 0.99) * 1e3, 3)}
+                 for side, v in lat.items()}
+    r.config_set("slowlog-max-len", 400_000)
+    r.config_set("slowlog-log-slower-than", 0)
+    try:
+        r.slowlog_reset()
+        for j, q in enumerate(queries[: args.server_queries]):
+            for side in ("this", "baseline")[:: 1 if j % 2 else -1]:
+                call(side, q)
+        entries = r.slowlog_get(len(queries) * 8)
+        for side, fn in names.items():
+            durs = [e["duration"] for e in entries if e["command"].startswith(b"FCALL_RO " + fn.encode() + b" ")]
+            out[side].update(server_p50_ms=round(pct(durs, 0.5) / 1e3, 3),
+                             server_p99_ms=round(pct(durs, 0.99) / 1e3, 3))
+    finally:
+        r.config_set("slowlog-log-slower-than", 10_000)
+        r.slowlog_reset()
+    cpu: dict[str, list[float]] = {"this": [], "baseline": []}
+    for j in range(2 * CPU_ROUNDS):
+        side = ("this", "baseline")[j % 2]
+        c0 = main_thread_cpu(r)
+        for q in queries:
+            call(side, q)
+        cpu[side].append((main_thread_cpu(r) - c0) / len(queries) * 1e6)
+    for side, v in cpu.items():
+        out[side]["server_cpu_us"] = round(pct(v, 0.5), 1)
+    out["ratio_this_over_baseline"] = {k: round(out["this"][k] / out["baseline"][k], 3) for k in out["this"]}
+    out["answers_differ"] = differ
+    return out
 
 
 def load_llmd(index: LlmdIndex, stores, batch: int) -> tuple[int, float]:
@@ -325,7 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", action="store_true",
                     help="single node vs the sharded view on a private 3-master Redis Cluster (default 1 M entries)")
     ap.add_argument("--shards", default="16", help="--cluster: virtual shards, or a comma list of counts to compare")
+    ap.add_argument("--baseline", metavar="REV", help="also time git revision REV's kvbus_lookup on the same view")
+    ap.add_argument("--hybrid-window", type=int, default=0, metavar="W",
+                    help="every replica a hybrid model: a sliding-window group of W tokens too (implies --skip-llmd)")
     args = ap.parse_args(argv)
+    if args.hybrid_window:
+        args.skip_llmd = True
     if args.cluster:
         if args.entries == ap.get_default("entries"):
             args.entries = 1_000_000
@@ -338,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         base = used_memory(r0)
         stores, chains, bodies = fleet_workload(args.entries, replicas=args.replicas, copies=args.copies,
                                         cpu_frac=args.cpu_frac, seed=args.seed, min_chain=args.chain)
-        n, secs = load_kvbus(store, stores, batch=2000)
+        n, secs = load_kvbus(store, stores, batch=2000, hybrid_window=args.hybrid_window)
         size = store.size()
         assert size["entries"] == n, (size, n)
         kv_bytes = used_memory(r0) - base
@@ -346,9 +438,11 @@ def main(argv: list[str] | None = None) -> int:
               f"({n / secs:,.0f} entries/s), {kv_bytes / n:.1f} bytes/entry", flush=True)
         result: dict = {
             "entries": n, "blocks": size["blocks"], "replicas": args.replicas, "chain": args.chain,
-            "copies": args.copies, "cpu_frac": args.cpu_frac,
+            "copies": args.copies, "cpu_frac": args.cpu_frac, "hybrid_window": args.hybrid_window,
             "kvbus": {"bytes_per_entry": round(kv_bytes / n, 2), "load_entries_per_s": round(n / secs)},
         }
+        if args.baseline:
+            load_baseline(r0, args.baseline)
         llmd = None
         if not args.skip_llmd:
             r1 = srv.client(db=1)
@@ -366,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
         for kind, sample in (("shared", chains), ("private", bodies)):
             queries = query_set(sample, args.queries, args.chain)
             result[kind] = measure(kind, store, llmd, queries, args)
+            if args.baseline:
+                result[kind]["baseline"] = {"rev": args.baseline, **measure_baseline(store, queries, args)}
+                print(f"{kind}-prefix lookups, this tree next to {args.baseline}: {result[kind]['baseline']}",
+                      flush=True)
         result["redis_used_memory_mb"] = round(used_memory(r0) / 2**20, 1)
         mem = r0.info("memory")
         result["lua_functions_heap_mb"] = round(int(mem.get("used_memory_vm_functions", 0)) / 2**20, 1)

@@ -299,6 +299,16 @@ class ViewTier(msgspec.Struct, kw_only=True):
     """Hashes held more than once: once more per extra count."""
 
 
+class ViewGroup(msgspec.Struct, kw_only=True):
+    """What a holder's events said of one of its KV cache groups (in a :class:`ViewSnapshot`)."""
+
+    group: int
+    """The group index (``group_idx``)."""
+    spec: str
+    """``<kv_cache_spec_kind>,<kv_cache_spec_sliding_window or empty>,<largest block_size>,<smallest
+    block_size>``, as the view keeps it."""
+
+
 class ViewOffset(msgspec.Struct, kw_only=True):
     """Where a snapshot's replay starts on one partition: the next offset to apply."""
 
@@ -328,6 +338,8 @@ class ViewSnapshot(msgspec.Struct, kw_only=True):
     tiers: list[ViewTier] = []
     offsets: list[ViewOffset] = []
     holders: list[str] = []
+    groups: list[ViewGroup] = []
+    """The holder's KV cache groups (hybrid models); empty when its engine names none."""
 
 
 def check_model(model: str | None) -> str | None:

@@ -125,6 +125,9 @@ class Group:
     """Tier label -> leading blocks of the chain held in that tier."""
     hids: tuple[int, ...]
     """Holder ids (per view: resolve them through that view's ``P hname``)."""
+    groups: dict[int, int] = field(default_factory=dict)
+    """Hybrid-model holders (two KV cache groups or more): KV cache group -> that group's own hit, in
+    blocks of the chain; empty for any other holder (docs/lookup-protocol.md, "Hybrid models")."""
 
 
 def _s(v: Any) -> str:
@@ -132,17 +135,24 @@ def _s(v: Any) -> str:
 
 
 def parse_reply(reply: Sequence) -> list[Group]:
-    """Decode ``kvbus_lookup``'s reply ``{head, hids, descs}`` (docs/lookup-protocol.md, "Reply")."""
-    head, blobs, descs = reply
+    """Decode ``kvbus_lookup``'s reply ``{head, hids, descs}`` (docs/lookup-protocol.md, "Reply"), with the
+    KV cache groups' runs of the trailing part of ``head`` when there is one."""
+    head, blobs, descs = reply[:3]
     labels = {int(descs[i]): label(_s(descs[i + 1])) for i in range(0, len(descs), 2)}
-    out: list[Group] = []
+    parts = []
     k = 0
     for blob in blobs:
         matched, score, n = int(head[k]), int(head[k + 1]), int(head[k + 2])
         tiers = {labels[int(head[k + 3 + 2 * j])]: int(head[k + 4 + 2 * j]) for j in range(n)}
         k += 3 + 2 * n
-        out.append(Group(matched, score, tiers, struct.unpack(f">{len(blob) // 4}I", blob)))
-    return out
+        parts.append((matched, score, tiers, struct.unpack(f">{len(blob) // 4}I", blob)))
+    groups: list[dict[int, int]] = []
+    if k < len(head):  # the trailing part: per group, n pairs (KV cache group, run)
+        for _ in parts:
+            n = int(head[k])
+            groups.append({int(head[k + 1 + 2 * j]): int(head[k + 2 + 2 * j]) for j in range(n)})
+            k += 1 + 2 * n
+    return [Group(*p, groups[i] if groups else {}) for i, p in enumerate(parts)]
 
 
 # ----------------------------------------------------------------------------- holders and answers
@@ -178,13 +188,19 @@ class HolderMatch:
     dp_rank: int
     """Data-parallel rank of the engine within the replica."""
     matched: int
-    """Leading blocks of the chain held, in any tier (0 is never answered: a holder must hold block 0)."""
+    """Leading blocks of the chain held, in any tier (0 is never answered: a holder must hold block 0); for
+    a hybrid-model holder (:attr:`groups`), the blocks vLLM's hybrid coordinator would hit (0 is not
+    answered either)."""
     tiers: dict[str, int]
     """Per tier label (``GPU``, ``CPU``, ``CPU@kvcr``, ``GPU/g1``): leading blocks of the chain held in that tier."""
     score: float
     """Sum over the matched blocks of the best weight among the tiers holding each block."""
     dp_ranks: int = 1
     """Holders the view lists for the replica (decides :attr:`name`)."""
+    groups: dict[int, int] = field(default_factory=dict)
+    """Hybrid-model holders (their events named two KV cache groups or more): KV cache group -> that
+    group's own hit in blocks of the chain (vLLM's ``find_longest_cache_hit_per_group``); empty for any
+    other holder (docs/lookup-protocol.md, "Hybrid models")."""
 
     @property
     def name(self) -> str:
@@ -197,14 +213,18 @@ class HolderMatch:
         return f"{self.replica}#{self.dp_rank}"
 
     def to_json(self) -> dict:
-        """The value of ``kvbus lookup --json`` for this holder."""
-        return {
+        """The value of ``kvbus lookup --json`` for this holder; ``groups`` (keys: the group indices as
+        strings, ascending) only for a hybrid-model holder."""
+        out = {
             "matched": self.matched,
             "tiers": dict(sorted(self.tiers.items())),
             "score": round(self.score, 6),
             "replica": self.replica,
             "dp_rank": self.dp_rank,
         }
+        if self.groups:
+            out["groups"] = {str(g): run for g, run in sorted(self.groups.items())}
+        return out
 
 
 def rank_key(m: HolderMatch) -> tuple:
@@ -269,7 +289,7 @@ class HolderNames:
                 score = g.score_micro / SCORE_SCALE
                 for hid in g.hids:
                     replica, dp, nr = names[hid]
-                    out.append(HolderMatch(replica, dp, g.matched, dict(g.tiers), score, nr))
+                    out.append(HolderMatch(replica, dp, g.matched, dict(g.tiers), score, nr, dict(g.groups)))
         return out
 
     def answer(self, replies: Sequence[Sequence | None],

@@ -31,7 +31,7 @@ from kvbus.schemas.lookup import (
 from kvbus.sinks import functions
 from kvbus.sinks.redis_memory import RedisFull, describe_full, is_oom
 from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, summary_from_counts
-from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
+from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -39,7 +39,11 @@ DEFAULT_WEIGHTS = Weights()
 
 EVENT_HEADER = struct.Struct(">BHHddIdHI")
 """Per-event header in ``kvbus_apply``'s event blob: kind, holder index, topic index, epoch, seq, index, ts,
-tier index, number of hashes (39 bytes, big-endian; the hashes follow)."""
+tier index, number of hashes (39 bytes, big-endian; the hashes follow, after the group spec of a kind 5
+store: :data:`STORED_WITH_SPEC`)."""
+STORED, REMOVED, CLEARED, RESET, STORED_WITH_SPEC = 1, 2, 3, 4, 5
+"""Event kinds of the blob; a BlockStored whose event names its KV cache group's kind is sent as
+STORED_WITH_SPEC, its spec (:func:`kvbus.sinks.tiers.group_spec`) as one length byte and the text."""
 
 STATE_POS = struct.Struct(">ddd")
 """Holder state ``p:<topic>``: applied position epoch, seq, index (kvbus.lua: POS)."""
@@ -222,6 +226,9 @@ class HolderDump:
     """(descriptor, ref-counted, origin topic, raws held, raws once more per extra count) per tier."""
     model: str | None = None
     """The model the view records for the holder; None if unknown."""
+    groups: list[tuple[int, str]] = field(default_factory=list)
+    """(KV cache group, its spec ``"<kind>,<window>,<block_size max>,<block_size min>"``) per group its
+    events named (kvbus.lua, "KV cache groups of a holder"); empty for engines that name none."""
 
 
 class RedisStore(ResidencyStore):
@@ -251,6 +258,7 @@ class RedisStore(ResidencyStore):
         self.max_events_per_call = max_events_per_call
         self.max_hashes_per_call = max_hashes_per_call
         self._rc: dict[tuple, tuple[str, str]] = {}
+        self._specs: dict[tuple, bytes | None] = {}
         self._names = HolderNames()
         self.fkeys: tuple[str, ...] = declared_keys(prefix) if declare_keys else ()
         """Keys every FCALL declares (none on a standalone Redis)."""
@@ -271,6 +279,17 @@ class RedisStore(ResidencyStore):
             desc = self.policy.tier_of(e)
             t = self._rc[k] = (desc, "1" if self.policy.refcounted(desc) else "0")
         return t
+
+    def _spec(self, e: BlockStored) -> bytes | None:
+        """The length byte and text of a store's group spec (None: the event names no kind), cached per
+        (kind, window, block size)."""
+        k = (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_size)
+        try:
+            return self._specs[k]
+        except KeyError:
+            spec = group_spec(e)
+            v = self._specs[k] = None if spec is None else bytes([len(spec)]) + spec.encode()
+            return v
 
     def _pack(self, part: list[tuple[str, BlockEvent]], view_id: str | None = None) -> list:
         """FCALL arguments of ``kvbus_apply`` for ``part`` (any holders; format: kvbus.lua), checking
@@ -298,7 +317,7 @@ class RedisStore(ResidencyStore):
                 groups[k] = [rec]
             else:
                 g.append(rec)
-        prefix, tier, pack, join = self.prefix, self._tier, _pack_header, b"".join
+        prefix, tier, spec_of, pack, join = self.prefix, self._tier, self._spec, _pack_header, b"".join
         max_ev, max_h = (self.max_events_per_call, self.max_hashes_per_call) if cut else (1 << 62, 1 << 62)
         # the call being packed: its records, holders / topics / tiers -> 1-based index, rc flags, blob,
         # the holders' models
@@ -344,10 +363,16 @@ class RedisStore(ResidencyStore):
                     joined = hashes[0] if n == 1 and type(hashes[0]) is bytes else join(hashes)
                     if len(joined) != 8 * n:
                         raise ValueError(f"block hashes of {ev.replica}#{ev.dp_rank} at {ev.position} are not 8 bytes each")
-                    blob += (pack(1 if t is BlockStored else 2, hi, ti, ev.epoch, ev.seq, ev.index, ev.ts, di, n), joined)
+                    spec = spec_of(e) if t is BlockStored else None
+                    if spec is None:
+                        blob += (pack(STORED if t is BlockStored else REMOVED, hi, ti, ev.epoch, ev.seq, ev.index,
+                                      ev.ts, di, n), joined)
+                    else:
+                        blob += (pack(STORED_WITH_SPEC, hi, ti, ev.epoch, ev.seq, ev.index, ev.ts, di, n), spec, joined)
                     nh += n
                 elif t is AllBlocksCleared or t is Reset:
-                    blob.append(pack(3 if t is AllBlocksCleared else 4, hi, ti, ev.epoch, ev.seq, ev.index, ev.ts, 0, 0))
+                    blob.append(pack(CLEARED if t is AllBlocksCleared else RESET, hi, ti, ev.epoch, ev.seq, ev.index,
+                                     ev.ts, 0, 0))
                 else:
                     raise TypeError(f"not a kvbus event: {t.__name__}")
         if part:
@@ -564,6 +589,7 @@ class RedisStore(ResidencyStore):
             origin = _s(fields[f"t:{int(code)}"][STATE_TIER.size:])
             more = b"".join(extra[j] * int(extra[j + 1]) for j in range(0, len(extra), 2))
             out.tiers.append((_s(desc), _s(rc) == "1", origin, raws, more))
+        out.groups = sorted((int(name[2:]), _s(v)) for name, v in fields.items() if name.startswith("g:"))
         return out
 
     def restore_holder(self, replica: str, dp_rank: int, state: HolderDump, max_hashes: int = 16384) -> int:
@@ -579,13 +605,16 @@ class RedisStore(ResidencyStore):
         for desc, rc, origin, raws, extra in state.tiers:
             for j in range(0, max(len(raws), len(extra), 1), step):
                 pieces.append((desc, "1" if rc else "0", origin, raws[j:j + step], extra[j:j + step]))
+        groups: list = [len(state.groups)] if state.groups else []
+        for g, spec in state.groups:
+            groups += (g, spec)
         for j in range(0, max(len(pieces), 1), 1):
             part = pieces[j:j + 1]
             args = head + [len(part)]
             for piece in part:
                 args += piece
             args.append(state.model or "")
-            added += int(self._fcall("kvbus_restore", *args))
+            added += int(self._fcall("kvbus_restore", *args, *groups))
         return added
 
     def heartbeat(self, replica: str, dp_rank: int, ts: float) -> None:

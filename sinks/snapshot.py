@@ -33,7 +33,7 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from kvbus.schemas.events import ViewOffset, ViewPosition, ViewSnapshot, ViewTier
+from kvbus.schemas.events import ViewGroup, ViewOffset, ViewPosition, ViewSnapshot, ViewTier
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.kafka_clients import DeliveryErrors, client_conf, ensure_topics, producer_conf, reader_conf
 from kvbus.schemas.settings import Settings
@@ -75,6 +75,7 @@ def holder_record(snapshot: int, name: str, dump: HolderDump) -> ViewSnapshot:
         positions=[ViewPosition(topic=t, epoch=e, seq=s, index=i) for t, e, s, i in dump.positions],
         tiers=[ViewTier(descriptor=d, refcounted=rc, origin=o, blocks=raws, extra=extra)
                for d, rc, o, raws, extra in dump.tiers],
+        groups=[ViewGroup(group=g, spec=spec) for g, spec in dump.groups],
     )
 
 
@@ -83,7 +84,8 @@ def holder_dump(rec: ViewSnapshot) -> HolderDump:
     return HolderDump(seen=rec.seen, floor=rec.floor,
                       positions=[(p.topic, p.epoch, p.seq, p.index) for p in rec.positions],
                       tiers=[(t.descriptor, t.refcounted, t.origin, t.blocks, t.extra) for t in rec.tiers],
-                      model=rec.model)
+                      model=rec.model,
+                      groups=[(g.group, g.spec) for g in rec.groups])
 
 
 @dataclass

@@ -6,6 +6,7 @@ the lookup client and the analytics report.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvbus.schemas.events import BlockRemoved, BlockStored
@@ -40,3 +41,20 @@ class TierPolicy:
 
 
 DEFAULT_POLICY = TierPolicy()
+
+
+_KIND = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def group_spec(event: BlockStored) -> str | None:
+    """What a store says of its KV cache group, as the view records it (kvbus.lua, "KV cache groups of a
+    holder"): ``"<kind>,<window>,<block_size>"`` from ``kv_cache_spec_kind`` (a value that is not a short
+    word becomes ``unknown``), ``kv_cache_spec_sliding_window`` (empty when None) and ``block_size``; None
+    when the event names no kind (engines before vLLM 0.22, SGLang, LMCache, offload connectors) or no
+    block size (placeholders): such stores leave the holder's groups as they are."""
+    kind = event.kv_cache_spec_kind
+    if kind is None or event.block_size <= 0:
+        return None
+    window = event.kv_cache_spec_sliding_window
+    return (f"{kind if _KIND.fullmatch(kind) else 'unknown'},"
+            f"{window if window is not None and window >= 0 else ''},{event.block_size}")

@@ -17,7 +17,8 @@ from kvbus.sinks.store import (
     split_holder,
     summary_from_counts,
 )
-from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
+from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
+from tests.hybrid_rule import GroupSpec, hybrid_hit
 
 MAX_TIERS = 64
 
@@ -34,6 +35,7 @@ class _Holder:
     floor: int = -1
     tiers: dict[str, _Tier] = field(default_factory=dict)  # descriptor -> tier
     model: str | None = None  # the model its latest applied event named
+    groups: dict[int, GroupSpec] = field(default_factory=dict)  # KV cache group -> what its stores said
 
 
 class InMemoryStore(ResidencyStore):
@@ -70,6 +72,7 @@ class InMemoryStore(ResidencyStore):
             return
         if isinstance(event, BlockStored):
             res.entries_delta += self._store(h, topic, event)
+            self._note_group(h, event)
         elif isinstance(event, BlockRemoved):
             res.entries_delta -= self._remove(h, event)
         elif isinstance(event, AllBlocksCleared):
@@ -83,6 +86,7 @@ class InMemoryStore(ResidencyStore):
                 if origin == topic or p is None or p[0] < ev.epoch:
                     res.entries_delta -= len(h.tiers.pop(desc).blocks)
             h.floor = max(h.floor, ev.epoch)
+            h.groups.clear()
             res.resets += 1
         h.positions[topic] = pos
         h.model = ev.model
@@ -104,6 +108,20 @@ class InMemoryStore(ResidencyStore):
             elif rc:
                 tier.blocks[hsh] += 1
         return added
+
+    @staticmethod
+    def _note_group(h: _Holder, event: BlockStored) -> None:
+        """Record what a store said of its KV cache group: the latest kind and window, the largest and
+        smallest block size."""
+        spec = group_spec(event)
+        if spec is None:
+            return
+        kind, window, bs = spec.split(",")
+        g = int(event.group_idx or 0)
+        old = h.groups.get(g)
+        size = int(bs)
+        h.groups[g] = GroupSpec(kind, int(window) if window else None, max(size, old.block_size if old else 0),
+                                min(size, old.min_block_size if old else size))
 
     def _remove(self, h: _Holder, event: BlockRemoved) -> int:
         desc = self.policy.tier_of(event)
@@ -146,6 +164,7 @@ class InMemoryStore(ResidencyStore):
         n = sum(len(t.blocks) for t in h.tiers.values())
         h.tiers.clear()
         h.model = None
+        h.groups.clear()
         self.seen.pop(name, None)
         self._stale[name] = now
         return n
@@ -195,6 +214,15 @@ class InMemoryStore(ResidencyStore):
         out = {}
         for n, m in matched.items():
             replica, dp = split_holder(n)
+            groups: dict[int, int] = {}
+            specs = self.holders[n].groups
+            if len(specs) >= 2:  # a hybrid model: vLLM's coordinator over the m blocks held in some tier
+                held = {g: {j for j in range(m) if any(d.split("|")[2] == str(g) for d in block_map[chain[j]][n])}
+                        for g in specs}
+                m, groups = hybrid_hit(specs, held, m)
+                if m == 0:
+                    continue
+                score[n] = sum(max(weights.of(d) for d in block_map[chain[j]][n]) for j in range(m))
             hm = HolderMatch(
                 replica=replica,
                 dp_rank=dp,
@@ -202,6 +230,7 @@ class InMemoryStore(ResidencyStore):
                 tiers={label(d): r for d, r in runs[n].items()},
                 score=round(score[n], 6),
                 dp_ranks=ranks[replica],
+                groups=groups,
             )
             out[hm.name] = hm
         return out

@@ -26,6 +26,7 @@ from kvbus.schemas.events import (
     EventBatch,
     Incomplete,
     Reset,
+    ViewGroup,
     ViewOffset,
     ViewPosition,
     ViewSnapshot,
@@ -359,7 +360,8 @@ snapshots = st.builds(ViewSnapshot, snapshot=longs, taken=st.floats(allow_nan=Fa
                       floor=maybe(st.floats(allow_nan=False)), positions=st.lists(positions, max_size=3),
                       tiers=st.lists(tiers, max_size=3),
                       offsets=st.lists(st.builds(ViewOffset, topic=text, partition=ints, offset=longs), max_size=3),
-                      holders=st.lists(text, max_size=3))
+                      holders=st.lists(text, max_size=3),
+                      groups=st.lists(st.builds(ViewGroup, group=ints, spec=text), max_size=2))
 SLOW_SNAPSHOT = RecordSerde(REGISTRY, "ViewSnapshot")
 
 

@@ -93,6 +93,21 @@ def _records() -> list:
     return out
 
 
+def _hybrid_records() -> list:
+    """Hybrid-model holders (docs/lookup-protocol.md, "Hybrid models"), in this file's views: hybrid (full
+    attention 6 blocks, a 48-token sliding window blocks 2-4: hits 5) and hybrid-miss (its window holds too
+    little: no hit)."""
+    def stored(replica, seq, hashes, group, kind, window=None):
+        return ("kvbus.blocks", BlockEvent(replica=replica, dp_rank=0, epoch=1, seq=seq, index=0, ts=time.time(),
+                                           event=BlockStored(block_hashes=hashes, medium="GPU", group_idx=group,
+                                                             block_size=16, kv_cache_spec_kind=kind,
+                                                             kv_cache_spec_sliding_window=window)))
+
+    return [stored("hybrid", 0, CHAIN, 0, "full_attention"), stored("hybrid", 1, CHAIN[2:5], 1, "sliding_window", 48),
+            stored("hybrid-miss", 0, CHAIN, 0, "full_attention"),
+            stored("hybrid-miss", 1, CHAIN[3:5], 1, "sliding_window", 48)]
+
+
 def _hashes(chain: list[bytes]) -> str:
     return ",".join(str(int.from_bytes(h, "big")) for h in chain)
 
@@ -213,15 +228,26 @@ def redis_cli_answer(port: int, views: list[tuple[str, list[str]]], chain: list[
                                        b"".join(chain), spec, *options, *cands, cluster=cluster)
         labels = {descs[j]: _label(descs[j + 1]) for j in range(0, len(descs), 2)}
         k = 0
+        answers = []
         for blob in map(_bytes, blobs):
             matched, score, n = head[k], head[k + 1], head[k + 2]
             tiers = {labels[head[k + 3 + 2 * j]]: head[k + 4 + 2 * j] for j in range(n)}
             k += 3 + 2 * n
+            answers.append((blob, {"matched": matched, "tiers": dict(sorted(tiers.items())), "score": score / 1e6}))
+        if k < len(head):  # the trailing part: per group, its KV cache groups' runs (hybrid models)
+            for _, value in answers:
+                n = head[k]
+                if n:
+                    value["groups"] = {str(g): r for g, r in sorted((head[k + 1 + 2 * j], head[k + 2 + 2 * j])
+                                                                    for j in range(n))}
+                k += 1 + 2 * n
+        for blob, value in answers:
             for j in range(0, len(blob), 4):
                 replica, dp = split[int.from_bytes(blob[j:j + 4], "big")]
                 name = replica if ranks[replica] <= 1 and dp == 0 else f"{replica}#{dp}"
-                rows.append((name, {"matched": matched, "tiers": dict(sorted(tiers.items())), "score": score / 1e6,
-                                    "replica": replica, "dp_rank": dp}))
+                groups = {"groups": value["groups"]} if "groups" in value else {}
+                rows.append((name, {"matched": value["matched"], "tiers": value["tiers"], "score": value["score"],
+                                    "replica": replica, "dp_rank": dp, **groups}))
     rows.sort(key=lambda r: (-r[1]["score"], -r[1]["matched"], r[0]))
     return dict(rows)
 
@@ -270,7 +296,7 @@ def go(binary: Path, target: list[str], prefix: str, argv: list[str], env: dict 
 def view():
     with RedisServer() as srv:
         prefix = f"p{uuid.uuid4().hex[:8]}:"
-        RedisStore(srv.client(), prefix).apply(_records())
+        RedisStore(srv.client(), prefix).apply(_records() + _hybrid_records())
         yield srv, prefix
 
 
@@ -315,7 +341,10 @@ def test_the_view_is_what_the_cases_assume(view, capsys):
     assert got["a"] == {"matched": 6, "tiers": {"CPU": 2, "GPU": 6}, "score": 6.0, "replica": "a", "dp_rank": 0}
     assert got["b#1"]["tiers"] == {"CPU@kvcr": 3} and got["c"]["tiers"] == {"CPU": 3, "GPU/g1": 4}
     assert got["pod#x"]["matched"] == 5 and got["shared-7"]["matched"] == 2
-    assert len(got) == 5 + 24
+    assert got["hybrid"] == {"matched": 5, "tiers": {"GPU": 6}, "score": 5.0, "replica": "hybrid", "dp_rank": 0,
+                             "groups": {"0": 6, "1": 5}}
+    assert "hybrid-miss" not in got and "groups" not in got["a"]
+    assert len(got) == 6 + 24
     assert srv.client().exists(prefix.encode() + b"W:" + CHAIN[0]), "block 0 is wide (over 20 members)"
     llama = json.loads(_kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES["model"], capsys))
     assert set(llama) == {"a", "c"} | {f"shared-{k}" for k in range(0, 24, 2)} and llama["a"] == got["a"]
@@ -383,7 +412,7 @@ def old_view(view):
     srv, _ = view
     prefix = f"old{uuid.uuid4().hex[:8]}:"
     store = RedisStore(srv.client(), prefix)
-    for args in _old_apply_args(store, _records()):
+    for args in _old_apply_args(store, _records() + _hybrid_records()):
         store._fcall("kvbus_apply", *args)
     return srv, prefix
 
@@ -395,7 +424,7 @@ def test_a_view_written_before_models_has_no_model_keys_and_answers_as_before(vi
     assert b"mh" not in keys and not any(srv.client().hexists(old + k.decode(), "m") for k in keys
                                          if k.startswith(b"H:"))
     model_less = RedisStore(srv.client(), f"n{uuid.uuid4().hex[:8]}:")
-    model_less.apply(_without_models(_records()))
+    model_less.apply(_without_models(_records() + _hybrid_records()))
     assert sorted(srv.client().scan_iter(match=model_less.prefix + "*", count=1000)) == sorted(
         model_less.prefix.encode() + k for k in keys), "events without a model write the old view's keys"
     for case in ("all", "mixed-candidates", "weights", "tokens-sha256"):
@@ -503,7 +532,7 @@ def sharded_view():
 
     with RedisClusterServer(3) as cl, RedisServer() as srv:
         prefix = f"c{uuid.uuid4().hex[:8]}:"
-        records = _records()
+        records = _records() + _hybrid_records()
         ShardedRedisStore(cl.url, prefix).apply(records)
         RedisStore(srv.client(), prefix).apply(records)
         masters = [f"{n.host}:{n.port}" for n in cl.nodes if n.master]

@@ -61,7 +61,7 @@ def older_library() -> str:
     """This library as a release before models had it: kvbus_apply and kvbus_restore refuse the
     holders' models (the trailing arguments it did not take), another version string."""
     code = functions.library_code()
-    for taken in (" and (nH == 0 or #args ~= last + 2 + nH)", " and #args ~= at + 5 * nD + 1"):
+    for taken in (" and (nH == 0 or #args ~= last + 2 + nH)", " and #args ~= base + 1 and #args ~= ag + 2 * nG"):
         assert taken in code
         code = code.replace(taken, "")
     return code.replace(functions.library_version(), "older-release")

@@ -418,3 +418,39 @@ def test_hundreds_of_holders_of_two_models(store):
         got = store.lookup(H[:60], model=model)
         assert {k: v.matched for k, v in got.items()} == {f"p{i}": 10 + i for i in range(parity, 40, 2)}
     assert len(store.lookup(H[:60])) == 40
+
+
+def grouped(hashes, group, kind, window=None, medium="GPU"):
+    """A store as vLLM >= 0.22 sends it: its KV cache group's kind (and window), blocks of 16."""
+    return BlockStored(block_hashes=list(hashes), medium=medium, group_idx=group, block_size=16,
+                       kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
+
+
+def test_hybrid_holders_are_answered_with_the_coordinators_hit(store):
+    """A holder whose stores name two KV cache groups (docs/lookup-protocol.md, "Hybrid models"): matched
+    is what vLLM's hybrid coordinator would hit, groups each group's own hit; a one-group holder and a
+    holder whose stores name no kind answer as before, without groups."""
+    a, c, d, e = Stream("a"), Stream("c"), Stream("d"), Stream("e")
+    store.apply([
+        (MAIN, a.ev(grouped(H[:10], 0, "full_attention"))),                  # full + a 48-token window:
+        (MAIN, a.ev(grouped(H[4:8], 1, "sliding_window", 48))),              # 3 blocks ending the hit
+        (MAIN, a.ev(grouped(H[:10], 0, "full_attention", medium="CPU"))),
+        (MAIN, c.ev(grouped(H[:10], 0, "full_attention"))),                  # full + Mamba: the last
+        (MAIN, c.ev(grouped([H[2], H[6]], 1, "mamba"))),                     # state before the hit's end
+        (MAIN, d.ev(grouped(H[:10], 0, "full_attention"))),                  # one group
+        (MAIN, e.ev(stored(H[:10]))), (MAIN, e.ev(stored(H[4:8], group=1))),  # no kinds (vLLM < 0.22)
+    ])
+    got = store.lookup(H[:12])
+    assert (got["a"].matched, got["a"].groups, got["a"].tiers) == (8, {0: 10, 1: 8}, {"CPU": 10, "GPU": 10})
+    assert got["a"].score == 8.0  # the 8 hit blocks, on GPU
+    assert (got["c"].matched, got["c"].groups) == (7, {0: 10, 1: 7})
+    assert (got["d"].matched, got["d"].groups) == (10, {})
+    assert (got["e"].matched, got["e"].groups) == (10, {})
+    assert got["a"].to_json()["groups"] == {"0": 10, "1": 8} and "groups" not in got["d"].to_json()
+    store.apply([(MAIN, a.ev(removed([H[7]], group=1)))])  # the window ending at 8 is broken: at 7
+    assert (store.lookup(H[:12])["a"].matched, store.lookup(H[:12])["a"].groups) == (7, {0: 10, 1: 7})
+    store.apply([(MAIN, a.ev(removed(H[4:7], group=1)))])  # no window left: no hit, not answered
+    assert "a" not in store.lookup(H[:12]) and set(store.lookup(H[:12], candidates=["c"])) == {"c"}
+    assert store.drop_holder("c", 0, now=2000.0) == 12
+    store.apply([(MAIN, c.ev(grouped(H[:3], 0, "full_attention")))])  # a one-group holder again
+    assert (store.lookup(H[:12])["c"].matched, store.lookup(H[:12])["c"].groups) == (3, {})

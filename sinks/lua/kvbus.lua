@@ -26,8 +26,10 @@ Keys (P = prefix)
   P H:<hid>              HASH  holder state, binary values (struct formats POS, TSTATE, FLOOR below):
                                p:<topic> -> epoch, seq, index (applied position), f -> reset floor epoch,
                                t:<code> -> n, L, S of its index, then the origin topic, per tier held,
-                               m -> the model it serves (absent: unknown), as its latest applied event said
+                               m -> the model it serves (absent: unknown), as its latest applied event said,
+                               g:<group> -> its KV cache group's spec, text ("KV cache groups of a holder")
   P mh                   HASH  model -> space-separated hids of the live holders whose m is that model
+  P gs                   HASH  hid -> its groups' specs, for holders with two groups or more (hybrid models)
   P I:<hid>:<code>:<b>   STRING per (holder, tier) index of its blocks: a toggle log of raws (8 bytes each);
                                a raw is in the index iff it occurs an odd number of times in its bucket
   P R:<hid>:<code>       HASH  extra reference counts (count - 1) of ref-counted tiers: raw -> n
@@ -351,10 +353,11 @@ local TSTATE = '>dI4I4' -- holder state t:<code>: n, L, S, then the origin topic
 local TSTATE_LEN = 16
 local FLOOR = '>d'    -- holder state f: the reset floor epoch
 
--- Holder state: {hid, key, pos = {topic -> {e, s, i}}, floor, tiers = {code -> {n, L, S, origin}}, dirty, gone}
+-- Holder state: {hid, key, pos = {topic -> {e, s, i}}, floor, tiers = {code -> {n, L, S, origin}},
+-- groups = {group -> spec} (see group_note), dirty, gone}
 local function holder_load(c, hid)
-  local h = {hid = hid, key = holder_key(c, hid), pos = {}, floor = -1, tiers = {}, dirty = {}, gone = {},
-    ptouched = {}, model = nil}
+  local h = {hid = hid, key = holder_key(c, hid), P = c.P, pos = {}, floor = -1, tiers = {}, groups = {}, dirty = {},
+    gone = {}, ptouched = {}, model = nil}
   local all = rcall('HGETALL', h.key)
   local unpack_ = struct.unpack
   for k = 1, #all, 2 do
@@ -367,6 +370,8 @@ local function holder_load(c, hid)
       local n, L, S = unpack_(TSTATE, v)
       local code = tonumber(sub(f, 3))
       h.tiers[code] = tier_init(c, hid, code, {n = n, L = L, S = S, o = sub(v, TSTATE_LEN + 1)})
+    elseif kind == 103 then -- g:<group>
+      h.groups[sub(f, 3)] = v
     elseif f == 'f' then
       h.floor = unpack_(FLOOR, v)
     elseif f == 'm' then
@@ -387,6 +392,8 @@ local function holder_save(h)
       set[#set + 1] = f; set[#set + 1] = struct.pack(FLOOR, h.floor)
     elseif f == 'm' then
       if h.model then set[#set + 1] = f; set[#set + 1] = h.model else h.gone['m'] = true end
+    elseif byte(f, 1) == 103 then -- g:<group>
+      set[#set + 1] = f; set[#set + 1] = h.groups[sub(f, 3)]
     else -- t:<code>
       local t = h.tiers[tonumber(sub(f, 3))]
       if t then
@@ -398,6 +405,66 @@ local function holder_save(h)
   local del = {}
   for f, _ in pairs(h.gone) do del[#del + 1] = f end
   if #del > 0 then redis.call('HDEL', h.key, unpack(del)) end
+  if h.gchanged then
+    local gs, n = {}, 0
+    for g, _ in pairs(h.groups) do n = n + 1; gs[n] = tonumber(g) end
+    if n >= 2 then
+      table.sort(gs)
+      for j = 1, n do gs[j] = gs[j] .. ',' .. h.groups[tostring(gs[j])] end
+      redis.call('HSET', h.P .. 'gs', h.hid, table.concat(gs, ';'))
+    else
+      redis.call('HDEL', h.P .. 'gs', h.hid)
+    end
+  end
+end
+
+-- ---------------------------------------------------------------- KV cache groups of a holder
+
+-- What a holder's BlockStored events said of each of its KV cache groups (vLLM >= 0.22; hybrid models
+-- have several): holder state g:<group> -> spec "<kind>,<window>,<bmax>,<bmin>" (kv_cache_spec_kind;
+-- kv_cache_spec_sliding_window, "" when none; the largest and smallest block_size its events gave).
+-- Derived from it, for lookups: P gs (HASH) hid -> "<group>,<spec>;<group>,<spec>..." (groups
+-- ascending) of each holder with two groups or more. A Reset marker and expiry forget the groups.
+local EVENT_SPEC = '^([%w_]+),(%d*),(%d+)$' -- a store's spec in kvbus_apply: "<kind>,<window>,<block_size>"
+local VALID_SPECS, nvalid = {}, 0 -- the store specs found well-formed (kept between calls)
+local GROUP_SPEC = '^[%w_]+,%d*,%d+,%d+$'   -- a group's spec in kvbus_restore
+
+-- the group (a decimal string) of tier descriptor "<MEDIUM>|<ownership>|<group>"
+local function desc_group(desc) return string.match(desc, '|(%d+)$') or '0' end
+
+-- set group g's spec to v
+local function group_set(h, g, v)
+  if h.groups[g] == v then return end
+  h.groups[g] = v
+  h.dirty['g:' .. g] = true
+  h.gone['g:' .. g] = nil
+  h.gchanged = true
+end
+
+-- an applied BlockStored of tier desc said spec "<kind>,<window>,<block_size>" of its group
+local function group_note(h, desc, spec)
+  local noted = h.noted -- desc -> the last spec noted in this call: the same again changes nothing
+  if not noted then noted = {}; h.noted = noted end
+  if noted[desc] == spec then return end
+  noted[desc] = spec
+  local kind, window, bs = string.match(spec, EVENT_SPEC)
+  local g = desc_group(desc)
+  local bmax, bmin = tonumber(bs), tonumber(bs)
+  local old = h.groups[g]
+  if old then
+    local omax, omin = string.match(old, ',(%d+),(%d+)$')
+    bmax, bmin = math.max(bmax, tonumber(omax)), math.min(bmin, tonumber(omin))
+  end
+  group_set(h, g, kind .. ',' .. window .. ',' .. bmax .. ',' .. bmin)
+end
+
+local function groups_clear(h)
+  for g, _ in pairs(h.groups) do
+    h.dirty['g:' .. g] = nil
+    h.gone['g:' .. g] = true
+    h.gchanged = true
+  end
+  h.groups = {}
 end
 
 -- ---------------------------------------------------------------- models
@@ -685,10 +752,12 @@ then nT, then nT topic names; then nD, then nD pairs (tier descriptor "<MEDIUM>|
 rc = "1" if that tier is reference-counted (used when the tier is first created) else "0");
 last ARGV: the events, each holder's in delivery order (each topic's events in partition order), each
 a 39-byte big-endian header followed by its hashes (sinks/redis_store.py: EVENT_HEADER):
-  kind (u8: 1 BlockStored, 2 BlockRemoved, 3 AllBlocksCleared, 4 Reset marker), holder (u16, 1-based
-  index into the holders), topic (u16, 1-based index into the topics), epoch, seq (doubles), index (u32),
-  ts (double, engine seconds), tier (u16, 1-based index into the descriptors, 0 if none), n (u32),
-  then n 8-byte hashes.
+  kind (u8: 1 BlockStored, 2 BlockRemoved, 3 AllBlocksCleared, 4 Reset marker, 5 BlockStored with the
+  spec of its KV cache group), holder (u16, 1-based index into the holders), topic (u16, 1-based index
+  into the topics), epoch, seq (doubles), index (u32), ts (double, engine seconds), tier (u16, 1-based
+  index into the descriptors, 0 if none), n (u32); for kind 5 a spec: one byte, its length, then
+  "<kv_cache_spec_kind>,<kv_cache_spec_sliding_window or empty>,<block_size>" (recorded for the
+  tier's group when the store is applied: see "KV cache groups of a holder"); then n 8-byte hashes.
 An event is applied only if its position (epoch, seq, index) is greater than its holder's stored
 position for its topic and its epoch is not below the holder's reset floor; the new positions are
 stored in the same call. AllBlocksCleared drops the holder's tiers that came from the same topic; a
@@ -751,11 +820,25 @@ local function apply(keys, args)
   while pos <= len do
     if pos + HEADER_LEN - 1 > len then return redis.error_reply('kvbus: truncated event header') end
     local kind, hi, ti, _, _, _, _, di, n, nxt = struct.unpack(HEADER, blob, pos)
-    if nxt + 8 * n - 1 > len or not topics[ti] or not names[hi] or kind < 1 or kind > 4 then
+    if kind == 5 then -- the spec before the hashes
+      local sl = byte(blob, nxt) or 0
+      local spec = sub(blob, nxt + 1, nxt + sl)
+      if not VALID_SPECS[spec] then
+        if not string.match(spec, EVENT_SPEC) then
+          return redis.error_reply('kvbus: malformed group spec at byte ' .. pos)
+        end
+        if nvalid >= 256 then VALID_SPECS, nvalid = {}, 0 end
+        VALID_SPECS[spec], nvalid = true, nvalid + 1
+      end
+      nxt = nxt + 1 + sl
+    end
+    if nxt + 8 * n - 1 > len or not topics[ti] or not names[hi] or kind < 1 or kind > 5 then
       return redis.error_reply('kvbus: malformed event at byte ' .. pos)
     end
-    if kind <= 2 and not descs[di] then return redis.error_reply('kvbus: event without tier at byte ' .. pos) end
-    if kind == 1 and n > 0 and not tier_code(c, descs[di], rcs[di], true) then
+    if (kind <= 2 or kind == 5) and not descs[di] then
+      return redis.error_reply('kvbus: event without tier at byte ' .. pos)
+    end
+    if (kind == 1 or kind == 5) and n > 0 and not tier_code(c, descs[di], rcs[di], true) then
       return redis.error_reply('kvbus: tier table full (' .. K .. ' tiers), cannot add ' .. descs[di])
     end
     used[hi] = true
@@ -768,6 +851,11 @@ local function apply(keys, args)
   pos = 1
   while pos <= len do
     local kind, hi, ti, e, s, i, ts, di, n, nxt = struct.unpack(HEADER, blob, pos)
+    local spec = nil
+    if kind == 5 then
+      local sl = byte(blob, nxt)
+      spec, nxt, kind = sub(blob, nxt + 1, nxt + sl), nxt + 1 + sl, 1
+    end
     pos = nxt + 8 * n
     local h = hs[hi]
     if not h then h = holder_load(c, hids[hi]); hs[hi] = h; order[#order + 1] = hi end
@@ -777,6 +865,7 @@ local function apply(keys, args)
     else
       if kind == 1 then
         store(c, h, topic, descs[di], rcs[di], blob, nxt, n)
+        if spec then group_note(h, descs[di], spec) end
       elseif kind == 2 then
         remove(c, h, descs[di], blob, nxt, n)
       elseif kind == 3 then
@@ -790,6 +879,7 @@ local function apply(keys, args)
           if t.o == topic or not p or p[1] < e then clear_tier(c, h, code) end
         end
         if e > h.floor then h.floor = e; h.dirty['f'] = true end
+        groups_clear(h)
         resets = resets + 1
       end
       local p = h.pos[topic]
@@ -828,9 +918,12 @@ candidates if any are named; holders of an unknown model never match a named mod
 For every holder holding block 0: matched = number of leading blocks it holds in any tier; per tier,
 the number of leading blocks held in that tier; score = sum over the matched blocks of the best
 weight among the tiers holding it. Stops at the first block no remaining holder holds.
+A holder with two KV cache groups or more (P gs) has matched = the prefix vLLM's hybrid coordinator
+would hit ("lookup: hybrid models"), left out when that is none.
 Holders with the same answer are returned as one group (typically: all holders of a shared system
 prompt). Returns {head, hids, descs}:
-  head  per group: matched, score * 10^6 (integer), n, then n pairs (tier code, run)
+  head  per group: matched, score * 10^6 (integer), n, then n pairs (tier code, run); when an answer is
+        hybrid, then per group (same order) k, then k pairs (KV cache group, its run)
   hids  per group: its holder ids, 4-byte big-endian each
   descs {code, descriptor, ...} for the tier codes used
 ]]
@@ -847,6 +940,301 @@ local function extend_groups(fresh, nfresh, pend)
     local r, ext = g.r, g.ext
     for e = 1, #ext do local cd = ext[e]; r[cd] = r[cd] + pend end
   end
+end
+
+-- ---------------------------------------------------------------- lookup: hybrid models
+
+--[[
+A holder with two KV cache groups or more (P gs) is answered as vLLM 0.33's HybridKVCacheCoordinator
+.find_longest_cache_hit would hit the chain (docs/lookup-protocol.md, "Hybrid models"): matched is the
+hit, in chain blocks, and each group's run is that group's own hit (find_longest_cache_hit_per_group),
+both over the blocks the walk found the holder holding (max_cache_hit_length = matched blocks in any
+tier). The walk leaves each holder its history as a chain of nodes (node.p the older one), one per
+stretch of blocks over which no holder's tiers change (node.i0 its first block, node.l / node.h its
+tier codes as bit sets, node.bw its best weight, node.a the first of the nodes before it with the same
+tiers); the rule works on the runs of blocks each group holds, never block by block. Positions below:
+group blocks 0-based, chain blocks 1-based, lengths in tokens as vLLM counts them.
+]]
+local RULES = {full_attention = 'full', mla_attention = 'full', sink_full_attention = 'full',
+  sliding_window = 'sliding', sliding_window_mla = 'sliding', mamba = 'mamba'}
+-- (any other kind: unknown, chunked_local_attention whose chunk size events do not carry, later kinds:
+-- the full-attention rule, which never answers more than any manager would)
+local FINE_KINDS = {full_attention = true, mla_attention = true, sink_full_attention = true, mamba = true}
+-- (the kinds whose managers take hits inside a block: supports_fine_grained_hash_lookup)
+local SPECS, nspecs = {}, 0 -- P gs value -> its plan (plan_of), kept between calls
+
+local function gcd(a, b)
+  while b > 0 do a, b = b, a % b end
+  return a
+end
+
+-- The plan of a P gs value (what depends on the groups only, kept between calls): the hash block unit
+-- (gcd of the block sizes), the alignment of hits (lcm of the groups' block sizes, or the unit when
+-- vLLM's partial_hash_hits_enabled holds: a Mamba group of larger blocks than the unit, every other
+-- group able to hit inside a block or of the unit's size), the groups g[1..n], and the spec groups
+-- (groups of one kind, window and block size, looked up together as vLLM's SpecGroup) in vLLM's
+-- order, full attention first: {rule, size, s = size / unit, need (blocks a window needs), of =
+-- indices into g, gs = group ids}; simple: vLLM's one-pass case (two spec groups, full attention first).
+local function plan_of(v)
+  local p = SPECS[v]
+  if p then return p end
+  local gs = {}
+  for g, kind, window, bmax, bmin in string.gmatch(v, '(%d+),([%w_]+),(%d*),(%d+),(%d+)') do
+    local rule, w = RULES[kind] or 'full', tonumber(window)
+    if rule == 'sliding' and not (w and w > 0) then rule = 'full' end
+    gs[#gs + 1] = {g = tonumber(g), kind = kind, rule = rule, window = w, bmax = tonumber(bmax), bmin = tonumber(bmin)}
+  end
+  local unit, lcm = 0, 1
+  for _, s in ipairs(gs) do unit = gcd(gcd(unit, s.bmax), s.bmin) end
+  if unit == 0 then unit = 1 end
+  local fine, able = false, true
+  for _, s in ipairs(gs) do
+    s.size = s.bmax > 0 and s.bmax or unit
+    lcm = lcm / gcd(lcm, s.size) * s.size
+    if s.rule == 'mamba' and s.size > unit then fine = true end
+    if not FINE_KINDS[s.kind] and s.size ~= unit then able = false end
+  end
+  local sgs, byk, nfull = {}, {}, 0
+  for j, s in ipairs(gs) do
+    local key = s.kind .. ',' .. (s.rule == 'sliding' and s.window or '') .. ',' .. s.size
+    local sg = byk[key]
+    if sg then
+      sg.of[#sg.of + 1] = j
+      sg.gs[#sg.gs + 1] = s.g
+    else
+      sg = {rule = s.rule, size = s.size, s = s.size / unit, of = {j}, gs = {s.g},
+        need = s.rule == 'sliding' and math.ceil((s.window - 1) / s.size) or 1}
+      byk[key] = sg
+      if s.rule == 'full' then nfull = nfull + 1; table.insert(sgs, nfull, sg) else sgs[#sgs + 1] = sg end
+    end
+  end
+  p = {unit = unit, align = (fine and able) and unit or lcm, g = gs, sgs = sgs, simple = #sgs == 2 and nfull >= 1}
+  if nspecs >= 1024 then SPECS, nspecs = {}, 0 end
+  SPECS[v] = p
+  nspecs = nspecs + 1
+  return p
+end
+
+-- the groups (set) the tier codes of bit sets l (codes < 32), h (codes >= 32) belong to; gof: code -> group
+local function node_groups(l, h, gof, memo)
+  local t1 = memo[l]
+  if not t1 then t1 = {}; memo[l] = t1 end
+  local s = t1[h]
+  if s then return s end
+  s = {}
+  for code, g in pairs(gof) do
+    local bits, k = l, code
+    if code >= 32 then bits, k = h, code - 32 end
+    if floor(bits / P2[k]) % 2 == 1 then s[g] = true end
+  end
+  t1[h] = s
+  return s
+end
+
+-- Runs below are flat arrays {a1, b1, a2, b2, ...} of 0-based positions [a, b], highest run first.
+
+-- the common part of two lists of runs
+local function intersect(x, y)
+  local out, n, i, j = {}, 0, 1, 1
+  while i < #x and j < #y do
+    local a, b = math.max(x[i], y[j]), math.min(x[i + 1], y[j + 1])
+    if a <= b then out[n + 1] = a; out[n + 2] = b; n = n + 2 end
+    if x[i] > y[j] then i = i + 2 else j = j + 2 end
+  end
+  return out
+end
+
+-- the group-block runs of a group of s chain blocks per block (its block k ends at chain position (k + 1) s - 1)
+local function block_runs(cr, s)
+  if s == 1 then return cr end
+  local out, n = {}, 0
+  for i = 1, #cr, 2 do
+    local ka, kb = math.ceil((cr[i] + 1) / s) - 1, floor((cr[i + 1] + 1) / s) - 1
+    if ka <= kb then
+      if n > 0 and out[n - 1] <= kb + 1 then
+        if ka < out[n - 1] then out[n - 1] = ka end
+      else
+        out[n + 1] = ka; out[n + 2] = kb; n = n + 2
+      end
+    end
+  end
+  return out
+end
+
+-- the last position in [lo, hi] of runs r, or nil
+local function last_held(r, lo, hi)
+  for i = 1, #r, 2 do
+    if r[i] <= hi then
+      local j = math.min(r[i + 1], hi)
+      if j >= lo then return j end
+      return nil
+    end
+  end
+  return nil
+end
+
+-- the hit (tokens) of a spec group (of plan p; its chain runs cr, group-block runs R) no longer than max
+-- tokens: its manager's find_longest_cache_hit (FullAttentionManager, SlidingWindowManager,
+-- MambaManager) with the plan's alignment; n chain blocks
+local function manager_hit(sg, cr, R, max, p, n)
+  local size, unit, align = sg.size, p.unit, p.align
+  local L = floor(max / size)
+  local fine = align < size and size % align == 0
+  if sg.rule == 'full' then
+    local nf, last = 0, #R
+    if last > 0 and R[last - 1] == 0 then nf = math.min(R[last] + 1, L) end
+    local hit = nf * size
+    if fine then -- phase 2: the hashes inside the next block, last first
+      local s = sg.s
+      local j = last_held(cr, nf * s, math.min(nf * s + s - 1, floor(max / unit), n) - 1)
+      if j then hit = (j + 1) * unit end
+    end
+    return hit - hit % align
+  end
+  if sg.rule == 'mamba' and fine then -- the last state at any hash block
+    local j = last_held(cr, 0, math.min(floor(max / unit), n) - 1)
+    return j and (j + 1) * unit or 0
+  end
+  -- sliding window (need contiguous blocks ending the hit, fewer from block 0) and Mamba (need 1): the
+  -- last run holding a block that ends on the alignment with enough blocks before it
+  local q, need = align / size, sg.need
+  for i = 1, #R, 2 do
+    local a = R[i]
+    if a <= L - 1 then
+      local t = floor((math.min(R[i + 1], L - 1) + 1) / q) * q - 1 -- the run's last aligned block
+      if t >= a and (t - a + 1 >= need or a == 0) then return (t + 1) * size end
+    end
+  end
+  return 0
+end
+
+-- the answer of a hybrid holder whose history ends in node g, with plan p (plan_of); false when vLLM
+-- would hit nothing
+local function hybrid_answer(g, p, gof, memo)
+  local spec = p.g
+  local ng = #spec
+  local cr, open = {}, {} -- per group: chain runs; whether its run is open at the node walked
+  for j = 1, ng do cr[j] = {} end
+  local segs, ns = {}, 0 -- flat: first block, last block, best weight per node, newest first
+  local nd, hi = g, g.m
+  while nd.i0 do
+    nd = nd.a -- the stretch of nodes of the same tiers, from its first
+    local held = node_groups(nd.l, nd.h, gof, memo)
+    local a = nd.i0
+    for j = 1, ng do
+      local r = cr[j]
+      if held[spec[j].g] then
+        if open[j] then r[#r - 1] = a - 1 else r[#r + 1] = a - 1; r[#r + 1] = hi - 1; open[j] = true end
+      else
+        open[j] = false
+      end
+    end
+    segs[ns + 1] = a; segs[ns + 2] = hi; segs[ns + 3] = nd.bw; ns = ns + 3
+    hi = a - 1
+    nd = nd.p
+  end
+  local sgs = p.sgs
+  local scr, sr = {}, {} -- per spec group: chain runs (common to its groups), group-block runs
+  for k, sg in ipairs(sgs) do
+    local r = cr[sg.of[1]]
+    for j = 2, #sg.of do r = intersect(r, cr[sg.of[j]]) end
+    scr[k], sr[k] = r, block_runs(r, sg.s)
+  end
+  local n, unit = g.m, p.unit
+  local hit, full_hits = n * unit, {}
+  while true do -- HybridKVCacheCoordinator.find_longest_cache_hit's fixed point
+    local curr = hit
+    for k, sg in ipairs(sgs) do
+      if sg.rule == 'full' and full_hits[k] then
+        curr = math.min(curr, full_hits[k])
+      else
+        curr = manager_hit(sg, scr[k], sr[k], curr, p, n)
+        if sg.rule == 'full' then full_hits[k] = curr end
+      end
+    end
+    if curr >= hit then break end
+    hit = curr
+    if p.simple then break end
+  end
+  local m = hit / unit
+  if m < 1 then return false end
+  local score = 0
+  for j = 1, ns, 3 do
+    local b = math.min(segs[j + 1], m)
+    if b >= segs[j] then score = score + segs[j + 2] * (b - segs[j] + 1) end
+  end
+  local runs = {}
+  for k, sg in ipairs(sgs) do
+    local run = manager_hit(sg, scr[k], sr[k], n * unit, p, n) / unit
+    for _, gi in ipairs(sg.gs) do runs[gi] = run end
+  end
+  return {m = m, s = score, r = g.r, gr = runs}
+end
+
+-- hid -> answer (a table, or false: no hit) of the hybrid holders among holders[1 .. nholders], whose
+-- walk ended in node G[grp[hid]]; nil when the view has none. tdesc: code -> descriptor of every code met
+local function hybrid_matches(P, G, grp, holders, nholders, tdesc)
+  if nholders == 0 or rcall('EXISTS', P .. 'gs') == 0 then return nil end
+  local specs = hmget(P .. 'gs', holders)
+  local gof, memo, done, out = {}, {}, {}, {}
+  for code, d in pairs(tdesc) do gof[code] = tonumber(desc_group(d)) end
+  for j = 1, nholders do
+    local v = specs[j]
+    if v then
+      local gid = grp[holders[j]]
+      local byv = done[gid]
+      if not byv then byv = {}; done[gid] = byv end
+      local a = byv[v]
+      if a == nil then a = hybrid_answer(G[gid], plan_of(v), gof, memo); byv[v] = a end
+      out[holders[j]] = a
+    end
+  end
+  return out
+end
+
+-- kvbus_lookup's head and hids (see there) of the answers: holders[1 .. nholders] (walk ended in node
+-- G[grp[hid]]) with the hybrid ones' answers hy (hybrid_matches) in place of theirs; a trailing part
+-- of head when any answer is hybrid: per group, in the same order, k, then k pairs (KV group, run)
+local function answer_parts(G, grp, holders, nholders, hy)
+  local answers, members_of = {}, {}
+  for j = 1, nholders do
+    local hid = holders[j]
+    local a = G[grp[hid]]
+    if hy and hy[hid] ~= nil then a = hy[hid] end
+    if a then
+      local l = members_of[a]
+      if not l then l = {}; members_of[a] = l; answers[#answers + 1] = a end
+      l[#l + 1] = hid
+    end
+  end
+  local head, blobs, hybrid = {}, {}, false
+  for _, g in ipairs(answers) do
+    local hids = members_of[g]
+    head[#head + 1] = g.m
+    head[#head + 1] = floor(g.s * 1000000 + 0.5)
+    local at = #head + 1
+    head[at] = 0
+    local k = 0
+    for code, run in pairs(g.r) do head[#head + 1] = code; head[#head + 1] = run; k = k + 1 end
+    head[at] = k
+    local parts = {}
+    for j = 1, #hids, 1000 do
+      local n = math.min(j + 999, #hids) - j + 1
+      parts[#parts + 1] = struct.pack('>' .. string.rep('I4', n), unpack(hids, j, j + n - 1))
+    end
+    blobs[#blobs + 1] = table.concat(parts)
+    if g.gr then hybrid = true end
+  end
+  if hybrid then
+    for _, g in ipairs(answers) do
+      local at = #head + 1
+      head[at] = 0
+      local k = 0
+      for gi, run in pairs(g.gr or {}) do head[#head + 1] = gi; head[#head + 1] = run; k = k + 1 end
+      head[at] = k
+    end
+  end
+  return head, blobs
 end
 
 local function lookup(keys, args)
@@ -979,7 +1367,8 @@ local function lookup(keys, args)
                   if not bw or w > bw then bw = w end
                   if (r[cd] or 0) == i - 1 then r[cd] = i; ne = ne + 1; ext[ne] = cd end
                 end
-                local g = {m = i, s = old.s + bw, r = r, ext = ext, bw = bw}
+                local g = {m = i, s = old.s + bw, r = r, ext = ext, bw = bw, p = old, i0 = i, l = l, h = h, a = false}
+                g.a = (old.l == l and old.h == h) and old.a or g -- the first node of these tiers
                 ngroups = ngroups + 1
                 ng = ngroups
                 G[ng] = g
@@ -1002,31 +1391,7 @@ local function lookup(keys, args)
     end
   end
   if pend > 0 then extend_groups(fresh, nfresh, pend) end
-  local members_of = {}
-  for j = 1, nholders do
-    local hid = holders[j]
-    local g = grp[hid]
-    local l = members_of[g]
-    if not l then l = {}; members_of[g] = l end
-    l[#l + 1] = hid
-  end
-  local head, blobs = {}, {}
-  for gid, hids in pairs(members_of) do
-    local g = G[gid]
-    head[#head + 1] = g.m
-    head[#head + 1] = floor(g.s * 1000000 + 0.5)
-    local at = #head + 1
-    head[at] = 0
-    local k = 0
-    for code, run in pairs(g.r) do head[#head + 1] = code; head[#head + 1] = run; k = k + 1 end
-    head[at] = k
-    local parts = {}
-    for j = 1, #hids, 1000 do
-      local n = math.min(j + 999, #hids) - j + 1
-      parts[#parts + 1] = struct.pack('>' .. string.rep('I4', n), unpack(hids, j, j + n - 1))
-    end
-    blobs[#blobs + 1] = table.concat(parts)
-  end
+  local head, blobs = answer_parts(G, grp, holders, nholders, hybrid_matches(c.P, G, grp, holders, nholders, tdesc))
   local descs = {}
   for code, d in pairs(tdesc) do descs[#descs + 1] = code; descs[#descs + 1] = d end
   -- Pay for this call's garbage now, a little each call: left to itself, Lua 5.1 lets the heap
@@ -1039,6 +1404,7 @@ end
 local function expire_holder(c, hid, now)
   local h = holder_load(c, hid)
   clear_all(c, h)
+  groups_clear(h)
   set_model(c, h, nil) -- P mh lists live holders only; the holder's next event names its model again
   holder_save(h)
   redis.call('ZREM', c.P .. 'seen', hid)
@@ -1096,9 +1462,9 @@ end
 --[[
 kvbus_dump (read-only): one holder's whole state, read atomically (view snapshots, sinks/snapshot.py).
 ARGV[1] prefix, ARGV[2] hid. Returns {state, seen, tiers}: state = the flat HGETALL of P H:<hid>
-(p:<topic>, f, t:<code> fields, binary as documented above, and m: the model as text), seen = its
-P seen score or false, tiers = per tier held {code, descriptor, rc flag, raws held (8 bytes each,
-concatenated), flat HGETALL of its extra reference counts}.
+(p:<topic>, f, t:<code> fields, binary as documented above, m: the model and g:<group> fields as text),
+seen = its P seen score or false, tiers = per tier held {code, descriptor, rc flag, raws held (8 bytes
+each, concatenated), flat HGETALL of its extra reference counts}.
 ]]
 local function dump(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
@@ -1125,9 +1491,11 @@ kvbus_restore: write one holder's state from a snapshot into a view being rebuil
 ARGV[1] prefix, ARGV[2] replica, ARGV[3] dp_rank, ARGV[4] seen (epoch s, "" for none), ARGV[5] reset
 floor epoch ("" for none), ARGV[6] nP, then nP quadruples (topic, epoch, seq, index): applied
 positions; then nD, then nD quintuples (tier descriptor, rc "1"/"0", origin topic, raws held (8 bytes
-each), raws once more per extra reference count); optionally last, the holder's model ("" = unknown;
-without it the model is left as it is). A large holder may come in several calls (its tiers' raws split
-between them, positions repeated): each call adds. Returns entries added.
+each), raws once more per extra reference count); optionally then the holder's model ("" = unknown;
+without it the model is left as it is), and after it optionally nG, then nG pairs (group, its spec
+"<kind>,<window>,<bmax>,<bmin>": see "KV cache groups of a holder"). A large holder may come in several
+calls (its tiers' raws split between them, positions, model and groups repeated): each call adds.
+Returns entries added.
 ]]
 local function restore(keys, args)
   rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
@@ -1135,10 +1503,19 @@ local function restore(keys, args)
   local nP = tonumber(args[6]) or -1
   local at = 7 + 4 * nP
   local nD = tonumber(args[at]) or -1
-  if nP < 0 or nD < 0 or (#args ~= at + 5 * nD and #args ~= at + 5 * nD + 1) then
+  local base = at + 5 * nD
+  local model = args[base + 1] -- nil: not given
+  local ag = base + 2 -- nG, the optional groups' count (after the model)
+  local nG = 0
+  if #args >= ag then nG = tonumber(args[ag]) or -1 end
+  if nP < 0 or nD < 0 or nG < 0 or (#args ~= base and #args ~= base + 1 and #args ~= ag + 2 * nG) then
     return redis.error_reply('kvbus: malformed arguments')
   end
-  local model = args[at + 5 * nD + 1] -- nil: not given
+  for j = 1, nG do
+    if not string.match(args[ag + 2 * j - 1], '^%d+$') or not string.match(args[ag + 2 * j], GROUP_SPEC) then
+      return redis.error_reply('kvbus: malformed group spec')
+    end
+  end
   for j = 0, nD - 1 do
     local k = at + 1 + 5 * j
     if #args[k + 3] % 8 ~= 0 or #args[k + 4] % 8 ~= 0 then return redis.error_reply('kvbus: raws are not 8 bytes each') end
@@ -1161,6 +1538,7 @@ local function restore(keys, args)
   end
   if args[5] ~= '' and tonumber(args[5]) > h.floor then h.floor = tonumber(args[5]); h.dirty['f'] = true end
   if model then set_model(c, h, model) end
+  for j = 1, nG do group_set(h, args[ag + 2 * j - 1], args[ag + 2 * j]) end
   for _, t in pairs(h.tiers) do index_flush(t) end
   holder_save(h)
   if args[4] ~= '' then rcall('ZADD', c.P .. 'seen', 'GT', args[4], hid) end

@@ -218,9 +218,16 @@ func (c *Client) resolve(replies [][]group) ([]Match, error) {
 				for k, v := range g.tiers {
 					tiers[k] = v
 				}
+				var groups map[int]int
+				if g.groups != nil {
+					groups = make(map[int]int, len(g.groups))
+					for k, v := range g.groups {
+						groups[k] = v
+					}
+				}
 				out = append(out, Match{Name: DisplayName(h.replica, h.dp, c.ranks[h.replica]), Replica: h.replica,
 					DPRank: h.dp, Matched: g.matched, Score: float64(g.score) / scoreScale, ScoreMicro: g.score,
-					Tiers: tiers})
+					Tiers: tiers, Groups: groups})
 			}
 		}
 	}

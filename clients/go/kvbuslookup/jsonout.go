@@ -9,9 +9,9 @@ import (
 )
 
 // JSON writes ms exactly as kvbus lookup --json prints its answer: one object, holders in the
-// order given, each {"matched", "tiers" (sorted by label), "score", "replica", "dp_rank"}, with
-// Python's json.dumps conventions (", " and ": " separators, ASCII-only strings, floats as
-// Python's repr).
+// order given, each {"matched", "tiers" (sorted by label), "score", "replica", "dp_rank"}, then for a
+// hybrid-model holder "groups" (group index as a string -> run, ascending), with Python's
+// json.dumps conventions (", " and ": " separators, ASCII-only strings, floats as Python's repr).
 func JSON(ms []Match) string {
 	var b strings.Builder
 	b.WriteString("{")
@@ -31,8 +31,24 @@ func JSON(ms []Match) string {
 			}
 			fmt.Fprintf(&b, "%s: %d", pyString(l), m.Tiers[l])
 		}
-		fmt.Fprintf(&b, "}, \"score\": %s, \"replica\": %s, \"dp_rank\": %d}",
+		fmt.Fprintf(&b, "}, \"score\": %s, \"replica\": %s, \"dp_rank\": %d",
 			pyFloat(float64(m.ScoreMicro)/scoreScale), pyString(m.Replica), m.DPRank)
+		if len(m.Groups) > 0 {
+			gs := make([]int, 0, len(m.Groups))
+			for g := range m.Groups {
+				gs = append(gs, g)
+			}
+			sort.Ints(gs)
+			b.WriteString(", \"groups\": {")
+			for j, g := range gs {
+				if j > 0 {
+					b.WriteString(", ")
+				}
+				fmt.Fprintf(&b, "\"%d\": %d", g, m.Groups[g])
+			}
+			b.WriteString("}")
+		}
+		b.WriteString("}")
 	}
 	b.WriteString("}")
 	return b.String()

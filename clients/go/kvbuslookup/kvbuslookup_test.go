@@ -84,9 +84,9 @@ func TestParseReplyOfTheDocumentsExample(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []group{
-		{4, 4000000, map[string]int{"CPU": 2, "GPU": 4}, []int64{0}},
-		{1, 1000000, map[string]int{"GPU": 1}, []int64{1}},
-		{3, 2400000, map[string]int{"CPU@kvcr": 3}, []int64{2}},
+		{4, 4000000, map[string]int{"CPU": 2, "GPU": 4}, []int64{0}, nil},
+		{1, 1000000, map[string]int{"GPU": 1}, []int64{1}, nil},
+		{3, 2400000, map[string]int{"CPU@kvcr": 3}, []int64{2}, nil},
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("parseReply = %+v, want %+v", got, want)
@@ -94,6 +94,34 @@ func TestParseReplyOfTheDocumentsExample(t *testing.T) {
 	malformed := []interface{}{[]interface{}{"x"}, []interface{}{"\x00\x00\x00\x00"}, []interface{}{}}
 	if _, err := parseReply(malformed); err == nil {
 		t.Fatal("a malformed head is accepted")
+	}
+}
+
+// The hybrid example of the protocol document ("Hybrid models"): the head's trailing part gives each
+// group's KV cache group runs; a reply part after descs is ignored.
+func TestParseReplyOfTheHybridExample(t *testing.T) {
+	reply := []interface{}{
+		[]interface{}{int64(5), int64(5000000), int64(1), int64(0), int64(6),
+			int64(2), int64(2000000), int64(1), int64(0), int64(2),
+			int64(2), int64(1), int64(5), int64(0), int64(6), int64(0)},
+		[]interface{}{"\x00\x00\x00\x00", "\x00\x00\x00\x01"},
+		[]interface{}{int64(1), "GPU||1", int64(0), "GPU||0"},
+		[]interface{}{"a later part"},
+	}
+	got, err := parseReply(reply)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []group{
+		{5, 5000000, map[string]int{"GPU": 6}, []int64{0}, map[int]int{0: 6, 1: 5}},
+		{2, 2000000, map[string]int{"GPU": 2}, []int64{1}, nil},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("parseReply = %+v, want %+v", got, want)
+	}
+	reply[0] = append(reply[0].([]interface{})[:15:15], int64(3)) // the second group's count names 3 pairs
+	if _, err := parseReply(reply); err == nil {
+		t.Fatal("a truncated trailing part is accepted")
 	}
 }
 
@@ -120,10 +148,14 @@ func TestJSONIsPythonsJsonDumps(t *testing.T) {
 	x := Match{Name: "pod#x", Replica: "pod#x", Matched: 3, ScoreMicro: 2400000,
 		Tiers: map[string]int{"GPU": 3, "CPU@kvcr": 1}}
 	y := Match{Name: "é\"\n", Replica: "é\"\n", DPRank: 0, Matched: 1, ScoreMicro: 1, Tiers: map[string]int{}}
-	got := JSON([]Match{x, y})
+	h := Match{Name: "h", Replica: "h", Matched: 5, ScoreMicro: 5000000, Tiers: map[string]int{"GPU": 6},
+		Groups: map[int]int{10: 5, 0: 6, 2: 5}}
+	got := JSON([]Match{x, y, h})
 	want := `{"pod#x": {"matched": 3, "tiers": {"CPU@kvcr": 1, "GPU": 3}, "score": 2.4, "replica": "pod#x", ` +
 		`"dp_rank": 0}, ` +
-		`"\u00e9\"\n": {"matched": 1, "tiers": {}, "score": 1e-06, "replica": "\u00e9\"\n", "dp_rank": 0}}`
+		`"\u00e9\"\n": {"matched": 1, "tiers": {}, "score": 1e-06, "replica": "\u00e9\"\n", "dp_rank": 0}, ` +
+		`"h": {"matched": 5, "tiers": {"GPU": 6}, "score": 5.0, "replica": "h", "dp_rank": 0, ` +
+		`"groups": {"0": 6, "2": 5, "10": 5}}}`
 	if got != want {
 		t.Fatalf("JSON =\n%s\nwant\n%s", got, want)
 	}

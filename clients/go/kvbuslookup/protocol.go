@@ -104,12 +104,14 @@ type group struct {
 	score   int64 // micro-units
 	tiers   map[string]int
 	hids    []int64
+	groups  map[int]int // KV cache group -> run, for hybrid-model holders (the head's trailing part)
 }
 
-// parseReply decodes {head, hids, descs} (docs/lookup-protocol.md, "Reply").
+// parseReply decodes {head, hids, descs} (docs/lookup-protocol.md, "Reply"), with the KV cache
+// groups' runs of the head's trailing part when there is one; parts after descs are ignored.
 func parseReply(v interface{}) ([]group, error) {
 	reply, ok := v.([]interface{})
-	if !ok || len(reply) != 3 {
+	if !ok || len(reply) < 3 {
 		return nil, errors.New("kvbus_lookup reply is not {head, hids, descs}")
 	}
 	head, ok1 := reply[0].([]interface{})
@@ -159,6 +161,27 @@ func parseReply(v interface{}) ([]group, error) {
 			g.hids = append(g.hids, int64(blob[j])<<24|int64(blob[j+1])<<16|int64(blob[j+2])<<8|int64(blob[j+3]))
 		}
 		out = append(out, g)
+	}
+	if k < len(head) { // the trailing part: per group, n pairs (KV cache group, run)
+		for i := range out {
+			n, ok := num(k)
+			if !ok {
+				return nil, bad("head")
+			}
+			out[i].groups = map[int]int{}
+			for j := 0; j < int(n); j++ {
+				gi, ok1 := num(k + 1 + 2*j)
+				run, ok2 := num(k + 2 + 2*j)
+				if !ok1 || !ok2 {
+					return nil, bad("head")
+				}
+				out[i].groups[int(gi)] = int(run)
+			}
+			if n == 0 {
+				out[i].groups = nil
+			}
+			k += 1 + 2*int(n)
+		}
 	}
 	return out, nil
 }

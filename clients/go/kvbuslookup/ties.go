@@ -16,7 +16,8 @@ type Match struct {
 	Replica string
 	// DPRank is the data-parallel rank of the engine within the replica.
 	DPRank int
-	// Matched is the number of leading blocks of the chain the holder holds, in any tier (at least 1).
+	// Matched is the number of leading blocks of the chain the holder holds, in any tier (at least 1);
+	// for a hybrid-model holder (Groups), the blocks vLLM's hybrid coordinator would hit (at least 1).
 	Matched int
 	// Score is the sum over the matched blocks of the best weight among the tiers holding each block.
 	Score float64
@@ -24,6 +25,9 @@ type Match struct {
 	ScoreMicro int64
 	// Tiers maps each tier label (GPU, CPU, CPU@kvcr, GPU/g1) to the leading blocks held in that tier.
 	Tiers map[string]int
+	// Groups maps each KV cache group of a hybrid-model holder (its events named two groups or more)
+	// to that group's own hit in blocks of the chain; nil for any other holder.
+	Groups map[int]int
 }
 
 // Holder is the holder's full name "<replica>#<dp_rank>" (what Query.Candidates accepts too).
