@@ -20,11 +20,9 @@ import threading
 
 from kvbus.schemas.env import add_flags, from_flags
 from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, first_release
+from kvbus.schemas.lookup import DEFAULT_PREFIX
 from kvbus.schemas.security import check_kafka_access, redact_url
 from kvbus.schemas.settings import Settings
-
-from kvbus.schemas.lookup import DEFAULT_PREFIX
-
 from kvbus.sinks.config import SinkConfig
 
 log = logging.getLogger("kvbus.sinks")
@@ -75,7 +73,8 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
         serve(config.metrics_port, metrics.registry, readiness)
         log.info("metrics on :%d/metrics, probes on /healthz and /readyz", config.metrics_port)
     check_kafka_access(settings.kafka())  # refused credentials or protocol: exit 2 naming the setting
-    store = open_store(settings.redis_url, config.prefix, client_kwargs=settings.redis_kwargs())  # a redis+cluster:// URL: the sharded view
+    # a redis+cluster:// URL: the sharded view
+    store = open_store(settings.redis_url, config.prefix, client_kwargs=settings.redis_kwargs())
     check_no_eviction(store.servers())  # a Redis that evicts keys would delete parts of the view: exit 2
     check_topics(settings, config)  # retention shorter than the snapshot interval: exit 2 naming both
     stop = threading.Event()
@@ -90,8 +89,8 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     if config.snapshot_every > 0:
         from kvbus.sinks.snapshot import Snapshotter
 
-        snapshotter = Snapshotter(settings, open_store(settings.redis_url, config.prefix, load=False, client_kwargs=settings.redis_kwargs()),
-                                  config.snapshot_every, metrics)
+        reader = open_store(settings.redis_url, config.prefix, load=False, client_kwargs=settings.redis_kwargs())
+        snapshotter = Snapshotter(settings, reader, config.snapshot_every, metrics)
         snapshotter.start()
     try:
         sink.run(stop)

@@ -40,15 +40,13 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from kvbus.schemas.backoff import Backoff
-from kvbus.schemas.events import BlockEvent, dead_letter
 from kvbus.schemas.codec import FastSerde
-from kvbus.schemas.kafka_clients import DeliveryErrors, producer_conf
-from kvbus.schemas.kafka_clients import consumer_conf as kafka_consumer_conf
+from kvbus.schemas.events import BlockEvent, dead_letter
+from kvbus.schemas.kafka_clients import DeliveryErrors, consumer_conf as kafka_consumer_conf, producer_conf
 from kvbus.schemas.security import describe_kafka_error
 from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
-
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.metrics import SinkMetrics
 from kvbus.sinks.rebuild import READY, ensure_view, mark_ready_if_caught_up, view_status
@@ -236,8 +234,9 @@ class SinkConsumer:
             try:
                 self.consumer.seek(target)
             except KafkaException:  # not fetching yet: (re)assigning sets the start offset
-                self.consumer.assign([TopicPartition(t.topic, t.partition, off.get((t.topic, t.partition), OFFSET_BEGINNING))
-                                      for t in self.consumer.assignment()])
+                self.consumer.assign([
+                    TopicPartition(t.topic, t.partition, off.get((t.topic, t.partition), OFFSET_BEGINNING))
+                    for t in self.consumer.assignment()])
                 break
         self._resync = False
         self.metrics.resyncs.inc()

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvbus.schemas import lookup
 from kvbus.schemas.lookup import READY, REBUILDING  # noqa: F401  (the states routers read)
-
 from kvbus.sinks.redis_store import RedisStore
 
 if TYPE_CHECKING:  # the snapshot reader needs confluent-kafka, which a router's `kvbus lookup` (view_status) lacks
@@ -110,7 +109,8 @@ def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[],
     store.set_view_id(vid, **scope)
     took = time.monotonic() - t0
     store.set_status(state=REBUILDING, since=began, phase="replaying", snapshot=manifest.snapshot if manifest else "",
-                     holders=restored, entries=entries, restored_in=f"{took:.3f}", read_in=f"{read_in:.3f}", target=json.dumps(target))
+                     holders=restored, entries=entries, restored_in=f"{took:.3f}", read_in=f"{read_in:.3f}",
+                     target=json.dumps(target))
     if manifest is not None:
         log.warning("view %s rebuilt from snapshot %d: %d holders, %d entries restored in %.1f s (snapshot read "
                     "in %.1f s; %d keys of a partial view deleted); replaying the block topics from the "

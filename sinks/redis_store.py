@@ -27,7 +27,6 @@ from kvbus.schemas.lookup import (
     parse_hname,
     status_key,
 )
-
 from kvbus.sinks import functions
 from kvbus.sinks.redis_memory import RedisFull, describe_full, is_oom
 from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, summary_from_counts
@@ -362,7 +361,8 @@ class RedisStore(ResidencyStore):
                     hashes = e.block_hashes
                     joined = hashes[0] if n == 1 and type(hashes[0]) is bytes else join(hashes)
                     if len(joined) != 8 * n:
-                        raise ValueError(f"block hashes of {ev.replica}#{ev.dp_rank} at {ev.position} are not 8 bytes each")
+                        raise ValueError(f"block hashes of {ev.replica}#{ev.dp_rank} at {ev.position} "
+                                         "are not 8 bytes each")
                     spec = spec_of(e) if t is BlockStored else None
                     if spec is None:
                         blob += (pack(STORED if t is BlockStored else REMOVED, hi, ti, ev.epoch, ev.seq, ev.index,
@@ -432,7 +432,8 @@ class RedisStore(ResidencyStore):
             for call in calls:
                 first = not sent
                 sent.append(call)  # before sending: a call lost with the connection is sent again
-                conn.send_packed_command(conn.pack_command("FCALL", "kvbus_apply", len(self.fkeys), *self.fkeys, *call[1]), check_health=first)
+                packed = conn.pack_command("FCALL", "kvbus_apply", len(self.fkeys), *self.fkeys, *call[1])
+                conn.send_packed_command(packed, check_health=first)
             replies: list = []
             for _ in sent:
                 try:

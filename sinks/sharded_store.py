@@ -41,8 +41,15 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 
 from kvbus.schemas.events import BlockEvent, holder_key
-from kvbus.schemas.lookup import (LOOKUP_FUNCTION, HolderNames, lookup_args, parse_hname, shard_prefix, status_key,
-                                  view_status)
+from kvbus.schemas.lookup import (
+    LOOKUP_FUNCTION,
+    HolderNames,
+    lookup_args,
+    parse_hname,
+    shard_prefix,
+    status_key,
+    view_status,
+)
 from kvbus.schemas.redis_view import (  # noqa: F401  (re-exported: the sinks' names for them)
     CLUSTER_SCHEMES,
     DEFAULT_SHARDS,
@@ -57,7 +64,6 @@ from kvbus.schemas.redis_view import (  # noqa: F401  (re-exported: the sinks' n
     read_from,
     url_shards,
 )
-
 from kvbus.sinks import functions
 from kvbus.sinks.redis_store import (
     DEFAULT_PREFIX,
@@ -195,7 +201,8 @@ class ShardedRedisStore(ResidencyStore):
 
     def apply(self, records: Iterable[tuple[str, BlockEvent]], *, view_id: str | None = None,
               offsets: Offsets | None = None,
-              expected: Mapping[tuple[str, int], int | None] | Sequence[Mapping[tuple[str, int], int | None] | None] | None = None,
+              expected: (Mapping[tuple[str, int], int | None]
+                         | Sequence[Mapping[tuple[str, int], int | None] | None] | None) = None,
               ) -> ApplyResult:
         """Apply records, each to its holder's shard, all shards in one round trip.
 

@@ -34,12 +34,15 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import AdminClient
 
 from kvbus.schemas.events import ViewGroup, ViewOffset, ViewPosition, ViewSnapshot, ViewTier
-from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.kafka_clients import DeliveryErrors, client_conf, ensure_topics, producer_conf, reader_conf
+from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
-from kvbus.schemas.topics import (REBUILD_GROUP_PREFIX, SNAPSHOT_MAX_MESSAGE_BYTES, SNAPSHOT_MAX_RECORD_BYTES,
-                                  snapshot_spec)
-
+from kvbus.schemas.topics import (
+    REBUILD_GROUP_PREFIX,
+    SNAPSHOT_MAX_MESSAGE_BYTES,
+    SNAPSHOT_MAX_RECORD_BYTES,
+    snapshot_spec,
+)
 from kvbus.sinks.redis_store import HolderDump, RedisStore
 
 log = logging.getLogger("kvbus.sinks")
@@ -145,10 +148,12 @@ class SnapshotWriter:
         if self._identity() != before:
             raise SnapshotAbandoned("the view was rebuilt or Redis restarted while the snapshot was read")
         manifest = ViewSnapshot(snapshot=sid, taken=time.time(), holders=names,
-                                offsets=[ViewOffset(topic=t, partition=p, offset=o) for (t, p), o in sorted(offsets.items())])
+                                offsets=[ViewOffset(topic=t, partition=p, offset=o)
+                                         for (t, p), o in sorted(offsets.items())])
         self._produce(record_key(self.store.prefix, self.blocks, None), self.serde.dumps(manifest, self.topic))
         for gone in self._previous - set(names):
-            self._produce(record_key(self.store.prefix, self.blocks, gone), None)  # tombstone: compaction forgets the holder
+            # a tombstone: compaction forgets the holder
+            self._produce(record_key(self.store.prefix, self.blocks, gone), None)
         self._flush()
         self._previous = set(names)
         return SnapshotStats(sid, len(names), entries, size, time.monotonic() - t0)

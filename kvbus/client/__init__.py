@@ -14,12 +14,11 @@ Install it alone with ``pip install 'kvbus[client]'`` (redis, hiredis, xxhash, c
 :class:`HolderMatch` values, best first; tied holders are ordered by a tie-break
 (:mod:`kvbus.client.ties`). The protocol underneath is :mod:`kvbus.schemas.lookup`.
 """
+from kvbus.client.ties import BY_NAME, ByLoad, ByName, Shuffle, TieBreak, rank
+from kvbus.client.view import FunctionsMissing, ViewClient
 from kvbus.schemas.hashing import HASH_ALGOS, UnmatchableSeed
 from kvbus.schemas.lookup import DEFAULT_PREFIX, LAYOUT, HolderMatch, LayoutMismatch, ViewStatus
 from kvbus.schemas.tiers import DEFAULT_WEIGHTS, Weights
-
-from kvbus.client.ties import BY_NAME, ByLoad, ByName, Shuffle, TieBreak, rank
-from kvbus.client.view import FunctionsMissing, ViewClient
 
 __all__ = [
     "BY_NAME", "ByLoad", "ByName", "DEFAULT_PREFIX", "DEFAULT_WEIGHTS", "FunctionsMissing", "HASH_ALGOS",

@@ -38,11 +38,10 @@ from urllib.parse import urlsplit
 import redis
 from redis.exceptions import RedisClusterException
 
-from kvbus.schemas.hashing import LoRA
-from kvbus.schemas.lookup import LayoutMismatch, ViewStatus
-
 from kvbus.client.ties import ByLoad, Shuffle
 from kvbus.client.view import FunctionsMissing, ViewClient, WeightsLike, as_weights, chain_of
+from kvbus.schemas.hashing import LoRA
+from kvbus.schemas.lookup import LayoutMismatch, ViewStatus
 
 try:  # production-stack's router, when installed (not PyPI's vllm-router, which has no vllm_router.routers)
     from vllm_router.routers.routing_logic import RoutingInterface as _RoutingBase

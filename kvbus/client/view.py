@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import redis
 from redis.cluster import LoadBalancingStrategy, RedisCluster
 
+from kvbus.client.ties import Shuffle, TieBreak, TieBreakLike, as_tie_break, rank
 from kvbus.schemas import lookup
 from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes, check_model
 from kvbus.schemas.hashing import LoRA, block_hashes
@@ -31,8 +32,6 @@ from kvbus.schemas.redis_view import (
 )
 from kvbus.schemas.security import redact_url
 from kvbus.schemas.tiers import Weights
-
-from kvbus.client.ties import Shuffle, TieBreak, TieBreakLike, as_tie_break, rank
 
 WeightsLike = Weights | Mapping[str, float] | str
 """What a ``weights`` argument takes: a mapping NAME -> weight laid over the defaults (names a
