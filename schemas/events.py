@@ -12,7 +12,7 @@ Normalization rules (see ``shared/docs/kv-events-protocol.md``):
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -46,9 +46,12 @@ def canonical_hashes(hashes: list) -> tuple[list[bytes], list[bytes] | None]:
     unsigned, SGLang signed) give ``digests`` None; bytes digests give their last 8 bytes and the
     digests themselves (as ``bytes``), which events keep in ``block_digests``.
 
-    The one normalization of the bridge's decoder and the in-process publisher (hot path: the
-    all-int case is one list comprehension). Raises :class:`MixedHashes` for ints and bytes mixed."""
+    ``hashes`` is a sequence (list or tuple). The one normalization of the bridge's decoder and the
+    in-process publisher (hot path: the all-int case is one list comprehension, or for one hash one
+    expression). Raises :class:`MixedHashes` for ints and bytes mixed."""
     try:
+        if len(hashes) == 1:  # vLLM evicts one hash per event
+            return [(hashes[0] & HASH_MASK).to_bytes(8, "big")], None
         return [(h & HASH_MASK).to_bytes(8, "big") for h in hashes], None
     except TypeError:  # bytes & int
         pass
@@ -69,14 +72,19 @@ def canonical_parent(value: int | bytes | None) -> tuple[bytes | None, bytes | N
     return (d[-8:] if len(d) >= 8 else d.rjust(8, b"\0")), d
 
 
-def hash_to_int(h: bytes) -> int:
-    """The canonical hash as the unsigned 64-bit integer vLLM publishes by default."""
-    return int.from_bytes(h, "big")
+def hash_to_int(h: bytes, signed: bool = False) -> int:
+    """The canonical hash as the integer an engine publishes: unsigned 64-bit (vLLM's default), or with
+    ``signed`` the int64 of the same bits (SGLang; vLLM 0.9's builtin hash). The inverse of
+    :func:`canonical_hash` on ints."""
+    return int.from_bytes(h, "big", signed=signed)
 
 
-def normalize_medium(medium: str | None) -> str | None:
-    """Upper-case a medium name; None stays None, unknown names are kept."""
-    return medium.upper() if isinstance(medium, str) else medium
+def normalize_medium(medium: Any) -> str | None:
+    """The medium rule: a medium name upper-cased, unknown names kept; None stays None; any other value
+    (an engine's enum member, say) by its ``str()``, upper-cased."""
+    if isinstance(medium, str):
+        return medium.upper()
+    return None if medium is None else str(medium).upper()
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

@@ -21,7 +21,7 @@ TABLE = (
         removed=("block_hashes",)),
     row("vllm-0.9.2", dp_rank=True),  # + envelope dp_rank
     row("vllm-0.10.2", stored=("medium",), removed=("medium",), signed_hashes=False, bytes_hashes=True),
-    row("vllm-0.14", stored=("lora_name",)),
+    row("vllm-0.14", stored=("lora_name",), lora_id_with_lora_name=True),
     row("vllm-0.17", stored=("extra_keys",)),
     row("vllm-0.20", stored=("group_idx",), removed=("group_idx",)),
     row("vllm-0.22", stored=("kv_cache_spec_kind", "kv_cache_spec_sliding_window")),
