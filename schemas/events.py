@@ -12,6 +12,7 @@ Normalization rules (see ``shared/docs/kv-events-protocol.md``):
 """
 from __future__ import annotations
 
+import struct
 from typing import Any, Union
 
 import msgspec
@@ -22,6 +23,15 @@ HASH_MASK = (1 << 64) - 1
 KNOWN_MEDIUMS = ("GPU", "CPU", "STORAGE", "FS", "OBJ", "CPU_PINNED", "DISK", "EXTERNAL")
 
 
+_U64 = struct.Struct(">Q").pack
+"""An unsigned 64-bit int as its canonical hash (8 bytes big-endian); struct.error for anything else."""
+
+
+def _of_digest(d: bytes) -> bytes:
+    """The canonical hash of a digest: its last 8 bytes (zero-padded on the left when shorter)."""
+    return d[-8:] if len(d) >= 8 else d.rjust(8, b"\0")
+
+
 def canonical_hash(value: int | bytes) -> bytes:
     """Map any engine block hash to kvbus's canonical 8-byte big-endian form.
 
@@ -30,10 +40,9 @@ def canonical_hash(value: int | bytes) -> bytes:
     (what vLLM publishes as an int when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
     """
     if isinstance(value, int):
-        return (value & HASH_MASK).to_bytes(8, "big")
+        return _U64(value & HASH_MASK)
     if isinstance(value, (bytes, bytearray, memoryview)):
-        raw = bytes(value)
-        return raw[-8:] if len(raw) >= 8 else raw.rjust(8, b"\0")
+        return _of_digest(bytes(value))
     raise TypeError(f"block hash must be int or bytes, got {type(value).__name__}")
 
 
@@ -47,18 +56,23 @@ def canonical_hashes(hashes: list) -> tuple[list[bytes], list[bytes] | None]:
     digests themselves (as ``bytes``), which events keep in ``block_digests``.
 
     ``hashes`` is a sequence (list or tuple). The one normalization of the bridge's decoder and the
-    in-process publisher (hot path: the all-int case is one list comprehension, or for one hash one
-    expression). Raises :class:`MixedHashes` for ints and bytes mixed."""
+    in-process publisher. Hot path: unsigned ints (vLLM) are packed by ``struct`` with no Python-level
+    loop, one hash (vLLM evicts one per event) with no list to map over. Raises :class:`MixedHashes`
+    for ints and bytes mixed."""
     try:
-        if len(hashes) == 1:  # vLLM evicts one hash per event
-            return [(hashes[0] & HASH_MASK).to_bytes(8, "big")], None
-        return [(h & HASH_MASK).to_bytes(8, "big") for h in hashes], None
+        if len(hashes) == 1:
+            return [_U64(hashes[0])], None
+        return list(map(_U64, hashes)), None
+    except struct.error:  # signed ints (SGLang), or digests
+        pass
+    try:
+        return [_U64(h & HASH_MASK) for h in hashes], None
     except TypeError:  # bytes & int
         pass
     if any(type(h) is int for h in hashes):
         raise MixedHashes("block_hashes mixes int and bytes hashes")
     digests = [h if type(h) is bytes else bytes(h) for h in hashes]
-    return [d[-8:] if len(d) >= 8 else d.rjust(8, b"\0") for d in digests], digests
+    return list(map(_of_digest, digests)), digests
 
 
 def canonical_parent(value: int | bytes | None) -> tuple[bytes | None, bytes | None]:
@@ -67,9 +81,12 @@ def canonical_parent(value: int | bytes | None) -> tuple[bytes | None, bytes | N
     if value is None:
         return None, None
     if type(value) is int:
-        return (value & HASH_MASK).to_bytes(8, "big"), None
+        try:
+            return _U64(value), None
+        except struct.error:  # signed
+            return _U64(value & HASH_MASK), None
     d = value if type(value) is bytes else bytes(value)
-    return (d[-8:] if len(d) >= 8 else d.rjust(8, b"\0")), d
+    return _of_digest(d), d
 
 
 def hash_to_int(h: bytes, signed: bool = False) -> int:
