@@ -28,7 +28,15 @@ import msgspec
 from msgspec import Raw
 
 from kvbus.producers import engines
-from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, canonical_hash, normalize_medium
+from kvbus.schemas.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    canonical_hash,
+    hash_to_int,
+    normalize_medium,
+)
 
 __all__ = [
     "FORMATS",
@@ -58,10 +66,6 @@ resolve_format = engines.resolve_format
 
 # -- events ---------------------------------------------------------------------
 
-def _int_hash(h: bytes, signed: bool) -> int:
-    return int.from_bytes(h, "big", signed=signed)
-
-
 def _wire_hashes(fmt: WireFormat, ev: BlockStored | BlockRemoved, raw: bool) -> tuple[list, object]:
     parent = getattr(ev, "parent_block_hash", None)
     if raw:
@@ -73,7 +77,7 @@ def _wire_hashes(fmt: WireFormat, ev: BlockStored | BlockRemoved, raw: bool) -> 
             return list(ev.block_digests), ev.parent_block_digest
         return list(ev.block_digests), None
     s = fmt.signed_hashes
-    return [_int_hash(h, s) for h in ev.block_hashes], (None if parent is None else _int_hash(parent, s))
+    return [hash_to_int(h, s) for h in ev.block_hashes], (None if parent is None else hash_to_int(parent, s))
 
 
 def _stored_values(fmt: WireFormat, ev: BlockStored, raw: bool) -> dict[str, object]:

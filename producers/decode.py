@@ -8,24 +8,20 @@ Every wire format of ``shared/docs/kv-events-protocol.md`` is accepted:
 - events as **tagged arrays** (vLLM 0.9.0 - 0.23, SGLang <= 0.5.19), decoded by position
   (see :mod:`kvbus.producers.wire_structs` for why one layout per engine covers every length).
 
-Normalization (kvbus.schemas.events): hashes become canonical 8-byte values (signed ints by
-their two's complement, bytes digests by their last 8 bytes with the digest kept in
-``block_digests``); ``medium`` is upper-cased, unknown values kept; ``extra_keys`` is kept
-as the exact msgpack bytes the engine sent; SGLang bigram ``token_ids`` pairs go to
-``token_id_pairs`` (``token_ids`` then []).
+Conversion: the one conversion of engine events, :data:`kvbus.producers.engines.CONVERSION`, shared
+with the in-process publisher and generated from the release tables and the kvbus structs: hashes
+become canonical 8-byte values (signed ints by their two's complement, bytes digests by their last 8
+bytes with the digest kept in ``block_digests``); ``medium`` is upper-cased, unknown values kept;
+``extra_keys`` is kept as the exact msgpack bytes the engine sent; SGLang bigram ``token_ids`` pairs go
+to ``token_id_pairs`` (``token_ids`` then []); every other field is copied.
 
-**vLLM vs SGLang arrays with engine="auto".** Up to index 6 (``medium``) both layouts
-agree. After it vLLM has ``lora_name, extra_keys, group_idx, ...`` and SGLang
-``cache_salt, session_id, lora_name``. A BlockStored array is read as SGLang only on
-evidence, in this order: a string at index 8 or 9 (vLLM's ``extra_keys`` is a list,
-``group_idx`` an int) -> SGLang; a list at 8 or an int at 9, or more than 10 elements
--> vLLM; a string at index 7 (vLLM ``lora_name`` / SGLang ``cache_salt``) -> SGLang if
-``lora_id`` is None (vLLM sends ``lora_id`` with every ``lora_name``; SGLang never
-sets ``lora_id``), or a hash is negative (vLLM >= 0.10.2, the first version with
-``medium``, sends unsigned ints or bytes), or the medium is SGLang-only (CPU_PINNED,
-DISK, EXTERNAL); otherwise vLLM. When index 7.. are all None both readings give the
-same event. (Per the protocol doc SGLang's arrays stopped at ``medium``; the longer
-layout is accepted defensively.) ``engine="sglang"`` / ``"vllm"`` force a layout.
+**vLLM vs SGLang arrays with engine="auto".** Up to index 6 (``medium``) both layouts agree; after it
+they differ. Each array is read with the layout of the one family that could have sent it, by the
+rule :func:`kvbus.producers.engines.array_layout` (whose module doc gives examples, and which
+``--engine auto`` labelling uses too); an array that fits both families or neither is read as vLLM.
+When index 7.. are all None both readings give the same event. (Per the protocol doc SGLang's arrays
+stopped at ``medium``; the longer layout is accepted defensively.) ``engine="sglang"`` / ``"vllm"``
+force a layout.
 
 **Bad input** raises :class:`DecodeError` whose message says what is wrong; the bridge
 dead-letters the whole batch. Unknown event types raise too (unless ``skip_unknown``).
@@ -49,13 +45,12 @@ from typing import Annotated, Any, Optional
 import msgspec
 from msgspec import Meta, Raw
 
-from kvbus.producers.engines import FORMATS
+from kvbus.producers.engines import CONVERSION, DEFAULT_ARRAY_LAYOUT, FORMATS, array_layout
 from kvbus.producers.wire_structs import (
     ARRAY_FIELDS,
     CLEARED,
     ENVELOPE_DECODERS,
     EVENT_TAGS,
-    LAYOUT_FIELDS,
     LAYOUTS,
     MAX_DIGEST_BYTES,
     MAX_EVENTS_PER_BATCH,
@@ -66,15 +61,7 @@ from kvbus.producers.wire_structs import (
     STORED_PAIRS,
     NonNegInt32,
 )
-from kvbus.schemas.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    MixedHashes,
-    canonical_hashes,
-    canonical_parent,
-)
+from kvbus.schemas.events import Event, MixedHashes
 
 __all__ = [
     "ENGINE_FORMATS",
@@ -103,9 +90,6 @@ ENGINES = ("auto", *LAYOUTS[1:])
 END_SEQ = b"\xff" * 8
 """Sequence frame of the replay end marker: (-1).to_bytes(8, "big", signed=True)."""
 
-SGLANG_ONLY_MEDIUMS = frozenset({"CPU_PINNED", "DISK", "EXTERNAL"})
-"""Mediums only SGLang publishes (upper-cased)."""
-
 
 class DecodeError(ValueError):
     """A payload or frame set no engine could have sent; the message says what is wrong."""
@@ -125,68 +109,14 @@ class DecodedBatch:
     """Events of unknown type skipped; always 0 unless ``skip_unknown=True`` (else they raise)."""
 
 
-# -- normalization helpers ---------------------------------------------------
-
-def _extra(ek: Raw) -> bytes | None:
-    if not ek:
-        return None
-    b = bytes(ek)
-    return None if b == b"\xc0" else b
-
-
-_STORED_HEAD = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
-"""BlockStored fields every layout has, converted by hand below; the others are copied as decoded."""
-
-
-def _stored_converter(layout: str) -> Any:
-    """The wire-struct -> BlockStored conversion of ``layout``, generated from its field list
-    (:data:`kvbus.producers.wire_structs.LAYOUT_FIELDS`): fields the layout lacks keep their defaults."""
-    tail = [f for f in LAYOUT_FIELDS[layout][0] if f not in _STORED_HEAD]
-    args = "".join(f"{f}=_extra(w.{f}), " if f == "extra_keys" else f"{f}=w.{f}, " for f in tail)
-    src = (
-        "def convert(w):\n"
-        "    hashes, digests = canonical_hashes(w.block_hashes)\n"
-        "    parent, parent_digest = canonical_parent(w.parent_block_hash)\n"
-        "    toks = w.token_ids\n"
-        "    pairs = None\n"
-        "    if toks and type(toks[0]) is list:\n"
-        "        pairs, toks = toks, []\n"
-        "    m = w.medium\n"
-        "    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=toks,\n"
-        "                       block_size=w.block_size, lora_id=w.lora_id, medium=m.upper() if m is not None else None,\n"
-        f"                       {args}token_id_pairs=pairs, block_digests=digests, parent_block_digest=parent_digest)\n"
-    )
-    ns = {"canonical_hashes": canonical_hashes, "canonical_parent": canonical_parent, "_extra": _extra,
-          "BlockStored": BlockStored}
-    exec(compile(src, f"<kvbus.producers.decode stored converter {layout}>", "exec"), ns)
-    return ns["convert"]
-
-
-def _removed(w: Any) -> BlockRemoved:
-    hashes, digests = canonical_hashes(w.block_hashes)
-    m = w.medium
-    return BlockRemoved(
-        block_hashes=hashes,
-        medium=m.upper() if m is not None else None,
-        group_idx=getattr(w, "group_idx", None),
-        locality=getattr(w, "locality", None),
-        ownership=getattr(w, "ownership", None),
-        block_digests=digests,
-    )
-
-
-def _cleared(w: Any) -> AllBlocksCleared:
-    return AllBlocksCleared()
-
-
-_CONVERT: dict[type, Any] = {}
-for _lay in LAYOUTS:
-    _fn = _stored_converter(_lay)
-    _CONVERT[STORED[_lay]] = _fn
-    _CONVERT[STORED_PAIRS[_lay]] = _fn
-    _CONVERT[REMOVED[_lay]] = _removed
-    _CONVERT[CLEARED[_lay]] = _cleared
-_VLLM_STORED = STORED["vllm"]
+_CONVERT: dict[type, Any] = {
+    cls: CONVERSION.converter(cls, tag)
+    for lay in LAYOUTS
+    for tag, cls in (("BlockStored", STORED[lay]), ("BlockStored", STORED_PAIRS[lay]),
+                     ("BlockRemoved", REMOVED[lay]), ("AllBlocksCleared", CLEARED[lay]))
+}
+"""Wire struct -> its conversion to the kvbus struct (:data:`kvbus.producers.engines.CONVERSION`)."""
+_DEFAULT_STORED = STORED[DEFAULT_ARRAY_LAYOUT]
 _NIL_OR_ARRAY = frozenset([0xC0, 0xDC, 0xDD, *range(0x90, 0xA0)])
 
 
@@ -212,7 +142,7 @@ def decode_batch(payload: bytes, engine: str = "auto", *, skip_unknown: bool = F
 
 
 def _decode_batch(payload: bytes, engine: str, skip_unknown: bool) -> DecodedBatch:
-    for layout in ("map", "sglang" if engine == "sglang" else "vllm"):
+    for layout in ("map", DEFAULT_ARRAY_LAYOUT if engine == "auto" else engine):
         try:
             env = ENVELOPE_DECODERS[layout].decode(payload)
         except msgspec.MsgspecError:
@@ -221,46 +151,33 @@ def _decode_batch(payload: bytes, engine: str, skip_unknown: bool) -> DecodedBat
             events = [_CONVERT[type(w)](w) for w in env.events]
         except MixedHashes:
             break
-        if layout == "vllm" and engine == "auto" and any(
-            type(w) is _VLLM_STORED and _maybe_sglang(w) for w in env.events
+        if engine == "auto" and layout == DEFAULT_ARRAY_LAYOUT and any(
+            type(w) is _DEFAULT_STORED and _maybe_other_layout(w) for w in env.events
         ):
             break
         return DecodedBatch(env.ts, events, env.dp_rank, 0)
     return _decode_per_event(payload, engine, skip_unknown)
 
 
-def _maybe_sglang(w: Any) -> bool:
-    """Fast-path guard: could this vLLM-layout BlockStored array be an SGLang array?"""
+def _maybe_other_layout(w: Any) -> bool:
+    """Fast-path guard: could engine="auto" read this BlockStored array, decoded with the default layout,
+    as another family's (:func:`kvbus.producers.engines.array_layout`) and get another event? The
+    readings agree up to ``medium``, and an int at index 9 or more than 10 elements rule SGLang out, so
+    only index 7 and 8 can differ: a list at index 8 rules SGLang out (its ``session_id`` is a string),
+    anything else there but nil goes to the per-event path, which applies the rule; a string at index 7
+    asks the rule."""
     ek = w.extra_keys
-    if ek and memoryview(ek)[0] not in _NIL_OR_ARRAY:
-        return True
+    if ek:
+        first = memoryview(ek)[0]
+        if first not in _NIL_OR_ARRAY:
+            return True
+        if first != 0xC0:
+            return False
     if w.lora_name is None:
         return False
-    return _sglang_evidence(w.lora_id, w.medium, w.block_hashes)
-
-
-def _sglang_evidence(lora_id: Any, medium: Any, hashes: Any) -> bool:
-    if lora_id is None:
-        return True
-    if isinstance(medium, str) and medium.upper() in SGLANG_ONLY_MEDIUMS:
-        return True
-    return isinstance(hashes, list) and any(type(h) is int and h < 0 for h in hashes)
-
-
-def _looks_sglang(arr: list) -> bool:
-    """Reference rule for a BlockStored tagged array under engine="auto" (module doc)."""
-    n = len(arr)
-    if n <= 7 or n > 10:
-        return False
-    x8 = arr[8] if n > 8 else None
-    x9 = arr[9] if n > 9 else None
-    if isinstance(x8, str) or isinstance(x9, str):
-        return True
-    if isinstance(x8, list) or isinstance(x9, int):
-        return False
-    if arr[7] is None:
-        return False
-    return _sglang_evidence(arr[5], arr[6], arr[1])
+    head = ["BlockStored", w.block_hashes, w.parent_block_hash, w.token_ids, w.block_size, w.lora_id, w.medium,
+            w.lora_name]
+    return array_layout(head) != DEFAULT_ARRAY_LAYOUT
 
 
 _PARTS = msgspec.msgpack.Decoder(list[Raw])
@@ -320,10 +237,7 @@ def _decode_event(raw: Raw, engine: str, i: int, skip_unknown: bool) -> Event | 
         if not obj or not isinstance(obj[0], str):
             raise DecodeError(f"event {i}: array does not start with an event type string")
         tag, tokens = obj[0], (obj[3] if len(obj) > 3 else None)
-        if engine != "auto":
-            layout = engine
-        else:
-            layout = "sglang" if tag == "BlockStored" and _looks_sglang(obj) else "vllm"
+        layout = engine if engine != "auto" else array_layout(obj)
     else:
         raise DecodeError(f"event {i}: expected a map or a tagged array, got {type(obj).__name__}")
     if tag not in EVENT_TAGS:

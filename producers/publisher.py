@@ -22,12 +22,14 @@ from operator import itemgetter
 from typing import Any, Protocol
 
 import msgspec
+
+from kvbus.producers.engines import CONVERSION, to_kvbus_event
+from kvbus.producers.engines.convert import MEDIUMS
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.record_producer import RecordProducer, producer_conf
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
 from kvbus.producers.split import BatchRef
 from kvbus.schemas.events import (
-    HASH_MASK,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -78,172 +80,90 @@ class NullEventPublisher:
         """Nothing to release."""
 
 
-# -- vLLM object -> kvbus event ---------------------------------------------------------
+# -- vLLM object -> Avro event ----------------------------------------------------------
 
-_MASK = HASH_MASK
-_EXTRA = msgspec.msgpack.Encoder()
-
-
-def _medium(m: Any) -> str | None:
-    return m.upper() if isinstance(m, str) else (None if m is None else str(m).upper())
-
-
-_STORED_CONVERTED = ("block_hashes", "parent_block_hash", "token_ids", "medium", "extra_keys", "block_digests",
-                     "parent_block_digest")
-"""BlockStored fields the publisher converts (hashes to canonical bytes, medium upper-cased, extra keys
-re-encoded); every other field of the kvbus struct is copied from the engine's event as it is."""
-_REMOVED_CONVERTED = ("block_hashes", "medium", "block_digests")
-
-
-def _copied(cls: type, converted: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
-    """(field, default) of the kvbus struct's fields copied as they are: derived from the struct, so
-    a field added to :mod:`kvbus.schemas.events` is carried without a change here."""
-    out = []
-    for f in msgspec.structs.fields(cls):
-        if f.name not in converted:
-            default = f.default if f.default is not msgspec.NODEFAULT else None
-            out.append((f.name, default))
-    return tuple(out)
-
-
-_STORED_COPIED = _copied(BlockStored, _STORED_CONVERTED)
-_REMOVED_COPIED = _copied(BlockRemoved, _REMOVED_CONVERTED)
-
-
-def to_kvbus_event(e: Any) -> Any:
-    """A vLLM/SGLang event object (or a kvbus struct) as a :mod:`kvbus.schemas.events` struct.
-
-    Duck-typed by class name: BlockStored, BlockRemoved, AllBlocksCleared; fields the
-    object lacks take the kvbus struct's default. Raises ValueError for any other event type.
-    """
-    t = type(e)
-    if t is BlockStored or t is BlockRemoved or t is AllBlocksCleared or t is Reset:
-        return e
-    name = t.__name__
-    g = getattr
-    if name == "BlockStored":
-        hashes, digests = canonical_hashes(e.block_hashes)
-        parent, parent_digest = canonical_parent(e.parent_block_hash)
-        extra = g(e, "extra_keys", None)
-        return BlockStored(
-            block_hashes=hashes, parent_block_hash=parent, token_ids=list(e.token_ids),
-            medium=_medium(g(e, "medium", None)), extra_keys=None if extra is None else _EXTRA.encode(extra),
-            block_digests=digests, parent_block_digest=parent_digest,
-            **{f: g(e, f, d) for f, d in _STORED_COPIED},
-        )
-    if name == "BlockRemoved":
-        hashes, digests = canonical_hashes(e.block_hashes)
-        return BlockRemoved(block_hashes=hashes, medium=_medium(g(e, "medium", None)), block_digests=digests,
-                            **{f: g(e, f, d) for f, d in _REMOVED_COPIED})
-    if name == "AllBlocksCleared":
-        return AllBlocksCleared()
-    raise ValueError(f"unknown KV event type {name}")
-
-
-_MEDIUM: dict[Any, str | None] = {None: None}
-
-
-def _cached_medium(m: Any) -> str | None:
-    """:func:`_medium`, cached per engine value."""
-    norm = _MEDIUM.get(m, _ABSENT)
-    if norm is _ABSENT:
-        norm = _medium(m)
-        if len(_MEDIUM) < 256:
-            _MEDIUM[m] = norm
-    return norm
-
-
-_ABSENT = object()
-
-
-def _slow(e: Any) -> bytes:
-    return encode_event(to_kvbus_event(e))
-
+_STORED_COPIED = CONVERSION.copied("BlockStored")
+_REMOVED_COPIED = CONVERSION.copied("BlockRemoved")
+"""(field, default) of the kvbus fields the conversion copies from an engine event as they are."""
 
 _PLANS: dict[type, Any] = {}
-_WRITE_STORED = event_writer("BlockStored", ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium",
-                                             "group_idx", "kv_cache_spec_kind"))
-_WRITE_REMOVED = event_writer("BlockRemoved", ("block_hashes", "medium", "group_idx"))
-"""The codec's positional writers of the common shape (the other fields at their defaults)."""
-
-
-_STORED_FAST = ("block_size", "group_idx", "kv_cache_spec_kind")
-"""Copied BlockStored fields the common-shape writer takes (with hashes, parent, tokens, medium)."""
+_STORED_SHAPE = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx",
+                 "kv_cache_spec_kind")
+_REMOVED_SHAPE = ("block_hashes", "medium", "group_idx")
+"""The common event shapes: these fields set, every other field the conversion reads at its default."""
+_WRITE_STORED = event_writer("BlockStored", _STORED_SHAPE)
+_WRITE_REMOVED = event_writer("BlockRemoved", _REMOVED_SHAPE)
+"""The codec's positional writers of the common shapes."""
 
 
 def _plan(cls: type) -> Any:
-    """An encoder specialised to one engine event class: msgspec structs are read with one
-    ``astuple`` call and field positions found once, and the common shape goes straight to the
-    codec's positional writer of those fields (:func:`kvbus.schemas.codec.event_writer`); other objects use
-    :func:`to_kvbus_event`. Either way the bytes are written by the codec."""
+    """An encoder specialised to one engine event class. Events of the common shape of a msgspec struct
+    class go straight to the codec's positional writer of its fields
+    (:func:`kvbus.schemas.codec.event_writer`), read with one ``astuple`` call at field positions found
+    once, their values made by the conversion's rules (hashes, :data:`~kvbus.producers.engines.convert.MEDIUMS`);
+    every other event is converted
+    by :data:`kvbus.producers.engines.CONVERSION` and encoded as the struct. The bytes are the same either
+    way. ValueError for a class that is no engine event type."""
     if cls in (BlockStored, BlockRemoved, AllBlocksCleared, Reset):
         return encode_event
-    fields = getattr(cls, "__struct_fields__", None)
     name = cls.__name__
+    convert = CONVERSION.converter(cls, name)
+
+    def slow(e: Any) -> bytes:
+        return encode_event(convert(e))
+
+    fields = getattr(cls, "__struct_fields__", None)
     if name == "AllBlocksCleared":
         cleared = encode_event(AllBlocksCleared())
         return lambda e: cleared
     if fields is None or name not in ("BlockStored", "BlockRemoved"):
-        return _slow
+        return slow
     pos = {f: i for i, f in enumerate(fields)}
     astuple = msgspec.structs.astuple
-    medium_of = _MEDIUM.get
+    medium_of = MEDIUMS.__getitem__
+    hashes_of = canonical_hashes
     n_fields = len(fields)
+    shape = _STORED_SHAPE if name == "BlockStored" else _REMOVED_SHAPE
+    # every other field the conversion reads must be unset for the common shape (a new field joins by itself)
+    idx = [pos[f] for f in CONVERSION.sent[name] if f not in shape and f in pos]
+    others = itemgetter(*idx) if idx else (lambda v: None)
+    unset = others((None,) * n_fields)
+    padded = any(f not in pos for f in shape)  # a shape field the class lacks: read as a None appended
+    i_h, i_m, i_g = (pos.get(f, n_fields) for f in ("block_hashes", "medium", "group_idx"))
 
-    padded = False  # whether a field is missing: then the tuple gets a None appended
-
-    def at(field: str) -> int:
-        nonlocal padded
-        padded = padded or field not in pos
-        return pos.get(field, n_fields)  # n_fields: the None appended to the tuple
-
-    def unset(*names: str) -> tuple[Any, Any]:
-        """``(get, expect)``: ``get(v) == expect`` when the fields ``names`` are all None."""
-        idx = [pos[f] for f in names if f in pos]
-        get = itemgetter(*idx) if idx else (lambda v: None)
-        return get, get((None,) * n_fields)
-
-    i_h, i_m, i_g = at("block_hashes"), at("medium"), at("group_idx")
     if name == "BlockRemoved":
-        # every other kvbus field must be unset for the common shape (a new field joins by itself)
-        others, none = unset(*(f for f, _ in _REMOVED_COPIED if f != "group_idx"))
-        pad_removed = padded
-
         def removed(e: Any) -> bytes:
             v = astuple(e)
-            if pad_removed:
+            if padded:
                 v += (None,)
-            hs = v[i_h]
-            if others(v) != none or len(hs) != 1 or type(hs[0]) is not int:
-                return _slow(e)
-            m = medium_of(v[i_m], _ABSENT)
-            if m is _ABSENT:
-                m = _cached_medium(v[i_m])
-            return _WRITE_REMOVED([(hs[0] & _MASK).to_bytes(8, "big")], m, v[i_g])
+            if others(v) != unset:
+                return slow(e)
+            hashes, digests = hashes_of(v[i_h])
+            if digests is not None:
+                return slow(e)
+            return _WRITE_REMOVED(hashes, medium_of(v[i_m]), v[i_g])
         return removed
 
-    i_p, i_t, i_bs, i_k = at("parent_block_hash"), at("token_ids"), at("block_size"), at("kv_cache_spec_kind")
-    others, none = unset("extra_keys", *(f for f, _ in _STORED_COPIED if f not in _STORED_FAST))
-    pad_stored = padded
+    i_p, i_t, i_bs, i_k = (pos.get(f, n_fields) for f in ("parent_block_hash", "token_ids", "block_size",
+                                                          "kv_cache_spec_kind"))
+    parent_of = canonical_parent
 
     def stored(e: Any) -> bytes:
         v = astuple(e)
-        if pad_stored:
+        if padded:
             v += (None,)
-        if others(v) != none:
-            return _slow(e)
-        hs, p, toks = v[i_h], v[i_p], v[i_t]
-        try:
-            hashes = [(h & _MASK).to_bytes(8, "big") for h in hs]
-            parent = None if p is None else (p & _MASK).to_bytes(8, "big")
-        except TypeError:  # bytes digests
-            return _slow(e)
-        if toks and type(toks[0]) is not int:
-            return _slow(e)  # SGLang bigram pairs
-        m = medium_of(v[i_m], _ABSENT)
-        if m is _ABSENT:
-            m = _cached_medium(v[i_m])
-        return _WRITE_STORED(hashes, parent, toks if type(toks) is list else list(toks), v[i_bs], m, v[i_g], v[i_k])
+        toks = v[i_t]
+        if others(v) != unset or type(toks) is not list or toks and type(toks[0]) is not int:
+            return slow(e)  # e.g. SGLang's bigram pairs
+        hashes, digests = hashes_of(v[i_h])
+        parent = v[i_p]
+        if parent is not None:
+            parent, digest = parent_of(parent)
+            if digest is not None:
+                return slow(e)
+        if digests is not None:
+            return slow(e)
+        return _WRITE_STORED(hashes, parent, toks, v[i_bs], medium_of(v[i_m]), v[i_g], v[i_k])
     return stored
 
 
@@ -251,8 +171,8 @@ def encode_engine_event(e: Any) -> bytes:
     """Avro encoding (event-union branch) of a vLLM/SGLang event object (or a kvbus struct).
 
     msgspec-struct events of the common shape (integer hashes, no LoRA, no extra keys, no
-    offload attribution) are encoded directly; anything else goes through
-    :func:`to_kvbus_event`. The bytes are the same either way."""
+    offload attribution) are encoded directly; anything else is converted by
+    :data:`kvbus.producers.engines.CONVERSION` first. The bytes are the same either way."""
     f = _PLANS.get(type(e))
     if f is None:
         f = _PLANS[type(e)] = _plan(type(e))
@@ -261,7 +181,14 @@ def encode_engine_event(e: Any) -> bytes:
 
 def encode_engine_events(events: list) -> bytes:
     """The Avro ``events`` array of engine event objects."""
-    return event_array(list(map(encode_engine_event, events)))
+    plans = _PLANS
+    out = []
+    for e in events:
+        f = plans.get(type(e))
+        if f is None:
+            f = plans[type(e)] = _plan(type(e))
+        out.append(f(e))
+    return event_array(out)
 
 
 # -- the publisher ------------------------------------------------------------------------

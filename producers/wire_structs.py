@@ -32,8 +32,7 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 from msgspec import Meta, Raw
 
-from kvbus.producers.engines import ADAPTERS, RELEASES, union
-from kvbus.schemas import events
+from kvbus.producers.engines import ADAPTERS, ENGINE_EVENTS, SENT
 
 MAX_EVENTS_PER_BATCH = 1_000_000
 """More events than this in one batch is rejected as absurd (vLLM publishes one batch per engine step)."""
@@ -73,22 +72,16 @@ WIRE_TYPES: dict[str, tuple[Any, Any]] = {
     "token_ids": (_TOKENS, []),
     "block_size": (NonNegInt32, 0),
     "lora_id": (Optional[Int64], None),
-    "medium": (Optional[str], None),
-    "lora_name": (Optional[str], None),
-    "extra_keys": (Raw, Raw()),  # exact msgpack bytes of the value; empty = absent
+    "extra_keys": (Raw, None),  # exact msgpack bytes of the value; None = absent
     "group_idx": (Optional[Int32], None),
-    "kv_cache_spec_kind": (Optional[str], None),
     "kv_cache_spec_sliding_window": (Optional[Int32], None),
-    "locality": (Optional[str], None),
-    "ownership": (Optional[str], None),
-    "session_id": (Optional[str], None),
     "lookahead_token_ids": (Optional[TokenLists], None),
-    "cache_salt": (Optional[str], None),
 }
 """Wire field -> (msgspec type, default when absent) of the fields whose wire type is not the kvbus
-event struct's (Avro ranges, engine hashes, raw msgpack, bigram pairs). Any other field a release
-table names is decoded with its type and default in :mod:`kvbus.schemas.events` (:func:`wire_type`), so a
-new optional field that engines send as kvbus stores it needs no entry here."""
+event struct's: engine hashes (ints or digests), the Avro ranges of ints, size limits, raw msgpack,
+bigram pairs. Any other field a release table names (``medium``, ``lora_name``, ``session_id``, ...)
+is decoded with its type and default in :mod:`kvbus.schemas.events` (:func:`wire_type`), so a new
+optional field that engines send as kvbus stores it needs no entry here."""
 
 
 def wire_type(name: str) -> tuple[Any, Any]:
@@ -96,7 +89,7 @@ def wire_type(name: str) -> tuple[Any, Any]:
     name in the kvbus BlockStored / BlockRemoved struct."""
     if name in WIRE_TYPES:
         return WIRE_TYPES[name]
-    for cls in (events.BlockStored, events.BlockRemoved):
+    for cls in ENGINE_EVENTS.values():
         for f in msgspec.structs.fields(cls):
             if f.name == name:
                 if f.default is not msgspec.NODEFAULT:
@@ -106,6 +99,7 @@ def wire_type(name: str) -> tuple[Any, Any]:
                 return f.type, _REQ
     raise KeyError(f"wire field {name!r} has no type: not in WIRE_TYPES nor in the kvbus event structs")
 
+
 ARRAY_REQUIRED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
 """Fields every tagged array carries (vLLM 0.9.0's five positions after the tag): required there."""
 
@@ -113,7 +107,7 @@ ARRAY_REQUIRED = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
 def _layouts() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     """Decoding layout -> (BlockStored fields, BlockRemoved fields), from the release tables: "map"
     takes every field of every family, each array layout its family's (:meth:`Adapter.array_fields`)."""
-    out = {"map": (union(r.stored for r in RELEASES.values()), union(r.removed for r in RELEASES.values()))}
+    out = {"map": (SENT["BlockStored"], SENT["BlockRemoved"])}
     for adapter in ADAPTERS.values():
         if adapter.array_layout:
             out[adapter.array_layout] = adapter.array_fields()
@@ -177,7 +171,7 @@ ARRAY_FIELDS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 """Field name at array index k+1, for error messages."""
 
-EVENT_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+EVENT_TAGS = tuple(ENGINE_EVENTS)
 """Event types the engines publish."""
 
 

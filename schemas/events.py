@@ -12,7 +12,8 @@ Normalization rules (see ``shared/docs/kv-events-protocol.md``):
 """
 from __future__ import annotations
 
-from typing import Union
+import struct
+from typing import Any, Union
 
 import msgspec
 
@@ -20,6 +21,15 @@ HASH_MASK = (1 << 64) - 1
 
 #: Medium values vLLM and SGLang publish (after upper-casing). Others are kept as sent.
 KNOWN_MEDIUMS = ("GPU", "CPU", "STORAGE", "FS", "OBJ", "CPU_PINNED", "DISK", "EXTERNAL")
+
+
+_U64 = struct.Struct(">Q").pack
+"""An unsigned 64-bit int as its canonical hash (8 bytes big-endian); struct.error for anything else."""
+
+
+def _of_digest(d: bytes) -> bytes:
+    """The canonical hash of a digest: its last 8 bytes (zero-padded on the left when shorter)."""
+    return d[-8:] if len(d) >= 8 else d.rjust(8, b"\0")
 
 
 def canonical_hash(value: int | bytes) -> bytes:
@@ -30,10 +40,9 @@ def canonical_hash(value: int | bytes) -> bytes:
     (what vLLM publishes as an int when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
     """
     if isinstance(value, int):
-        return (value & HASH_MASK).to_bytes(8, "big")
+        return _U64(value & HASH_MASK)
     if isinstance(value, (bytes, bytearray, memoryview)):
-        raw = bytes(value)
-        return raw[-8:] if len(raw) >= 8 else raw.rjust(8, b"\0")
+        return _of_digest(bytes(value))
     raise TypeError(f"block hash must be int or bytes, got {type(value).__name__}")
 
 
@@ -46,16 +55,24 @@ def canonical_hashes(hashes: list) -> tuple[list[bytes], list[bytes] | None]:
     unsigned, SGLang signed) give ``digests`` None; bytes digests give their last 8 bytes and the
     digests themselves (as ``bytes``), which events keep in ``block_digests``.
 
-    The one normalization of the bridge's decoder and the in-process publisher (hot path: the
-    all-int case is one list comprehension). Raises :class:`MixedHashes` for ints and bytes mixed."""
+    ``hashes`` is a sequence (list or tuple). The one normalization of the bridge's decoder and the
+    in-process publisher. Hot path: unsigned ints (vLLM) are packed by ``struct`` with no Python-level
+    loop, one hash (vLLM evicts one per event) with no list to map over. Raises :class:`MixedHashes`
+    for ints and bytes mixed."""
     try:
-        return [(h & HASH_MASK).to_bytes(8, "big") for h in hashes], None
+        if len(hashes) == 1:
+            return [_U64(hashes[0])], None
+        return list(map(_U64, hashes)), None
+    except struct.error:  # signed ints (SGLang), or digests
+        pass
+    try:
+        return [_U64(h & HASH_MASK) for h in hashes], None
     except TypeError:  # bytes & int
         pass
     if any(type(h) is int for h in hashes):
         raise MixedHashes("block_hashes mixes int and bytes hashes")
     digests = [h if type(h) is bytes else bytes(h) for h in hashes]
-    return [d[-8:] if len(d) >= 8 else d.rjust(8, b"\0") for d in digests], digests
+    return list(map(_of_digest, digests)), digests
 
 
 def canonical_parent(value: int | bytes | None) -> tuple[bytes | None, bytes | None]:
@@ -64,19 +81,27 @@ def canonical_parent(value: int | bytes | None) -> tuple[bytes | None, bytes | N
     if value is None:
         return None, None
     if type(value) is int:
-        return (value & HASH_MASK).to_bytes(8, "big"), None
+        try:
+            return _U64(value), None
+        except struct.error:  # signed
+            return _U64(value & HASH_MASK), None
     d = value if type(value) is bytes else bytes(value)
-    return (d[-8:] if len(d) >= 8 else d.rjust(8, b"\0")), d
+    return _of_digest(d), d
 
 
-def hash_to_int(h: bytes) -> int:
-    """The canonical hash as the unsigned 64-bit integer vLLM publishes by default."""
-    return int.from_bytes(h, "big")
+def hash_to_int(h: bytes, signed: bool = False) -> int:
+    """The canonical hash as the integer an engine publishes: unsigned 64-bit (vLLM's default), or with
+    ``signed`` the int64 of the same bits (SGLang; vLLM 0.9's builtin hash). The inverse of
+    :func:`canonical_hash` on ints."""
+    return int.from_bytes(h, "big", signed=signed)
 
 
-def normalize_medium(medium: str | None) -> str | None:
-    """Upper-case a medium name; None stays None, unknown names are kept."""
-    return medium.upper() if isinstance(medium, str) else medium
+def normalize_medium(medium: Any) -> str | None:
+    """The medium rule: a medium name upper-cased, unknown names kept; None stays None; any other value
+    (an engine's enum member, say) by its ``str()``, upper-cased."""
+    if isinstance(medium, str):
+        return medium.upper()
+    return None if medium is None else str(medium).upper()
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

@@ -2,7 +2,14 @@
 the decoder's wire structs, the fleet's encoder and ``--engine auto`` labelling are derived."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -52,10 +59,10 @@ def test_a_new_vllm_release_is_one_table_row():
     assert all(wire_structs.wire_type(f) for f in new.stored)  # the decoder has a type for each field
 
 
-def test_a_field_engines_send_as_kvbus_stores_it_takes_its_type_from_the_event_struct(monkeypatch):
-    """A new optional field needs no wire type of its own: without its WIRE_TYPES entry,
-    ``session_id`` decodes with BlockStored's type and default (and garbage in it is still refused)."""
-    monkeypatch.delitem(wire_structs.WIRE_TYPES, "session_id")
+def test_a_field_engines_send_as_kvbus_stores_it_takes_its_type_from_the_event_struct():
+    """A new optional field needs no wire type of its own: with no WIRE_TYPES entry, ``session_id``
+    decodes with BlockStored's type and default (and garbage in it is still refused)."""
+    assert "session_id" not in wire_structs.WIRE_TYPES
     t, d = wire_structs.wire_type("session_id")
     assert d is None and msgspec.convert(None, t) is None and msgspec.convert("s", t) == "s"
     with pytest.raises(msgspec.ValidationError):
@@ -99,3 +106,222 @@ def test_bridge_auto_labels_the_stream_by_its_engine(fmt, label):
         assert {b.engine for b in hs.data()} == {label}
     finally:
         hs.stop()
+
+
+# -- one conversion, one rule ------------------------------------------------------------------
+
+def test_wire_types_list_only_the_fields_whose_wire_type_is_not_the_kvbus_structs():
+    """Every other field a table names is decoded with the kvbus struct's own type and default."""
+    struct_types = {f.name: f.type for cls in (BlockStored, BlockRemoved) for f in msgspec.structs.fields(cls)}
+    for name, (wire, _) in wire_structs.WIRE_TYPES.items():
+        assert wire != struct_types[name], name
+    assert {"medium", "lora_name", "locality", "ownership", "session_id", "cache_salt"}.isdisjoint(
+        wire_structs.WIRE_TYPES)
+
+
+class _VllmStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
+    """vLLM 0.33's BlockStored shape."""
+
+    block_hashes: list
+    parent_block_hash: object
+    token_ids: list
+    block_size: int
+    lora_id: object
+    medium: object
+    lora_name: object
+    extra_keys: object = None
+    group_idx: object = None
+    kv_cache_spec_kind: object = None
+    kv_cache_spec_sliding_window: object = None
+    locality: object = None
+    ownership: object = None
+    session_id: object = None
+    lookahead_token_ids: object = None
+
+
+class _VllmRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
+    block_hashes: list
+    medium: object
+    group_idx: object = None
+    locality: object = None
+    ownership: object = None
+
+
+_VllmStored.__name__, _VllmRemoved.__name__ = "BlockStored", "BlockRemoved"  # the publisher goes by class name
+
+
+@pytest.mark.parametrize("ev", [
+    _VllmStored(block_hashes=[1, 2**64 - 1], parent_block_hash=5, token_ids=list(range(32)), block_size=16,
+                lora_id=None, medium="gpu", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention"),
+    _VllmStored(block_hashes=[bytes(range(32))], parent_block_hash=bytes(range(32, 64)), token_ids=[7] * 16,
+                block_size=16, lora_id=3, medium="Cpu", lora_name="sql", extra_keys=[["sql", ["mm", 0]]],
+                ownership="kvcr", session_id="s-1", lookahead_token_ids=[[1, 2]], kv_cache_spec_sliding_window=64),
+    _VllmStored(block_hashes=[9], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None, medium=None,
+                lora_name=None),
+    _VllmRemoved(block_hashes=[2**63 + 5], medium="cpu", group_idx=1, locality="REMOTE"),
+    _VllmRemoved(block_hashes=[bytes(range(16)), bytes(range(16, 32))], medium="GPU", ownership="kvcr"),
+])
+def test_the_bridge_and_the_publisher_convert_an_engine_event_alike(ev):
+    """What the bridge decodes from an engine's event on the wire and what the in-process publisher makes
+    of the engine's object are the same kvbus event, through either of the publisher's paths."""
+    from kvbus.producers.publisher import encode_engine_event, to_kvbus_event
+    from kvbus.schemas.codec import decode_event, encode_event
+
+    (bridged,) = decode.decode_batch(msgspec.msgpack.encode([1.0, [ev], 0])).events
+    assert bridged == to_kvbus_event(ev)
+    assert decode_event(encode_engine_event(ev)) == bridged and encode_engine_event(ev) == encode_event(bridged)
+    assert bridged.medium == (None if ev.medium is None else ev.medium.upper())
+
+
+def test_sglang_bigram_pairs_become_token_id_pairs_in_the_bridge_and_the_publisher():
+    class SglangStored(msgspec.Struct, tag="BlockStored"):
+        block_hashes: list
+        parent_block_hash: object
+        token_ids: list
+        block_size: int
+        lora_id: object = None
+        medium: object = None
+
+    SglangStored.__name__ = "BlockStored"
+    from kvbus.producers.publisher import encode_engine_event
+    from kvbus.schemas.codec import decode_event
+
+    ev = SglangStored(block_hashes=[-5], parent_block_hash=None, token_ids=[[1, 2], [2, 3]], block_size=2)
+    want = BlockStored(block_hashes=[(-5 % 2**64).to_bytes(8, "big")], token_ids=[], block_size=2,
+                       token_id_pairs=[[1, 2], [2, 3]])
+    assert decode.decode_batch(msgspec.msgpack.encode([1.0, [ev], 0])).events == [want]
+    assert decode_event(encode_engine_event(ev)) == want
+
+
+def _array(*tail, lora_id=None, hashes=(1,), medium="GPU"):
+    return ["BlockStored", list(hashes), None, [1, 2], 2, lora_id, medium, *tail]
+
+
+@pytest.mark.parametrize("arr, label", [
+    (_array("salt"), "sglang"),  # a LoRA name without lora_id: SGLang's cache_salt
+    (_array("sql", lora_id=3, hashes=(2**63,)), "vllm"),  # unsigned: vLLM's lora_name
+    (_array("salt", lora_id=3, hashes=(-1,)), "sglang"),
+    (_array(None, "sess"), "sglang"),
+    (_array(None, None, "lora"), "sglang"),
+    (_array(None, [None], hashes=(2**63,)), "vllm"),
+    (_array(None, None, 2, hashes=(2**63,)), "vllm"),
+    (_array("x", lora_id=3, medium="cpu_pinned"), "sglang"),  # SGLang's own medium
+    (_array(hashes=(-1,)), "sglang"),
+    (_array(hashes=(2**63,)), "vllm"),
+    (_array(), None),  # fits both: the readings are the same event
+    (_array(None, None, None), None),
+])
+def test_the_decoder_and_the_stream_label_follow_one_rule(arr, label):
+    """``decode_batch(engine="auto")`` reads an array with the layout of the family ``--engine auto``
+    labels the stream with (one rule: engines.senders); where both fit, it reads the vLLM layout."""
+    payload = msgspec.msgpack.encode([1.0, [arr], 0])
+    assert detect_engine(payload) == label
+    assert engines.array_layout(arr) == (label or "vllm")
+    expected = decode.decode_batch(payload, label or "vllm")
+    assert decode.decode_batch(payload) == expected == decode._decode_per_event(payload, "auto", False)
+
+
+# -- a new optional field, added to copies of the schemas and of a release table ---------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+NEW_FIELD_RUN = r'''
+import msgspec
+from dataclasses import replace
+
+from kvbus import engine_wire
+from kvbus.producers.decode import decode_batch
+from kvbus.producers.publisher import KafkaEventPublisher
+from kvbus.schemas.codec import FastSerde
+from kvbus.schemas.events import BlockRemoved, EventBatch
+from kvbus.schemas.serde import registry_client
+from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import Topics
+from tests.recording_producer import RecordingProducer
+
+want = BlockRemoved(block_hashes=[(7).to_bytes(8, "big")], medium="GPU", evicted_by="kvcr-3")
+serde = FastSerde(registry_client("mock://new-field"), "EventBatch")
+
+# the bridge: the decoder, then the record it writes
+sent = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [7], "medium": "gpu",
+                                      "evicted_by": "kvcr-3"}], 0])
+for payload in (sent, engine_wire.encode_batch("vllm-0.35", 1.0, [want])):
+    batch = decode_batch(payload)
+    assert batch.events == [want], batch.events
+    record = serde.dumps(EventBatch(replica="r", seq=0, ts=batch.ts, events=batch.events), "t.raw")
+    assert serde.loads(record, "t.raw").events == [want]
+
+
+# the publisher: vLLM 0.35's BlockRemoved (a msgspec struct) and any object of that name
+class BlockRemoved035(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list
+    medium: object
+    group_idx: object = None
+    locality: object = None
+    ownership: object = None
+    evicted_by: object = None
+
+
+BlockRemoved035.__name__ = "BlockRemoved"
+Plain = type("BlockRemoved", (), {})
+plain = Plain()
+plain.block_hashes, plain.medium, plain.evicted_by = [7], "gpu", "kvcr-3"
+
+
+class Batch(msgspec.Struct):
+    ts: float
+    events: list
+
+
+producer = RecordingProducer()
+settings = replace(Settings(), bootstrap="127.0.0.1:1", topics=Topics(raw="t.raw"))
+pub = KafkaEventPublisher(replica="r", settings=settings, schema_id=serde.schema_id("t.raw"), producer=producer)
+pub.publish(Batch(ts=1.0, events=[BlockRemoved035(block_hashes=[7], medium="gpu", evicted_by="kvcr-3"), plain,
+                                  BlockRemoved035(block_hashes=[7], medium="gpu")]))
+pub.shutdown(timeout=0.1)
+_, value = producer.on("t.raw")[-1]
+got = serde.loads(value, "t.raw").events
+assert got == [want, want, BlockRemoved(block_hashes=want.block_hashes, medium="GPU")], got
+print("evicted_by arrived")
+'''
+
+
+def product_copy_with_new_removed_field(source: Path, dest: Path) -> Path:
+    """The package of checkout ``source`` laid out under ``dest`` as installed (``kvbus``, ``kvbus.producers``,
+    ``kvbus.schemas``), with what a developer writes for a vLLM release that adds an optional
+    BlockRemoved field ``evicted_by``: the field in the ``.avsc`` and in the struct, and a release-table row."""
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(source / "kvbus", dest / "kvbus", ignore=skip)
+    for pkg in ("producers", "schemas"):
+        shutil.copytree(source / pkg, dest / "kvbus" / pkg, ignore=skip)
+    avsc = dest / "kvbus/schemas/avro/kvbus.BlockRemoved.avsc"
+    schema = json.loads(avsc.read_text())
+    schema["fields"].append({"name": "evicted_by", "type": ["null", "string"], "default": None})
+    avsc.write_text(json.dumps(schema))
+    events = dest / "kvbus/schemas/events.py"
+    text, end = events.read_text(), "\n\n\nclass AllBlocksCleared("
+    assert text.index("class BlockRemoved(") < text.index(end), "BlockRemoved is not followed by AllBlocksCleared"
+    events.write_text(text.replace(end, '\n    evicted_by: str | None = None\n    """Who evicted them."""' + end))
+    table = dest / "kvbus/producers/engines/vllm.py"
+    text, n = re.subn(r"(\nTABLE = \((?:.|\n)*?)\n\)\n", r'\1\n    row("vllm-0.35", removed=("evicted_by",)),\n)\n',
+                      table.read_text(), count=1)
+    assert n == 1, "vllm.py has no TABLE = (...) to add a row to"
+    table.write_text(text)
+    return dest
+
+
+def run_in_copy(root: Path, script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``kvbus`` imported from the copy ``root`` (and ``tests`` from this checkout)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(ROOT)])}
+    return subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_an_optional_blockremoved_field_added_to_the_schemas_and_a_table_arrives_through_bridge_and_publisher(
+        tmp_path):
+    """A copy of the product with a new optional BlockRemoved field in its schemas and a vLLM release row
+    sending it: the bridge's decoder and record, and the publisher (fast path stepping aside, generic
+    path), carry it, with no other edit."""
+    copy = product_copy_with_new_removed_field(ROOT, tmp_path)
+    done = run_in_copy(copy, NEW_FIELD_RUN)
+    assert done.returncode == 0 and "evicted_by arrived" in done.stdout, done.stdout + done.stderr

@@ -1,92 +1,28 @@
 """Engine adapters: one module per engine family (:mod:`.vllm`, :mod:`.sglang`, :mod:`.lmcache`), each
-declaring its release table once, and the registry mapping engine names to them (as llm-d's
-``NewAdapter`` does).
+declaring its release table once; the registry mapping engine names to them (:mod:`.registry`); the one
+conversion of engine events to kvbus structs (:mod:`.convert`, :data:`CONVERSION`); and the one rule
+telling the families apart (:mod:`.families`).
 
 Derived from the tables: :data:`FORMATS` (every wire-format id), the decoder's wire structs
 (:mod:`kvbus.producers.wire_structs`: the map layout is the union of every family's fields, each array
-layout its family's), the fleet's encoder (:mod:`kvbus.engine_wire`) and :func:`detect_engine`
-(``--engine auto`` labelling).
+layout its family's), the conversion the bridge and the publisher share, the fleet's encoder
+(:mod:`kvbus.engine_wire`) and :func:`detect_engine` (``--engine auto`` labelling).
 """
 from __future__ import annotations
 
-import re
-
-import msgspec
-
-from kvbus.producers.engines import lmcache, sglang, vllm
 from kvbus.producers.engines.base import Adapter, Release, row, union
+from kvbus.producers.engines.convert import ENGINE_EVENTS, Conversion
+from kvbus.producers.engines.families import DEFAULT_ARRAY_LAYOUT, array_layout, detect_engine, senders
+from kvbus.producers.engines.registry import ADAPTERS, FORMATS, RELEASES, SENT, new_adapter, release, resolve_format
 
-__all__ = ["ADAPTERS", "FORMATS", "Adapter", "Release", "detect_engine", "new_adapter", "release",
-           "resolve_format", "row", "union"]
+__all__ = ["ADAPTERS", "CONVERSION", "DEFAULT_ARRAY_LAYOUT", "ENGINE_EVENTS", "FORMATS", "RELEASES", "SENT",
+           "Adapter", "Conversion", "Release", "array_layout", "detect_engine", "new_adapter", "release",
+           "resolve_format", "row", "senders", "to_kvbus_event", "union"]
 
-ADAPTERS: dict[str, Adapter] = {a.engine: a for a in (vllm.ADAPTER, sglang.ADAPTER, lmcache.ADAPTER)}
-"""Engine family name -> adapter, in the order their formats are listed."""
+CONVERSION = Conversion(SENT)
+"""The conversion of every event the release tables describe, shared by the bridge's decoder and the
+in-process publisher."""
 
-RELEASES: dict[str, Release] = {r.name: r for a in ADAPTERS.values() for r in a.releases}
-"""Format id -> release."""
-
-FORMATS: tuple[str, ...] = tuple(RELEASES)
-"""Every wire-format id, each the first release of a layout change (protocol doc §4, §7, §8)."""
-
-
-def new_adapter(engine: str) -> Adapter:
-    """The adapter of engine family ``engine`` (vllm, sglang, lmcache); ValueError if unknown."""
-    try:
-        return ADAPTERS[engine]
-    except KeyError:
-        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ADAPTERS)}") from None
-
-
-def release(fmt: str) -> Release:
-    """The :class:`Release` of a format id; ValueError if unknown."""
-    try:
-        return RELEASES[fmt]
-    except KeyError:
-        raise ValueError(f"unknown engine format {fmt!r}; known: {', '.join(FORMATS)}") from None
-
-
-_VERSION = re.compile(r"^([a-z]+)-(\d+(?:\.\d+)*)")
-
-
-def _vtuple(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split("."))
-
-
-def resolve_format(name: str) -> str:
-    """Map ``<engine>-<release>`` (e.g. "vllm-0.27.1", "sglang-0.5.21") to the format id it speaks:
-    the newest table row not newer than it. Exact format ids map to themselves. ValueError for
-    unknown engines or releases older than the first supported one."""
-    if name in RELEASES:
-        return name
-    m = _VERSION.match(name)
-    if not m or m.group(1) not in ADAPTERS:
-        raise ValueError(f"not an engine release {name!r}; expected e.g. vllm-0.27.1 or one of {FORMATS}")
-    engine, version = m.group(1), _vtuple(m.group(2))
-    best = None
-    for fmt in ADAPTERS[engine].formats:
-        if _vtuple(fmt.split("-", 1)[1]) <= version:
-            best = fmt
-    if best is None:
-        raise ValueError(f"{name!r} is older than every supported {engine} format")
-    return best
-
-
-_ANY = msgspec.msgpack.Decoder()
-
-
-def detect_engine(payload: bytes) -> str | None:
-    """The ``EventBatch.engine`` label of the stream a batch payload (ZMQ frame 2) comes from, from
-    its first event only one engine label's releases could have sent (:meth:`Adapter.consistent`):
-    "vllm" or "sglang"; None when every event fits both (or the payload is unreadable)."""
-    try:
-        env = _ANY.decode(payload)
-        events = env[1]
-    except (msgspec.DecodeError, TypeError, IndexError, KeyError, RecursionError):
-        return None
-    if not isinstance(events, list):
-        return None
-    for ev in events:
-        labels = {a.label for a in ADAPTERS.values() if a.consistent(ev)}
-        if len(labels) == 1:
-            return labels.pop()
-    return None
+to_kvbus_event = CONVERSION.event
+"""An engine's event object (vLLM's, SGLang's, or any object with their class names and fields) as its
+:mod:`kvbus.schemas.events` struct (:meth:`Conversion.event`)."""

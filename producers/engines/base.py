@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
+from kvbus.producers.engines.convert import KINDS
+
 @dataclass(frozen=True)
 class Release:
     """How one engine release encodes a batch (one row of a release table, changes applied)."""
@@ -38,6 +40,9 @@ class Release:
     """Replay replies carry the topic frame (vLLM >= 0.26, SGLang 0.5.23)."""
     lower_stored_medium: bool = False
     """BlockStored medium is written lower-case (LMCache's in-process path sends "cpu")."""
+    lora_id_with_lora_name: bool = False
+    """A BlockStored that names a LoRA adapter (``lora_name``) always carries its ``lora_id`` too (vLLM
+    sets both from the request's adapter)."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,8 @@ class Adapter:
     "vllm"). ``array_layout``: name of its tagged-array decoding layout ("vllm", "sglang"), None if
     it never sent arrays. ``arrays_take_every_field``: decode its arrays with every field of every
     release (SGLang: its longer arrays are accepted defensively), not just those of its array
-    releases. ``first``: the base :class:`Release` the first row applies to.
+    releases. ``own_mediums``: medium values (upper-cased) that this family publishes and no other does.
+    ``first``: the base :class:`Release` the first row applies to.
     """
 
     engine: str
@@ -76,7 +82,11 @@ class Adapter:
     first: Release
     array_layout: str | None = None
     arrays_take_every_field: bool = False
+    own_mediums: tuple[str, ...] = ()
     releases: tuple[Release, ...] = ()
+    shapes: dict[str, tuple[tuple[tuple[str, ...], Release], ...]] = field(default_factory=dict, repr=False,
+                                                                             compare=False)
+    """Event type -> the ``(fields in position order, release)`` of each tagged array it may send."""
 
     def __post_init__(self) -> None:
         out, cur = [], self.first
@@ -85,6 +95,13 @@ class Adapter:
                           **ch.flags)
             out.append(cur)
         object.__setattr__(self, "releases", tuple(out))
+        arrays = [r for r in out if not r.maps]
+        for tag, every in zip(("BlockStored", "BlockRemoved"), self.array_fields()):
+            shapes = {_fields(r, tag): r for r in arrays}
+            if self.arrays_take_every_field and arrays:
+                for n in range(min(map(len, shapes)), len(every) + 1):
+                    shapes.setdefault(every[:n], arrays[-1])
+            self.shapes[tag] = tuple(shapes.items())
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -96,44 +113,66 @@ class Adapter:
         rels = self.releases if self.arrays_take_every_field else [r for r in self.releases if not r.maps]
         return union(r.stored for r in rels), union(r.removed for r in rels)
 
-    def consistent(self, event: Any) -> bool:
-        """Whether some release of this family could have sent ``event`` (a plain msgpack-decoded
-        map or tagged array): its shape (array length, or map keys: required ones present, optional
-        ones only when set) and its hashes (signed, unsigned or bytes) fit the release."""
+    def read(self, event: Any) -> dict[str, Any] | None:
+        """``event`` (a plain msgpack-decoded map or tagged array) read as some release of this family
+        would have sent it, as field -> value; None when no release could have. A release could when the
+        event has its shape (array length; map keys: the required ones present, the others only when
+        set), every value set is of its field's kind (:data:`kvbus.producers.engines.convert.KINDS`),
+        its hashes are of the release's kind (signed or unsigned ints, digests) and it keeps the
+        release's promises (:attr:`Release.lora_id_with_lora_name`). Events other than BlockStored and
+        BlockRemoved fit every release ({})."""
         if isinstance(event, dict):
             tag = event.get("type")
-            keys = [k for k in event if k != "type"]
-            hashes = event.get("block_hashes")
+            if tag not in self.shapes:
+                return {}
+            values = {k: v for k, v in event.items() if k != "type"}
+            candidates = [(_fields(r, tag), r) for r in self.releases if r.maps]
         elif isinstance(event, list) and event and isinstance(event[0], str):
-            tag, keys, hashes = event[0], None, event[1] if len(event) > 1 else None
+            tag = event[0]
+            if tag not in self.shapes:
+                return {}
+            values = None
+            candidates = [s for s in self.shapes[tag] if len(s[0]) == len(event) - 1]
         else:
-            return False
-        for r in self.releases:
-            if tag == "BlockStored":
-                fields, required = r.stored, r.stored_required
-            elif tag == "BlockRemoved":
-                fields, required = r.removed, r.removed_required
+            return None
+        kinds = KINDS[tag]
+        for fields, r in candidates:
+            if values is None:
+                got = dict(zip(fields, event[1:]))
             else:
-                return True  # AllBlocksCleared: every release
-            if keys is None:
-                if r.maps or len(event) != len(fields) + 1:
+                required = fields[:r.stored_required if tag == "BlockStored" else r.removed_required]
+                if any(k not in fields for k in values) or any(f not in values for f in required) \
+                        or any(v is None for k, v in values.items() if k not in required):
                     continue
-            elif not r.maps or any(k not in fields for k in keys) or any(f not in event for f in fields[:required]) \
-                    or any(event[k] is None for k in keys if k not in fields[:required]):
+                got = values
+            if any(v is not None and not isinstance(v, kinds.get(k, object)) for k, v in got.items()):
                 continue
-            if _hashes_fit(r, hashes):
-                return True
-        return False
+            if not _hashes_fit(r, got.get("block_hashes")):
+                continue
+            if r.lora_id_with_lora_name and got.get("lora_name") is not None and got.get("lora_id") is None:
+                continue
+            return got
+        return None
+
+    def consistent(self, event: Any) -> bool:
+        """Whether some release of this family could have sent ``event`` (:meth:`read`)."""
+        return self.read(event) is not None
+
+
+def _fields(r: Release, tag: str) -> tuple[str, ...]:
+    return r.stored if tag == "BlockStored" else r.removed
 
 
 def _hashes_fit(r: Release, hashes: Any) -> bool:
+    """Whether release ``r`` writes hashes like ``hashes``: signed int64 or unsigned uint64 ints, or
+    digests (bytes) where it can send them. Not a list (or absent): nothing to tell."""
     if not isinstance(hashes, list):
         return True
     for h in hashes:
         if type(h) is int:
             if h < 0 and not r.signed_hashes or h >= 1 << 63 and r.signed_hashes:
                 return False
-        elif not r.bytes_hashes:
+        elif not (r.bytes_hashes and isinstance(h, bytes)):
             return False
     return True
 

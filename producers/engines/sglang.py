@@ -22,5 +22,7 @@ FIRST = Release("", "sglang", maps=False, dp_rank=True, stored=(), removed=(), s
                 removed_required=1, signed_hashes=True, bytes_hashes=False, replay_topic=False)
 """What the first row starts from. Maps always carry the first 5 stored / 1 removed fields."""
 
-ADAPTER = Adapter("sglang", "sglang", TABLE, FIRST, array_layout="sglang", arrays_take_every_field=True)
-"""The SGLang adapter."""
+ADAPTER = Adapter("sglang", "sglang", TABLE, FIRST, array_layout="sglang", arrays_take_every_field=True,
+                  own_mediums=("CPU_PINNED", "DISK", "EXTERNAL"))
+"""The SGLang adapter. Its mediums ``CPU_PINNED``, ``DISK`` and ``EXTERNAL`` (``StorageMedium``) are
+SGLang's alone (protocol doc §6, §7)."""

@@ -7,8 +7,10 @@ default the decoder takes unless :data:`kvbus.producers.wire_structs.WIRE_TYPES`
 
     row("vllm-0.35", stored=("tier",)),
 
-The decoder (its map and array structs), ``kvbus.engine_wire`` (the fleet's encoder), the list of
-formats and ``--engine auto`` detection all follow from it (tests/test_engines.py adds such a row to a copy of the table).
+The decoder (its map and array structs), the conversion the bridge and the publisher share
+(:mod:`kvbus.producers.engines.convert`), ``kvbus.engine_wire`` (the fleet's encoder), the list of formats
+and ``--engine auto`` detection all follow from it (tests/test_engines.py adds such rows to copies of the
+table).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ TABLE = (
         removed=("block_hashes",)),
     row("vllm-0.9.2", dp_rank=True),  # + envelope dp_rank
     row("vllm-0.10.2", stored=("medium",), removed=("medium",), signed_hashes=False, bytes_hashes=True),
-    row("vllm-0.14", stored=("lora_name",)),
+    row("vllm-0.14", stored=("lora_name",), lora_id_with_lora_name=True),
     row("vllm-0.17", stored=("extra_keys",)),
     row("vllm-0.20", stored=("group_idx",), removed=("group_idx",)),
     row("vllm-0.22", stored=("kv_cache_spec_kind", "kv_cache_spec_sliding_window")),
