@@ -417,4 +417,5 @@ class Bridge:
         self.metrics.dlq.inc()
         # the frames are kept up to DLQ_PAYLOAD_BYTES in all: a rejected ~1 MB payload (e.g. 1,000,001
         # hashes) would make a DeadLetter larger than a record may be, and it would be lost
-        self.sink.produce_dead_letter(dead_letter("bridge", source, f"{type(exc).__name__}: {exc}", frames, time.time()))
+        reason = f"{type(exc).__name__}: {exc}"
+        self.sink.produce_dead_letter(dead_letter("bridge", source, reason, frames, time.time()))

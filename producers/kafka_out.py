@@ -29,8 +29,8 @@ from kvbus.producers.record_producer import (
     producer_conf,
 )
 from kvbus.producers.split import DEFAULT_MAX_RECORD_BYTES, BatchRef
-from kvbus.schemas.events import DeadLetter, EventBatch, holder_key
 from kvbus.schemas.codec import encode_event
+from kvbus.schemas.events import DeadLetter, EventBatch, holder_key
 
 log = logging.getLogger("kvbus.producers.kafka")
 

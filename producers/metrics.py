@@ -24,13 +24,15 @@ class BridgeMetrics:
         p = "kvbus_bridge_"
         self.batches_in = Counter(p + "batches_in", "Engine batches received (live and replayed)", registry=r)
         self.events_in = Counter(p + "events_in", "Engine events decoded", registry=r)
-        self.batches_out = Counter(p + "batches_out", "EventBatch records handed to the producer (incl. reset markers)", registry=r)
+        self.batches_out = Counter(p + "batches_out", "EventBatch records handed to the producer (incl. reset markers)",
+                                   registry=r)
         self.events_out = Counter(p + "events_out", "Events in records handed to the producer", registry=r)
         self.batches_acked = Counter(p + "batches_acked", "EventBatch records acknowledged by Kafka", registry=r)
         self.events_acked = Counter(p + "events_acked", "Events in records acknowledged by Kafka", registry=r)
-        self.delivery_errors = Counter(p + "delivery_errors", "Records Kafka failed to take (delivery callback error)", registry=r)
-        self.split_batches = Counter(p + "split_batches", "Engine batches too large for one record, produced as several",
-                                     registry=r)
+        self.delivery_errors = Counter(p + "delivery_errors", "Records Kafka failed to take (delivery callback error)",
+                                       registry=r)
+        self.split_batches = Counter(p + "split_batches",
+                                     "Engine batches too large for one record, produced as several", registry=r)
         self.split_parts = Counter(p + "split_parts", "Records produced for split engine batches", registry=r)
         self.oversized_events = Counter(p + "oversized_events", "Events too large for any record on their own: "
                                         "dead-lettered with a truncated payload, not produced", registry=r)
@@ -38,7 +40,8 @@ class BridgeMetrics:
                                           buckets=_LATENCY_BUCKETS, registry=r)
         self.gaps = Counter(p + "gaps", "Sequence gaps detected on the live stream", registry=r)
         self.replays = Counter(p + "replays", "Replay requests sent to the engine", registry=r)
-        self.replays_incomplete = Counter(p + "replays_incomplete", "Replays that timed out before the end marker", registry=r)
+        self.replays_incomplete = Counter(p + "replays_incomplete", "Replays that timed out before the end marker",
+                                          registry=r)
         self.recovered = Counter(p + "recovered", "Batches recovered through replay", registry=r)
         self.duplicates = Counter(p + "duplicates", "Replayed batches dropped as already produced", registry=r)
         self.resets = Counter(p + "resets", "Reset markers produced", registry=r)
@@ -46,8 +49,11 @@ class BridgeMetrics:
         self.lost = Counter(p + "lost_batches", "Sequence numbers declared lost in gap resets", registry=r)
         self.dlq = Counter(p + "dlq", "Inputs sent to the dead-letter topic", registry=r)
         self.unknown_events = Counter(p + "unknown_events", "Events of unknown type skipped by the decoder", registry=r)
-        self.shed = Counter(p + "shed_batches", "Live batches not accepted while the backlog was full (recovered by replay or reset)", registry=r)
-        self.queue_depth = Gauge(p + "producer_queue", "Messages in librdkafka's queue (not yet acknowledged)", registry=r)
+        self.shed = Counter(p + "shed_batches",
+                            "Live batches not accepted while the backlog was full (recovered by replay or reset)",
+                            registry=r)
+        self.queue_depth = Gauge(p + "producer_queue", "Messages in librdkafka's queue (not yet acknowledged)",
+                                 registry=r)
         self.backlog = Gauge(p + "backlog", "Records held by the bridge because librdkafka's queue is full", registry=r)
         self.backlog_bytes = Gauge(p + "backlog_bytes", "Bytes of the backlog", registry=r)
         self.held = Gauge(p + "held", "Live batches held while a replay runs", registry=r)

@@ -29,6 +29,16 @@ from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.record_producer import RecordProducer, producer_conf
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
 from kvbus.producers.split import BatchRef
+from kvbus.schemas.codec import (
+    FastSerde,
+    batch_from_head,
+    batch_head,
+    confluent_header,
+    encode_event,
+    encode_events,
+    event_array,
+    event_writer,
+)
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -39,16 +49,6 @@ from kvbus.schemas.events import (
     canonical_parent,
     check_model,
     holder_key,
-)
-from kvbus.schemas.codec import (
-    FastSerde,
-    batch_from_head,
-    batch_head,
-    confluent_header,
-    encode_event,
-    encode_events,
-    event_array,
-    event_writer,
 )
 from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client, value_schema_id
@@ -277,7 +277,9 @@ class KafkaEventPublisher:
         self._dead_letter_serde: FastSerde | None = None
         self.records = RecordProducer(
             self.kafka_topic, self.settings.topics.dlq, self._serialize_dead_letter, self.metrics,
-            stage="publisher", producer=producer, conf=producer_conf({**self.settings.kafka(), **({"bootstrap.servers": endpoint} if endpoint else {})}, overrides),
+            stage="publisher", producer=producer,
+            conf=producer_conf({**self.settings.kafka(), **({"bootstrap.servers": endpoint} if endpoint else {})},
+                               overrides),
             max_record_bytes=max_record_bytes or self.settings.max_record_bytes, max_backlog=max_queue_size,
             label=f"kvbus publisher {replica}: ",
         )

@@ -84,7 +84,8 @@ class RecordProducer:
     librdkafka errors go to the rate-limited log. ``serialize_dead_letter(dl) -> bytes``: the
     Confluent-wire-format value of a DeadLetter (it may raise, e.g. registry unreachable: the
     letter is then logged and not written). ``max_record_bytes``: largest value produced as one
-    record (with ``conf``, lowered to what its ``message.max.bytes`` takes: :func:`~kvbus.producers.split.record_limit`).
+    record (with ``conf``, lowered to what its ``message.max.bytes`` takes:
+    :func:`~kvbus.producers.split.record_limit`).
     ``stage``: the DeadLetter stage of split batches' oversized events ("bridge", "publisher").
     ``label``: prefix of this producer's log messages (e.g. ``"kvbus publisher pod-a: "``).
     """

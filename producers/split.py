@@ -16,8 +16,8 @@ Avro size, which is the same whichever serializer writes the record. An event th
 exceeds the limit can never be produced: it is counted (``kvbus_bridge_oversized_events``),
 logged as an error naming replica, dp rank, worker, epoch, seq, index and size, and sent to the
 dead-letter topic as a ``DeadLetter`` whose reason carries that metadata and whose payload is
-the first :data:`DLQ_PAYLOAD_BYTES` of the event's Avro encoding (:func:`kvbus.schemas.events.dead_letter`) (for a ``BlockStored`` its
-block hashes come first). The events around it are produced as usual; its index is skipped.
+the first :data:`DLQ_PAYLOAD_BYTES` of the event's Avro encoding (:func:`kvbus.schemas.events.dead_letter`;
+for a ``BlockStored`` its block hashes come first). The events around it are produced as usual; its index is skipped.
 
 :class:`Splitter` plans, counts, logs and dead-letters; each producer says how it encodes and
 queues one part (a callback), so both paths share everything else.

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 from kvbus.producers.engines.convert import KINDS
 
+
 @dataclass(frozen=True)
 class Release:
     """How one engine release encodes a batch (one row of a release table, changes applied)."""
