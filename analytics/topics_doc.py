@@ -17,6 +17,7 @@ from typing import Any
 
 import kvbus.schemas.topics
 from kvbus.schemas.avro import RECORDS, SCHEMA_DIR
+from kvbus.schemas.generated_doc import write_or_check
 from kvbus.schemas.registry import subjects
 from kvbus.schemas.topics import Topics
 
@@ -147,15 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if docs/topics.md is not up to date")
     args = p.parse_args(argv)
     examples = args.examples.read_text() if args.examples else current_examples()
-    text = render(examples)
-    if args.check:
-        ok = DOC.is_file() and DOC.read_text() == text
-        print("docs/topics.md is up to date" if ok
-              else "docs/topics.md is out of date: run python -m kvbus.analytics.topics_doc")
-        return 0 if ok else 1
-    DOC.write_text(text)
-    print(f"wrote {DOC}")
-    return 0
+    return write_or_check(DOC, render(examples), "python -m kvbus.analytics.topics_doc", args.check)
 
 
 if __name__ == "__main__":

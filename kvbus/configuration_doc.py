@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kvbus.schemas.env import MISSING, Setting, declared
+from kvbus.schemas.generated_doc import write_or_check
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -157,15 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvbus.configuration_doc", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is not up to date")
     args = p.parse_args(argv)
-    text = render()
-    if args.check:
-        ok = DOC.is_file() and DOC.read_text() == text
-        print("docs/configuration.md is up to date" if ok
-              else "docs/configuration.md is out of date: run python -m kvbus.configuration_doc")
-        return 0 if ok else 1
-    DOC.write_text(text)
-    print(f"wrote {DOC}")
-    return 0
+    return write_or_check(DOC, render(), "python -m kvbus.configuration_doc", args.check)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from kvbus.schemas.events import (
 from kvbus.schemas.serde import RecordSerde, registry_client
 from tests.callback_sink import CallbackSink
 from tests.recording_producer import RecordingProducer
+from tests.vllm_shapes import VllmBlockStored
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -388,27 +389,6 @@ def test_script_mode_ground_truth(harness_factory):
 
 # -- the in-process publisher (no Kafka: its producer is replaced by a recording double) -------
 
-class VllmBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
-    """vLLM 0.33's struct shape (renamed here; the publisher duck-types by class name)."""
-
-    block_hashes: list
-    parent_block_hash: object
-    token_ids: list
-    block_size: int
-    lora_id: object
-    medium: object
-    lora_name: object
-    extra_keys: object = None
-    group_idx: object = None
-    kv_cache_spec_kind: object = None
-    kv_cache_spec_sliding_window: object = None
-    locality: object = None
-    ownership: object = None
-    session_id: object = None
-    lookahead_token_ids: object = None
-
-
-VllmBlockStored.__name__ = "BlockStored"
 
 
 class VllmBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):

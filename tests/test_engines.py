@@ -18,6 +18,7 @@ from kvbus import engine_wire
 from kvbus.producers import decode, engines, wire_structs
 from kvbus.producers.engines import ADAPTERS, Adapter, detect_engine, new_adapter, release, resolve_format, row, vllm
 from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.vllm_shapes import VllmBlockRemoved as _VllmRemoved, VllmBlockStored as _VllmStored
 
 TOP = (0x8000_0000_0000_0001).to_bytes(8, "big")
 """A hash with the top bit set: negative where a release writes signed ints."""
@@ -119,35 +120,6 @@ def test_wire_types_list_only_the_fields_whose_wire_type_is_not_the_kvbus_struct
         wire_structs.WIRE_TYPES)
 
 
-class _VllmStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
-    """vLLM 0.33's BlockStored shape."""
-
-    block_hashes: list
-    parent_block_hash: object
-    token_ids: list
-    block_size: int
-    lora_id: object
-    medium: object
-    lora_name: object
-    extra_keys: object = None
-    group_idx: object = None
-    kv_cache_spec_kind: object = None
-    kv_cache_spec_sliding_window: object = None
-    locality: object = None
-    ownership: object = None
-    session_id: object = None
-    lookahead_token_ids: object = None
-
-
-class _VllmRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list
-    medium: object
-    group_idx: object = None
-    locality: object = None
-    ownership: object = None
-
-
-_VllmStored.__name__, _VllmRemoved.__name__ = "BlockStored", "BlockRemoved"  # the publisher goes by class name
 
 
 @pytest.mark.parametrize("ev", [
