@@ -9,7 +9,7 @@ import re
 import fastavro
 
 from kvbus.analytics.flink_job import DEFAULT_SQL, EVENT_FIELDS, reader_schema
-from kvbus.schemas.avro import schema_str
+from kvbus.schemas.avro import SCHEMA_DIR, schema_str
 
 
 def _strip(node):
@@ -45,3 +45,16 @@ def test_the_sql_tables_declare_the_reader_schemas_fields() -> None:
     for row in rows:
         names = [part.split()[0] for part in re.split(r",\s*(?![^<]*>)", row.replace("\n", " "))]
         assert names == list(EVENT_FIELDS)
+
+
+def test_the_sql_tables_declare_every_field_of_their_records_in_order() -> None:
+    """Flink refuses a reader schema whose fields are not the table's physical columns, so a field added
+    to a record (e.g. ``model``) must be added to the table that reads it."""
+    sql = DEFAULT_SQL.read_text()
+    for table, record in (("blocks", "BlockEvent"), ("raw_batches", "EventBatch")):
+        body = re.search(rf"CREATE TABLE {table} \((.*?)\n\) WITH", sql, re.S).group(1)
+        columns = [m.group(1).strip("`") for m in re.finditer(r"^  (`?\w+`?) ", body, re.M)
+                   if "METADATA" not in m.string[m.start():body.find("\n", m.start())]
+                   and m.group(1) != "WATERMARK"]
+        fields = [f["name"] for f in json.loads((SCHEMA_DIR / f"kvbus.{record}.avsc").read_text())["fields"]]
+        assert columns == fields, (table, columns, fields)

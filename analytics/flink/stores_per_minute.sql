@@ -29,6 +29,7 @@ CREATE TABLE blocks (
   ts DOUBLE NOT NULL,
   event ROW<block_hashes ARRAY<VARBINARY(8) NOT NULL>, block_size INT, medium STRING, ownership STRING,
             reason STRING> NOT NULL,
+  model STRING,
   record_time TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL,
   WATERMARK FOR record_time AS record_time - INTERVAL '10' SECOND
 ) WITH (
@@ -49,6 +50,7 @@ CREATE TABLE raw_batches (
   worker_rank INT NOT NULL,
   workers INT NOT NULL,
   engine STRING NOT NULL,
+  model STRING,
   epoch BIGINT NOT NULL,
   seq BIGINT NOT NULL,
   ts DOUBLE NOT NULL,
