@@ -150,7 +150,8 @@ class SinkConsumer:
         role = {"session.timeout.ms": int(config.session_timeout * 1000), "topic.metadata.refresh.interval.ms": 5000,
                 "auto.offset.reset": "error",
                 **({"group.instance.id": config.instance_id} if config.instance_id else {}), **(consumer_conf or {})}
-        self.consumer = Consumer(kafka_consumer_conf(kafka, config.group, role, error_cb=self.errors.error_cb))
+        self.consumer = Consumer(kafka_consumer_conf(kafka, config.group, role, error_cb=self.errors.error_cb,
+                                                     on_commit=self._on_commit))
         self.producer = Producer(producer_conf(kafka, error_cb=self.errors.error_cb))
         self.reader = SnapshotReader(replace(settings, topics=self.topics), store.prefix)
         self.view_id: str | None = None
@@ -511,6 +512,17 @@ class SinkConsumer:
             self.consumer.seek(TopicPartition(topic, partition, low))
         else:
             self._resync = True
+
+    def _on_commit(self, err: Any, partitions: list) -> None:
+        """librdkafka's answer to an asynchronous commit (called from ``poll``, this thread): a commit
+        refused (e.g. while the group still rebalances after a join) is sent again at the next chance,
+        so a quiet sink does not keep reporting a lag it does not have."""
+        if err is not None and err.code() == KafkaError._NO_OFFSET:
+            return  # nothing new to commit
+        failed = err is not None or any(p.error is not None for p in partitions or ())
+        if failed:
+            log.debug("offset commit refused (%s): committed again at the next batch or idle poll", err)
+            self._uncommitted = True
 
     def _commit(self) -> None:
         """Commit the positions after the records handled so far (asynchronously), if any are new."""
