@@ -79,8 +79,8 @@ if "--use-env" not in sys.argv:
 import redis  # noqa: E402
 
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, probes, lag, the truth check)
-from kvbus.procs import Child, free_port, free_port_block  # noqa: E402
-from kvbus.progress import scrape  # noqa: E402
+from kvbus.children import Child, free_port, free_port_block  # noqa: E402
+from kvbus.demo_progress import scrape  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.sinks.sharded_store import open_store  # noqa: E402
 from kvbus.sinks.store import ResidencyStore  # noqa: E402
@@ -246,7 +246,7 @@ class OwnRedis:
 
     def __init__(self, run_dir: Path, log_dir: Path, data_dir: Path, aof: Optional[str]) -> None:
         from kvbus.infra import redis_server
-        from kvbus.infra.settings import RedisSettings
+        from kvbus.infra.stack_env import RedisSettings
 
         port = free_port()
         self.rs = RedisSettings(f"redis://127.0.0.1:{port}/0", "127.0.0.1", port)
@@ -291,7 +291,7 @@ class OwnRedisCluster:
 
     def __init__(self, root: Path) -> None:
         from kvbus.infra import redis_cluster
-        from kvbus.infra.settings import Paths
+        from kvbus.infra.stack_env import Paths
 
         self.paths = Paths(root).ensure()
         self.nodes = redis_cluster.plan(3, redis_cluster.free_base_port(3))
@@ -433,7 +433,7 @@ class Ctx:
     # Kafka
     def partition_leaders(self) -> dict[int, list[str]]:
         """Broker id -> the run's raw and blocks partitions it leads."""
-        from kvbus.infra.topics import admin_client
+        from kvbus.infra.dev_topics import admin_client
 
         t = self.run.settings.topics
         md = admin_client(self.run.settings.bootstrap).list_topics(timeout=10)
@@ -446,7 +446,7 @@ class Ctx:
     def kill_broker(self, node_id: int) -> None:
         from kvbus.infra import kafka_broker
         from kvbus.infra.procs import alive_record
-        from kvbus.infra.settings import Paths
+        from kvbus.infra.stack_env import Paths
 
         node = next(n for n in kafka_broker.plan(Paths(), 3) if n.node_id == node_id)
         rec = alive_record(node.pid_path)

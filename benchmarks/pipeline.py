@@ -58,8 +58,8 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
-from kvbus.procs import Children, cpu_seconds, free_port, free_port_block, wait_for  # noqa: E402
-from kvbus.progress import GroupLag, scrape  # noqa: E402
+from kvbus.children import Children, cpu_seconds, free_port, free_port_block, wait_for  # noqa: E402
+from kvbus.demo_progress import GroupLag, scrape  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
@@ -131,7 +131,7 @@ class Run:
 
 def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
     """Fresh names for topics, groups and the Redis prefix; topics created."""
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
 
     run_id = f"bench{uuid.uuid4().hex[:8]}"
     topics = Topics(raw=f"{run_id}.raw", blocks=f"{run_id}.blocks", incomplete=f"{run_id}.incomplete",
@@ -150,7 +150,7 @@ def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
 def cluster_replication(bootstrap: str) -> int:
     """Replication factor of a run's topics: 3 on a cluster of three or more brokers (min ISR 2,
     kvbus.schemas.topics.min_insync), else the number of brokers."""
-    from kvbus.infra.topics import admin_client
+    from kvbus.infra.dev_topics import admin_client
 
     return min(3, len(admin_client(bootstrap).list_topics(timeout=10).brokers))
 
@@ -173,7 +173,7 @@ def start_stages(run: Run, args: argparse.Namespace, sink_args: tuple[str, ...] 
         for w in range(args.tp):
             port = free_port()
             run.bridge_ports.append(port)
-            pub = args.base_port + 2 * (i * args.tp + w)  # kvbus.fleet's port rule (1 dp rank)
+            pub = args.base_port + 2 * (i * args.tp + w)  # kvbus.simulator.fleet's port rule (1 dp rank)
             run.children.start(f"bridge-{i}-w{w}", "bridge", "--endpoint", f"tcp://127.0.0.1:{pub}",
                                "--replay-endpoint", f"tcp://127.0.0.1:{pub + 1}", "--replica", f"replica-{i}",
                                "--worker-rank", str(w), "--workers", str(args.tp), "--metrics-port", str(port))
@@ -216,7 +216,7 @@ def start_fleet(run: Run, args: argparse.Namespace, rungs: list[tuple[float, flo
 def service_pids(redis_url: str) -> dict[str, list[int]]:
     """Pids of the stack's Kafka brokers and registry (infra's pid files) and of Redis (INFO)."""
     from kvbus.infra.procs import read_pid
-    from kvbus.infra.settings import Paths
+    from kvbus.infra.stack_env import Paths
 
     run_dir = Paths().run
     pids: dict[str, list[int]] = {"kafka": [], "registry": [], "redis": []}

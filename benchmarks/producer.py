@@ -33,7 +33,7 @@ import msgspec
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvbus.procs import free_port  # noqa: E402
+from kvbus.children import free_port  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
 
@@ -158,8 +158,8 @@ def engine_main(argv: list[str]) -> int:
 def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dict[str, Any]:
     """(a): acknowledged events/s through one bridge."""
     from kvbus.producers.bridge import Bridge, BridgeConfig
-    from kvbus.producers.kafka_out import KafkaSink
     from kvbus.producers.metrics import BridgeMetrics
+    from kvbus.producers.raw_producer import RawProducer
     from kvbus.schemas.codec import FastSerde
     from kvbus.schemas.serde import RecordSerde, registry_client
 
@@ -169,7 +169,7 @@ def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dic
     fast.header(topics.raw)  # registers the schema before the clock starts
     dl = RecordSerde(registry, "DeadLetter")
     metrics = BridgeMetrics()
-    sink = KafkaSink.build(settings.bootstrap, topics.raw, topics.dlq, lambda b: fast.dumps(b, topics.raw),
+    sink = RawProducer.build(settings.bootstrap, topics.raw, topics.dlq, lambda b: fast.dumps(b, topics.raw),
                            lambda d: dl.dumps(d, topics.dlq), metrics)
     p1, p2 = free_port(), free_port()
     cfg = BridgeConfig(endpoint=f"tcp://127.0.0.1:{p1}", replica="bench-0",
@@ -261,7 +261,7 @@ def main() -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO if os.environ.get("BENCH_DEBUG") else logging.WARNING)
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
 
     base = Settings.from_env()
     sfx = uuid.uuid4().hex[:8]

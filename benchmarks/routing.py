@@ -9,7 +9,7 @@ its previous prompt, the reply to it and a new user message (the first turn: the
 message). A conversation ends after 1 to ``--max-turns`` turns and a new one takes its place. The
 stream depends on ``--seed`` only, never on where requests go, so every router gets the same requests.
 
-**Engines.** ``--replicas`` simulated vLLM 0.33 engines (:class:`kvbus.fleet.CacheModel`: a GPU prefix
+**Engines.** ``--replicas`` simulated vLLM 0.33 engines (:class:`kvbus.simulator.fleet.CacheModel`: a GPU prefix
 cache of ``--gpu-blocks`` blocks, LRU eviction, one ``BlockRemoved`` per evicted hash, vLLM's sha256
 block hashes). The chosen replica serves the prompt and its reply, reusing the leading blocks it holds;
 the full blocks of prompt and reply stay cached. *Reused tokens* = resident leading blocks of the prompt
@@ -66,11 +66,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the stage processes, the truth check)
+from kvbus.children import free_port_block, wait_for  # noqa: E402
 from kvbus.client import ViewClient  # noqa: E402
-from kvbus.fleet import CacheModel, Fleet, FleetConfig, ModelConfig, message, system_prompts  # noqa: E402
-from kvbus.procs import free_port_block, wait_for  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.simulator.fleet import CacheModel, Fleet, FleetConfig, ModelConfig, message, system_prompts  # noqa: E402
 from kvbus.sinks.sharded_store import open_store  # noqa: E402
 from kvbus.sinks.store import ResidencyStore  # noqa: E402
 
@@ -137,7 +137,7 @@ def requests(w: Workload) -> Iterator[Request]:
 
 
 def engines(w: Workload, replicas: int) -> dict[str, CacheModel]:
-    """In-process engines (replica name -> its cache), as :class:`kvbus.fleet.Fleet` builds them."""
+    """In-process engines (replica name -> its cache), as :class:`kvbus.simulator.fleet.Fleet` builds them."""
     return {name: m for (name, _), m in Fleet(fleet_config(w, replicas)).models.items()}
 
 

@@ -45,8 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fleet_view import load_kvbus, pct, queries, used_memory  # noqa: E402
+from kvbus.children import free_port  # noqa: E402
 from kvbus.client import BY_NAME, ViewClient  # noqa: E402
-from kvbus.procs import free_port  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.serve.query import Query, answer  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402

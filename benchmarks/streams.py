@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from confluent_kafka import Producer  # noqa: E402
 
-from kvbus.procs import free_port  # noqa: E402
+from kvbus.children import free_port  # noqa: E402
 from kvbus.schemas.events import BlockRemoved, BlockStored, holder_key  # noqa: E402
 from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
@@ -112,7 +112,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def ensure_topics(settings: Settings, names: list[str]) -> None:
-    from kvbus.infra.topics import ensure_topics as create
+    from kvbus.infra.dev_topics import ensure_topics as create
 
     create(settings.bootstrap, names, settings.partitions, 1)
 

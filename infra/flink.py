@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import tools
 from .procs import ServiceError
-from .settings import INFRA_DIR, Paths
+from .stack_env import INFRA_DIR, Paths
 
 log = logging.getLogger("infra")
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from . import tools
 from .procs import PidRecord, ServiceError, alive_record, failure, port_open, start_process
-from .settings import INFRA_DIR, KAFKA_JVM_OPTS, LOOPBACK, Paths, bootstrap_for, broker_ports, env_opts
+from .stack_env import INFRA_DIR, KAFKA_JVM_OPTS, LOOPBACK, Paths, bootstrap_for, broker_ports, env_opts
 
 log = logging.getLogger("infra")
 
@@ -82,7 +82,7 @@ class Node:
 
 
 def plan(paths: Paths, brokers: int) -> list[Node]:
-    """The nodes of a ``brokers``-node cluster; ports from :func:`kvbus.infra.settings.broker_ports`."""
+    """The nodes of a ``brokers``-node cluster; ports from :func:`kvbus.infra.stack_env.broker_ports`."""
     if brokers < 1:
         raise ValueError("brokers must be >= 1")
     ports = broker_ports(brokers)
@@ -331,7 +331,7 @@ def active_controller(nodes: list[Node]) -> int | None:
 
 def metadata_brokers(bootstrap_servers: str, timeout: float = 2.0) -> set[int]:
     """Broker ids in the cluster metadata (empty set if unreachable)."""
-    from .topics import admin_client
+    from .dev_topics import admin_client
 
     md = admin_client(bootstrap_servers).list_topics(timeout=timeout)
     return set(md.brokers)
@@ -349,7 +349,7 @@ class Readiness:
     def __call__(self) -> bool:
         if not all(port_open(LOOPBACK, n.port) for n in self.nodes):
             return False
-        from .topics import admin_client
+        from .dev_topics import admin_client
 
         if self._client is None:
             self._client = admin_client(bootstrap(self.nodes), **self.client_conf)

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from . import prometheus_rule, strimzi
-from .settings import REPO_ROOT, read_env_file
+from .stack_env import REPO_ROOT, read_env_file
 
 ROOT: Path = REPO_ROOT if REPO_ROOT is not None else Path.cwd()
 KUBERNETES = ROOT / "deploy/kubernetes"

@@ -32,7 +32,7 @@ from typing import Any
 from . import redis_server, tools
 from .procs import PidRecord, ServiceError, alive_record, port_open, start_process, wait_until
 from .redis_server import REDIS, ServerKind
-from .settings import LOOPBACK, REDIS_CLUSTER_PORT, Paths, RedisSettings
+from .stack_env import LOOPBACK, REDIS_CLUSTER_PORT, Paths, RedisSettings
 
 log = logging.getLogger("infra")
 

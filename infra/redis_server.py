@@ -19,7 +19,7 @@ from typing import Any
 
 from . import tools
 from .procs import PidRecord, ServiceError, alive_record, port_open, start_process
-from .settings import Paths, RedisSettings
+from .stack_env import Paths, RedisSettings
 
 log = logging.getLogger("infra")
 

@@ -43,7 +43,7 @@ from typing import Any
 from kvbus.sinks.config import SinkConfig  # the stages' public options (group, key prefix, app id)
 from kvbus.streams.options import StreamsOptions
 
-from . import kafka_broker, pki, redis_server, registry, topics
+from . import dev_topics, kafka_broker, pki, redis_server, registry_server
 from .procs import ServiceError, alive_record, port_open, start_process, stop_process, wait_until
 from .secure_plan import (
     ADMIN,
@@ -57,7 +57,7 @@ from .secure_plan import (
     redis_rules,
     registry_grants,
 )
-from .settings import LOOPBACK, SECURE_PORT_BASE, Paths, RedisSettings, RegistrySettings, kvbus_settings, state_dir
+from .stack_env import LOOPBACK, SECURE_PORT_BASE, Paths, RedisSettings, RegistrySettings, kvbus_settings, state_dir
 
 log = logging.getLogger("infra")
 
@@ -94,7 +94,7 @@ class SecurePorts:
 
 @dataclass
 class SecurePaths(Paths):
-    """:class:`kvbus.infra.settings.Paths` of the secured stack: its own run, logs, data and configs, the
+    """:class:`kvbus.infra.stack_env.Paths` of the secured stack: its own run, logs, data and configs, the
     open stack's Kafka jars and registry distribution (``shared``)."""
 
     shared: Paths = field(default_factory=Paths)
@@ -302,7 +302,7 @@ def apply_kafka_security(layout: SecureLayout, timeout: float = 30.0) -> dict[st
     :mod:`kvbus.infra.secure_plan` as ``admin``. Returns ``{principal: number of ACLs}``."""
     from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
 
-    client = topics.admin_client(layout.bootstrap, **admin_conf(layout))
+    client = dev_topics.admin_client(layout.bootstrap, **admin_conf(layout))
     users = [u for u in (*KAFKA_USERS, REGISTRY_KAFKA_USER) if u != ADMIN]
     info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192)
     ups = [UserScramCredentialUpsertion(u, info, password(layout, u).encode()) for u in users]
@@ -356,7 +356,7 @@ def _redis_ping(layout: SecureLayout) -> bool:
 
 
 def registry_props(layout: SecureLayout, cert: pki.CertFiles) -> dict[str, str | None]:
-    """Registry system properties laid over :func:`kvbus.infra.registry.argv` (no secret in them)."""
+    """Registry system properties laid over :func:`kvbus.infra.registry_server.argv` (no secret in them)."""
     return {
         "quarkus.http.port": str(layout.ports.registry),
         "quarkus.http.ssl-port": str(layout.ports.registry),
@@ -412,9 +412,9 @@ def up(layout: SecureLayout | None = None, *, timeout: float | None = None) -> d
     t_all = time.monotonic()
     timings: dict[str, float] = {}
     t = time.monotonic()
-    topics.require_client()
+    dev_topics.require_client()
     kafka_broker.ensure_libs(shared)
-    registry.ensure_app(shared)
+    registry_server.ensure_app(shared)
     redis_server.binary()
     cert = prepare(layout)
     timings["prepare"] = time.monotonic() - t
@@ -445,22 +445,22 @@ def up(layout: SecureLayout | None = None, *, timeout: float | None = None) -> d
     wait_until("kafka (secure)", kafka_broker.Readiness([node], admin_conf(layout)), timeout=timeout or KAFKA_TIMEOUT,
                records=new or list(live.values()), log=node.log_path)
     acls = apply_kafka_security(layout)
-    topics.ensure_kvbus_topics(layout.bootstrap, 1, client_conf=admin_conf(layout))
+    dev_topics.ensure_kvbus_topics(layout.bootstrap, 1, client_conf=admin_conf(layout))
     timings["kafka"] = time.monotonic() - t
 
     t = time.monotonic()
     reg = layout.registry
-    rrec = registry.start(layout.paths, reg, layout.bootstrap, 1, registry_props(layout, cert))
-    recs = [rrec] if rrec is not None else [r for r in [registry.running(layout.paths)] if r is not None]
+    rrec = registry_server.start(layout.paths, reg, layout.bootstrap, 1, registry_props(layout, cert))
+    recs = [rrec] if rrec is not None else [r for r in [registry_server.running(layout.paths)] if r is not None]
     wait_until("registry (secure)", lambda: registry_ready(layout), timeout=timeout or REGISTRY_TIMEOUT, records=recs,
-               log=registry.log_path(layout.paths))
+               log=registry_server.log_path(layout.paths))
     timings["registry"] = time.monotonic() - t
     timings["total"] = time.monotonic() - t_all
 
     state = {"bootstrap": layout.bootstrap, "registry_url": reg.url, "redis_url": layout.redis_url,
              "env_dir": str(layout.env_dir), "state_dir": str(layout.root), "ca": str(layout.ca),
              "ports": layout.ports.__dict__, "kafka_version": kafka_broker.KAFKA_VERSION,
-             "apicurio_version": registry.version()}
+             "apicurio_version": registry_server.version()}
     layout.state_file.write_text(json.dumps(state, indent=1, sort_keys=True))
     return {**state, "env": env_lines(layout, ADMIN), "acls": acls,
             "timings": {k: round(v, 2) for k, v in timings.items()}}
@@ -472,7 +472,7 @@ def down(layout: SecureLayout | None = None, timeout: float = 30.0) -> dict[str,
     layout = layout or SecureLayout.default()
     run = layout.paths.run
     out: dict[str, str] = {}
-    pid_files = [registry.pid_path(layout.paths), kafka_node(layout).pid_path, _redis_pid(layout)]
+    pid_files = [registry_server.pid_path(layout.paths), kafka_node(layout).pid_path, _redis_pid(layout)]
     pid_files += [p for p in sorted(run.glob("*.pid")) if p not in pid_files] if run.is_dir() else []
     for pf in pid_files:
         rec = alive_record(pf)
@@ -493,7 +493,7 @@ def status(layout: SecureLayout | None = None) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - unreachable or refusing: not ready
             return False
 
-    recs = {"kafka": alive_record(node.pid_path), "registry": registry.running(layout.paths),
+    recs = {"kafka": alive_record(node.pid_path), "registry": registry_server.running(layout.paths),
             "redis": alive_record(_redis_pid(layout))}
     ready = {"kafka": lambda: kafka_broker.Readiness([node], admin_conf(layout))(),
              "registry": lambda: registry_ready(layout), "redis": lambda: _redis_ping(layout)}

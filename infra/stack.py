@@ -31,7 +31,7 @@ from typing import Any
 
 from kvbus.schemas.env import SettingError
 
-from . import kafka_broker, redis_cluster, redis_server, registry, topics
+from . import dev_topics, kafka_broker, redis_cluster, redis_server, registry_server
 from .procs import (
     PidRecord,
     ServiceError,
@@ -44,7 +44,7 @@ from .procs import (
     wait_until,
 )
 from .redis_server import REDIS, VALKEY, ServerKind
-from .settings import Paths, RedisSettings, redis_settings, registry_settings, server_settings, valkey_settings
+from .stack_env import Paths, RedisSettings, redis_settings, registry_settings, server_settings, valkey_settings
 
 log = logging.getLogger("infra")
 
@@ -158,11 +158,11 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
 
         # 1. python clients used for readiness, then artefacts (downloads only when missing)
         t = time.monotonic()
-        topics.require_client()
+        dev_topics.require_client()
         redis_server.require_client()
         kafka_broker.ensure_libs(paths)
-        registry.ensure_app(paths)
-        registry.java(paths)
+        registry_server.ensure_app(paths)
+        registry_server.java(paths)
         redis_server.binary()
         if valkey:
             redis_server.binary(VALKEY)
@@ -189,16 +189,16 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
 
         # 3. topics
         t = time.monotonic()
-        names = topics.kvbus_topics()
-        created = topics.ensure_kvbus_topics(boot, rf) if create_topics else []
+        names = dev_topics.kvbus_topics()
+        created = dev_topics.ensure_kvbus_topics(boot, rf) if create_topics else []
         timings["topics"] = time.monotonic() - t
 
         # 4. registry (needs kafka for KafkaSQL storage)
         t = time.monotonic()
-        reg_rec = registry.start(paths, reg, boot, rf)
-        recs = [reg_rec] if reg_rec is not None else [r for r in [registry.running(paths)] if r is not None]
-        wait_until("registry", lambda: registry.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs,
-                   log=registry.log_path(paths))
+        reg_rec = registry_server.start(paths, reg, boot, rf)
+        recs = [reg_rec] if reg_rec is not None else [r for r in [registry_server.running(paths)] if r is not None]
+        wait_until("registry", lambda: registry_server.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs,
+                   log=registry_server.log_path(paths))
         timings["registry"] = time.monotonic() - t
 
         state = {
@@ -213,7 +213,7 @@ def up(brokers: int | None = None, *, timeout: float | None = None, create_topic
             "redis_version": redis_version,
             "valkey": valkey_info,
             "replication": rf,
-            "apicurio_version": registry.version(),
+            "apicurio_version": registry_server.version(),
             "kafka_version": kafka_broker.KAFKA_VERSION,
             "topics": names,
             "state_dir": str(paths.root),
@@ -326,10 +326,10 @@ def stop_registry() -> str:
     ``"not running"``. ``start_registry`` brings it back (schemas survive in KafkaSQL)."""
     paths = Paths().ensure()
     with _locked(paths):
-        rec = registry.running(paths)
+        rec = registry_server.running(paths)
         if rec is None:
             return "not running"
-        res = stop_process(rec, pid_path=registry.pid_path(paths))
+        res = stop_process(rec, pid_path=registry_server.pid_path(paths))
         reg = registry_settings()
         wait_until("registry (port release)", lambda: not port_open(reg.host, reg.port), timeout=30)
         return res
@@ -347,10 +347,10 @@ def start_registry(timeout: float | None = None) -> dict[str, Any]:
             raise StackError("the stack is not up (no state file); run `infra/stack up` first")
         reg = registry_settings()
         t = time.monotonic()
-        new = registry.start(paths, reg, state["bootstrap"], int(state.get("replication", 1)))
-        recs = [new] if new is not None else [r for r in [registry.running(paths)] if r is not None]
-        wait_until("registry", lambda: registry.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs,
-                   log=registry.log_path(paths))
+        new = registry_server.start(paths, reg, state["bootstrap"], int(state.get("replication", 1)))
+        recs = [new] if new is not None else [r for r in [registry_server.running(paths)] if r is not None]
+        wait_until("registry", lambda: registry_server.ready(reg), timeout=timeout or REGISTRY_TIMEOUT, records=recs,
+                   log=registry_server.log_path(paths))
         return {"pid": new.pid if new else None, "seconds": round(time.monotonic() - t, 2)}
 
 
@@ -426,15 +426,15 @@ def status() -> dict[str, Any]:
             "rss_mib": _rss_mib(rec),
             "log": str(n.log_path),
         }
-    rrec = registry.running(paths)
+    rrec = registry_server.running(paths)
     services["registry"] = {
         "pid": rrec.pid if rrec else None,
         "address": reg.url,
         "health": reg.health_url,
         "running": rrec is not None,
-        "ready": rrec is not None and registry.is_ready(reg),
+        "ready": rrec is not None and registry_server.is_ready(reg),
         "rss_mib": _rss_mib(rrec),
-        "log": str(registry.log_path(paths)),
+        "log": str(registry_server.log_path(paths)),
     }
     services[REDIS.name] = _server_status(paths, rs, REDIS, bool(state.get("redis_external")))
     cluster = state.get("redis_cluster")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .procs import ServiceError, failure
-from .settings import MAVEN_OPTS, env_opts
+from .stack_env import MAVEN_OPTS, env_opts
 
 log = logging.getLogger("infra")
 

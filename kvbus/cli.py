@@ -24,7 +24,7 @@ from kvbus.schemas.settings import Settings
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("kvbus.demo", "add_demo_args", "run_demo",
              "bring the stack up, stream a demo fleet end to end, show the view and a lookup"),
-    "fleet": ("kvbus.fleet", "add_fleet_args", "run_fleet",
+    "fleet": ("kvbus.simulator.fleet", "add_fleet_args", "run_fleet",
               "synthetic engine replicas publishing KV events over ZMQ like vLLM/SGLang"),
     "bridge": ("kvbus.producers.cli", "add_bridge_args", "run_bridge",
                "ZMQ subscriber of one engine -> Avro -> Kafka (gap recovery via replay)"),

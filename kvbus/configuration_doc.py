@@ -50,12 +50,12 @@ SECTIONS: tuple[Section, ...] = (
     Section("kvbus sink", "The sink writing the residency view to Redis.",
             ("kvbus.sinks.config:SinkConfig",), "sink"),
     Section("kvbus serve", "The HTTP query API over the view ([serve.md](serve.md)); where the view is: the "
-            "Redis settings of every command.", ("kvbus.serve.config:ServeConfig",), "serve"),
+            "Redis settings of every command.", ("kvbus.serve.serve_config:ServeConfig",), "serve"),
     Section("kvbus top", "The live console; the groups and the view's prefix are the stages' own variables.",
-            ("kvbus.top.config:TopConfig",), "top"),
+            ("kvbus.top.top_config:TopConfig",), "top"),
     Section("The development stack", "`infra/stack up | down | status`, `kvbus demo` and the tests' stack, besides "
             "the settings of every command above ([development.md](development.md)).",
-            ("kvbus.infra.settings:SETTINGS",)),
+            ("kvbus.infra.stack_env:SETTINGS",)),
 )
 """The doc's tables, in order."""
 

@@ -21,8 +21,8 @@ import time
 import uuid
 from pathlib import Path
 
-from kvbus.procs import Children, wait_for
-from kvbus.progress import Progress
+from kvbus.children import Children, wait_for
+from kvbus.demo_progress import Progress
 from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.demo")
@@ -101,8 +101,8 @@ def _register_schemas(settings: Settings) -> None:
 
 
 def _streams(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
-    """(replica, worker_rank, pub_port, replay_port) of every fleet stream (kvbus.fleet's port rule)."""
-    from kvbus.fleet import FleetConfig, stream_index
+    """(replica, worker_rank, pub_port, replay_port) of every fleet stream (kvbus.simulator.fleet's port rule)."""
+    from kvbus.simulator.fleet import FleetConfig, stream_index
 
     cfg = FleetConfig(replicas=args.replicas, workers=args.workers, base_port=args.base_port)
     out = []
@@ -116,7 +116,7 @@ def _streams(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
 def principal_envs() -> dict[str, dict[str, str]]:
     """The secured stack's ``KVBUS_*`` settings of each principal (its env files)."""
     from kvbus.infra import secure
-    from kvbus.infra.settings import read_env_file
+    from kvbus.infra.stack_env import read_env_file
 
     layout = secure.SecureLayout.default()
     return {p: read_env_file(layout.env_file(p)) for p in secure.PRINCIPALS}
@@ -190,7 +190,7 @@ def _check_alive(children: Children) -> None:
 
 def _report(settings: Settings, manifest: Path) -> bool:
     from kvbus.sinks.cli import add_lookup_args, lookup_answer
-    from kvbus.sinks.view import summary
+    from kvbus.sinks.demo_summary import summary
 
     view = summary(settings.redis_url, client_kwargs=settings.redis_kwargs())
     print("== residency view (blocks per replica per tier):")

@@ -14,7 +14,7 @@ and hand what it releases, in order, to the sink:
   bridge stopped between the parts of one, the restarted bridge produces the missing parts
   (see :meth:`Bridge._same_as_resumed`).
 
-The sink is a seam: :class:`~kvbus.producers.kafka_out.KafkaSink` in production, any
+The sink is a seam: :class:`~kvbus.producers.raw_producer.RawProducer` in production, any
 object with the :class:`Sink` methods in unit tests (tests/callback_sink.py).
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ class BridgeConfig:
 
 
 class Sink(Protocol):
-    """Where the bridge's records go (KafkaSink, or a test double)."""
+    """Where the bridge's records go (RawProducer, or a test double)."""
 
     def produce_batch(self, batch: EventBatch) -> None: ...
     def produce_dead_letter(self, dl: DeadLetter) -> None: ...

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kvbus.producers.bridge import Bridge, BridgeConfig
-from kvbus.producers.kafka_out import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, KafkaSink
 from kvbus.producers.metrics import BridgeMetrics
+from kvbus.producers.raw_producer import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, RawProducer
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
 from kvbus.schemas import logs
 from kvbus.schemas.backoff import Backoff, sleep
@@ -146,7 +146,7 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
             log.info("no earlier record of %s#%d worker %d in %s: first start", cfg.replica, cfg.dp_rank,
                      cfg.worker_rank, topics.raw)
     metrics = metrics or BridgeMetrics()
-    sink = KafkaSink.build(
+    sink = RawProducer.build(
         settings.kafka(), topics.raw, topics.dlq, serialize_batch, lambda dl: dl_serde.dumps(dl, topics.dlq),
         metrics, dict(args.producer_conf), max_backlog=args.max_backlog,
         max_backlog_bytes=args.max_backlog_mb << 20,

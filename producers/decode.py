@@ -82,7 +82,7 @@ __all__ = [
 ENGINE_FORMATS: tuple[str, ...] = FORMATS
 """Wire-format ids: each is the first release of a layout change, from the engine adapters' release
 tables (:mod:`kvbus.producers.engines`; protocol doc §4 field history, §7, §8). A release between two ids
-speaks the older one (vLLM 0.27 = "vllm-0.26"). ``kvbus.engine_wire.FORMATS`` is the same tuple."""
+speaks the older one (vLLM 0.27 = "vllm-0.26"). ``kvbus.simulator.engine_wire.FORMATS`` is the same tuple."""
 
 ENGINES = ("auto", *LAYOUTS[1:])
 """Values of ``decode_batch(engine=...)``: "auto", or a family's array layout ("vllm", "sglang")."""

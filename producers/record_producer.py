@@ -1,4 +1,4 @@
-"""The one Kafka record producer of kvbus: used by the bridge (:class:`~kvbus.producers.kafka_out.KafkaSink`)
+"""The one Kafka record producer of kvbus: used by the bridge (:class:`~kvbus.producers.raw_producer.RawProducer`)
 and the in-process publisher (:class:`~kvbus.producers.publisher.KafkaEventPublisher`).
 
 It owns everything the two paths share: the idempotent confluent-kafka producer and its

@@ -3,7 +3,7 @@
 An engine batch is one ``EventBatch`` record on the raw topic, and a record must fit
 librdkafka's ``message.max.bytes`` (1,000,000 bytes by default) and the topic's
 ``max.message.bytes``; a long prefill's ``BlockStored`` carries its token ids, so one batch can
-reach several MB. Both producers (the bridge's :class:`~kvbus.producers.kafka_out.KafkaSink` and the
+reach several MB. Both producers (the bridge's :class:`~kvbus.producers.raw_producer.RawProducer` and the
 in-process :class:`~kvbus.producers.publisher.KafkaEventPublisher`) therefore check the encoded value
 against a limit (``KVBUS_MAX_RECORD_BYTES``, default 900,000) and, when it is larger, produce the
 batch as consecutive parts, in order, under the same key, epoch and seq:

@@ -152,7 +152,7 @@ class Codec:
 
     def batch_scanner(self, raw: RawFactory, shared: Any = None) -> Callable[[bytes, int], Any]:
         """``scan(data, pos=0) -> EventBatch`` with block events made by ``raw`` (module doc).
-        ``shared``: see :meth:`kvbus.schemas.codegen.Generator.scan_fn` (kvbus.streams.codec.SharedEvents)."""
+        ``shared``: see :meth:`kvbus.schemas.codegen.Generator.scan_fn` (kvbus.streams.record_values.SharedEvents)."""
         scan = self._scan
 
         def scanner(data: bytes, pos: int = 0) -> Any:

@@ -29,8 +29,8 @@ from kvbus.schemas.lookup import (
 )
 from kvbus.sinks import functions
 from kvbus.sinks.redis_memory import RedisFull, describe_full, is_oom
+from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
 from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, summary_from_counts
-from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -42,7 +42,7 @@ tier index, number of hashes (39 bytes, big-endian; the hashes follow, after the
 store: :data:`STORED_WITH_SPEC`)."""
 STORED, REMOVED, CLEARED, RESET, STORED_WITH_SPEC = 1, 2, 3, 4, 5
 """Event kinds of the blob; a BlockStored whose event names its KV cache group's kind is sent as
-STORED_WITH_SPEC, its spec (:func:`kvbus.sinks.tiers.group_spec`) as one length byte and the text."""
+STORED_WITH_SPEC, its spec (:func:`kvbus.sinks.refcounts.group_spec`) as one length byte and the text."""
 
 STATE_POS = struct.Struct(">ddd")
 """Holder state ``p:<topic>``: applied position epoch, seq, index (kvbus.lua: POS)."""

@@ -76,8 +76,8 @@ from kvbus.sinks.redis_store import (
     _with_extra,
     refused,
 )
+from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights, label
 from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, summary_from_counts
-from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, label
 
 log = logging.getLogger("kvbus.sinks")
 

@@ -39,10 +39,10 @@ from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import record_spec
 from kvbus.streams.aggregation import Aggregator, Output, check, is_meta_key, load
-from kvbus.streams.codec import Codec
 from kvbus.streams.faust_adapter import ChangelogPartition, release, rewind
 from kvbus.streams.metrics import StreamsMetrics
 from kvbus.streams.options import StreamsOptions
+from kvbus.streams.record_values import Codec
 
 log = logging.getLogger("kvbus.streams")
 

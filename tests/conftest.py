@@ -62,7 +62,7 @@ def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator["SecureLa
 def unique_topics(stack: Settings) -> Iterator[Topics]:
     """Fresh topic names for one test, created with the stack's partition count, deleted
     afterwards (with any tier topic the test made) so a developer's stack does not grow."""
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
 
     suffix = uuid.uuid4().hex[:8]
     t = Topics(
@@ -82,7 +82,7 @@ def sink_topics(stack: Settings) -> Iterator[Topics]:
     """Fresh topics for a sink test: the block topic and its ``kvcr`` tier topic (2 partitions
     each, so records of several holders interleave), a dead-letter topic, and a snapshot topic
     name (the sink creates it); all deleted afterwards."""
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
 
     suffix = uuid.uuid4().hex[:8]
     t = Topics(blocks=f"s{suffix}.blocks", dlq=f"s{suffix}.dlq", snapshots=f"s{suffix}.snapshots")

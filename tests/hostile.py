@@ -8,7 +8,7 @@ Each generator yields inputs tagged with what the stage under test is designed t
 * stage-specific kinds (a backward seq at the bridge, a backward position at the sink).
 
 Shapes are derived from the real formats, not rewritten: engine payloads start from what
-:func:`kvbus.engine_wire.encode_batch` writes (vLLM 0.33 maps), decoded to plain msgpack values and
+:func:`kvbus.simulator.engine_wire.encode_batch` writes (vLLM 0.33 maps), decoded to plain msgpack values and
 mutated; Kafka values start from what :class:`kvbus.schemas.serde.RecordSerde` writes (Confluent wire
 format) and are cut, re-headed or mutated.
 """
@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 
 import msgspec
 
-from kvbus.engine_wire import encode_batch
 from kvbus.schemas.events import BlockStored, canonical_hash
+from kvbus.simulator.engine_wire import encode_batch
 
 REJECT = "reject"
 ACCEPT = "accept"

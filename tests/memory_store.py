@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
+from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
 from kvbus.sinks.store import (
     ApplyResult,
     HolderMatch,
@@ -17,7 +18,6 @@ from kvbus.sinks.store import (
     split_holder,
     summary_from_counts,
 )
-from kvbus.sinks.tiers import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
 from tests.hybrid_rule import GroupSpec, hybrid_hit
 
 MAX_TIERS = 64

@@ -12,7 +12,7 @@ from typing import Callable
 
 from confluent_kafka import Producer
 
-from kvbus.procs import Children
+from kvbus.children import Children
 from kvbus.schemas.events import EventBatch, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
@@ -24,7 +24,7 @@ def env_for(settings: Settings) -> dict[str, str]:
 
 
 class Pipeline:
-    """kvbus subcommands started as processes (``kvbus.procs.Children``, as the demo does);
+    """kvbus subcommands started as processes (``kvbus.children.Children``, as the demo does);
     ``stop()`` ends them all."""
 
     def __init__(self, settings: Settings, workdir: Path) -> None:

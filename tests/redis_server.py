@@ -11,9 +11,9 @@ from typing import Sequence
 
 import redis
 
+from kvbus.children import free_port
 from kvbus.infra.redis_server import REDIS, VALKEY, ServerKind, server_argv
-from kvbus.infra.settings import RedisSettings
-from kvbus.procs import free_port
+from kvbus.infra.stack_env import RedisSettings
 
 __all__ = ["REDIS", "VALKEY", "RedisServer", "main_thread_cpu", "wait_replica_synced"]
 

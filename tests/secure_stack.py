@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 from confluent_kafka import Consumer, KafkaError, Producer
 
+from kvbus.children import free_port_block
 from kvbus.infra import secure
-from kvbus.infra.settings import read_env_file
-from kvbus.procs import free_port_block
+from kvbus.infra.stack_env import read_env_file
 
 QUIET = logging.getLogger("tests.secure.librdkafka")
 QUIET.propagate = False
@@ -103,7 +103,7 @@ def principal_env(layout: secure.SecureLayout, principal: str, **extra: str) -> 
 
 class StagePipeline:
     """kvbus subcommands as processes, each run as a principal with that principal's env file
-    (``kvbus.procs.Children`` per principal, as tests.pipeline.Pipeline does for the open stack)."""
+    (``kvbus.children.Children`` per principal, as tests.pipeline.Pipeline does for the open stack)."""
 
     def __init__(self, layout: secure.SecureLayout, workdir: Path) -> None:
         self.layout = layout
@@ -112,7 +112,7 @@ class StagePipeline:
 
     def start(self, name: str, principal: str, *args: str) -> None:
         """Start ``python -m kvbus <args>`` as ``principal``; output in ``<workdir>/<name>.log``."""
-        from kvbus.procs import Children
+        from kvbus.children import Children
 
         if principal not in self.children:
             self.children[principal] = Children(log_dir=self.workdir, env=principal_env(self.layout, principal),

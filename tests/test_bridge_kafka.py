@@ -21,13 +21,13 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from kvbus.engine_wire import FORMATS, project
-from kvbus.fleet import Fleet, FleetConfig
-from kvbus.procs import free_port_block
+from kvbus.children import free_port_block
 from kvbus.producers.recovery import partition_for
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART
 from kvbus.schemas.events import BlockStored, holder_key
 from kvbus.schemas.settings import Settings
+from kvbus.simulator.engine_wire import FORMATS, project
+from kvbus.simulator.fleet import Fleet, FleetConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -256,7 +256,7 @@ class PrivateKafka:
 
     def __init__(self, root, monkeypatch) -> None:
         from kvbus.infra import kafka_broker
-        from kvbus.infra.settings import Paths
+        from kvbus.infra.stack_env import Paths
 
         shared_libs = Paths().kafka_libs
         assert shared_libs.is_dir(), "the shared stack's Kafka jars are needed (infra/stack up)"
@@ -297,7 +297,7 @@ def test_bridge_rides_out_a_kafka_outage(stack: Settings, tmp_path, monkeypatch,
     """Kafka dies mid-stream: the engine is never slowed, the bridge holds what it can
     (librdkafka queue, then its backlog), sheds the rest, and once Kafka is back recovers
     the shed batches from the engine's replay buffer: every batch lands, in order, once."""
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
     from kvbus.schemas.topics import Topics
 
     kafka = PrivateKafka(tmp_path / "kafka-state", monkeypatch)

@@ -1,4 +1,4 @@
-"""Bridge against a real in-process ZMQ engine (kvbus.fleet), no Kafka.
+"""Bridge against a real in-process ZMQ engine (kvbus.simulator.fleet), no Kafka.
 
 The sink is the unit seam: a CallbackSink collecting what the bridge would produce.
 """
@@ -11,8 +11,6 @@ from typing import Callable
 import msgspec
 import pytest
 
-from kvbus.engine_wire import project
-from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
 from kvbus.producers.bridge import Bridge, BridgeConfig
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
 from kvbus.schemas.events import (
@@ -24,6 +22,8 @@ from kvbus.schemas.events import (
     Reset,
 )
 from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.simulator.engine_wire import project
+from kvbus.simulator.fleet import Fleet, FleetConfig, ScriptBatch
 from tests.callback_sink import CallbackSink
 from tests.recording_producer import RecordingProducer
 from tests.vllm_shapes import VllmBlockStored
@@ -534,7 +534,7 @@ def test_publisher_metrics_count_records_drops_and_markers_and_are_served(publis
     import urllib.error
     import urllib.request
 
-    from kvbus.procs import free_port
+    from kvbus.children import free_port
 
     port = free_port()
     pub, fake, _ = publisher_factory(max_queue_size=1, metrics_port=port)

@@ -32,8 +32,8 @@ from kvbus.schemas.topics import Topics
 from kvbus.sinks import cli
 from kvbus.sinks.rebuild import view_status
 from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore
-from kvbus.sinks.tiers import Weights
 from tests.histories import random_streams
 from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync
 from tests.redis_server import RedisServer

@@ -16,7 +16,7 @@ from kvbus.configuration_doc import DOC, SECTIONS, render, resolve, settings_of
 from kvbus.schemas.env import SWITCH, TEXT, Setting, add_flags, declared, from_flags
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ["kvbus", "schemas", "producers", "streams", "sinks", "infra", "analytics"]
+PRODUCT = ["kvbus", "schemas", "producers", "streams", "sinks", "infra", "analytics", "simulator"]
 """The folders of the wheel's package (pyproject.toml's package-dir)."""
 VARIABLE = re.compile(r"KVBUS_[A-Z0-9_]*")
 

@@ -1,7 +1,7 @@
 """kvbus.producers.decode: every engine wire format, the protocol doc §11 vectors, bad input, frames.
 
 Payloads here are built by hand (msgspec on plain lists/dicts or doc hex), independent of
-kvbus.engine_wire, so decoder and encoder are checked against the doc, not each other.
+kvbus.simulator.engine_wire, so decoder and encoder are checked against the doc, not each other.
 """
 from __future__ import annotations
 

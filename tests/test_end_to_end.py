@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
 from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvbus.schemas.hashing import block_hashes
+from kvbus.simulator.fleet import Fleet, FleetConfig, ScriptBatch
 from tests.pipeline import Pipeline, eventually
 from tests.redis_server import VALKEY, RedisServer
 
@@ -94,7 +94,7 @@ def test_known_sequence_gives_exact_view_and_lookup(pipeline, tmp_path) -> None:
                                          "--prefix", prefix)
         assert by_tokens == got
 
-        from kvbus.sinks.view import summary
+        from kvbus.sinks.demo_summary import summary
 
         assert summary(pipeline.settings.redis_url, prefix) == {
             "replica-0": {"GPU": 3},

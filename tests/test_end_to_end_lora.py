@@ -10,8 +10,8 @@ import uuid
 import msgspec
 import pytest
 
-from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
 from kvbus.schemas.events import BlockStored, canonical_hash
+from kvbus.simulator.fleet import Fleet, FleetConfig, ScriptBatch
 from tests.pipeline import Pipeline, eventually
 from tests.vllm_hash_vectors import ALL, NEWEST, Vector
 

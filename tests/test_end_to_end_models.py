@@ -20,10 +20,10 @@ import uuid
 
 import pytest
 
-from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
 from kvbus.producers.publisher import KafkaEventPublisher
 from kvbus.schemas.events import BlockStored
 from kvbus.schemas.hashing import block_hashes
+from kvbus.simulator.fleet import Fleet, FleetConfig, ScriptBatch
 from tests.pipeline import Pipeline, eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -15,11 +15,11 @@ from collections import defaultdict
 
 import pytest
 
-from kvbus.engine_wire import project
-from kvbus.fleet import Fleet, FleetConfig
 from kvbus.producers.publisher import KafkaEventPublisher
 from kvbus.schemas.codec import encode_event
 from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, BlockRemoved, BlockStored, Reset
+from kvbus.simulator.engine_wire import project
+from kvbus.simulator.fleet import Fleet, FleetConfig
 from tests.pipeline import Pipeline
 from tests.test_end_to_end_tp import read_topics
 

@@ -12,11 +12,11 @@ from collections import defaultdict
 import pytest
 from confluent_kafka import Consumer
 
-from kvbus.engine_wire import project
-from kvbus.fleet import Fleet, FleetConfig, ModelConfig
 from kvbus.schemas.events import Event
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
+from kvbus.simulator.engine_wire import project
+from kvbus.simulator.fleet import Fleet, FleetConfig, ModelConfig
 from tests.pipeline import Pipeline
 
 pytestmark = pytest.mark.integration

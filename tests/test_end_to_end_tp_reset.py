@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from kvbus.schemas.events import BlockStored, EventBatch, Reset, canonical_hash
-from kvbus.sinks.view import summary
+from kvbus.sinks.demo_summary import summary
 from tests.pipeline import Pipeline, RawProducer, eventually
 
 pytestmark = pytest.mark.integration

@@ -1,11 +1,13 @@
-"""kvbus.engine_wire: byte-exact engine encodings (protocol doc §11), layouts per release, frames."""
+"""kvbus.simulator.engine_wire: byte-exact engine encodings (protocol doc §11), layouts per release, frames."""
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from kvbus import engine_wire as ew
-from kvbus.engine_wire import (
+from kvbus.producers.decode import ENGINE_FORMATS, decode_batch, parse_frames, parse_replay_reply
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Reset, canonical_hash
+from kvbus.simulator import engine_wire as ew
+from kvbus.simulator.engine_wire import (
     FORMATS,
     encode_batch,
     encode_frames,
@@ -15,8 +17,6 @@ from kvbus.engine_wire import (
     resolve_format,
     wire_format,
 )
-from kvbus.producers.decode import ENGINE_FORMATS, decode_batch, parse_frames, parse_replay_reply
-from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Reset, canonical_hash
 
 # Protocol doc §11 (the seq-1 hex with the "x" of "group_idx" the doc's hex dump drops; it states 76 bytes).
 H0 = 1403909460543360175

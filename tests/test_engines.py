@@ -14,10 +14,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvbus import engine_wire
 from kvbus.producers import decode, engines, wire_structs
 from kvbus.producers.engines import ADAPTERS, Adapter, detect_engine, new_adapter, release, resolve_format, row, vllm
 from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbus.simulator import engine_wire
 from tests.vllm_shapes import VllmBlockRemoved as _VllmRemoved, VllmBlockStored as _VllmStored
 
 TOP = (0x8000_0000_0000_0001).to_bytes(8, "big")
@@ -201,7 +201,7 @@ NEW_FIELD_RUN = r'''
 import msgspec
 from dataclasses import replace
 
-from kvbus import engine_wire
+from kvbus.simulator import engine_wire
 from kvbus.producers.decode import decode_batch
 from kvbus.producers.publisher import KafkaEventPublisher
 from kvbus.schemas.codec import FastSerde

@@ -11,8 +11,11 @@ import time
 import pytest
 import zmq
 
-from kvbus.engine_wire import project
-from kvbus.fleet import (
+from kvbus.producers.decode import decode_batch, parse_frames, parse_replay_reply
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbus.schemas.hashing import block_hashes
+from kvbus.simulator.engine_wire import project
+from kvbus.simulator.fleet import (
     CacheModel,
     Fleet,
     FleetConfig,
@@ -22,9 +25,6 @@ from kvbus.fleet import (
     parse_schedule,
     stream_index,
 )
-from kvbus.producers.decode import decode_batch, parse_frames, parse_replay_reply
-from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvbus.schemas.hashing import block_hashes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -259,7 +259,7 @@ def test_serve_publishes_what_the_chosen_replica_cached_and_clear_caches_resets_
 def test_cli_runs_for_a_duration_and_writes_the_manifest(tmp_path):
     manifest = tmp_path / "fleet.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvbus.fleet", "--replicas", "2", "--base-port", "0", "--rate", "50",
+        [sys.executable, "-m", "kvbus.simulator.fleet", "--replicas", "2", "--base-port", "0", "--rate", "50",
          "--duration", "1", "--seed", "3", "--manifest", str(manifest), "--format", "vllm-0.29"],
         capture_output=True, text=True, timeout=60,
     )

@@ -87,7 +87,7 @@ RAW = [  # (replica, worker, minute, second, events): two workers' reports of re
 
 @pytest.fixture
 def topics_with_history(stack: Settings, unique_topics):
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
 
     settings = replace(stack, topics=unique_topics)
     tier = unique_topics.for_ownership("kvcr")

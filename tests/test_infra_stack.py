@@ -22,8 +22,8 @@ from confluent_kafka.schema_registry import Schema, SchemaRegistryClient  # noqa
 from confluent_kafka.schema_registry.error import SchemaRegistryError  # noqa: E402
 
 from kvbus.infra import (
+    dev_topics as infra_topics,  # noqa: E402
     stack as infra_stack,  # noqa: E402
-    topics as infra_topics,  # noqa: E402
 )
 from kvbus.schemas.settings import Settings  # noqa: E402
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import redis
 
+from kvbus.children import free_port
 from kvbus.infra import stack
 from kvbus.infra.procs import ServiceError, port_open
-from kvbus.procs import free_port
 from tests.redis_server import RedisServer
 
 

@@ -303,7 +303,7 @@ def view():
 def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str], str | None]:
     """What kvbus lookup sends for these flags: the chain, ARGV[3], the candidates and the model."""
     from kvbus.sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
-    from kvbus.sinks.tiers import Weights
+    from kvbus.sinks.refcounts import Weights
 
     p = argparse.ArgumentParser()
     cli.add_lookup_args(p)

@@ -23,7 +23,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry, Counter
 
-from kvbus.procs import Children, free_port
+from kvbus.children import Children, free_port
 from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.probes import Readiness, serve
 from kvbus.schemas.settings import Settings
@@ -330,7 +330,7 @@ def test_worker_is_ready_only_with_its_raw_partition_assigned(stack: Settings, c
     """Two real workers of one group over a raw topic of one partition: the one that has it is
     ready, the other answers 503 saying it has none; stop the first and the second takes the
     partition and is ready. Their logs are JSON lines (Faust's and librdkafka's lines too)."""
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
     from tests.conftest import _delete_topics
 
     suffix = uuid.uuid4().hex[:8]

@@ -16,9 +16,9 @@ from collections import Counter
 
 import pytest
 
+from kvbus.children import free_port
 from kvbus.client import UnmatchableSeed, ViewClient, production_stack as ps
 from kvbus.client.production_stack import KvbusRouter, endpoint_load, endpoint_replica, json_body, prompt_tokens
-from kvbus.procs import free_port
 from kvbus.schemas.events import BlockEvent, BlockStored
 from kvbus.schemas.hashing import LoRA, block_hashes
 from kvbus.sinks.redis_store import RedisStore

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kvbus.demo import metrics_endpoints
-from kvbus.top.config import parse_endpoints
+from kvbus.top.top_config import parse_endpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "ops/prometheus"
@@ -95,7 +95,7 @@ def test_prometheus_scrapes_a_running_pipeline_and_records_its_rates(test_settin
     replica where the rules join on it; no down alert fires."""
     import uuid
 
-    from kvbus.procs import free_port, free_port_block
+    from kvbus.children import free_port, free_port_block
     from tests.pipeline import Pipeline, eventually
 
     exe = shutil.which("prometheus")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvbus.procs import Children, free_port
+from kvbus.children import Children, free_port
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.consumer import FULL_LOG_EVERY

@@ -29,7 +29,6 @@ from confluent_kafka import Producer
 from kvbus.analytics.cli import build_report
 from kvbus.analytics.reader import Record, read
 from kvbus.analytics.timerange import TimeRange
-from kvbus.fleet import Fleet, FleetConfig, ModelConfig
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
@@ -41,6 +40,7 @@ from kvbus.schemas.events import (
 )
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
+from kvbus.simulator.fleet import Fleet, FleetConfig, ModelConfig
 from tests.pipeline import Pipeline, env_for, eventually
 
 pytestmark = pytest.mark.integration
@@ -164,7 +164,7 @@ class Oracle:
 @pytest.fixture
 def fleet_run(stack: Settings, unique_topics, tmp_path):
     """The known run: (settings of the test's topics, the fleet, the oracle)."""
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
 
     settings = replace(stack, topics=unique_topics)
     ensure_topics(settings.bootstrap, [unique_topics.for_ownership("kvcr")], settings.partitions, 1)

@@ -15,10 +15,10 @@ from functools import lru_cache
 import msgspec
 from hypothesis import given, settings, strategies as st
 
-from kvbus.engine_wire import FORMATS, encode_batch, project, wire_format
 from kvbus.producers import decode as dec
 from kvbus.schemas.events import KNOWN_MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, canonical_hash
 from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.simulator.engine_wire import FORMATS, encode_batch, project, wire_format
 
 SGLANG_ONLY = {"CPU_PINNED", "DISK", "EXTERNAL"}
 I32 = st.integers(-(2**31), 2**31 - 1)

@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-from kvbus.fleet import Fleet, FleetConfig
+from kvbus.children import free_port
 from kvbus.infra.secure_plan import ANALYTICS, BRIDGE, ROUTER, SINK, STREAMS
-from kvbus.procs import free_port
+from kvbus.simulator.fleet import Fleet, FleetConfig
 from kvbus.sinks.config import SinkConfig
 from tests.pipeline import eventually
 from tests.secure_stack import StagePipeline

@@ -23,7 +23,7 @@ from redis.retry import Retry
 
 from kvbus.infra import secure
 from kvbus.infra.secure_plan import ANALYTICS, BRIDGE, KAFKA_USERS, PRINCIPALS, ROUTER, SINK, STREAMS
-from kvbus.infra.settings import read_env_file
+from kvbus.infra.stack_env import read_env_file
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.topics import REPORT_GROUP_PREFIX, Topics
 from kvbus.sinks.config import SinkConfig

@@ -21,14 +21,14 @@ import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from kvbus.children import free_port
 from kvbus.client import ViewClient
-from kvbus.procs import free_port
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.lookup import status_key
 from kvbus.schemas.settings import Settings
 from kvbus.serve.app import Service, view_client
-from kvbus.serve.config import ServeConfig
 from kvbus.serve.query import Query, ask, medium
+from kvbus.serve.serve_config import ServeConfig
 from kvbus.sinks import cli
 from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer

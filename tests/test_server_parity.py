@@ -23,8 +23,8 @@ import redis
 from kvbus.schemas.topics import Topics
 from kvbus.sinks import functions
 from kvbus.sinks.redis_store import RedisStore, ViewChanged
+from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.store import split_holder
-from kvbus.sinks.tiers import Weights
 from tests.histories import random_streams, redeliver
 from tests.redis_server import VALKEY, RedisServer
 

@@ -17,8 +17,8 @@ from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.cli import lookup_answer
 from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore, open_store, parse_cluster_url, shard_prefix
-from kvbus.sinks.tiers import Weights
 from tests.histories import random_streams, redeliver
 from tests.memory_store import InMemoryStore
 from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync

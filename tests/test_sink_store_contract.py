@@ -14,9 +14,9 @@ import pytest
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore
 from kvbus.sinks.store import ResidencyStore
-from kvbus.sinks.tiers import Weights
 from tests.memory_store import InMemoryStore
 from tests.redis_cluster import RedisClusterServer
 from tests.redis_server import REDIS, VALKEY, RedisServer

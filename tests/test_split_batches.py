@@ -1,6 +1,6 @@
 """Engine batches too large for one Kafka record (unit: no Kafka; producers get a recording double).
 
-Both producer paths (the bridge's KafkaSink and the in-process publisher) split a batch whose value
+Both producer paths (the bridge's RawProducer and the in-process publisher) split a batch whose value
 exceeds the record limit into parts under it, in order, with consecutive ``first_index``; an event
 too large on its own is dead-lettered with a truncated payload. The parts, read back and joined,
 are the batch.
@@ -13,8 +13,8 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvbus.producers.kafka_out import KafkaSink
 from kvbus.producers.metrics import BridgeMetrics
+from kvbus.producers.raw_producer import RawProducer
 from kvbus.producers.split import MIN_RECORD_BYTES, RECORD_MARGIN, plan_split, record_limit
 from kvbus.schemas.codec import FastSerde, encode_event
 from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -81,11 +81,11 @@ def test_record_limit_follows_the_producer_configuration():
         record_limit(100)
 
 
-# -- the bridge's KafkaSink ------------------------------------------------------------------
+# -- the bridge's RawProducer ------------------------------------------------------------------
 
-def sink(limit: int) -> tuple[KafkaSink, RecordingProducer, BridgeMetrics]:
+def sink(limit: int) -> tuple[RawProducer, RecordingProducer, BridgeMetrics]:
     producer, metrics = RecordingProducer(), BridgeMetrics()
-    s = KafkaSink(producer, TOPICS.raw, TOPICS.dlq, lambda b: BATCHES.dumps(b, TOPICS.raw),
+    s = RawProducer(producer, TOPICS.raw, TOPICS.dlq, lambda b: BATCHES.dumps(b, TOPICS.raw),
                   lambda d: DEAD.dumps(d, TOPICS.dlq), metrics, max_record_bytes=limit)
     return s, producer, metrics
 
@@ -145,7 +145,7 @@ def test_sink_split_uses_the_configured_serializer():
     slow = RecordSerde(REGISTRY, "EventBatch")
     fast_sink, fast_producer, _ = sink(3000)
     producer = RecordingProducer()
-    slow_sink = KafkaSink(producer, TOPICS.raw, TOPICS.dlq, lambda b: slow.dumps(b, TOPICS.raw),
+    slow_sink = RawProducer(producer, TOPICS.raw, TOPICS.dlq, lambda b: slow.dumps(b, TOPICS.raw),
                           lambda d: DEAD.dumps(d, TOPICS.dlq), BridgeMetrics(), max_record_bytes=3000)
     batch = big_batch([400, 400, 400, 400, 400])
     fast_sink.produce_batch(batch)

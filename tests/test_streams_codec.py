@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvbus.schemas.events import BlockEvent
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.streams.codec import Codec
+from kvbus.streams.record_values import Codec
 from tests.strategies import batches, block_events, dead_letters, incompletes
 
 REGISTRY = registry_client("mock://streams-codec")
@@ -29,8 +29,8 @@ def test_codec_encodes_like_record_serde(value):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches)
 def test_fast_decoding_matches_record_serde(batch):
-    from kvbus.streams.codec import materialize
     from kvbus.streams.raw_event import RawEvent
+    from kvbus.streams.record_values import materialize
 
     data = SERDES["EventBatch"].dumps(batch, "codec.raw")
     fast = CODEC.decode(data, "codec.raw")
@@ -56,8 +56,8 @@ def test_scanned_events_have_the_identity_and_bytes_of_decoded_ones(batch):
     are those of the decoded struct."""
     from kvbus.schemas.codec import encode_event
     from kvbus.streams.aggregation import identity
-    from kvbus.streams.codec import materialize
     from kvbus.streams.raw_event import RawEvent
+    from kvbus.streams.record_values import materialize
 
     data = SERDES["EventBatch"].dumps(batch, "codec.raw")
     scanned = CODEC.decode(data, "codec.raw")

@@ -22,7 +22,7 @@ import pytest
 from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
-from kvbus.procs import free_port
+from kvbus.children import free_port
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,

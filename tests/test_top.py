@@ -11,12 +11,12 @@ import uuid
 
 import pytest
 
-from kvbus.fleet import Fleet, FleetConfig, ScriptBatch
-from kvbus.procs import free_port
+from kvbus.children import free_port
 from kvbus.schemas.events import BlockRemoved, BlockStored
 from kvbus.schemas.hashing import block_hashes
-from kvbus.top.config import parse_endpoints
+from kvbus.simulator.fleet import Fleet, FleetConfig, ScriptBatch
 from kvbus.top.metrics import quantile
+from kvbus.top.top_config import parse_endpoints
 from tests.pipeline import Pipeline, RawProducer, Waiting, env_for, eventually
 from tests.tmux import TmuxPane
 
@@ -56,7 +56,7 @@ class TopSampler:
     def __init__(self, settings, *args: str) -> None:
         from kvbus.cli import build_parser
         from kvbus.top.collect import Collector
-        from kvbus.top.config import top_config
+        from kvbus.top.top_config import top_config
 
         self.collector = Collector(top_config(build_parser("top").parse_args(["top", *args])), settings)
         self.collector.collect()
@@ -266,7 +266,7 @@ def test_the_command_the_demo_prints_watches_the_demos_processes(monkeypatch) ->
         WORKER_METRICS_PORT,
         top_command,
     )
-    from kvbus.top.config import top_config
+    from kvbus.top.top_config import top_config
 
     for var in ("KVBUS_TOP_BRIDGES", "KVBUS_TOP_WORKERS", "KVBUS_TOP_SINKS", "KVBUS_STREAMS_APP_ID",
                 "KVBUS_SINK_GROUP"):
@@ -297,7 +297,7 @@ def test_top_shows_incompletes_of_tensor_parallel_workers(test_settings, tmp_pat
     """A TP=2 replica whose workers each omit some reports: while it streams, the workers panel shows
     incompletes and their share of consolidated events; once the window has passed, no aggregate is
     pending and the incompletes per reason add up to the records on the incomplete topic."""
-    from kvbus.procs import free_port_block
+    from kvbus.children import free_port_block
 
     settings = test_settings
     run = uuid.uuid4().hex[:8]

@@ -53,7 +53,7 @@ def later(records, seq_from: int) -> list[tuple[str, BlockEvent]]:
 
 def recreate(stack: Settings, topic: str, partitions: int) -> None:
     """Delete ``topic`` and create it again empty, waiting until each is done."""
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
 
     admin = AdminClient({"bootstrap.servers": stack.bootstrap})
     admin.delete_topics([topic], operation_timeout=30)[topic].result(30)

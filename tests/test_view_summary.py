@@ -1,12 +1,12 @@
-"""``kvbus.sinks.view.summary``: the demo's per-replica, per-tier block counts."""
+"""``kvbus.sinks.demo_summary.summary``: the demo's per-replica, per-tier block counts."""
 from __future__ import annotations
 
 import time
 import uuid
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
+from kvbus.sinks.demo_summary import summary
 from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.view import summary
 from tests.redis_server import RedisServer
 
 H = [canonical_hash(i * 31337 + 5) for i in range(10)]

@@ -33,9 +33,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvbus.client import BY_NAME, FunctionsMissing, LayoutMismatch, Shuffle, ViewClient
 from kvbus.schemas.lookup import READY
 from kvbus.schemas.probes import Readiness
-from kvbus.serve.config import ServeConfig
 from kvbus.serve.metrics import ServeMetrics
 from kvbus.serve.query import BadRequest, Hashing, answer, ask, parse
+from kvbus.serve.serve_config import ServeConfig
 
 log = logging.getLogger("kvbus.serve")
 

@@ -16,7 +16,7 @@ import sys
 import time
 
 from kvbus.schemas.settings import Settings
-from kvbus.top.config import add_top_config_args, top_config
+from kvbus.top.top_config import add_top_config_args, top_config
 
 
 def add_top_args(p: argparse.ArgumentParser) -> None:

@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 from kvbus.schemas.security import redact_url
 from kvbus.schemas.settings import Settings
-from kvbus.top.config import TopConfig
 from kvbus.top.metrics import ROLES, Role, Samples, describe_error, fetch, quantile
 from kvbus.top.sources import KafkaSource, ViewSource
+from kvbus.top.top_config import TopConfig
 
 Prev = tuple[float, Samples]
 """(monotonic time, samples) of an endpoint's previous good scrape."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from kvbus.progress import GroupLag
+from kvbus.demo_progress import GroupLag
 from kvbus.schemas.settings import Settings
 
 QUIET_LIBRDKAFKA = {"log_level": 0}

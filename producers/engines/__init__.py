@@ -6,14 +6,14 @@ telling the families apart (:mod:`.families`).
 Derived from the tables: :data:`FORMATS` (every wire-format id), the decoder's wire structs
 (:mod:`kvbus.producers.wire_structs`: the map layout is the union of every family's fields, each array
 layout its family's), the conversion the bridge and the publisher share, the fleet's encoder
-(:mod:`kvbus.engine_wire`) and :func:`detect_engine` (``--engine auto`` labelling).
+(:mod:`kvbus.simulator.engine_wire`) and :func:`detect_engine` (``--engine auto`` labelling).
 """
 from __future__ import annotations
 
 from kvbus.producers.engines.base import Adapter, Release, row, union
+from kvbus.producers.engines.catalog import ADAPTERS, FORMATS, RELEASES, SENT, new_adapter, release, resolve_format
 from kvbus.producers.engines.convert import ENGINE_EVENTS, Conversion
 from kvbus.producers.engines.families import DEFAULT_ARRAY_LAYOUT, array_layout, detect_engine, senders
-from kvbus.producers.engines.registry import ADAPTERS, FORMATS, RELEASES, SENT, new_adapter, release, resolve_format
 
 __all__ = ["ADAPTERS", "CONVERSION", "DEFAULT_ARRAY_LAYOUT", "ENGINE_EVENTS", "FORMATS", "RELEASES", "SENT",
            "Adapter", "Conversion", "Release", "array_layout", "detect_engine", "new_adapter", "release",

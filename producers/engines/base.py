@@ -1,5 +1,5 @@
 """What an engine family's adapter declares: its release table, from which the decoder's wire structs
-(:mod:`kvbus.producers.wire_structs`) and the fleet's encoder (:mod:`kvbus.engine_wire`) are derived.
+(:mod:`kvbus.producers.wire_structs`) and the fleet's encoder (:mod:`kvbus.simulator.engine_wire`) are derived.
 
 A table is a tuple of :func:`row` entries, oldest release first; each row is the first release of a
 wire-layout change and says only what changed since the row before (fields appended, flags

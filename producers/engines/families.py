@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from kvbus.producers.engines.base import Adapter
-from kvbus.producers.engines.registry import ADAPTERS
+from kvbus.producers.engines.catalog import ADAPTERS
 from kvbus.schemas.events import normalize_medium
 
 DEFAULT_ARRAY_LAYOUT: str = next(a.array_layout for a in ADAPTERS.values() if a.array_layout)

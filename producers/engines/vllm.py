@@ -8,7 +8,7 @@ default the decoder takes unless :data:`kvbus.producers.wire_structs.WIRE_TYPES`
     row("vllm-0.35", stored=("tier",)),
 
 The decoder (its map and array structs), the conversion the bridge and the publisher share
-(:mod:`kvbus.producers.engines.convert`), ``kvbus.engine_wire`` (the fleet's encoder), the list of formats
+(:mod:`kvbus.producers.engines.convert`), ``kvbus.simulator.engine_wire`` (the fleet's encoder), the list of formats
 and ``--engine auto`` detection all follow from it (tests/test_engines.py adds such rows to copies of the
 table).
 """

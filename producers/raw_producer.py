@@ -1,8 +1,8 @@
-"""Kafka side of the bridge: :class:`KafkaSink` turns the bridge's EventBatch structs into records
+"""Kafka side of the bridge: :class:`RawProducer` turns the bridge's EventBatch structs into records
 of the shared :class:`~kvbus.producers.record_producer.RecordProducer` (backlog, delivery reports,
 splitting, dead-letter topic, metrics: see there for the delivery contract and memory bounds).
 
-When the backlog reaches its bound, :meth:`KafkaSink.accepting` turns False and the
+When the backlog reaches its bound, :meth:`RawProducer.accepting` turns False and the
 bridge stops accepting *live* batches (it keeps draining ZMQ so the engine is never
 slowed, but drops what it reads, counting ``shed_batches``); it resumes once the
 backlog is down to half. Dropped live batches are not lost silently: the next
@@ -34,10 +34,10 @@ from kvbus.schemas.events import DeadLetter, EventBatch, holder_key
 
 log = logging.getLogger("kvbus.producers.kafka")
 
-__all__ = ["DEFAULT_MAX_BACKLOG", "DEFAULT_MAX_BACKLOG_BYTES", "DEFAULT_PRODUCER_CONF", "KafkaSink", "producer_conf"]
+__all__ = ["DEFAULT_MAX_BACKLOG", "DEFAULT_MAX_BACKLOG_BYTES", "DEFAULT_PRODUCER_CONF", "RawProducer", "producer_conf"]
 
 
-class KafkaSink(RecordProducer):
+class RawProducer(RecordProducer):
     """Produces EventBatch records to the raw topic and DeadLetters to the DLQ topic.
 
     ``producer``: a confluent-kafka ``Producer`` (or a stand-in); ``serialize_batch(batch) -> bytes``
@@ -80,7 +80,7 @@ class KafkaSink(RecordProducer):
         *,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         **kw: Any,
-    ) -> "KafkaSink":
+    ) -> "RawProducer":
         """A sink with its own producer configured by :func:`producer_conf` (``kafka``: a bootstrap
         string or ``Settings.kafka()``); ``max_record_bytes``
         is lowered to what the producer's ``message.max.bytes`` takes (:func:`~kvbus.producers.split.record_limit`)."""

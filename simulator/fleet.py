@@ -6,7 +6,7 @@ with ``seq`` from 0 (+1 per batch), and a replay ROUTER bound on ``port + 1`` th
 answers ``[identity, b"", start_seq8]`` with every buffered batch ``seq >= start_seq``
 (a ``deque(maxlen=buffer_steps)``) and the end marker, in the reply layout of the
 chosen wire format (topic frame from vLLM 0.26 / SGLang 0.5.23). Payloads are
-encoded by :mod:`kvbus.engine_wire` in any supported engine format.
+encoded by :mod:`kvbus.simulator.engine_wire` in any supported engine format.
 
 **Ports.** One stream per (replica i, dp rank d, worker w); its index is
 ``k = (i * dp_ranks + d) * workers + w``; PUB on ``base_port + 2k``, replay ROUTER on
@@ -49,15 +49,6 @@ from typing import Any, Iterable, Sequence
 
 import zmq
 
-from kvbus.engine_wire import (
-    FORMATS,
-    encode_batch,
-    encode_frames,
-    encode_replay_reply,
-    project,
-    replay_end,
-    wire_format,
-)
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -68,8 +59,17 @@ from kvbus.schemas.events import (
     normalize_medium,
 )
 from kvbus.schemas.hashing import block_digests
+from kvbus.simulator.engine_wire import (
+    FORMATS,
+    encode_batch,
+    encode_frames,
+    encode_replay_reply,
+    project,
+    replay_end,
+    wire_format,
+)
 
-log = logging.getLogger("kvbus.fleet")
+log = logging.getLogger("kvbus.simulator.fleet")
 
 DEFAULT_BASE_PORT = 5557
 DEFAULT_FORMAT = "vllm-0.33"
@@ -322,7 +322,7 @@ class CacheModel:
 
     ``fmt`` limits the event fields to what that engine release can send (no CPU without
     ``medium``, no kvcr without ``ownership``); ground truth is kept on the events as a
-    decoder will see them (:func:`kvbus.engine_wire.project`).
+    decoder will see them (:func:`kvbus.simulator.engine_wire.project`).
     """
 
     def __init__(self, rng: random.Random, cfg: ModelConfig, fmt: str = DEFAULT_FORMAT, raw_hashes: bool = False,
@@ -920,7 +920,7 @@ def run_fleet(args: argparse.Namespace, settings: Any = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvbus.fleet ...`` (same options as ``kvbus fleet``)."""
+    """``python -m kvbus.simulator.fleet ...`` (same options as ``kvbus fleet``)."""
     p = argparse.ArgumentParser(prog="kvbus-fleet", description=__doc__.splitlines()[0])
     add_fleet_args(p)
     args = p.parse_args(argv)

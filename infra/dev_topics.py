@@ -2,7 +2,7 @@
 topic-creation site, :func:`kvbus.schemas.kafka_clients.ensure_topics`; and record topics by name for
 tests and benchmarks::
 
-    from kvbus.infra.topics import ensure_topics
+    from kvbus.infra.dev_topics import ensure_topics
     ensure_topics("127.0.0.1:9092", ["kvbus.blocks.alice"], partitions=4, replication=1)
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from kvbus.schemas.settings import DEFAULT_PARTITIONS
 from kvbus.schemas.topics import record_spec, topic_specs
 
-from .settings import kvbus_settings, topic_names
+from .stack_env import kvbus_settings, topic_names
 
 log = logging.getLogger("infra")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import tools
 from .procs import PidRecord, ServiceError, alive_record, port_open, start_process
-from .settings import APICURIO_VERSION, INFRA_DIR, REGISTRY_JAVA, REGISTRY_JVM_OPTS, Paths, RegistrySettings, env_opts
+from .stack_env import APICURIO_VERSION, INFRA_DIR, REGISTRY_JAVA, REGISTRY_JVM_OPTS, Paths, RegistrySettings, env_opts
 
 log = logging.getLogger("infra")
 

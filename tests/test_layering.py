@@ -1,0 +1,53 @@
+"""Data flows one way and the stages share only ``kvbus.schemas``: no stage imports another's modules.
+
+Read from the source (every ``import kvbus.X`` / ``from kvbus.X import``, at any depth of the file).
+The few crossings that exist are named here with why: ``python -m kvbus.<stage>`` hands over to
+the one CLI (``kvbus.cli``); ``kvbus lookup`` is a router's command and asks through the lookup
+client (``kvbus.client``); the Flink job makes its PyFlink environment with the stack's tools; the
+simulator encodes from the engines' release tables, the one source of every engine format.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("producers", "streams", "sinks", "analytics", "simulator")
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "producers": ("kvbus.cli",),
+    "streams": ("kvbus.cli",),
+    "sinks": ("kvbus.cli", "kvbus.client"),
+    "analytics": ("kvbus.infra.flink",),
+    "simulator": ("kvbus.producers.engines",),
+}
+
+
+def kvbus_imports(path: Path) -> set[str]:
+    """Every ``kvbus.*`` name the file imports (``from kvbus.a import b``: ``kvbus.a.b``, a module or a name in it)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("kvbus."))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvbus.") and not node.level:
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_imports_only_the_contract_and_itself(stage: str) -> None:
+    own = f"kvbus.{stage}"
+    allowed = ("kvbus.schemas", own) + ALLOWED[stage]
+    crossings = sorted(
+        f"{path.relative_to(ROOT)}: {mod}"
+        for path in (ROOT / stage).rglob("*.py")
+        for mod in kvbus_imports(path)
+        if not any(mod == a or mod.startswith(a + ".") for a in allowed)
+    )
+    assert crossings == [], f"{stage} imports another stage's modules"
+
+
+def test_the_check_sees_imports() -> None:
+    """The reader finds a crossing where there is one (the rule above is not vacuous)."""
+    assert "kvbus.sinks.config.SinkConfig" in kvbus_imports(ROOT / "infra" / "secure_plan.py")
