@@ -35,6 +35,7 @@ from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore
 from tests.histories import random_streams
+from tests.lookup_cli import lookup_args, lookup_json
 from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync
 from tests.redis_server import RedisServer
 from tests.test_lookup_protocol import CASES, CHAIN, EMPTY_CASES, TOKENS_B, _records, _spec_and_cands
@@ -67,17 +68,12 @@ def views(servers):
 
 
 def _kvbus_lookup_json(url: str, prefix: str, argv: list[str], capsys) -> str:
-    p = argparse.ArgumentParser()
-    cli.add_lookup_args(p)
-    assert cli.run_lookup(p.parse_args([*argv, "--prefix", prefix, "--json"]), Settings(redis_url=url)) == 0
-    return capsys.readouterr().out
+    return lookup_json(argv, Settings(redis_url=url), prefix, capsys)
 
 
 def _client_kwargs(argv: list[str]) -> dict:
     """ViewClient.lookup's arguments for kvbus lookup's flags."""
-    p = argparse.ArgumentParser()
-    cli.add_lookup_args(p)
-    a = p.parse_args(argv)
+    a = lookup_args(argv)
     cands = [c.strip() for c in (a.replicas or "").split(",") if c.strip()] or None
     if a.hashes:
         return {"hashes": [int(h, 0) for h in a.hashes.split(",")], "weights": a.weights, "candidates": cands,

@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 import uuid
@@ -28,8 +27,8 @@ from kvbus.schemas.hashing import (
     resolve_seed,
 )
 from kvbus.schemas.settings import Settings
-from kvbus.sinks import cli
 from kvbus.sinks.redis_store import RedisStore
+from tests.lookup_cli import run_lookup
 from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import ALL, NEWEST, PROMPTS, RELEASES, Vector
 
@@ -205,11 +204,7 @@ HOLDERS = {  # replica -> the vector (as vLLM published it) whose chain it holds
 
 
 def _run(argv, settings, capsys) -> tuple[int, str, str]:
-    p = argparse.ArgumentParser()
-    cli.add_lookup_args(p)
-    code = cli.run_lookup(p.parse_args(argv), settings)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_lookup(argv, settings, capsys)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ Vectors and how they were made: tests/vllm_hash_vectors.py.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 import uuid
@@ -14,9 +13,9 @@ import pytest
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.hashing import HASH_ALGOS, NONE_HASH_SEED, UnmatchableSeed, block_digests, none_hash, resolve_seed
 from kvbus.schemas.settings import Settings
-from kvbus.sinks import cli
 from kvbus.sinks.hashes import chain_from_tokens
 from kvbus.sinks.redis_store import RedisStore
+from tests.lookup_cli import run_lookup
 from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import PROMPTS, VECTORS
 
@@ -75,11 +74,7 @@ def test_sha256_family_default_seed_and_unknown_algorithm():
 # ---------------------------------------------------------------- kvbus lookup --tokens, every algorithm
 
 def _run(argv, settings, capsys) -> tuple[int, str, str]:
-    p = argparse.ArgumentParser()
-    cli.add_lookup_args(p)
-    code = cli.run_lookup(p.parse_args(argv), settings)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_lookup(argv, settings, capsys)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Lookup input (hash strings, tokens -> vLLM block hashes) and ``kvbus lookup`` output."""
 from __future__ import annotations
 
-import argparse
 import json
 import time
 import uuid
@@ -11,9 +10,9 @@ from hypothesis import given, strategies as st
 
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.settings import Settings
-from kvbus.sinks import cli
 from kvbus.sinks.hashes import chain_from_tokens, parse_hash, parse_hashes
 from kvbus.sinks.redis_store import RedisStore
+from tests.lookup_cli import run_lookup
 from tests.redis_server import RedisServer
 
 # protocol doc §11: tokens 1..32, block size 16, PYTHONHASHSEED unset
@@ -76,10 +75,8 @@ def view():
 
 
 def run(settings, argv, capsys) -> tuple[int, str]:
-    p = argparse.ArgumentParser()
-    cli.add_lookup_args(p)
-    code = cli.run_lookup(p.parse_args(argv), settings)
-    return code, capsys.readouterr().out
+    code, out, _ = run_lookup(argv, settings, capsys)
+    return code, out
 
 
 def test_lookup_json_by_tokens(view, capsys):

@@ -9,7 +9,6 @@ stdout must equal kvbus lookup's byte for byte. The Go package's own unit tests 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -25,10 +24,11 @@ import pytest
 
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.settings import Settings
-from kvbus.sinks import cli, functions
+from kvbus.sinks import functions
 from kvbus.sinks.rebuild import view_status
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.sharded_store import ShardedRedisStore, shard_of
+from tests.lookup_cli import lookup_args, lookup_json
 from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import PROMPTS, VECTORS
 
@@ -142,10 +142,7 @@ EMPTY_CASES = {"nobody", "unknown-candidates", "model-of-nobody"}
 
 
 def _kvbus_lookup(settings: Settings, prefix: str, argv: list[str], capsys) -> str:
-    p = argparse.ArgumentParser()
-    cli.add_lookup_args(p)
-    assert cli.run_lookup(p.parse_args([*argv, "--prefix", prefix, "--json"]), settings) == 0
-    return capsys.readouterr().out
+    return lookup_json(argv, settings, prefix, capsys)
 
 
 # ---------------------------------------------------------------- redis-cli
@@ -272,6 +269,7 @@ def go_lookup(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.timeout(2 * 600 + 60)  # the two commands' own budgets: a cold build compiles the standard library
 def test_go_package_unit_tests_and_vet():
     """The Go package's own tests (ranking and tie-breaks, reply decoding, weights, JSON form) and go vet."""
     _need_go()
@@ -305,9 +303,7 @@ def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str], str |
     from kvbus.sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
     from kvbus.sinks.refcounts import Weights
 
-    p = argparse.ArgumentParser()
-    cli.add_lookup_args(p)
-    a = p.parse_args(argv)
+    a = lookup_args(argv)
     chain = parse_hashes(a.hashes) if a.hashes else chain_from_tokens(parse_tokens(a.tokens), a.block_size, a.algo,
                                                                       a.hash_seed)
     cands = [c.strip() for c in (a.replicas or "").split(",") if c.strip()]

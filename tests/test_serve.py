@@ -5,7 +5,6 @@ is a 400 naming its field; the probes follow the view's status; the metrics coun
 and a real ``kvbus serve`` process does the same over TCP and stops on SIGTERM."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -29,8 +28,8 @@ from kvbus.schemas.settings import Settings
 from kvbus.serve.app import Service, view_client
 from kvbus.serve.query import Query, ask, medium
 from kvbus.serve.serve_config import ServeConfig
-from kvbus.sinks import cli
 from kvbus.sinks.redis_store import RedisStore
+from tests.lookup_cli import lookup_args, lookup_json
 from tests.redis_server import RedisServer
 from tests.test_hashing_extra_keys import HOLDERS, SQL_V1, SQL_V2, _vector
 from tests.test_lookup_protocol import CASES, CHAIN, EMPTY_CASES, UNKNOWN, _records
@@ -109,10 +108,7 @@ class Served:
 
 
 def _kvbus_lookup_json(url: str, prefix: str, argv: list[str], capsys) -> dict:
-    p = argparse.ArgumentParser()
-    cli.add_lookup_args(p)
-    assert cli.run_lookup(p.parse_args([*argv, "--prefix", prefix, "--json"]), Settings(redis_url=url)) == 0
-    return json.loads(capsys.readouterr().out)
+    return json.loads(lookup_json(argv, Settings(redis_url=url), prefix, capsys))
 
 
 MEDIA = {"GPU": "GPU", "CPU": "CPU"}  # the media of the test views
@@ -137,9 +133,7 @@ def translated(lookup_json: dict, block_size: int, tenant: str = "default") -> d
 
 def _request(argv: list[str]) -> tuple[str, dict, dict]:
     """(path, request body, ServeConfig fields) of a ``kvbus lookup`` case without --weights."""
-    p = argparse.ArgumentParser()
-    cli.add_lookup_args(p)
-    a = p.parse_args(argv)
+    a = lookup_args(argv)
     body: dict = {"model": a.model or MODEL, "block_size": a.block_size}
     if a.replicas:
         body["instance_id"] = a.replicas
