@@ -22,16 +22,14 @@ import json
 import logging
 import math
 import random
-import subprocess
 import sys
 import tempfile
 import types
-import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
-from tests.vectors.make_vllm_vectors import Finder, StubModule  # noqa: E402
+from tests.vectors.make_vllm_vectors import Finder, StubModule, unpack_release  # noqa: E402
 
 RELEASE = "0.33.0"
 ROOT = Path(tempfile.gettempdir()) / "kvbus-vllm-hybrid"
@@ -173,26 +171,8 @@ def run_case(kci, kcu, kcc, model: list, held: list[list[int]], n: int, pmu: int
 
 
 def unpack(work: Path) -> dict[str, str]:
-    """Download vLLM's wheel into ``work``, unpack :data:`WHEEL_FILES`, delete the wheel; its name and sha256
-    (kept in ``work``/source.json, so a second run downloads nothing)."""
-    note = work / "source.json"
-    if note.exists():
-        return json.loads(note.read_text())
-    work.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work), f"vllm=={RELEASE}"],
-                   check=True)
-    (wheel,) = work.glob("vllm-*.whl")
-    digest = hashlib.sha256()
-    with wheel.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    with zipfile.ZipFile(wheel) as z:
-        for name in WHEEL_FILES.values():
-            z.extract(name, work)
-    source = {"wheel": wheel.name, "sha256": digest.hexdigest()}
-    wheel.unlink()
-    note.write_text(json.dumps(source))
-    return source
+    """vLLM's wheel unpacked into ``work`` (:data:`WHEEL_FILES` only): its name and sha256."""
+    return unpack_release(RELEASE, work, tuple(WHEEL_FILES.values()))
 
 
 def main(work: Path, out_path: str) -> None:

@@ -235,10 +235,11 @@ WHEEL_FILES = ("vllm/v1/core/kv_cache_utils.py", "vllm/utils/hashing.py", "vllm/
                "vllm/lora/request.py")
 
 
-def unpack_release(version: str) -> dict[str, str]:
-    """Download vLLM ``version``'s wheel into ROOT/version, unpack WHEEL_FILES, delete the wheel; its name
-    and sha256 (kept in ROOT/version/source.json, so a second run downloads nothing)."""
-    d = ROOT / version
+def unpack_release(version: str, d: Path | None = None, files: "tuple[str, ...] | None" = None) -> dict[str, str]:
+    """Download vLLM ``version``'s wheel into ``d`` (default ROOT/version), unpack ``files`` (default
+    WHEEL_FILES; a name the wheel lacks is skipped), delete the wheel; its name and sha256 (kept in
+    ``d``/source.json, so a second run downloads nothing)."""
+    d = d if d is not None else ROOT / version
     note = d / "source.json"
     if note.exists():
         return json.loads(note.read_text())
@@ -251,7 +252,7 @@ def unpack_release(version: str) -> dict[str, str]:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     with zipfile.ZipFile(wheel) as z:
-        for name in WHEEL_FILES:
+        for name in files if files is not None else WHEEL_FILES:
             if name in z.namelist():
                 z.extract(name, d)
     source = {"wheel": wheel.name, "sha256": digest.hexdigest()}
