@@ -36,50 +36,17 @@ sys.path.insert(0, str(REPO))
 from kvbus.children import free_port  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
+from tests.vllm_shapes import (  # noqa: E402
+    VllmBlockRemoved as BlockRemoved,
+    VllmBlockStored as BlockStored,
+    VllmKVEventBatch as KVEventBatch,
+)
 
 BLOCK = 16
 VOCAB = 128_000
 
 
 # -- workload --------------------------------------------------------------------------
-
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """vLLM 0.33's BlockStored (what an engine hands to its publisher)."""
-
-    block_hashes: list
-    parent_block_hash: Any
-    token_ids: list
-    block_size: int
-    lora_id: Any
-    medium: Any
-    lora_name: Any
-    extra_keys: Any = None
-    group_idx: Any = None
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: Any = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
-    lookahead_token_ids: Any = None
-
-
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """vLLM 0.33's BlockRemoved."""
-
-    block_hashes: list
-    medium: Any
-    group_idx: Any = None
-    locality: Any = None
-    ownership: Any = None
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """vLLM's KVEventBatch envelope."""
-
-    ts: float
-    events: list
-    data_parallel_rank: Any = None
-
 
 def zipf_token(rng: random.Random) -> int:
     """A token id with a heavy head, like natural text."""

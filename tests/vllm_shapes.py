@@ -1,11 +1,12 @@
 """vLLM 0.33's event structs as its publisher defines them, for tests that publish as vLLM does
-(the in-process publisher duck-types by class name, so each is renamed to vLLM's)."""
+(the in-process publisher duck-types by class name, so each is renamed to vLLM's), and its batch
+envelope; ``gc=False`` as vLLM declares them (a benchmark builds millions)."""
 from __future__ import annotations
 
 import msgspec
 
 
-class VllmBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
+class VllmBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
     """vLLM 0.33's BlockStored."""
 
     block_hashes: list
@@ -28,7 +29,7 @@ class VllmBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
 VllmBlockStored.__name__ = "BlockStored"
 
 
-class VllmBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
+class VllmBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
     """vLLM 0.33's BlockRemoved."""
 
     block_hashes: list
@@ -39,3 +40,14 @@ class VllmBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
 
 
 VllmBlockRemoved.__name__ = "BlockRemoved"
+
+
+class VllmKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM's KVEventBatch envelope (``[ts, events, data_parallel_rank]`` on the wire)."""
+
+    ts: float
+    events: list
+    data_parallel_rank: object = None
+
+
+VllmKVEventBatch.__name__ = "KVEventBatch"
