@@ -82,8 +82,8 @@ import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, pro
 from kvbus.children import Child, free_port, free_port_block  # noqa: E402
 from kvbus.demo_progress import scrape  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
-from kvbus.sinks.sharded_store import open_store  # noqa: E402
 from kvbus.sinks.store import ResidencyStore  # noqa: E402
+from kvbus.sinks.store_url import open_store  # noqa: E402
 
 log = logging.getLogger("kvbus.faults")
 
@@ -317,7 +317,7 @@ class OwnRedisCluster:
                 raise RuntimeError("the cluster's replicas did not sync")
             time.sleep(0.2)
         store = ShardedRedisStore(self.url, prefix, load=False)
-        owners = [store._node(s).port for s in range(store.nshards)]
+        owners = [store.node(s).port for s in range(store.nshards)]
         masters = [n for n in self.nodes
                    if redis.Redis(host=n.host, port=n.port).info("replication")["role"] == "master"]
         self.killed = max(masters, key=lambda n: owners.count(n.port))

@@ -64,9 +64,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fleet_view import load_kvbus, pct, queries as query_set, used_memory  # noqa: E402
 from kvbus.schemas.lookup import LAYOUT, lookup_args, parse_reply  # noqa: E402
+from kvbus.schemas.redis_view import cluster_client  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from kvbus.sinks.refcounts import Weights  # noqa: E402
-from kvbus.sinks.sharded_store import ShardedRedisStore, cluster_client  # noqa: E402
+from kvbus.sinks.sharded_store import ShardedRedisStore  # noqa: E402
 from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
 from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync  # noqa: E402
 from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402

@@ -63,7 +63,7 @@ from kvbus.demo_progress import GroupLag, scrape  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
-from kvbus.sinks.sharded_store import open_store  # noqa: E402
+from kvbus.sinks.store_url import open_store  # noqa: E402
 
 log = logging.getLogger("kvbus.bench")
 
@@ -229,7 +229,7 @@ def service_pids(redis_url: str) -> dict[str, list[int]]:
         elif pf.name.startswith("registry"):
             pids["registry"].append(rec.pid)
     if "+cluster://" in redis_url:  # a Redis Cluster: every node's server
-        from kvbus.sinks.sharded_store import cluster_client
+        from kvbus.schemas.redis_view import cluster_client
 
         pids["redis"] = sorted(int(info["process_id"]) for info in
                                cluster_client(redis_url).info("server", target_nodes="all").values())

@@ -2,8 +2,13 @@
 
 Modules:
   consumer.py      the Kafka loop (``SinkConsumer``): decode, check, apply, dead-letter, commit, expire
-  store.py         ``ResidencyStore`` interface, ``ApplyResult`` (``HolderMatch``: kvbus.schemas.lookup)
-  redis_store.py   ``RedisStore``: the view in Redis, through the ``kvbus`` functions (lua/kvbus.lua)
+  store.py         ``ResidencyStore`` interface (view and recovery), ``ApplyResult``, ``ViewChanged``
+                   (``HolderMatch``: kvbus.schemas.lookup)
+  store_url.py     ``open_store``: the store a KVBUS_REDIS_URL names
+  redis_store.py   ``RedisStore``: the view (or one shard of it) in Redis, through the ``kvbus`` functions
+  sharded_store.py ``ShardedRedisStore``: routing over the shards of a Redis Cluster view
+  view_protocol.py the writer's side of the function protocol (lua/kvbus.lua): packing, keys, replies
+  transport.py     how one shard's function calls are sent (one server, one Redis Cluster shard)
   functions.py     loading/calling the function library
   redis_memory.py  the eviction policy the view needs, a full Redis (``RedisFull``), evicted keys
   retention.py     the block topics' retention against the snapshot interval (checked at start)

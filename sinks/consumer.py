@@ -49,10 +49,10 @@ from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.metrics import SinkMetrics
-from kvbus.sinks.rebuild import READY, ensure_view, mark_ready_if_caught_up, view_status
+from kvbus.sinks.rebuild import READY, ensure_view, mark_ready_if_caught_up
 from kvbus.sinks.redis_memory import NO_EVICTION, POLICY_SETTING, EvictionWatch, RedisFull, memory_policy
-from kvbus.sinks.redis_store import RedisStore, ViewChanged
 from kvbus.sinks.snapshot import SnapshotReader
+from kvbus.sinks.store import ResidencyStore, ViewChanged
 from kvbus.sinks.validate import problem
 
 log = logging.getLogger("kvbus.sinks")
@@ -117,7 +117,7 @@ class SinkConsumer:
     def __init__(
         self,
         settings: Settings,
-        store: RedisStore,
+        store: ResidencyStore,
         config: SinkConfig = SinkConfig(),
         *,
         topics: Topics | None = None,
@@ -160,7 +160,7 @@ class SinkConsumer:
         self._lag_at = float("-inf")
         self._expected: Any = {}
         """What this sink last read or wrote of the view's offsets for its partitions, in the
-        store's form (:meth:`RedisStore.checkpoint`: (topic, partition) -> offset or None)."""
+        store's form (:data:`kvbus.sinks.store.Checkpoint`, made by ``store.checkpoint``)."""
         self.consumer.subscribe([self.topics.blocks_pattern()], on_assign=self._on_assign)
         self._last_expire = 0.0
         self._caught_up = False
@@ -325,7 +325,7 @@ class SinkConsumer:
             return
         self.lag = total
 
-    def not_ready(self, view: RedisStore) -> str | None:
+    def not_ready(self, view: ResidencyStore) -> str | None:
         """Why this sink is not ready (its ``/readyz``), None when it is: it has no partitions from
         its group yet, the view (read through ``view``, a store of the probe's own) is not ``ready``
         (missing, or rebuilding: ``P status``), or its partitions lag more than ``config.ready_lag``
@@ -337,7 +337,7 @@ class SinkConsumer:
             return (f"Redis is full: it refuses the view's writes (OOM at maxmemory) since {time.time() - full:.0f} s; "
                     "applying stopped until it has memory (raise maxmemory)")
         try:
-            status = view_status(view)
+            status = view.status()
         except REDIS_DOWN as e:
             return f"Redis unavailable ({e})"
         if status["state"] != READY:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvbus.sinks.redis_store import DEFAULT_PREFIX
-from kvbus.sinks.sharded_store import open_store
+from kvbus.schemas.lookup import DEFAULT_PREFIX
+from kvbus.sinks.store_url import open_store
 
 
 def summary(redis_url: str, prefix: str = DEFAULT_PREFIX,

@@ -6,7 +6,7 @@ or a sink dropped its id (Redis evicted some of its keys; a block topic's log en
 offset the view stores: sinks/consumer.py):
 the first sink to see that takes the rebuild lock (``P lock``) and
 
-1. writes ``P status`` state ``rebuilding`` (routers read it: :func:`view_status`);
+1. writes ``P status`` state ``rebuilding`` (routers read it: ``ResidencyStore.status``);
 2. deletes what is left under the prefix (a partial view);
 3. restores every holder of the latest complete snapshot (sinks/snapshot.py) and stores the
    snapshot's offsets in ``P off`` (but none past its partition's end: a recreated or truncated
@@ -17,8 +17,8 @@ the first sink to see that takes the rebuild lock (``P lock``) and
 The sinks then replay the block topics from ``P off`` (sinks/consumer.py); the stored positions
 skip what the snapshot already contains.
 
-A sharded view (sinks/sharded_store.py) whose shards lost the view while the others kept it (one
-master lost with its replica) is rebuilt in those shards only (``lost_shards``): only they are
+A view whose shards lost it while the others kept it (a Redis Cluster view, one master lost with
+its replica) is rebuilt in those shards only (``ResidencyStore.lost_shards``): only they are
 wiped, get the snapshot's holders of theirs and its offsets, and take the id the others kept; the
 sinks' replay from the minimum offsets over shards is skipped by positions in the shards that kept
 their data. The view is ``ready`` again once ``P off`` has reached the
@@ -33,20 +33,21 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvbus.schemas import lookup
 from kvbus.schemas.lookup import READY, REBUILDING  # noqa: F401  (the states routers read)
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.store import ResidencyStore
 
-if TYPE_CHECKING:  # the snapshot reader needs confluent-kafka, which a router's `kvbus lookup` (view_status) lacks
+if TYPE_CHECKING:  # the snapshot reader needs confluent-kafka: its type only, imported where it runs
     from kvbus.sinks.snapshot import SnapshotReader
 
 log = logging.getLogger("kvbus.sinks")
 
+LOCK = "lock"
+"""The rebuild lock's name (``P lock``)."""
 LOCK_TTL_MS = 600_000
 """How long the rebuild lock is held at most (a sink killed while rebuilding frees it then)."""
 
 
-def ensure_view(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[], dict[tuple[str, int], int]],
+def ensure_view(store: ResidencyStore, reader: SnapshotReader, end_offsets: Callable[[], dict[tuple[str, int], int]],
                 metrics=None, poll: float = 0.2) -> str:
     """The id of the view under ``store``'s prefix, rebuilding the view first if it has none.
 
@@ -57,19 +58,18 @@ def ensure_view(store: RedisStore, reader: SnapshotReader, end_offsets: Callable
         vid = store.view_id()
         if vid is not None:
             return vid
-        if store.r.set(store.prefix + "lock", token, nx=True, px=LOCK_TTL_MS):
+        if store.try_lock(LOCK, token, LOCK_TTL_MS):
             try:
                 return rebuild(store, reader, end_offsets, metrics)
             finally:
-                if store.r.get(store.prefix + "lock") == token.encode():
-                    store.r.delete(store.prefix + "lock")
+                store.unlock(LOCK, token)
         time.sleep(poll)  # another sink is rebuilding
 
 
-def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[], dict[tuple[str, int], int]],
+def rebuild(store: ResidencyStore, reader: SnapshotReader, end_offsets: Callable[[], dict[tuple[str, int], int]],
             metrics=None) -> str:
     """Rebuild the view from the latest snapshot (see the module docstring); returns its new id."""
-    from kvbus.sinks.snapshot import holder_dump  # confluent-kafka: imported by the sink, not by view_status
+    from kvbus.sinks.snapshot import holder_dump  # confluent-kafka: imported by the sink only
 
     t0, began = time.monotonic(), time.time()
     store.set_status(state=REBUILDING, since=began, phase="restoring")
@@ -77,14 +77,13 @@ def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[],
         metrics.rebuilding.set(1)
     ends = end_offsets()
     target = {f"{t}:{p}": o for (t, p), o in ends.items() if o > 0}
-    lost = store.lost_shards()  # a sharded view that lost some shards only: rebuild just those
-    keep_vid, only = lost if lost else (None, None)
-    scope = {"shards": only} if only is not None else {}
-    if only is not None:
+    lost = store.lost_shards()  # a view that lost some shards only: rebuild just those
+    keep_vid, only = (lost.view_id, lost.shards) if lost else (None, None)
+    if lost:
         log.warning("shards %s of the view lost it (the others keep view %s): rebuilding those shards only",
                     only, keep_vid)
     t1 = time.monotonic()
-    wiped = store.wipe(**scope)
+    wiped = store.wipe(shards=only)
     t2 = time.monotonic()
     manifest, holders = reader.read()
     read_in = time.monotonic() - t2
@@ -104,9 +103,9 @@ def rebuild(store: RedisStore, reader: SnapshotReader, end_offsets: Callable[[],
                 continue  # its shard kept its data
             entries += store.restore_holder(rec.replica, rec.dp_rank, holder_dump(rec))
             restored += 1
-        store.set_offsets(replay_from(manifest, ends), **scope)
+        store.set_offsets(replay_from(manifest, ends), shards=only)
     vid = keep_vid or uuid.uuid4().hex
-    store.set_view_id(vid, **scope)
+    store.set_view_id(vid, shards=only)
     took = time.monotonic() - t0
     store.set_status(state=REBUILDING, since=began, phase="replaying", snapshot=manifest.snapshot if manifest else "",
                      holders=restored, entries=entries, restored_in=f"{took:.3f}", read_in=f"{read_in:.3f}",
@@ -141,7 +140,7 @@ def replay_from(manifest: Any, ends: dict[tuple[str, int], int]) -> dict[tuple[s
     return out
 
 
-def mark_ready_if_caught_up(store: RedisStore, metrics=None) -> bool:
+def mark_ready_if_caught_up(store: ResidencyStore, metrics=None) -> bool:
     """If the view is rebuilding and its offsets reached the target, mark it ready; returns whether
     the view is ready."""
     st = store.status()
@@ -160,14 +159,3 @@ def mark_ready_if_caught_up(store: RedisStore, metrics=None) -> bool:
         metrics.rebuilding.set(0)
         metrics.rebuild_seconds.set(took)
     return True
-
-
-def view_status(store: RedisStore) -> dict[str, str]:
-    """What a router should know before trusting an answer: ``state`` "ready", "rebuilding" (answers
-    may miss blocks) or "missing" (no view at all: Redis lost it and no sink has started rebuilding
-    it yet), ``since``, and for a rebuild its ``phase`` (restoring, replaying) and ``snapshot``. A view
-    written without a sink (tests, benchmarks) has no status and counts as ready."""
-    st = store.status()  # a sharded store combines its shards' (kvbus.schemas.lookup.view_status)
-    if st.get("state"):
-        return st
-    return lookup.view_status([st], [bool(store.r.exists(lookup.meta_key(store.prefix)))]).as_dict()

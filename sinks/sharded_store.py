@@ -26,13 +26,16 @@ own slot migration (``redis-cli --cluster reshard`` / ``rebalance``).
   lags by the replication delay, and a migration that starts between two checks may be read from a
   half-moved shard for up to :data:`MIGRATION_CHECK` s (docs/sinks-layout.md).
 
+The store is routing plus one :class:`~kvbus.sinks.redis_store.RedisStore` per shard (``shards``), each
+sending its calls through :class:`~kvbus.sinks.transport.ShardTransport`; a batch's calls of every
+shard are planned by the shards and sent here in one round trip.
+
 ``KVBUS_REDIS_URL`` names a cluster by its seed nodes: ``redis+cluster://h:p[,h:p...][/0][?shards=S][&read_from=replica]``
-(:func:`open_store` picks this store for such a URL, :class:`~kvbus.sinks.redis_store.RedisStore` otherwise).
+(:func:`kvbus.sinks.store_url.open_store` picks this store for such a URL).
 """
 from __future__ import annotations
 
 import logging
-import time
 import zlib
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
@@ -42,57 +45,36 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from kvbus.schemas.events import BlockEvent, holder_key
 from kvbus.schemas.lookup import (
+    DEFAULT_PREFIX,
     LOOKUP_FUNCTION,
+    SHARDS_FIELD,
     HolderNames,
+    declared_keys,
+    hname_key,
     lookup_args,
+    meta_key,
     parse_hname,
     shard_prefix,
-    status_key,
     view_status,
 )
-from kvbus.schemas.redis_view import (  # noqa: F401  (re-exported: the sinks' names for them)
-    CLUSTER_SCHEMES,
-    DEFAULT_SHARDS,
-    MIGRATION_CHECK,
-    READ_FROM,
-    RETRY_FOR,
-    RETRYABLE,
-    ShardCalls,
-    cluster_client,
-    is_cluster_url,
-    parse_cluster_url,
-    read_from,
-    url_shards,
-)
-from kvbus.sinks import functions
-from kvbus.sinks.redis_store import (
-    DEFAULT_PREFIX,
-    DEFAULT_WEIGHTS,
-    DROP_VID,
+from kvbus.schemas.redis_view import DEFAULT_SHARDS, MIGRATION_CHECK, RETRY_FOR, ShardCalls, cluster_client
+from kvbus.sinks import functions, view_protocol as vp
+from kvbus.sinks.redis_store import DEFAULT_WEIGHTS, RedisStore
+from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights
+from kvbus.sinks.store import (
+    ApplyResult,
+    Checkpoint,
+    HolderDump,
+    HolderMatch,
+    LostShards,
     Offsets,
-    RedisStore,
-    ViewChanged,  # noqa: F401  (raised by refused; the sinks' name for it)
-    _offsets_arg,
-    _with_extra,
-    refused,
+    ResidencyStore,
+    Snapshot,
+    summary_from_counts,
 )
-from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights, label
-from kvbus.sinks.store import ApplyResult, HolderMatch, ResidencyStore, Snapshot, summary_from_counts
+from kvbus.sinks.transport import ShardTransport
 
 log = logging.getLogger("kvbus.sinks")
-
-
-def open_store(url: str, prefix: str = DEFAULT_PREFIX, policy: TierPolicy = DEFAULT_POLICY, *,
-               load: bool = True, client_kwargs: Mapping[str, Any] | None = None) -> "RedisStore | ShardedRedisStore":
-    """The view at ``url``: :class:`ShardedRedisStore` for a ``redis+cluster://`` URL (its
-    ``?shards=`` or :data:`DEFAULT_SHARDS`), else :class:`RedisStore`. ``client_kwargs``: more
-    redis-py client arguments (credentials, TLS CA: ``Settings.redis_kwargs()``)."""
-    kw = dict(client_kwargs or {})
-    if not is_cluster_url(url):
-        return RedisStore(redis.Redis.from_url(url, **kw), prefix, policy, load=load)
-    _, params = parse_cluster_url(url)
-    return ShardedRedisStore(cluster_client(url, **kw), prefix, policy, shards=url_shards(params),
-                             load=load, read_from=read_from(params))
 
 
 def shard_of(holder: str, shards: int) -> int:
@@ -106,10 +88,10 @@ class ShardedRedisStore(ResidencyStore):
 
     ``client``: a ``RedisCluster`` (bytes replies) or a ``redis+cluster://`` URL. ``load``: check
     every master's version and load the function library on each (a lookup client passes False).
-    ``read_from``: where lookups are read (:data:`READ_FROM`; ``replica`` needs a client whose
-    connections send READONLY: :func:`cluster_client` with ``?read_from=replica``);
+    ``read_from``: where lookups are read (:data:`kvbus.schemas.redis_view.READ_FROM`; ``replica``
+    needs a client whose connections send READONLY: :func:`cluster_client` with ``?read_from=replica``);
     ``migration_check``: seconds between two checks of which shards are migrating, when reading
-    from replicas.
+    from replicas. ``store_kw``: more arguments of each shard's :class:`RedisStore` (per-call limits).
     """
 
     def __init__(self, client: RedisCluster | str, prefix: str = DEFAULT_PREFIX,
@@ -117,16 +99,18 @@ class ShardedRedisStore(ResidencyStore):
                  retry_for: float = RETRY_FOR, read_from: str = "primary", migration_check: float = MIGRATION_CHECK,
                  **store_kw: Any):
         self.rc = cluster_client(client) if isinstance(client, str) else client
-        self.r = self.rc  # what RedisStore callers read plain keys through (kvbus.sinks.rebuild.view_status)
         self.prefix = prefix
         self.policy = policy
         self.nshards = shards
-        self.shards = [RedisStore(self.rc, shard_prefix(prefix, i), policy, load=False, declare_keys=True, **store_kw)
-                       for i in range(shards)]
-        self.calls = ShardCalls(self.rc, [st.fkeys for st in self.shards], read_from=read_from,
-                                migration_check=migration_check, retry_for=retry_for,
+        self.calls = ShardCalls(self.rc, [declared_keys(shard_prefix(prefix, i)) for i in range(shards)],
+                                read_from=read_from, migration_check=migration_check, retry_for=retry_for,
                                 reload=lambda: self.load_library(replace=True))
         """Every shard's function calls: routing, one round trip, retries (kvbus.schemas.redis_view)."""
+        self.shards = [RedisStore(self.rc, shard_prefix(prefix, i), policy, load=False,
+                                  transport=ShardTransport(self.calls, i),
+                                  what=f"shard {i} of the view under {prefix!r}", **store_kw)
+                       for i in range(shards)]
+        """Shard ``i``: a complete view of its holders under ``P{s<i>}:``."""
         self._shard_of: dict[tuple[str, int], int] = {}
         self._names = HolderNames()
         if load:
@@ -147,9 +131,9 @@ class ShardedRedisStore(ResidencyStore):
 
     def _check_shards(self) -> None:
         """The shard count is part of the view: refuse to write a view made with another one."""
-        key = self.shards[0].prefix + "meta"
-        self.rc.hsetnx(key, "shards", self.nshards)
-        have = int(self.rc.hget(key, "shards"))
+        key = meta_key(self.shards[0].prefix)
+        self.rc.hsetnx(key, SHARDS_FIELD, self.nshards)
+        have = int(self.rc.hget(key, SHARDS_FIELD))
         if have != self.nshards:
             raise ValueError(f"the view under {self.prefix!r} has {have} shards, not {self.nshards}")
 
@@ -163,7 +147,7 @@ class ShardedRedisStore(ResidencyStore):
 
     @property
     def read_from(self) -> str:
-        """Where lookups are read (:data:`READ_FROM`)."""
+        """Where lookups are read (:data:`kvbus.schemas.redis_view.READ_FROM`)."""
         return self.calls.read_from
 
     @property
@@ -185,73 +169,53 @@ class ShardedRedisStore(ResidencyStore):
         """Calls sent again after TRYAGAIN / ASK / MOVED / CLUSTERDOWN / a lost connection."""
         return self.calls.retries
 
-    def _node(self, s: int, read: bool = False) -> ClusterNode:
-        """The node a call of shard ``s`` goes to (:meth:`ShardCalls.node`)."""
+    def node(self, s: int, read: bool = False) -> ClusterNode:
+        """The node a call of shard ``s`` goes to now (:meth:`ShardCalls.node`): its master, or for a
+        ``read`` when reading from replicas, its replica."""
         return self.calls.node(s, read)
 
     def migrating_shards(self) -> set[int]:
-        """Shards whose slot some master reports migrating or importing (:meth:`ShardCalls.migrating`)."""
+        """Shards whose slot is being migrated now (:meth:`ShardCalls.migrating`)."""
         return self.calls.migrating()
 
-    def _execute(self, calls: list[tuple[int, str, list]], *, ordered: bool = True) -> list:
-        """Run ``calls`` ((shard, function, args)) in one round trip, retried (:meth:`ShardCalls.execute`)."""
+    def _execute(self, calls: Sequence[tuple[int, str, list]], ordered: bool = True) -> list:
         return self.calls.execute(calls, ordered=ordered)
 
     # -- writes ---------------------------------------------------------------
 
     def apply(self, records: Iterable[tuple[str, BlockEvent]], *, view_id: str | None = None,
-              offsets: Offsets | None = None,
-              expected: (Mapping[tuple[str, int], int | None]
-                         | Sequence[Mapping[tuple[str, int], int | None] | None] | None) = None,
-              ) -> ApplyResult:
-        """Apply records, each to its holder's shard, all shards in one round trip.
+              offsets: Offsets | None = None, expected: Checkpoint | None = None) -> ApplyResult:
+        """Apply records: each to its holder's shard, planned by that shard (:meth:`RedisStore.plan`),
+        every shard's calls sent in one round trip (:class:`ShardCalls`).
 
-        Recovery (what a sink does; docs/sinks-layout.md "Recovery", per shard): ``view_id`` is
-        checked by every call against its shard's id; ``offsets`` are stored in **every** shard with
+        ``view_id``: each shard checks it against its own id; ``offsets`` are stored in **every** shard with
         the batch (a shard with no record in the batch gets an offsets-only call in the same round
-        trip), so all shards normally hold the same offsets; ``expected``: what the caller knows each
-        shard holds — one mapping for all shards, or a list of one per shard (after a resync that
-        found shards at different offsets). A shard that rolled back (its master failed over to a
-        lagging replica) fails with :class:`ViewChanged`; the sink then resumes each partition from
+        trip), so all shards normally hold the same offsets; ``expected``: the :meth:`checkpoint`
+        (what each shard holds; shards differ after one of them rolled back), or one mapping for all
+        shards. A shard that rolled back (its master failed over to a lagging replica) fails with
+        :class:`~kvbus.sinks.store.ViewChanged`; the sink then resumes each partition from
         :meth:`offsets` (the minimum over shards: the stored positions make the replay harmless to
-        the shards that were ahead) with ``expected`` = :meth:`shard_offsets`.
+        the shards that were ahead) with ``expected`` = :meth:`checkpoint`.
         """
         groups: dict[int, list[tuple[str, BlockEvent]]] = defaultdict(list)
         for rec in records:
             ev = rec[1]
             groups[self.shard(ev.replica, ev.dp_rank)].append(rec)
         exp = self._expected_per_shard(expected)
-        calls: list[tuple[int, str, list]] = []
-        parts: list[list] = []
         targets = range(self.nshards) if offsets else sorted(groups)
-        for s in targets:
-            st = self.shards[s]
-            if s in groups:
-                for part, args in _with_extra(st._iter_calls(groups[s]), view_id, offsets, exp[s]):
-                    calls.append((s, "kvbus_apply", args))
-                    parts.append(part)
-            else:
-                calls.append((s, "kvbus_apply", self._offsets_call(s, offsets, view_id, exp[s])))
-                parts.append([])
-        res = ApplyResult()
+        plans = {s: self.shards[s].plan(groups.get(s, ()), view_id, offsets, exp[s]) for s in targets}
+        calls = [(s, vp.APPLY, args) for s, plan in plans.items() for _, args in plan]
         if not calls:
-            return res
+            return ApplyResult()
         replies = self._execute(calls)
-        for s in sorted(set(c[0] for c in calls)):
-            refused([x for (t, _, _), x in zip(calls, replies) if t == s],
-                    f"shard {s} of the view under {self.prefix!r}", view_id,
-                    lambda: self._node(s).redis_connection)
-        last_of = {s: j for j, (s, _, _) in enumerate(calls)}
-        for j, ((s, _, args), part, reply) in enumerate(zip(calls, parts, replies)):
-            if isinstance(reply, RETRYABLE):
-                raise reply
-            if isinstance(reply, Exception):
-                st = self.shards[s]
-                st._apply_one_by_one(part, args, reply, res, view_id)
-                if offsets and last_of[s] == j:  # the call that stores them was refused
-                    st.set_offsets(offsets, view_id, exp[s])
-            else:
-                RedisStore._add_reply(res, reply)
+        per: dict[int, list] = defaultdict(list)
+        for (s, _, _), reply in zip(calls, replies):
+            per[s].append(reply)
+        for s in plans:  # a view changed anywhere stops the batch before any shard settles
+            self.shards[s].check_refused(per[s], view_id)
+        res = ApplyResult()
+        for s, plan in plans.items():
+            res.add(self.shards[s].settle(plan, per[s], view_id, offsets, exp[s]))
         return res
 
     def _expected_per_shard(self, expected) -> list:
@@ -262,24 +226,45 @@ class ShardedRedisStore(ResidencyStore):
             raise ValueError(f"expected: {len(exp)} mappings for {self.nshards} shards")
         return exp
 
-    def _offsets_call(self, s: int, offsets: Offsets, view_id: str | None, expected) -> list:
-        want = {k: expected.get(k) for k in offsets} if expected is not None else None
-        return [self.shards[s].prefix, 0, 0, 0, b"", view_id or "", _offsets_arg(want, offsets)]
+    def _targets(self, shards: Iterable[int] | None) -> Iterable[int]:
+        return range(self.nshards) if shards is None else shards
 
-    def set_offsets(self, offsets: Offsets, view_id: str | None = None, expected=None,
+    def set_offsets(self, offsets: Offsets, view_id: str | None = None, expected: Checkpoint | None = None,
                     shards: Iterable[int] | None = None) -> None:
-        """Store offsets in every shard (or in ``shards``) without events (one round trip);
-        :class:`ViewChanged` like apply."""
+        """Store offsets in every shard (or in ``shards``) without events, in one round trip."""
         if not offsets:
             return
         exp = self._expected_per_shard(expected)
-        calls = [(s, "kvbus_apply", self._offsets_call(s, offsets, view_id, exp[s]))
-                 for s in (range(self.nshards) if shards is None else shards)]
+        calls = [(s, vp.APPLY, vp.offsets_only(self.shards[s].prefix, offsets, view_id, exp[s]))
+                 for s in self._targets(shards)]
         for (s, _, _), reply in zip(calls, self._execute(calls)):
-            refused([reply], f"shard {s} of the view under {self.prefix!r}", view_id,
-                    lambda: self._node(s).redis_connection)
+            self.shards[s].check_refused([reply], view_id)
             if isinstance(reply, Exception):
                 raise reply
+
+    def heartbeat(self, replica: str, dp_rank: int, ts: float) -> None:
+        self.shards[self.shard(replica, dp_rank)].heartbeat(replica, dp_rank, ts)
+
+    def expire_stale(self, max_age: float, now: float, batch: int = 64) -> list[str]:
+        """Every shard's expiry calls at once, again for those that had more."""
+        out: list[str] = []
+        todo = list(range(self.nshards))
+        while todo:
+            calls = [(s, vp.EXPIRE, [self.shards[s].prefix, repr(now - max_age), repr(now), batch]) for s in todo]
+            nxt = []
+            for (s, _, _), names in zip(calls, self._execute(calls, ordered=False)):
+                if isinstance(names, Exception):
+                    raise names
+                out.extend(vp.text(n) for n in names)
+                if len(names) >= batch:
+                    nxt.append(s)
+            todo = nxt
+        return out
+
+    def drop_holder(self, replica: str, dp_rank: int, now: float) -> int:
+        return self.shards[self.shard(replica, dp_rank)].drop_holder(replica, dp_rank, now)
+
+    # -- the view's identity, offsets and recovery ------------------------------
 
     def view_ids(self) -> list[str | None]:
         """Each shard's view id (None: that shard has no view: lost or never created)."""
@@ -291,126 +276,97 @@ class ShardedRedisStore(ResidencyStore):
         return ids.pop() if len(ids) == 1 else None
 
     def set_view_id(self, view_id: str, shards: Iterable[int] | None = None) -> None:
-        """Mark every shard (or ``shards``) as view ``view_id``."""
-        for s in range(self.nshards) if shards is None else shards:
+        for s in self._targets(shards):
             self.shards[s].set_view_id(view_id)
 
     def drop_view_id(self, view_id: str, why: str) -> bool:
-        """Forget the view's id, and mark it ``rebuilding`` (phase ``why``), in every shard that still
-        has ``view_id``: the whole view is rebuilt (sinks/rebuild.py). False: no shard had it any more."""
-        now = repr(time.time())
-        return sum(int(self.rc.eval(DROP_VID, 2, st.prefix + "meta", status_key(st.prefix), view_id, now, why))
-                   for st in self.shards) > 0
+        """In every shard that still has ``view_id``: the whole view is rebuilt (sinks/rebuild.py)."""
+        return sum(st.drop_view_id(view_id, why) for st in self.shards) > 0
 
     def servers(self) -> list[tuple[str, redis.Redis]]:
         """(name, client) of every master (the servers the view is written to)."""
         return [(node.name, node.redis_connection) for node in self.rc.get_primaries()]
 
-    def lost_shards(self) -> tuple[str, list[int]] | None:
-        """(the view id the other shards keep, the shards without one) when some shards lost the view
-        (their master failed over to a replica without the data, or both lost it) while every other
-        shard has the same id: those shards alone are rebuilt (sinks/rebuild.py). None when no shard
-        lost it, or when no shard kept it, or the kept ids differ (then the whole view is rebuilt)."""
+    def lost_shards(self) -> LostShards | None:
+        """Some shards lost the view (their master failed over to a replica without the data, or both
+        lost it) while every other shard has the same id: those shards alone are rebuilt."""
         ids = self.view_ids()
         kept = {i for i in ids if i is not None}
         if len(kept) != 1 or None not in ids:
             return None
-        return kept.pop(), [s for s, i in enumerate(ids) if i is None]
+        return LostShards(kept.pop(), [s for s, i in enumerate(ids) if i is None])
 
     def shard_offsets(self) -> list[dict[tuple[str, int], int]]:
         """``P{s<i>}:off`` of each shard."""
         return [st.offsets() for st in self.shards]
 
     def offsets(self) -> dict[tuple[str, int], int]:
-        """Where a sink resumes each partition: the minimum over shards of the offsets they store (a
-        partition some shard has no offset for is left out: that shard has nothing of it)."""
+        """The minimum over shards of the offsets they store (a partition some shard has no offset for
+        is left out: that shard has nothing of it)."""
         per = self.shard_offsets()
         common = set(per[0]).intersection(*per[1:]) if per else set()
         return {k: min(p[k] for p in per) for k in sorted(common)}
 
     def status(self) -> dict[str, str]:
-        """The view's status for routers (``kvbus.sinks.rebuild.view_status``): a shard rebuilding makes the
-        view rebuilding; no shard with a view: missing."""
-        sts = [st.status() for st in self.shards]
+        """A shard rebuilding makes the view rebuilding; no shard with a view: missing."""
+        sts = [st.recorded_status() for st in self.shards]
         if any(st.get("state") for st in sts):
             return view_status(sts, ()).as_dict()
         pipe = self.rc.pipeline()
         for st in self.shards:
-            pipe.exists(st.prefix + "meta")
+            pipe.exists(meta_key(st.prefix))
         return view_status(sts, pipe.execute()).as_dict()
 
-    # -- recovery (sinks/consumer.py, sinks/rebuild.py, sinks/snapshot.py) -----------------
-
     def checkpoint(self, partitions: Iterable[tuple[str, int]]) -> list[dict[tuple[str, int], int | None]]:
-        """What each shard stores for ``partitions``: the ``expected`` a sink passes to :meth:`apply`
-        (shards may differ after one of them rolled back)."""
+        """What each shard stores for ``partitions`` (a list: shards may differ after one rolled back)."""
         parts = list(partitions)
         return [st.checkpoint(parts) for st in self.shards]
 
-    @staticmethod
-    def advance(expected: Any, offsets: Offsets) -> Any:
-        """``expected`` after a batch that stored ``offsets`` (in every shard) was applied."""
-        return [{**e, **offsets} for e in expected]
+    def advance(self, expected: Checkpoint, offsets: Offsets) -> Checkpoint:
+        """Every shard stored ``offsets``."""
+        return [{**e, **offsets} for e in self._expected_per_shard(expected)]
 
-    def holds(self, expected: Any) -> bool:
-        """Whether every shard still stores what ``expected`` says for it."""
-        return self.checkpoint(expected[0] if expected else ()) == list(expected)
+    def holds(self, expected: Checkpoint) -> bool:
+        exp = self._expected_per_shard(expected)
+        return self.checkpoint(exp[0] or ()) == exp
 
     def identity(self) -> tuple:
         """The masters' run ids: changes when one restarts or fails over."""
         return tuple(sorted(str(n.redis_connection.info("server").get("run_id", "")) for n in self.rc.get_primaries()))
 
     def set_status(self, **fields: Any) -> None:
-        """Write the view's status into every shard (routers read any of them: :meth:`status`)."""
+        """Into every shard (routers read any of them: :meth:`status`)."""
         for st in self.shards:
-            self.rc.delete(st.prefix + "status")
-            self.rc.hset(st.prefix + "status", mapping={k: str(v) for k, v in fields.items()})
+            st.set_status(**fields)
 
     def wipe(self, keep: Sequence[str] = ("status", "lock"), shards: Iterable[int] | None = None) -> int:
-        """Delete every shard's (or ``shards``') keys but ``<shard prefix><keep>`` (a rebuild starts
-        from nothing); the shard count is written again (it belongs to the view, not to its contents)."""
-        n = sum(self.shards[s].wipe(keep) for s in (range(self.nshards) if shards is None else shards))
+        """Every shard's (or ``shards``') keys but ``<shard prefix><keep>``; the shard count is written
+        again (it belongs to the view, not to its contents)."""
+        n = sum(self.shards[s].wipe(keep) for s in self._targets(shards))
+        self._names = HolderNames()  # the wiped shards' hids are given anew
         self._check_shards()
         return n
+
+    def try_lock(self, name: str, token: str, ttl_ms: int) -> bool:
+        return vp.take_lock(self.rc, vp.lock_key(self.prefix, name), token, ttl_ms)
+
+    def renew_lock(self, name: str, token: str, ttl_ms: int) -> bool:
+        return vp.renew_lock(self.rc, vp.lock_key(self.prefix, name), token, ttl_ms)
+
+    def unlock(self, name: str, token: str) -> None:
+        vp.free_lock(self.rc, vp.lock_key(self.prefix, name), token)
 
     def holder_ids(self) -> dict[int, str]:
         """Holder key -> name over all shards; the key is ``shard << 32 | hid`` (hids are per shard)."""
         return {(s << 32) | hid: name for s, st in enumerate(self.shards) for hid, name in st.holder_ids().items()}
 
-    def dump_holder(self, key: int) -> Any:
-        """One holder's state (:meth:`RedisStore.dump_holder`), by its key from :meth:`holder_ids`."""
+    def dump_holder(self, key: int) -> HolderDump:
+        """By its key from :meth:`holder_ids`."""
         return self.shards[key >> 32].dump_holder(key & 0xFFFFFFFF)
 
-    def restore_holder(self, replica: str, dp_rank: int, state: Any, max_hashes: int = 16384) -> int:
-        """Write one holder from a snapshot into its shard (:meth:`RedisStore.restore_holder`)."""
+    def restore_holder(self, replica: str, dp_rank: int, state: HolderDump, max_hashes: int = 16384) -> int:
+        """Into its shard."""
         return self.shards[self.shard(replica, dp_rank)].restore_holder(replica, dp_rank, state, max_hashes)
-
-    def heartbeat(self, replica: str, dp_rank: int, ts: float) -> None:
-        self._one(self.shard(replica, dp_rank), "kvbus_heartbeat", replica, dp_rank, repr(ts))
-
-    def _one(self, s: int, name: str, *args: Any) -> Any:
-        reply = self._execute([(s, name, [self.shards[s].prefix, *args])])[0]
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
-
-    def expire_stale(self, max_age: float, now: float, batch: int = 64) -> list[str]:
-        out: list[str] = []
-        todo = list(range(self.nshards))
-        while todo:
-            calls = [(s, "kvbus_expire", [self.shards[s].prefix, repr(now - max_age), repr(now), batch]) for s in todo]
-            nxt = []
-            for (s, _, _), names in zip(calls, self._execute(calls, ordered=False)):
-                if isinstance(names, Exception):
-                    raise names
-                out.extend(n.decode() if isinstance(n, bytes) else str(n) for n in names)
-                if len(names) >= batch:
-                    nxt.append(s)
-            todo = nxt
-        return out
-
-    def drop_holder(self, replica: str, dp_rank: int, now: float) -> int:
-        return int(self._one(self.shard(replica, dp_rank), "kvbus_drop", holder_key(replica, dp_rank), repr(now)))
 
     # -- reads ----------------------------------------------------------------
 
@@ -435,7 +391,7 @@ class ShardedRedisStore(ResidencyStore):
         """Per shard: hid -> holder name."""
         pipe = self.rc.pipeline()
         for st in self.shards:
-            pipe.hgetall(st.prefix + "hname")
+            pipe.hgetall(hname_key(st.prefix))
         return [parse_hname(d) for d in pipe.execute()]
 
     def stale(self) -> dict[str, float]:
@@ -465,9 +421,7 @@ class ShardedRedisStore(ResidencyStore):
     def summary(self) -> dict[str, dict[str, int]]:
         counts: dict[str, dict[str, int]] = {}
         for st in self.shards:
-            tnames = st._tier_names()
-            for hid, name in st._holders().items():
-                counts[name] = {label(tnames[code]): n for code, (n, _, _) in st._tiers_of(hid).items() if n}
+            counts.update(st.tier_counts())
         return summary_from_counts(counts)
 
     def size(self, exact: bool = True) -> dict[str, int]:
@@ -479,13 +433,7 @@ class ShardedRedisStore(ResidencyStore):
         if exact and sum(1 for x in sizes if x["blocks"]) > 1:
             seen: set[bytes] = set()
             for st in self.shards:
-                meta = {k.decode(): int(v) for k, v in self.rc.hgetall(st.prefix + "meta").items()
-                        if k in (b"bL", b"bS")}
-                pipe = self.rc.pipeline()
-                for b in range(2 ** meta.get("bL", 0) + meta.get("bS", 0)):
-                    pipe.hkeys(f"{st.prefix}B:{b}")
-                for fields in pipe.execute():
-                    seen.update(fields)
+                seen |= st.block_hashes()
             out["blocks"] = len(seen)
         return out
 

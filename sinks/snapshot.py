@@ -43,7 +43,7 @@ from kvbus.schemas.topics import (
     SNAPSHOT_MAX_RECORD_BYTES,
     snapshot_spec,
 )
-from kvbus.sinks.redis_store import HolderDump, RedisStore
+from kvbus.sinks.store import HolderDump, ResidencyStore
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -52,6 +52,8 @@ def record_key(prefix: str, blocks: str, holder: str | None) -> bytes:
     topic, NUL, then the holder name (``<replica>#<dp_rank>``), or nothing for the manifest. Several
     views (prefixes, deployments with other topic names) can share the topic."""
     return f"{prefix}\0{blocks}\0{holder or ''}".encode()
+LOCK = "snaplock"
+"""The snapshot lock's name (``P snaplock``)."""
 LOCK_MS = 3_600_000
 """How long the snapshot lock is held at most while a snapshot is written (a sink killed while
 writing one frees it then)."""
@@ -83,7 +85,7 @@ def holder_record(snapshot: int, name: str, dump: HolderDump) -> ViewSnapshot:
 
 
 def holder_dump(rec: ViewSnapshot) -> HolderDump:
-    """The state a holder record saved, as :meth:`RedisStore.restore_holder` takes it."""
+    """The state a holder record saved, as :meth:`ResidencyStore.restore_holder` takes it."""
     return HolderDump(seen=rec.seen, floor=rec.floor,
                       positions=[(p.topic, p.epoch, p.seq, p.index) for p in rec.positions],
                       tiers=[(t.descriptor, t.refcounted, t.origin, t.blocks, t.extra) for t in rec.tiers],
@@ -112,7 +114,7 @@ class SnapshotAbandoned(RuntimeError):
 class SnapshotWriter:
     """Writes snapshots of ``store`` to ``settings.topics.snapshots``."""
 
-    def __init__(self, settings: Settings, store: RedisStore):
+    def __init__(self, settings: Settings, store: ResidencyStore):
         self.store = store
         self.topic = settings.topics.snapshots
         self.blocks = settings.topics.blocks
@@ -125,7 +127,7 @@ class SnapshotWriter:
         self._previous: set[str] = set()
 
     def _identity(self) -> tuple[str | None, str]:
-        """(view id, Redis run id): a snapshot read across a change of either is not consistent."""
+        """(view id, the servers' identity): a snapshot read across a change of either is not consistent."""
         return self.store.view_id(), self.store.identity()
 
     def take(self) -> SnapshotStats:
@@ -177,7 +179,7 @@ class Snapshotter(threading.Thread):
     Every sink runs one; a Redis lock (``P snaplock``, held for ``every`` seconds) lets one of them
     take each snapshot. ``metrics``: the sink's (``kvbus_sink_snapshot*``)."""
 
-    def __init__(self, settings: Settings, store: RedisStore, every: float, metrics: Any = None):
+    def __init__(self, settings: Settings, store: ResidencyStore, every: float, metrics: Any = None):
         super().__init__(name="kvbus-snapshotter", daemon=True)
         self.settings, self.store, self.every, self.metrics = settings, store, every, metrics
         self.stop = threading.Event()
@@ -185,17 +187,15 @@ class Snapshotter(threading.Thread):
 
     def run(self) -> None:
         writer = None
-        lock = self.store.prefix + "snaplock"
         while not self.stop.wait(self.every):
             try:
                 # held while this snapshot is written (two writers interleaving their records could
                 # leave a holder record older than the manifest), then for the rest of the period
-                if not self.store.r.set(lock, self._token, nx=True, px=LOCK_MS):
+                if not self.store.try_lock(LOCK, self._token, LOCK_MS):
                     continue
                 writer = writer or SnapshotWriter(self.settings, self.store)
                 stats = writer.take()
-                if self.store.r.get(lock) == self._token.encode():
-                    self.store.r.set(lock, self._token, px=max(1, int(self.every * 1000 * 0.9)))
+                self.store.renew_lock(LOCK, self._token, int(self.every * 1000 * 0.9))
                 log.info("snapshot %d: %d holders, %d entries, %.1f MB in %.1f s", stats.snapshot, stats.holders,
                          stats.entries, stats.bytes / 1e6, stats.seconds)
                 if self.metrics is not None:

@@ -19,12 +19,25 @@ Semantics every implementation follows (docs/sinks-layout.md):
 * a holder's model is the one its latest applied event named (``BlockEvent.model``; None: unknown,
   also after it expired or was dropped, until its next event); a lookup naming a model answers only
   holders of that model, never those of another model or of an unknown one.
+
+Recovery (sinks/consumer.py, sinks/rebuild.py, sinks/snapshot.py; docs/sinks-layout.md, "Recovery"), the
+same protocol on every store:
+
+* a view has an id (:meth:`ResidencyStore.view_id`; None: lost or never created) and stores, with the
+  applies, the next Kafka offset of each block-topic partition (:meth:`ResidencyStore.offsets`);
+* a sink keeps a :data:`Checkpoint` (what it believes the view stores for its partitions; opaque: each
+  store has its own form) and passes it to every apply, which fails with :class:`ViewChanged`, writing
+  nothing, when the view is not the one the sink knows;
+* a view may be split into shards (a Redis Cluster view); a store of one shard answers ``shards`` of
+  one, shard 0. Methods taking ``shards=`` act on those shards only (None: all of them), which is how a
+  view whose shards lost their data while others kept it (:meth:`ResidencyStore.lost_shards`) is
+  rebuilt in those shards alone.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from kvbus.schemas.events import BlockEvent
 from kvbus.schemas.lookup import HolderMatch, display_names, split_holder  # noqa: F401  (the lookup protocol's)
@@ -62,12 +75,67 @@ class ApplyResult:
         return self
 
 
+Offsets = Mapping[tuple[str, int], int]
+"""(topic, partition) -> Kafka offset (the next one to apply)."""
+
+Checkpoint = Any
+"""What a sink believes the view stores for its partitions, in the store's own form (opaque to the
+sink: made by :meth:`ResidencyStore.checkpoint`, moved on by :meth:`ResidencyStore.advance`, passed to
+:meth:`ResidencyStore.apply` as ``expected``)."""
+
+
+class ViewChanged(RuntimeError):
+    """The view the sink was applying to is gone or was rebuilt (Redis restarted empty, FLUSHALL,
+    another sink rebuilt it, another sink moved a partition on): nothing of the batch was written;
+    resynchronise first."""
+
+
+@dataclass(frozen=True)
+class LostShards:
+    """Shards of a view that lost it while every other shard kept the same view id."""
+
+    view_id: str
+    """The id the other shards keep (the rebuilt shards take it again)."""
+    shards: list[int]
+    """The shards without a view, to be wiped and rebuilt."""
+
+
+@dataclass
+class HolderDump:
+    """One holder's whole state, as :meth:`ResidencyStore.dump_holder` reads it and
+    :meth:`ResidencyStore.restore_holder` writes it (a snapshot record: sinks/snapshot.py)."""
+
+    seen: float | None = None
+    """Staleness clock (P seen), epoch s; None if expired."""
+    floor: float | None = None
+    """Reset floor epoch; None if none."""
+    positions: list[tuple[str, int, int, int]] = field(default_factory=list)
+    """(topic, epoch, seq, index) applied per topic."""
+    tiers: list[tuple[str, bool, str, bytes, bytes]] = field(default_factory=list)
+    """(descriptor, ref-counted, origin topic, raws held, raws once more per extra count) per tier."""
+    model: str | None = None
+    """The model the view records for the holder; None if unknown."""
+    groups: list[tuple[int, str]] = field(default_factory=list)
+    """(KV cache group, its spec ``"<kind>,<window>,<block_size max>,<block_size min>"``) per group its
+    events named (kvbus.lua, "KV cache groups of a holder"); empty for engines that name none."""
+
+
 class ResidencyStore(abc.ABC):
     """Where the residency view lives. See the module docstring for the semantics."""
 
+    prefix: str = ""
+    """The view's name: its Redis key prefix (snapshot records and locks are named after it)."""
+
     @abc.abstractmethod
-    def apply(self, records: Iterable[tuple[str, BlockEvent]]) -> ApplyResult:
-        """Apply ``(topic, event)`` records exactly once (events of one holder and topic in order)."""
+    def apply(self, records: Iterable[tuple[str, BlockEvent]], *, view_id: str | None = None,
+              offsets: Offsets | None = None, expected: Checkpoint | None = None) -> ApplyResult:
+        """Apply ``(topic, event)`` records exactly once (events of one holder and topic in order).
+
+        ``view_id``: fail with :class:`ViewChanged`, writing nothing, unless the view's id is this one.
+        ``offsets``: stored atomically with the batch (:meth:`offsets`). ``expected``: a
+        :data:`Checkpoint` of the partitions of ``offsets`` (a partition it lacks is expected absent);
+        fail with :class:`ViewChanged` unless the view still stores what it says. Events the store
+        refuses (e.g. tier table full) are returned in ``failed``; the rest is applied."""
 
     @abc.abstractmethod
     def lookup(
@@ -119,6 +187,107 @@ class ResidencyStore(abc.ABC):
         """``{"entries": (holder, block, tier) entries, "blocks": distinct hashes, "holders": live holders}``.
         ``exact=False`` allows ``blocks`` to count a hash once per shard of a sharded view (cheap: what
         a sink's gauges read every few seconds); a single view is always exact."""
+
+    # -- recovery -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def view_id(self) -> str | None:
+        """The view's id, set when it is created or rebuilt; None: no view (never created, or lost),
+        or (a sharded view) its shards do not all have the same one."""
+
+    @abc.abstractmethod
+    def set_view_id(self, view_id: str, shards: Iterable[int] | None = None) -> None:
+        """Mark the view (or ``shards`` of it) as view ``view_id``: complete, ready to be applied to."""
+
+    @abc.abstractmethod
+    def drop_view_id(self, view_id: str, why: str) -> bool:
+        """Forget the view's id where it is still ``view_id`` and mark the view ``rebuilding`` (phase
+        ``why``), atomically per shard: the sinks rebuild it. False: it had another id already."""
+
+    @abc.abstractmethod
+    def offsets(self) -> dict[tuple[str, int], int]:
+        """Where a sink resumes each partition: the offsets stored with the applies (a sharded view:
+        the minimum over shards; a partition some shard lacks is left out)."""
+
+    @abc.abstractmethod
+    def set_offsets(self, offsets: Offsets, view_id: str | None = None, expected: Checkpoint | None = None,
+                    shards: Iterable[int] | None = None) -> None:
+        """Store offsets without events (a batch of dead letters only, a rebuilt view's replay start),
+        in every shard or in ``shards``; :class:`ViewChanged` like :meth:`apply`."""
+
+    @abc.abstractmethod
+    def checkpoint(self, partitions: Iterable[tuple[str, int]]) -> Checkpoint:
+        """What the view stores now for ``partitions`` (nothing: absent), as a :data:`Checkpoint`."""
+
+    @abc.abstractmethod
+    def advance(self, expected: Checkpoint, offsets: Offsets) -> Checkpoint:
+        """``expected`` after a batch (or :meth:`set_offsets`) that stored ``offsets`` succeeded."""
+
+    @abc.abstractmethod
+    def holds(self, expected: Checkpoint) -> bool:
+        """Whether the view still stores what ``expected`` says (False: rolled back, rebuilt, or
+        another sink moved a partition on)."""
+
+    @abc.abstractmethod
+    def lost_shards(self) -> LostShards | None:
+        """The shards that lost the view while all others kept one id; None when none did, when none
+        kept it, or when the kept ids differ (the whole view is then rebuilt). A view of one shard
+        is lost whole: always None."""
+
+    @abc.abstractmethod
+    def shard(self, replica: str, dp_rank: int) -> int:
+        """The shard holding holder (replica, dp_rank) (0 on a view of one shard)."""
+
+    @abc.abstractmethod
+    def identity(self) -> tuple:
+        """What changes when the servers of the view restart or are replaced (a snapshot read across
+        such a change is abandoned)."""
+
+    @abc.abstractmethod
+    def status(self) -> dict[str, str]:
+        """What a router should know before trusting an answer: ``state`` "ready", "rebuilding"
+        (answers may miss blocks) or "missing" (no view, no rebuild started), ``since``, and what
+        :meth:`set_status` wrote (``phase``, ``snapshot``, ``target``...). A view written without a
+        sink (tests, benchmarks) has no recorded status and is ready."""
+
+    @abc.abstractmethod
+    def set_status(self, **fields: Any) -> None:
+        """Replace the view's recorded status with ``fields`` (values as strings), in every shard."""
+
+    @abc.abstractmethod
+    def wipe(self, keep: Sequence[str] = ("status", "lock"), shards: Iterable[int] | None = None) -> int:
+        """Delete the view's contents (every shard, or ``shards``) but the keys named ``keep``; returns
+        the keys (entries) deleted."""
+
+    @abc.abstractmethod
+    def try_lock(self, name: str, token: str, ttl_ms: int) -> bool:
+        """Take the view's lock ``name`` (``lock``: rebuild, ``snaplock``: snapshot) for ``ttl_ms`` as
+        ``token`` if no one holds it; whether it was taken."""
+
+    @abc.abstractmethod
+    def renew_lock(self, name: str, token: str, ttl_ms: int) -> bool:
+        """Hold lock ``name`` for ``ttl_ms`` more if ``token`` still holds it; whether it did."""
+
+    @abc.abstractmethod
+    def unlock(self, name: str, token: str) -> None:
+        """Free lock ``name`` if ``token`` holds it."""
+
+    @abc.abstractmethod
+    def holder_ids(self) -> dict[int, str]:
+        """Holder key -> holder name ``"<replica>#<dp>"`` of every holder (keys for :meth:`dump_holder`)."""
+
+    @abc.abstractmethod
+    def dump_holder(self, key: int) -> HolderDump:
+        """One holder's whole state, read atomically ."""
+
+    @abc.abstractmethod
+    def restore_holder(self, replica: str, dp_rank: int, state: HolderDump, max_hashes: int = 16384) -> int:
+        """Write one holder from a dump (a snapshot record); returns the entries added."""
+
+    @abc.abstractmethod
+    def servers(self) -> list[tuple[str, Any]]:
+        """(name, ``redis.Redis`` client) of every server the view is written to (memory policy,
+        evictions); none for a view in process memory."""
 
 
 def summary_from_counts(counts: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:

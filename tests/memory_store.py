@@ -5,16 +5,23 @@ of the Redis store in the tests (a test helper: the product's view is the Redis 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
+from kvbus.schemas.lookup import view_status
 from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
 from kvbus.sinks.store import (
     ApplyResult,
+    Checkpoint,
+    HolderDump,
     HolderMatch,
+    LostShards,
+    Offsets,
     ResidencyStore,
     Snapshot,
+    ViewChanged,
     split_holder,
     summary_from_counts,
 )
@@ -39,22 +46,41 @@ class _Holder:
 
 
 class InMemoryStore(ResidencyStore):
-    """The view in process memory. ``policy`` decides which tiers are ref-counted."""
+    """The view in process memory, one shard. ``policy`` decides which tiers are ref-counted."""
 
-    def __init__(self, policy: TierPolicy = DEFAULT_POLICY):
+    def __init__(self, policy: TierPolicy = DEFAULT_POLICY, prefix: str = "memory:"):
         self.policy = policy
+        self.prefix = prefix
         self.holders: dict[str, _Holder] = {}
         self.tier_rc: dict[str, bool] = {}  # descriptor -> ref-counted (first use wins)
         self.seen: dict[str, float] = {}
         self._stale: dict[str, float] = {}
+        self.vid: str | None = None
+        self.off: dict[tuple[str, int], int] = {}
+        self._status: dict[str, str] = {}
+        self.locks: dict[str, str] = {}  # name -> token (no expiry: one process)
+        self.written = False  # anything written since the last wipe (a view without status is then ready)
 
     # -- writes ---------------------------------------------------------------
 
-    def apply(self, records: Iterable[tuple[str, BlockEvent]]) -> ApplyResult:
+    def apply(self, records: Iterable[tuple[str, BlockEvent]], *, view_id: str | None = None,
+              offsets: Offsets | None = None, expected: Checkpoint | None = None) -> ApplyResult:
+        records = list(records)
+        self._check(view_id, offsets, expected)
         res = ApplyResult()
         for topic, ev in records:
             self._apply_one(topic, ev, res)
+        self.off.update(offsets or {})
+        self.written = self.written or bool(records or offsets)
         return res
+
+    def _check(self, view_id: str | None, offsets: Offsets | None, expected: Mapping | None) -> None:
+        if view_id and view_id != self.vid:
+            raise ViewChanged(f"the view in memory is not view {view_id!r} any more (it is {self.vid!r})")
+        if expected is not None:
+            for k in [*expected, *(offsets or {})]:
+                if self.off.get(k) != expected.get(k):
+                    raise ViewChanged(f"the view in memory stores {self.off.get(k)} for {k}, not {expected.get(k)}")
 
     def _apply_one(self, topic: str, ev: BlockEvent, res: ApplyResult) -> None:
         name = holder_key(ev.replica, ev.dp_rank)
@@ -264,3 +290,133 @@ class InMemoryStore(ResidencyStore):
                 entries += len(t.blocks)
                 blocks.update(t.blocks)
         return {"entries": entries, "blocks": len(blocks), "holders": len(self.seen)}
+
+    # -- recovery -------------------------------------------------------------
+
+    @staticmethod
+    def _mine(shards: Iterable[int] | None) -> bool:
+        return shards is None or 0 in shards
+
+    def view_id(self) -> str | None:
+        return self.vid
+
+    def set_view_id(self, view_id: str, shards: Iterable[int] | None = None) -> None:
+        if self._mine(shards):
+            self.vid, self.written = view_id, True
+
+    def drop_view_id(self, view_id: str, why: str) -> bool:
+        if self.vid != view_id:
+            return False
+        self.vid = None
+        self._status = {"state": "rebuilding", "since": repr(time.time()), "phase": why}
+        return True
+
+    def offsets(self) -> dict[tuple[str, int], int]:
+        return dict(self.off)
+
+    def set_offsets(self, offsets: Offsets, view_id: str | None = None, expected: Checkpoint | None = None,
+                    shards: Iterable[int] | None = None) -> None:
+        if not offsets or not self._mine(shards):
+            return
+        self._check(view_id, offsets, None if expected is None else {k: expected.get(k) for k in offsets})
+        self.off.update(offsets)
+        self.written = True
+
+    def checkpoint(self, partitions: Iterable[tuple[str, int]]) -> Checkpoint:
+        return {tp: self.off.get(tp) for tp in partitions}
+
+    def advance(self, expected: Checkpoint, offsets: Offsets) -> Checkpoint:
+        return {**expected, **offsets}
+
+    def holds(self, expected: Checkpoint) -> bool:
+        return self.checkpoint(expected) == expected
+
+    def lost_shards(self) -> LostShards | None:
+        return None
+
+    def shard(self, replica: str, dp_rank: int) -> int:
+        return 0
+
+    def identity(self) -> tuple:
+        return (id(self),)
+
+    def status(self) -> dict[str, str]:
+        if self._status.get("state"):
+            return dict(self._status)
+        return view_status([self._status], [self.written]).as_dict()
+
+    def set_status(self, **fields: Any) -> None:
+        self._status = {k: str(v) for k, v in fields.items()}
+
+    def wipe(self, keep: Sequence[str] = ("status", "lock"), shards: Iterable[int] | None = None) -> int:
+        if not self._mine(shards):
+            return 0
+        n = sum(len(t.blocks) for h in self.holders.values() for t in h.tiers.values())
+        self.holders.clear()
+        self.tier_rc.clear()
+        self.seen.clear()
+        self._stale.clear()
+        self.vid, self.off, self.written = None, {}, False
+        if "status" not in keep:
+            self._status = {}
+        self.locks = {k: v for k, v in self.locks.items() if k in keep}
+        return n
+
+    def try_lock(self, name: str, token: str, ttl_ms: int) -> bool:
+        if name in self.locks:
+            return False
+        self.locks[name] = token
+        return True
+
+    def renew_lock(self, name: str, token: str, ttl_ms: int) -> bool:
+        return self.locks.get(name) == token
+
+    def unlock(self, name: str, token: str) -> None:
+        if self.locks.get(name) == token:
+            del self.locks[name]
+
+    def holder_ids(self) -> dict[int, str]:
+        return dict(enumerate(sorted(self.holders)))
+
+    def dump_holder(self, key: int) -> HolderDump:
+        name = self.holder_ids()[key]
+        h = self.holders[name]
+        tiers = []
+        for desc, t in h.tiers.items():
+            raws = b"".join(t.blocks)
+            extra = b"".join(raw * (n - 1) for raw, n in t.blocks.items())
+            tiers.append((desc, self.tier_rc.get(desc, False), t.origin, raws, extra))
+        groups = [(g, f"{sp.kind},{'' if sp.window is None else sp.window},{sp.block_size},{sp.min_block_size}")
+                  for g, sp in sorted(h.groups.items())]
+        return HolderDump(seen=self.seen.get(name), floor=None if h.floor < 0 else float(h.floor),
+                          positions=[(t, *p) for t, p in h.positions.items()], tiers=tiers, model=h.model,
+                          groups=groups)
+
+    def restore_holder(self, replica: str, dp_rank: int, state: HolderDump, max_hashes: int = 16384) -> int:
+        name = holder_key(replica, dp_rank)
+        h = self.holders.setdefault(name, _Holder())
+        h.positions.update({t: (e, s, i) for t, e, s, i in state.positions})
+        if state.floor is not None:
+            h.floor = max(h.floor, int(state.floor))
+        if state.model is not None:
+            h.model = state.model
+        if state.seen is not None:
+            self.seen[name] = state.seen
+        added = 0
+        for desc, rc, origin, raws, extra in state.tiers:
+            self.tier_rc.setdefault(desc, rc)
+            tier = h.tiers.setdefault(desc, _Tier(origin=origin))
+            for j in range(0, len(raws), 8):
+                if raws[j:j + 8] not in tier.blocks:
+                    tier.blocks[raws[j:j + 8]] = 1
+                    added += 1
+            for j in range(0, len(extra), 8):
+                tier.blocks[extra[j:j + 8]] += 1
+        for g, spec in state.groups:
+            kind, window, bmax, bmin = spec.split(",")
+            h.groups[g] = GroupSpec(kind, int(window) if window else None, int(bmax), int(bmin))
+        self.written = True
+        return added
+
+    def servers(self) -> list[tuple[str, Any]]:
+        return []

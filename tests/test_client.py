@@ -30,7 +30,6 @@ from kvbus.schemas.lookup import tie_key
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks import cli
-from kvbus.sinks.rebuild import view_status
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore
@@ -189,7 +188,7 @@ def test_status_single_and_sharded(servers):
         st.set_status(state="rebuilding", since=12.5, phase="replaying")
         s = view.status()
         assert (s.state, s.since, s.phase, s.ready) == ("rebuilding", 12.5, "replaying", False)
-        assert s.as_dict() == view_status(st)
+        assert s.as_dict() == st.status()
         view.close()
 
 

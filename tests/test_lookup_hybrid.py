@@ -219,16 +219,16 @@ def test_malformed_group_specs_are_refused_before_any_write():
     group spec that is not "<kind>,<window>,<bmax>,<bmin>"; nothing is written."""
     import redis
 
-    from kvbus.sinks.redis_store import EVENT_HEADER, STORED_WITH_SPEC
+    from kvbus.sinks.view_protocol import EVENT_HEADER, STORED_WITH_SPEC
 
     with RedisServer() as srv:
         store = RedisStore(srv.client(), f"m{uuid.uuid4().hex[:8]}:")
         spec = b"full attention,,16"
         blob = EVENT_HEADER.pack(STORED_WITH_SPEC, 1, 1, 1, 0, 0, 1.0, 1, 1) + bytes([len(spec)]) + spec + H[0]
         with pytest.raises(redis.ResponseError, match="malformed group spec"):
-            store._fcall("kvbus_apply", store.prefix, 1, "a", 0, 1, "tb", 1, "GPU||0", "0", blob)
+            store.transport.call("kvbus_apply", store.prefix, 1, "a", 0, 1, "tb", 1, "GPU||0", "0", blob)
         with pytest.raises(redis.ResponseError, match="malformed group spec"):
-            store._fcall("kvbus_restore", store.prefix, "a", 0, "", "", 0, 0, "", 1, 0, "full_attention,16")
+            store.transport.call("kvbus_restore", store.prefix, "a", 0, "", "", 0, 0, "", 1, 0, "full_attention,16")
         assert not srv.client().keys(store.prefix + "H:*") and not srv.client().keys(store.prefix + "B:*")
 
 

@@ -25,7 +25,6 @@ import pytest
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.settings import Settings
 from kvbus.sinks import functions
-from kvbus.sinks.rebuild import view_status
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.sharded_store import ShardedRedisStore, shard_of
 from tests.lookup_cli import lookup_args, lookup_json
@@ -399,7 +398,7 @@ def _without_models(records: list) -> list:
 def _old_apply_args(store: RedisStore, records: list) -> list[list]:
     """The ``kvbus_apply`` calls a sink of the release before models sends: no model names after the
     view id and offsets (or neither of them)."""
-    return [args[:-(2 + args[1])] for _, args in store._calls(records)]
+    return [args for _, args, _ in store.packer.calls(records)]
 
 
 @pytest.fixture(scope="module")
@@ -409,7 +408,7 @@ def old_view(view):
     prefix = f"old{uuid.uuid4().hex[:8]}:"
     store = RedisStore(srv.client(), prefix)
     for args in _old_apply_args(store, _records() + _hybrid_records()):
-        store._fcall("kvbus_apply", *args)
+        store.transport.call("kvbus_apply", *args)
     return srv, prefix
 
 
@@ -445,7 +444,7 @@ def test_a_new_reader_on_a_view_before_models_finds_no_holder_of_a_model_until_i
     assert list(got) == ["a"] and got["a"]["matched"] == 6, "its next event names the holder's model"
     for args in _old_apply_args(store, [("kvbus.blocks", BlockEvent(
             replica="a", epoch=1, seq=101, index=0, ts=time.time(), event=BlockStored(block_hashes=CHAIN[:1])))]):
-        store._fcall("kvbus_apply", *args)  # an older sink still running: its calls leave models as they are
+        store.transport.call("kvbus_apply", *args)  # an older sink still running: its calls leave models as they are
     assert list(json.loads(_kvbus_lookup(Settings(redis_url=srv.url), old, CASES["model"], capsys))) == ["a"]
 
 
@@ -480,10 +479,10 @@ def test_status_key_as_routers_read_it(view, go_lookup):
     srv, _ = view
     store = RedisStore(srv.client(), f"s{uuid.uuid4().hex[:8]}:", load=False)
     target = ["-addr", f"127.0.0.1:{srv.port}"]
-    assert view_status(store)["state"] == "missing" and redis_cli(srv.port, "HGETALL", store.prefix + "status") == {}
+    assert store.status()["state"] == "missing" and redis_cli(srv.port, "HGETALL", store.prefix + "status") == {}
     assert "view is missing" in go(go_lookup, target, store.prefix, CASES["all"]).stderr
     store.apply(_records()[:2])
-    assert view_status(store)["state"] == "ready"
+    assert store.status()["state"] == "ready"
     assert go(go_lookup, target, store.prefix, CASES["all"]).stderr == ""
     store.set_status(state="rebuilding", since=12.5, phase="replaying")
     assert redis_cli(srv.port, "HGETALL", store.prefix + "status") == {"state": "rebuilding", "since": "12.5",

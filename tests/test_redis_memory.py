@@ -22,7 +22,8 @@ from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.consumer import FULL_LOG_EVERY
 from kvbus.sinks.redis_memory import RedisFull
-from kvbus.sinks.redis_store import RedisStore, _with_extra, chain_broken
+from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view_protocol import chain_broken, with_extra
 from tests.histories import growing_streams, random_streams
 from tests.memory_store import InMemoryStore
 from tests.redis_server import REDIS, VALKEY, RedisServer
@@ -111,16 +112,16 @@ def test_a_call_of_a_batch_does_not_run_unless_the_call_before_it_did():
     with RedisServer() as srv:
         store = RedisStore(srv.client(), "kvbus:", max_events_per_call=4)
         store.set_view_id("v")
-        calls = list(_with_extra(store._iter_calls(records), "v", {TP: len(records)}, {TP: None}))
+        calls = list(with_extra(store.packer.calls(records), "v", {TP: len(records)}, {TP: None}))
         assert len(calls) >= 3
         before = (store.snapshot(), store.positions(), store.offsets())
         for _, args in (calls[1], calls[-1]):
             with pytest.raises(Exception) as e:
-                store._fcall("kvbus_apply", *args)
+                store.transport.call("kvbus_apply", *args)
             assert chain_broken(e.value), e.value
         assert (store.snapshot(), store.positions(), store.offsets()) == before, "nothing written"
         for _, args in calls:  # in order, every call runs
-            store._fcall("kvbus_apply", *args)
+            store.transport.call("kvbus_apply", *args)
         assert store.offsets() == {TP: len(records)} and store.snapshot() == model_of(records).snapshot()
 
 
@@ -142,7 +143,7 @@ def test_a_call_refused_for_its_events_leaves_the_rest_of_the_batch_applied_one_
         store = RedisStore(srv.client(), "kvbus:", max_events_per_call=4)
         store.set_view_id("v")
         store.apply(full_tiers)
-        assert len(list(_with_extra(store._iter_calls(batch), "v", {TP: 14}, {TP: None}))) == 4
+        assert len(list(with_extra(store.packer.calls(batch), "v", {TP: 14}, {TP: None}))) == 4
         res = store.apply(batch, view_id="v", offsets={TP: 14}, expected={TP: None})
         assert [e for _, e, _ in res.failed] == [bad[1]] and "tier table full" in res.failed[0][2]
         assert res.applied == len(batch) - 1 and store.offsets() == {TP: 14}

@@ -12,7 +12,7 @@ import redis
 
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.sharded_store import open_store
+from kvbus.sinks.store_url import open_store
 from tests.histories import random_streams
 from tests.redis_server import RedisServer
 

@@ -54,7 +54,7 @@ def test_a_sink_on_a_cluster_keeps_the_view_exact_through_a_master_kill(stack, s
         wait_for(lambda: all(cluster.node_client(n.port).info("replication").get("master_link_status") == "up"
                              for n in cluster.nodes if not n.master), 60, "the replicas to sync")
         busiest = max((n for n in cluster.nodes if n.master),
-                      key=lambda n: sum(store._node(s).port == n.port for s in range(store.nshards)))
+                      key=lambda n: sum(store.node(s).port == n.port for s in range(store.nshards)))
         os.kill(read_pid(busiest.pid_path(cluster.paths)).pid, signal.SIGKILL)
         produce(stack, records[half:])
         want = model_of(records).positions()
@@ -108,8 +108,8 @@ def test_a_shard_lost_alone_is_rebuilt_alone(stack, sink_topics):
         SnapshotWriter(dataclasses.replace(stack, topics=sink_topics), store).take()
         vid = store.view_id()
         lost_port = max((n.port for n in cluster.nodes if n.master),
-                        key=lambda p: sum(store._node(s).port == p for s in range(store.nshards)))
-        lost = {s for s in range(store.nshards) if store._node(s).port == lost_port}
+                        key=lambda p: sum(store.node(s).port == p for s in range(store.nshards)))
+        lost = {s for s in range(store.nshards) if store.node(s).port == lost_port}
         for s in range(store.nshards):  # a key in every shard that only a wipe of its shard removes
             store.rc.set(store.shards[s].prefix + "sentinel", 1)
         produce(stack, records[half:])

@@ -197,7 +197,7 @@ def test_a_connection_lost_mid_batch_is_retried_whole(server):
     r = server.client()
     store = RedisStore(r, prefix(), max_events_per_call=2)
     recs = [(TOPIC, ev("a", i, gpu(H[i:i + 1]))) for i in range(10)]
-    calls = store._calls(recs)
+    calls = [args for _, args in store.packer.plan(recs)]
 
     def killed_after_two():
         for k, call in enumerate(calls):
@@ -206,7 +206,7 @@ def test_a_connection_lost_mid_batch_is_retried_whole(server):
             yield call
 
     sent: list = []
-    replies = store._stream(killed_after_two(), sent)
+    replies = store.transport.run("kvbus_apply", killed_after_two(), sent)
     assert len(sent) == 5 and all(not isinstance(x, Exception) for x in replies)
     assert store.lookup(H[:10])["a"].matched == 10
     assert store.apply(recs).skipped == 10

