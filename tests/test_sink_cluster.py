@@ -14,6 +14,7 @@ from kvbus.infra.procs import read_pid
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
 from kvbus.sinks.sharded_store import ShardedRedisStore
+from kvbus.sinks.store import LostShards
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
 from tests.redis_cluster import RedisClusterServer
@@ -114,7 +115,7 @@ def test_a_shard_lost_alone_is_rebuilt_alone(stack, sink_topics):
             store.rc.set(store.shards[s].prefix + "sentinel", 1)
         produce(stack, records[half:])
         cluster.node_client(lost_port).flushall()
-        assert store.lost_shards() == (vid, sorted(lost))
+        assert store.lost_shards() == LostShards(vid, sorted(lost))
         rebuilds = sink.metrics.rebuilds._value.get()
         want = model_of(records).positions()
         wait_for(lambda: _positions(store) == want, 120, "the view with its lost shards rebuilt", step=sink.step)
