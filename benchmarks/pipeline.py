@@ -69,6 +69,9 @@ log = logging.getLogger("kvbus.bench")
 
 KINDS = ("fleet", "bridge", "worker", "sink", "kafka", "registry", "redis", "bench")
 """Process kinds whose CPU is reported (``bench``: this process, probe lookups and sampling)."""
+KVBUS_KINDS = ("bridge", "worker", "sink", "kafka", "redis")
+"""The kinds that make up the kvbus path (``kvbus_us_per_event``): not the load generator, the
+benchmark's probes and sampling, nor the registry (asked once per schema at start)."""
 
 
 # -- options -----------------------------------------------------------------------------
@@ -89,6 +92,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--probe-every", type=float, default=0.02, help="seconds between probes (default 0.02)")
     p.add_argument("--lag-growth", type=float, default=0.05,
                    help="largest lag growth, as a share of the window's records, that counts as bounded (default 0.05)")
+    p.add_argument("--streams-per-bridge", type=int, default=1,
+                   help="engine streams each bridge process serves (default 1: one bridge per stream, as "
+                        "sidecars; more: node-level bridges, kvbus bridge --streams)")
+    p.add_argument("--live-generator", action="store_true",
+                   help="generate the fleet's steps while playing (default: kvbus fleet --pregenerate, "
+                        "encoded before the ladder, so that the generator's CPU stays out of the way)")
     p.add_argument("--keep-going", action="store_true", help="play every rung, even after one is not sustained")
     p.add_argument("--partitions", type=int, default=None,
                    help="partitions of the run's topics (default KVBUS_PARTITIONS)")
@@ -169,14 +178,27 @@ def start_stages(run: Run, args: argparse.Namespace, sink_args: tuple[str, ...] 
         run.worker_ports.append(port)
         run.children.start(f"worker-{i}", "worker", "--app-id", run.worker_group, "--metrics-port", str(port),
                            "--workdir", str(workdir), "--datadir", str(workdir / f"worker-{i}"))
-    for i in range(args.replicas):
-        for w in range(args.tp):
-            port = free_port()
-            run.bridge_ports.append(port)
-            pub = args.base_port + 2 * (i * args.tp + w)  # kvbus.simulator.fleet's port rule (1 dp rank)
-            run.children.start(f"bridge-{i}-w{w}", "bridge", "--endpoint", f"tcp://127.0.0.1:{pub}",
-                               "--replay-endpoint", f"tcp://127.0.0.1:{pub + 1}", "--replica", f"replica-{i}",
-                               "--worker-rank", str(w), "--workers", str(args.tp), "--metrics-port", str(port))
+    streams = [(i, w) for i in range(args.replicas) for w in range(args.tp)]
+    per = max(1, args.streams_per_bridge)
+    for b in range(0, len(streams), per):
+        port = free_port()
+        run.bridge_ports.append(port)
+        group = [{"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{pub + 1}",
+                  "replica": f"replica-{i}", "worker_rank": w, "workers": args.tp}
+                 for i, w in streams[b:b + per]
+                 for pub in [args.base_port + 2 * (i * args.tp + w)]]  # kvbus.simulator.fleet's port rule (1 dp)
+        if per == 1:
+            (s,) = group
+            run.children.start(f"bridge-{streams[b][0]}-w{streams[b][1]}", "bridge", "--endpoint", s["endpoint"],
+                               "--replay-endpoint", s["replay_endpoint"], "--replica", s["replica"],
+                               "--worker-rank", str(s["worker_rank"]), "--workers", str(args.tp),
+                               "--metrics-port", str(port))
+            continue
+        streams_file = workdir / f"bridge-{b // per}-streams.json"
+        streams_file.parent.mkdir(parents=True, exist_ok=True)
+        streams_file.write_text(json.dumps(group))
+        run.children.start(f"bridge-{b // per}", "bridge", "--streams", str(streams_file),
+                           "--metrics-port", str(port))
     for kind in ("sink", "worker", "bridge"):
         run.pids[kind] = [c.proc.pid for c in run.children.started if c.name.startswith(kind)]
     ok = wait_for(lambda: check_alive(run) is None  # a stage that exits fails the wait at once
@@ -209,7 +231,8 @@ def start_fleet(run: Run, args: argparse.Namespace, rungs: list[tuple[float, flo
     child = run.children.start("fleet", "fleet", "--replicas", str(args.replicas), "--workers", str(args.tp),
                                "--base-port", str(args.base_port), "--schedule", schedule, "--seed", str(args.seed),
                                "--clear-rate", "0", "--probe-every", str(args.probe_every),
-                               "--probe-log", str(probe_log), "--manifest", str(manifest))
+                               "--probe-log", str(probe_log), "--manifest", str(manifest),
+                               *(() if args.live_generator else ("--pregenerate",)))
     run.pids["fleet"] = [child.proc.pid]
 
 
@@ -474,6 +497,9 @@ def rung_figures(samples: list[Sample], fresh: dict[str, Any], tp: int, lag_grow
     out["sustained"] = bool(bounded and p99 is not None and p99 < 1000.0 and not fresh.get("unseen"))
     events = max((b.acked - a.acked) / tp, 1.0)
     out["cpu_s_per_1k_events"] = {k: round((b.cpu[k] - a.cpu[k]) / events * 1000.0, 4) for k in KINDS}
+    us = {k: (b.cpu[k] - a.cpu[k]) / events * 1e6 for k in KINDS}
+    out["us_per_event"] = {k: round(v, 2) for k, v in us.items()}
+    out["kvbus_us_per_event"] = round(sum(us[k] for k in KVBUS_KINDS), 2)
     out["cpu_cores"] = {k: round((b.cpu[k] - a.cpu[k]) / dt, 3) for k in KINDS}
     shares: dict[str, Any] = {}
     for name in a.per_proc:
@@ -494,6 +520,9 @@ def rung_line(name: str, fig: dict[str, Any]) -> str:
             f"/{f.get('max_ms', '-')} ms ({f.get('probes', 0)} probes, {f.get('unseen', 0)} unseen)"
             f" | lag raw {lr.get('end', '?')} blocks {lb.get('end', '?')}"
             f" | cores " + " ".join(f"{k}={v:.2f}" for k, v in cpu.items() if v >= 0.005)
+            + (f" | kvbus {fig['kvbus_us_per_event']} us/ev ("
+               + " ".join(f"{k}={fig['us_per_event'][k]}" for k in KVBUS_KINDS)
+               + f") fleet {fig['us_per_event']['fleet']}" if fig.get("offered_ev_s") and "us_per_event" in fig else "")
             + {True: " | SUSTAINED", False: " | not sustained", None: ""}[fig.get("sustained")])
 
 
@@ -612,6 +641,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           flush=True)
     result: dict[str, Any] = {"run": run.run_id, "replicas": args.replicas, "tp": args.tp,
                               "workers_procs": args.workers_procs, "sinks": args.sinks,
+                              "streams_per_bridge": args.streams_per_bridge,
+                              "bridges": -(-args.replicas * args.tp // max(1, args.streams_per_bridge)),
+                              "generator": "live" if args.live_generator else "pregenerated",
                               "partitions": run.settings.partitions, "window_s": args.window, "rungs": {}}
     sampler: Optional[Sampler] = None
     try:
