@@ -3,11 +3,20 @@
     .venv/bin/python benchmarks/pipeline.py                          # TP=1, one worker, one sink
     .venv/bin/python benchmarks/pipeline.py --tp 2 --rates 1000,5000,12500,25000
     .venv/bin/python benchmarks/pipeline.py --workers-procs 2 --sinks 2
+    .venv/bin/python benchmarks/pipeline.py --streams-per-bridge 8   # one node-level bridge for 8 engines
 
 Path, every part a real process: ``kvbus fleet`` (synthetic vLLM 0.33 replicas, ZMQ PUB + replay)
--> one ``kvbus bridge`` per engine stream -> ``<run>.raw`` -> W ``kvbus worker`` processes (Faust)
+-> ``kvbus bridge`` processes, each serving ``--streams-per-bridge`` engine streams (default 1: one
+per stream, as sidecars; more: ``kvbus bridge --streams``, as node-level bridges) -> ``<run>.raw``
+-> W ``kvbus worker`` processes (Faust)
 -> ``<run>.blocks*`` -> S ``kvbus sink`` processes -> Redis, under fresh topics, consumer groups and
 Redis prefix per run (all deleted at the end; ``--keep`` leaves them).
+
+**Generator.** The fleet generates and encodes its whole schedule before the ladder starts
+(``kvbus fleet --pregenerate``) and then only sends pre-encoded frames (each restamped with the
+time it is sent), so that the ladder measures kvbus, not the simulator; ``--live-generator``
+generates while playing (costs ~20-40 µs of CPU per event on the same cores). The ground truth
+and the probes are the same either way.
 
 **Load ladder.** The fleet plays a schedule: an idle rung, then each ``--rates`` rung (engine
 events/s offered by the whole fleet; the fleet paces its steps by the events they publish) for
@@ -29,7 +38,10 @@ probes are outstanding) plus one lookup round trip.
 
 **CPU.** User + system seconds of every process over the window (``/proc/<pid>/stat``), per kind:
 fleet (the generator), bridge, worker, sink, kafka, registry, redis and bench (this process's
-probe lookups and sampling), given per 1,000 offered engine events. ``--workers-procs 2 --sinks 2`` also prints each
+probe lookups and sampling), given per 1,000 offered engine events (``cpu_s_per_1k_events``) and
+in µs per offered engine event (``us_per_event``); ``kvbus_us_per_event`` is the sum over the kvbus
+path alone (bridge, worker, sink, kafka, redis: :data:`KVBUS_KINDS`), without the generator, the
+registry and this process. ``--workers-procs 2 --sinks 2`` also prints each
 process's share of records and CPU (on 2 cores this shows the work spread, not a speed-up).
 
 **Exactness.** After the last rung the pipeline drains and the view is compared, holder by holder

@@ -268,9 +268,9 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
         left = bridge.close(args.flush_timeout)
         m = bridge.metrics
         log.info("bridge stopped (%d stream(s)): in %d batches / %d events, acked %d batches / %d events, "
-                 "dlq %d, resets %d, recovered %d, left undelivered %d", len(bridge.bridges), m.value("batches_in"), m.value("events_in"),
-                 m.value("batches_acked"), m.value("events_acked"), m.value("dlq"), m.value("resets"),
-                 m.value("recovered"), left)
+                 "dlq %d, resets %d, recovered %d, left undelivered %d", len(bridge.bridges), m.value("batches_in"),
+                 m.value("events_in"), m.value("batches_acked"), m.value("events_acked"), m.value("dlq"),
+                 m.value("resets"), m.value("recovered"), left)
     return 1 if left else 0
 
 
