@@ -61,6 +61,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -340,27 +341,45 @@ class Sampler(threading.Thread):
         t = run.settings.topics
         self.raw_lag = GroupLag(run.settings.kafka(), run.worker_group, re.escape(t.raw))
         self.blocks_lag = GroupLag(run.settings.kafka(), run.sink_group, t.blocks_pattern()[1:])
+        self._pool = ThreadPoolExecutor(32, thread_name_prefix="scrape")
 
     def take(self) -> Sample:
+        """One sample: CPU first (at ``t``), then every metrics endpoint and both lags at once, each in
+        a thread of its own (on a loaded machine one scrape may take a second; one after the other
+        they would leave seconds between samples)."""
         run = self.run_
+        pool = self._pool
+
+        def scraped(ports: list[int], pattern: str) -> list[Any]:
+            return [pool.submit(scrape, port, pattern) for port in ports]
+
+        t = time.monotonic()
         cpu = {kind: sum(cpu_seconds(p) for p in run.pids.get(kind, [])) for kind in KINDS if kind != "bench"}
         cpu["bench"] = cpu_seconds(os.getpid())
+        worker_cpu = [cpu_seconds(pid) for pid in run.pids.get("worker", [])]
+        sink_cpu = [cpu_seconds(pid) for pid in run.pids.get("sink", [])]
+        reports = scraped(run.worker_ports, r"kvbus_streams_reports_total")
+        records = scraped(run.sink_ports, r"kvbus_sink_records_total")
+        acked = scraped(run.bridge_ports, r"kvbus_bridge_events_acked_total")
+        raw_records = scraped(run.bridge_ports, r"kvbus_bridge_batches_acked_total")
+        consolidated = scraped(run.worker_ports, r"kvbus_streams_(consolidated|passthrough)_total")
+        applied = scraped(run.sink_ports, r"kvbus_sink_events_applied_total")
+        lags = [pool.submit(self.raw_lag.lag), pool.submit(self.blocks_lag.lag)]
         per_proc = {}
-        for i, (port, pid) in enumerate(zip(run.worker_ports, run.pids.get("worker", []))):
-            per_proc[f"worker-{i}"] = (scrape(port, r"kvbus_streams_reports_total"), cpu_seconds(pid))
-        for i, (port, pid) in enumerate(zip(run.sink_ports, run.pids.get("sink", []))):
-            per_proc[f"sink-{i}"] = (scrape(port, r"kvbus_sink_records_total"), cpu_seconds(pid))
+        for i, (f, c) in enumerate(zip(reports, worker_cpu)):
+            per_proc[f"worker-{i}"] = (f.result(), c)
+        for i, (f, c) in enumerate(zip(records, sink_cpu)):
+            per_proc[f"sink-{i}"] = (f.result(), c)
         s = Sample(
-            t=time.monotonic(),
-            acked=sum(scrape(p, r"kvbus_bridge_events_acked_total") for p in run.bridge_ports),
-            raw_records=sum(scrape(p, r"kvbus_bridge_batches_acked_total") for p in run.bridge_ports),
-            consolidated=sum(scrape(p, r"kvbus_streams_(consolidated|passthrough)_total") for p in run.worker_ports),
-            applied=sum(scrape(p, r"kvbus_sink_events_applied_total") for p in run.sink_ports),
+            t=t,
+            acked=sum(f.result() for f in acked),
+            raw_records=sum(f.result() for f in raw_records),
+            consolidated=sum(f.result() for f in consolidated),
+            applied=sum(f.result() for f in applied),
             cpu=cpu, per_proc=per_proc,
         )
         try:
-            s.lag_raw = self.raw_lag.lag()
-            s.lag_blocks = self.blocks_lag.lag()
+            s.lag_raw, s.lag_blocks = (f.result() for f in lags)
         except Exception:  # noqa: BLE001 - coordinator moving: this sample has no lag
             pass
         return s
@@ -375,6 +394,7 @@ class Sampler(threading.Thread):
                     log.exception("sample lost")
                 self.stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
         finally:
+            self._pool.shutdown(wait=True)
             self.raw_lag.close()
             self.blocks_lag.close()
 
