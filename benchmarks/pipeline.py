@@ -342,6 +342,16 @@ class Sampler(threading.Thread):
         self.raw_lag = GroupLag(run.settings.kafka(), run.worker_group, re.escape(t.raw))
         self.blocks_lag = GroupLag(run.settings.kafka(), run.sink_group, t.blocks_pattern()[1:])
         self._pool = ThreadPoolExecutor(32, thread_name_prefix="scrape")
+        self._counters: dict[tuple[int, str], float] = {}
+        """(port, pattern) -> the counter's highest value read so far."""
+
+    def _counter(self, port: int, pattern: str) -> float:
+        """The counter ``pattern`` at ``port``: what it reads now, or the last value read when the
+        scrape failed (``scrape`` gives 0 when an endpoint does not answer within its timeout, as a
+        process starved of CPU may not; counters only grow)."""
+        value = max(self._counters.get((port, pattern), 0.0), scrape(port, pattern))
+        self._counters[(port, pattern)] = value
+        return value
 
     def take(self) -> Sample:
         """One sample: CPU first (at ``t``), then every metrics endpoint and both lags at once, each in
@@ -351,7 +361,7 @@ class Sampler(threading.Thread):
         pool = self._pool
 
         def scraped(ports: list[int], pattern: str) -> list[Any]:
-            return [pool.submit(scrape, port, pattern) for port in ports]
+            return [pool.submit(self._counter, port, pattern) for port in ports]
 
         t = time.monotonic()
         cpu = {kind: sum(cpu_seconds(p) for p in run.pids.get(kind, [])) for kind in KINDS if kind != "bench"}
