@@ -142,3 +142,36 @@ def test_batches_grow_under_load(groups):
     assert sum(reads) == n
     assert max(reads) >= 4 and len(reads) <= n // 4, reads  # few large passes, not one per batch
     assert g.group.passes[max(reads)] >= 1
+
+
+def test_streams_file_names_each_stream_over_the_flags(tmp_path):
+    import argparse
+    import json
+
+    from kvbus.producers.cli import add_bridge_args, configs_from_args
+    from kvbus.schemas.env import SettingError
+
+    def parsed(entries, *argv):
+        path = tmp_path / "streams.json"
+        path.write_text(json.dumps(entries))
+        p = argparse.ArgumentParser()
+        add_bridge_args(p)
+        return configs_from_args(p.parse_args(["--streams", str(path), *argv]))
+
+    cfgs = parsed([{"endpoint": "tcp://a:1", "replica": "a", "replay_endpoint": "tcp://a:2"},
+                   {"endpoint": "tcp://b:1", "replica": "b", "worker_rank": 1, "model": "m2"}],
+                  "--workers", "2", "--model", "m1")
+    assert [(c.endpoint, c.replica, c.replay_endpoint, c.worker_rank, c.workers, c.model) for c in cfgs] == [
+        ("tcp://a:1", "a", "tcp://a:2", 0, 2, "m1"), ("tcp://b:1", "b", None, 1, 2, "m2")]
+    for bad, says in (([{"endpoint": "tcp://a:1"}], "needs an endpoint and a replica"),
+                      ([{"endpoint": "tcp://a:1", "replica": "a", "color": "red"}], "unknown key 'color'"),
+                      ([{"endpoint": "tcp://a:1", "replica": "a", "worker_rank": -1}], "worker_rank=-1"),
+                      ([{"endpoint": "tcp://a:1", "replica": "a"}, {"endpoint": "tcp://b:1", "replica": "a"}],
+                       "two streams of one"),
+                      ({"endpoint": "tcp://a:1"}, "a JSON list of objects")):
+        with pytest.raises(SettingError, match=says):
+            parsed(bad)
+    p = argparse.ArgumentParser()
+    add_bridge_args(p)
+    with pytest.raises(SettingError, match="--endpoint and --replica are required"):
+        configs_from_args(p.parse_args([]))
