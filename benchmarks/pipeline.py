@@ -3,11 +3,20 @@
     .venv/bin/python benchmarks/pipeline.py                          # TP=1, one worker, one sink
     .venv/bin/python benchmarks/pipeline.py --tp 2 --rates 1000,5000,12500,25000
     .venv/bin/python benchmarks/pipeline.py --workers-procs 2 --sinks 2
+    .venv/bin/python benchmarks/pipeline.py --streams-per-bridge 8   # one node-level bridge for 8 engines
 
 Path, every part a real process: ``kvbus fleet`` (synthetic vLLM 0.33 replicas, ZMQ PUB + replay)
--> one ``kvbus bridge`` per engine stream -> ``<run>.raw`` -> W ``kvbus worker`` processes (Faust)
+-> ``kvbus bridge`` processes, each serving ``--streams-per-bridge`` engine streams (default 1: one
+per stream, as sidecars; more: ``kvbus bridge --streams``, as node-level bridges) -> ``<run>.raw``
+-> W ``kvbus worker`` processes (Faust)
 -> ``<run>.blocks*`` -> S ``kvbus sink`` processes -> Redis, under fresh topics, consumer groups and
 Redis prefix per run (all deleted at the end; ``--keep`` leaves them).
+
+**Generator.** The fleet generates and encodes its whole schedule before the ladder starts
+(``kvbus fleet --pregenerate``) and then only sends pre-encoded frames (each restamped with the
+time it is sent), so that the ladder measures kvbus, not the simulator; ``--live-generator``
+generates while playing (costs ~20-40 µs of CPU per event on the same cores). The ground truth
+and the probes are the same either way.
 
 **Load ladder.** The fleet plays a schedule: an idle rung, then each ``--rates`` rung (engine
 events/s offered by the whole fleet; the fleet paces its steps by the events they publish) for
@@ -29,7 +38,10 @@ probes are outstanding) plus one lookup round trip.
 
 **CPU.** User + system seconds of every process over the window (``/proc/<pid>/stat``), per kind:
 fleet (the generator), bridge, worker, sink, kafka, registry, redis and bench (this process's
-probe lookups and sampling), given per 1,000 offered engine events. ``--workers-procs 2 --sinks 2`` also prints each
+probe lookups and sampling), given per 1,000 offered engine events (``cpu_s_per_1k_events``) and
+in µs per offered engine event (``us_per_event``); ``kvbus_us_per_event`` is the sum over the kvbus
+path alone (bridge, worker, sink, kafka, redis: :data:`KVBUS_KINDS`), without the generator, the
+registry and this process. ``--workers-procs 2 --sinks 2`` also prints each
 process's share of records and CPU (on 2 cores this shows the work spread, not a speed-up).
 
 **Exactness.** After the last rung the pipeline drains and the view is compared, holder by holder
@@ -49,6 +61,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -69,6 +82,9 @@ log = logging.getLogger("kvbus.bench")
 
 KINDS = ("fleet", "bridge", "worker", "sink", "kafka", "registry", "redis", "bench")
 """Process kinds whose CPU is reported (``bench``: this process, probe lookups and sampling)."""
+KVBUS_KINDS = ("bridge", "worker", "sink", "kafka", "redis")
+"""The kinds that make up the kvbus path (``kvbus_us_per_event``): not the load generator, the
+benchmark's probes and sampling, nor the registry (asked once per schema at start)."""
 
 
 # -- options -----------------------------------------------------------------------------
@@ -89,6 +105,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--probe-every", type=float, default=0.02, help="seconds between probes (default 0.02)")
     p.add_argument("--lag-growth", type=float, default=0.05,
                    help="largest lag growth, as a share of the window's records, that counts as bounded (default 0.05)")
+    p.add_argument("--streams-per-bridge", type=int, default=1,
+                   help="engine streams each bridge process serves (default 1: one bridge per stream, as "
+                        "sidecars; more: node-level bridges, kvbus bridge --streams)")
+    p.add_argument("--live-generator", action="store_true",
+                   help="generate the fleet's steps while playing (default: kvbus fleet --pregenerate, "
+                        "encoded before the ladder, so that the generator's CPU stays out of the way)")
     p.add_argument("--keep-going", action="store_true", help="play every rung, even after one is not sustained")
     p.add_argument("--partitions", type=int, default=None,
                    help="partitions of the run's topics (default KVBUS_PARTITIONS)")
@@ -169,14 +191,27 @@ def start_stages(run: Run, args: argparse.Namespace, sink_args: tuple[str, ...] 
         run.worker_ports.append(port)
         run.children.start(f"worker-{i}", "worker", "--app-id", run.worker_group, "--metrics-port", str(port),
                            "--workdir", str(workdir), "--datadir", str(workdir / f"worker-{i}"))
-    for i in range(args.replicas):
-        for w in range(args.tp):
-            port = free_port()
-            run.bridge_ports.append(port)
-            pub = args.base_port + 2 * (i * args.tp + w)  # kvbus.simulator.fleet's port rule (1 dp rank)
-            run.children.start(f"bridge-{i}-w{w}", "bridge", "--endpoint", f"tcp://127.0.0.1:{pub}",
-                               "--replay-endpoint", f"tcp://127.0.0.1:{pub + 1}", "--replica", f"replica-{i}",
-                               "--worker-rank", str(w), "--workers", str(args.tp), "--metrics-port", str(port))
+    streams = [(i, w) for i in range(args.replicas) for w in range(args.tp)]
+    per = max(1, args.streams_per_bridge)
+    for b in range(0, len(streams), per):
+        port = free_port()
+        run.bridge_ports.append(port)
+        group = [{"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{pub + 1}",
+                  "replica": f"replica-{i}", "worker_rank": w, "workers": args.tp}
+                 for i, w in streams[b:b + per]
+                 for pub in [args.base_port + 2 * (i * args.tp + w)]]  # kvbus.simulator.fleet's port rule (1 dp)
+        if per == 1:
+            (s,) = group
+            run.children.start(f"bridge-{streams[b][0]}-w{streams[b][1]}", "bridge", "--endpoint", s["endpoint"],
+                               "--replay-endpoint", s["replay_endpoint"], "--replica", s["replica"],
+                               "--worker-rank", str(s["worker_rank"]), "--workers", str(args.tp),
+                               "--metrics-port", str(port))
+            continue
+        streams_file = workdir / f"bridge-{b // per}-streams.json"
+        streams_file.parent.mkdir(parents=True, exist_ok=True)
+        streams_file.write_text(json.dumps(group))
+        run.children.start(f"bridge-{b // per}", "bridge", "--streams", str(streams_file),
+                           "--metrics-port", str(port))
     for kind in ("sink", "worker", "bridge"):
         run.pids[kind] = [c.proc.pid for c in run.children.started if c.name.startswith(kind)]
     ok = wait_for(lambda: check_alive(run) is None  # a stage that exits fails the wait at once
@@ -209,7 +244,8 @@ def start_fleet(run: Run, args: argparse.Namespace, rungs: list[tuple[float, flo
     child = run.children.start("fleet", "fleet", "--replicas", str(args.replicas), "--workers", str(args.tp),
                                "--base-port", str(args.base_port), "--schedule", schedule, "--seed", str(args.seed),
                                "--clear-rate", "0", "--probe-every", str(args.probe_every),
-                               "--probe-log", str(probe_log), "--manifest", str(manifest))
+                               "--probe-log", str(probe_log), "--manifest", str(manifest),
+                               *(() if args.live_generator else ("--pregenerate",)))
     run.pids["fleet"] = [child.proc.pid]
 
 
@@ -305,27 +341,55 @@ class Sampler(threading.Thread):
         t = run.settings.topics
         self.raw_lag = GroupLag(run.settings.kafka(), run.worker_group, re.escape(t.raw))
         self.blocks_lag = GroupLag(run.settings.kafka(), run.sink_group, t.blocks_pattern()[1:])
+        self._pool = ThreadPoolExecutor(32, thread_name_prefix="scrape")
+        self._counters: dict[tuple[int, str], float] = {}
+        """(port, pattern) -> the counter's highest value read so far."""
+
+    def _counter(self, port: int, pattern: str) -> float:
+        """The counter ``pattern`` at ``port``: what it reads now, or the last value read when the
+        scrape failed (``scrape`` gives 0 when an endpoint does not answer within its timeout, as a
+        process starved of CPU may not; counters only grow)."""
+        value = max(self._counters.get((port, pattern), 0.0), scrape(port, pattern))
+        self._counters[(port, pattern)] = value
+        return value
 
     def take(self) -> Sample:
+        """One sample: CPU first (at ``t``), then every metrics endpoint and both lags at once, each in
+        a thread of its own (on a loaded machine one scrape may take a second; one after the other
+        they would leave seconds between samples)."""
         run = self.run_
+        pool = self._pool
+
+        def scraped(ports: list[int], pattern: str) -> list[Any]:
+            return [pool.submit(self._counter, port, pattern) for port in ports]
+
+        t = time.monotonic()
         cpu = {kind: sum(cpu_seconds(p) for p in run.pids.get(kind, [])) for kind in KINDS if kind != "bench"}
         cpu["bench"] = cpu_seconds(os.getpid())
+        worker_cpu = [cpu_seconds(pid) for pid in run.pids.get("worker", [])]
+        sink_cpu = [cpu_seconds(pid) for pid in run.pids.get("sink", [])]
+        reports = scraped(run.worker_ports, r"kvbus_streams_reports_total")
+        records = scraped(run.sink_ports, r"kvbus_sink_records_total")
+        acked = scraped(run.bridge_ports, r"kvbus_bridge_events_acked_total")
+        raw_records = scraped(run.bridge_ports, r"kvbus_bridge_batches_acked_total")
+        consolidated = scraped(run.worker_ports, r"kvbus_streams_(consolidated|passthrough)_total")
+        applied = scraped(run.sink_ports, r"kvbus_sink_events_applied_total")
+        lags = [pool.submit(self.raw_lag.lag), pool.submit(self.blocks_lag.lag)]
         per_proc = {}
-        for i, (port, pid) in enumerate(zip(run.worker_ports, run.pids.get("worker", []))):
-            per_proc[f"worker-{i}"] = (scrape(port, r"kvbus_streams_reports_total"), cpu_seconds(pid))
-        for i, (port, pid) in enumerate(zip(run.sink_ports, run.pids.get("sink", []))):
-            per_proc[f"sink-{i}"] = (scrape(port, r"kvbus_sink_records_total"), cpu_seconds(pid))
+        for i, (f, c) in enumerate(zip(reports, worker_cpu)):
+            per_proc[f"worker-{i}"] = (f.result(), c)
+        for i, (f, c) in enumerate(zip(records, sink_cpu)):
+            per_proc[f"sink-{i}"] = (f.result(), c)
         s = Sample(
-            t=time.monotonic(),
-            acked=sum(scrape(p, r"kvbus_bridge_events_acked_total") for p in run.bridge_ports),
-            raw_records=sum(scrape(p, r"kvbus_bridge_batches_acked_total") for p in run.bridge_ports),
-            consolidated=sum(scrape(p, r"kvbus_streams_(consolidated|passthrough)_total") for p in run.worker_ports),
-            applied=sum(scrape(p, r"kvbus_sink_events_applied_total") for p in run.sink_ports),
+            t=t,
+            acked=sum(f.result() for f in acked),
+            raw_records=sum(f.result() for f in raw_records),
+            consolidated=sum(f.result() for f in consolidated),
+            applied=sum(f.result() for f in applied),
             cpu=cpu, per_proc=per_proc,
         )
         try:
-            s.lag_raw = self.raw_lag.lag()
-            s.lag_blocks = self.blocks_lag.lag()
+            s.lag_raw, s.lag_blocks = (f.result() for f in lags)
         except Exception:  # noqa: BLE001 - coordinator moving: this sample has no lag
             pass
         return s
@@ -340,6 +404,7 @@ class Sampler(threading.Thread):
                     log.exception("sample lost")
                 self.stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
         finally:
+            self._pool.shutdown(wait=True)
             self.raw_lag.close()
             self.blocks_lag.close()
 
@@ -474,6 +539,9 @@ def rung_figures(samples: list[Sample], fresh: dict[str, Any], tp: int, lag_grow
     out["sustained"] = bool(bounded and p99 is not None and p99 < 1000.0 and not fresh.get("unseen"))
     events = max((b.acked - a.acked) / tp, 1.0)
     out["cpu_s_per_1k_events"] = {k: round((b.cpu[k] - a.cpu[k]) / events * 1000.0, 4) for k in KINDS}
+    us = {k: (b.cpu[k] - a.cpu[k]) / events * 1e6 for k in KINDS}
+    out["us_per_event"] = {k: round(v, 2) for k, v in us.items()}
+    out["kvbus_us_per_event"] = round(sum(us[k] for k in KVBUS_KINDS), 2)
     out["cpu_cores"] = {k: round((b.cpu[k] - a.cpu[k]) / dt, 3) for k in KINDS}
     shares: dict[str, Any] = {}
     for name in a.per_proc:
@@ -494,6 +562,9 @@ def rung_line(name: str, fig: dict[str, Any]) -> str:
             f"/{f.get('max_ms', '-')} ms ({f.get('probes', 0)} probes, {f.get('unseen', 0)} unseen)"
             f" | lag raw {lr.get('end', '?')} blocks {lb.get('end', '?')}"
             f" | cores " + " ".join(f"{k}={v:.2f}" for k, v in cpu.items() if v >= 0.005)
+            + (f" | kvbus {fig['kvbus_us_per_event']} us/ev ("
+               + " ".join(f"{k}={fig['us_per_event'][k]}" for k in KVBUS_KINDS)
+               + f") fleet {fig['us_per_event']['fleet']}" if fig.get("offered_ev_s") and "us_per_event" in fig else "")
             + {True: " | SUSTAINED", False: " | not sustained", None: ""}[fig.get("sustained")])
 
 
@@ -612,6 +683,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           flush=True)
     result: dict[str, Any] = {"run": run.run_id, "replicas": args.replicas, "tp": args.tp,
                               "workers_procs": args.workers_procs, "sinks": args.sinks,
+                              "streams_per_bridge": args.streams_per_bridge,
+                              "bridges": -(-args.replicas * args.tp // max(1, args.streams_per_bridge)),
+                              "generator": "live" if args.live_generator else "pregenerated",
                               "partitions": run.settings.partitions, "window_s": args.window, "rungs": {}}
     sampler: Optional[Sampler] = None
     try:

@@ -34,7 +34,7 @@ from kvbus.producers.engines import detect_engine
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.recovery import Resume
 from kvbus.producers.replay import DEFAULT_TIMEOUT, ReplayBad, ReplayClient, Replayed, ReplayEnd
-from kvbus.producers.sequencer import Actions, Emit, ResetMarker, Sequencer
+from kvbus.producers.sequencer import Actions, Emit, ResetMarker, Sequencer, SequencerStats
 from kvbus.schemas.env import COUNT, NATURAL, SECONDS, TEXT, Form, one_of, setting
 from kvbus.schemas.events import DeadLetter, EventBatch, Reset, check_model, dead_letter
 
@@ -61,10 +61,10 @@ class BridgeConfig:
     """What one bridge reads and how it labels what it produces; each option with a flag of
     ``kvbus bridge`` is declared by :func:`kvbus.schemas.env.setting`."""
 
-    endpoint: str = setting(None, TEXT, doc="engine PUB endpoint to connect (the bridge connects), e.g. "
-                            "tcp://127.0.0.1:5557", flag="--endpoint")
-    replica: str = setting(None, TEXT, doc="replica id written into every record (unique in the fleet)",
-                           flag="--replica")
+    endpoint: str = setting(None, TEXT, None, "engine PUB endpoint to connect (the bridge connects), e.g. "
+                            "tcp://127.0.0.1:5557; required unless --streams names the streams", flag="--endpoint")
+    replica: str = setting(None, TEXT, None, "replica id written into every record (unique in the fleet); "
+                           "required unless --streams names the streams", flag="--replica")
     replay_endpoint: str | None = setting(None, TEXT, None, "engine replay ROUTER endpoint, e.g. "
                                           "tcp://127.0.0.1:5558 (gap fill); unset: gaps become resets",
                                           flag="--replay-endpoint")
@@ -111,7 +111,9 @@ class Sink(Protocol):
 
 class Bridge:
     """Runs one stream. ``resume``: the last position produced before (from
-    :func:`kvbus.producers.recovery.find_last_produced`), None for a first start."""
+    :func:`kvbus.producers.recovery.find_last_produced`), None for a first start. ``poller``: where
+    its sockets are registered (several bridges of one process share one, and ``sink`` and
+    ``metrics``: :class:`~kvbus.producers.bridge_group.BridgeGroup`); default its own."""
 
     def __init__(
         self,
@@ -121,6 +123,7 @@ class Bridge:
         *,
         resume: Resume | None = None,
         ctx: zmq.Context | None = None,
+        poller: zmq.Poller | None = None,
     ) -> None:
         self.cfg = cfg
         self.engine_label = cfg.engine_label
@@ -147,7 +150,7 @@ class Bridge:
         """Connection events of the SUB socket (ZMQ's socket monitor)."""
         self.engine_connected = False
         """Whether the SUB socket has a connection to the engine's PUB socket now."""
-        self._poller = zmq.Poller()
+        self._poller = poller or zmq.Poller()
         self._polled_replay: zmq.Socket | None = None
         self._dp_rank = resume.record.dp_rank if resume else cfg.dp_rank
         self._topic = resume.record.topic if resume else cfg.topic
@@ -155,6 +158,8 @@ class Bridge:
         self._last_gauges = 0.0
         self._shed = False
         """Live batches were shed since the sink last accepted (a catch-up replay is due)."""
+        self._seq_seen = SequencerStats()
+        """The sequencer's counters as last added to the metrics (:meth:`BridgeMetrics.sync_sequencer`)."""
 
     def _same_as_resumed(self, item: Any) -> bool:
         """Whether a replayed batch is the one this bridge produced last before its restart.
@@ -222,6 +227,11 @@ class Bridge:
     def close(self, flush_timeout: float = 30.0) -> int:
         """Flush the sink and close sockets; returns records left undelivered."""
         left = self.sink.close(flush_timeout)
+        self.close_sockets()
+        return left
+
+    def close_sockets(self) -> None:
+        """Close this stream's sockets (not the sink, which a group's streams share)."""
         if self.replay is not None:
             self.replay.close()
         if self.sub is not None:
@@ -231,8 +241,11 @@ class Bridge:
         if self._monitor is not None:
             self._monitor.close(linger=0)
             self._monitor = None
-        self.metrics.sync_sequencer(self.sequencer.stats)
-        return left
+        self.sync_metrics()
+
+    def sync_metrics(self) -> None:
+        """Add the sequencer's counters' growth to the metrics."""
+        self.metrics.sync_sequencer(self.sequencer.stats, self._seq_seen)
 
     def not_ready(self) -> str | None:
         """Why this bridge is not ready (its ``/readyz``), None when it is: the engine socket is not
@@ -248,13 +261,25 @@ class Bridge:
     def step(self, poll_ms: int = 50, max_live: int = 5000) -> None:
         """Serve the sink, then handle whatever the sockets have (waits up to ``poll_ms``)."""
         self.sink.service()
-        self._sync_poller()
-        ready = dict(self._poller.poll(poll_ms))
+        self.sync_poller()
+        self.handle(dict(self._poller.poll(poll_ms)), max_live)
+        now = time.monotonic()
+        if now - self._last_gauges > 0.5:
+            self._last_gauges = now
+            self.sync_metrics()
+            self.metrics.held.set(self.sequencer.held)
+            self.sink.update_gauges()
+
+    def handle(self, ready: dict, max_live: int = 5000) -> int:
+        """Handle what this stream's sockets have (``ready``: the poller's answer, socket -> events),
+        reading at most ``max_live`` live batches; returns the engine batches read (live and replayed)."""
+        read = 0
         if self._monitor is not None and self._monitor in ready:
             self._on_monitor()
         replay = self.replay
         if replay is not None and replay.socket is not None and replay.socket in ready:
             for reply in replay.read():
+                read += 1
                 self._on_reply(reply)
         if self.sub in ready:
             sub = self.sub
@@ -263,18 +288,14 @@ class Bridge:
                     frames = sub.recv_multipart(zmq.NOBLOCK, copy=True)
                 except zmq.Again:
                     break
+                read += 1
                 self._on_live(frames)
         self._catch_up_after_shedding()
         if replay is not None and replay.expired():
             log.warning("replay from %s seq>=%s timed out", replay.endpoint, replay.start_seq)
             replay.cancel()
             self._apply(self.sequencer.on_replay_end(complete=False))
-        now = time.monotonic()
-        if now - self._last_gauges > 0.5:
-            self._last_gauges = now
-            self.metrics.sync_sequencer(self.sequencer.stats)
-            self.metrics.held.set(self.sequencer.held)
-            self.sink.update_gauges()
+        return read
 
     def _on_monitor(self) -> None:
         """Follow the SUB socket's connection to the engine (ZMQ reconnects on its own)."""
@@ -289,7 +310,8 @@ class Bridge:
                         "connected" if connected else "disconnected: waiting for it to come back")
             self.engine_connected = connected
 
-    def _sync_poller(self) -> None:
+    def sync_poller(self) -> None:
+        """Register the replay socket of the moment with the poller (a replay opens and closes one)."""
         sock = self.replay.socket if self.replay is not None else None
         if sock is not self._polled_replay:
             if self._polled_replay is not None:

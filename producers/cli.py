@@ -1,4 +1,8 @@
-"""``kvbus bridge``: wire one engine publisher stream to Kafka.
+"""``kvbus bridge``: wire engine publisher streams to Kafka.
+
+One stream (``--endpoint``, ``--replica``, ...: a sidecar beside its engine), or several
+(``--streams FILE``: a node-level bridge serving every engine of its node), in one loop with one
+producer (:mod:`kvbus.producers.bridge_group`). Each stream recovers, sequences and replays on its own.
 
 Also runnable on its own: ``python -m kvbus.producers.cli bridge --endpoint ... --replica ...``.
 
@@ -15,6 +19,8 @@ records unacknowledged for 10 s, a Kafka error since the last acknowledgement).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import signal
 import sys
@@ -22,14 +28,31 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import zmq
+
 from kvbus.producers.bridge import Bridge, BridgeConfig
+from kvbus.producers.bridge_group import DEFAULT_BATCH_LARGE, DEFAULT_BATCH_WAIT, Batching, BridgeGroup
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.raw_producer import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, RawProducer
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
 from kvbus.schemas import logs
 from kvbus.schemas.backoff import Backoff, sleep
 from kvbus.schemas.codec import FastSerde
-from kvbus.schemas.env import COUNT, PORT, SECONDS, SWITCH, Form, add_flags, from_flags, one_of, setting
+from kvbus.schemas.env import (
+    COUNT,
+    FILE,
+    NATURAL,
+    PORT,
+    SECONDS,
+    SWITCH,
+    Form,
+    SettingError,
+    add_flags,
+    declared,
+    from_flags,
+    one_of,
+    setting,
+)
 from kvbus.schemas.events import holder_key
 from kvbus.schemas.probes import Readiness
 from kvbus.schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
@@ -75,6 +98,16 @@ class BridgeOptions:
     producer_conf: tuple[tuple[str, str], ...] = setting(None, KEY_VALUE, (), "extra librdkafka producer setting "
                                                          "(repeatable)", flag="--producer-conf", many=True,
                                                          metavar="KEY=VALUE")
+    streams: str | None = setting(None, FILE, None, "JSON file listing the engine streams this bridge serves, "
+                                  "one object per stream whose keys are the stream flags' names (endpoint, replica, "
+                                  "replay_endpoint, worker_rank, workers, dp_rank, topic, engine, model, "
+                                  "replay_timeout); a key left out takes the flag's value; unset: the one stream "
+                                  "of --endpoint and --replica", flag="--streams")
+    batch_wait: float = setting(None, SECONDS, DEFAULT_BATCH_WAIT, "seconds the loop pauses, after reading at "
+                                "least --batch-large engine batches at once, for more to gather (0: never)",
+                                flag="--batch-wait")
+    batch_large: int = setting(None, NATURAL, DEFAULT_BATCH_LARGE, "engine batches read at once that make the "
+                               "loop pause (--batch-wait)", flag="--batch-large")
 
 
 def add_bridge_args(p: argparse.ArgumentParser) -> None:
@@ -107,15 +140,56 @@ def _retry(what: str, fn: Callable[[], Any], stop: Callable[[], bool], backoff: 
 
 
 def config_from_args(args: argparse.Namespace) -> BridgeConfig:
-    """BridgeConfig from parsed options."""
-    return from_flags(BridgeConfig, args)
+    """BridgeConfig of the one stream the flags name (``--endpoint``, ``--replica``, ...)."""
+    cfg = from_flags(BridgeConfig, args)
+    if cfg.endpoint is None or cfg.replica is None:
+        raise SettingError("kvbus bridge: --endpoint and --replica are required (or --streams FILE)")
+    return cfg
+
+
+def configs_from_args(args: argparse.Namespace) -> list[BridgeConfig]:
+    """The BridgeConfig of every stream: those of ``--streams`` (each key over the flags' values),
+    else the one of the flags (:func:`config_from_args`). :class:`SettingError` names what is wrong."""
+    path = getattr(args, "streams", None)
+    if not path:
+        return [config_from_args(args)]
+    try:
+        entries = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, ValueError) as exc:
+        raise SettingError(f"kvbus bridge --streams {path}: {exc}") from None
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise SettingError(f"kvbus bridge --streams {path}: expected a JSON list of objects, one per stream")
+    flags = from_flags(BridgeConfig, args)
+    forms = {name: s for name, s in declared(BridgeConfig) if s.flag is not None}
+    out = []
+    for i, entry in enumerate(entries):
+        given = {}
+        for key, value in entry.items():
+            s = forms.get(key)
+            if s is None:
+                raise SettingError(f"kvbus bridge --streams {path}: stream {i}: unknown key {key!r} "
+                                   f"(known: {', '.join(forms)})")
+            try:
+                given[key] = None if value is None else s.form.parse(str(value))
+            except (ValueError, TypeError):
+                raise SettingError(f"kvbus bridge --streams {path}: stream {i}: {key}={value!r}: "
+                                   f"expected {s.form.expected}") from None
+        cfg = dataclasses.replace(flags, **given)
+        if cfg.endpoint is None or cfg.replica is None:
+            raise SettingError(f"kvbus bridge --streams {path}: stream {i} needs an endpoint and a replica")
+        out.append(cfg)
+    holders = [(c.replica, c.dp_rank, c.worker_rank) for c in out]
+    if len(set(holders)) != len(holders):
+        raise SettingError(f"kvbus bridge --streams {path}: two streams of one (replica, dp_rank, worker_rank)")
+    return out
 
 
 def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[], bool],
-                 metrics: BridgeMetrics | None = None, readiness: Readiness | None = None) -> Bridge | None:
-    """Registry, recovery, Kafka sink and the bridge; None if stopped while waiting for services.
-    ``readiness`` is told what is awaited (:attr:`Readiness.starting`), then checks the bridge."""
-    cfg = config_from_args(args)
+                 metrics: BridgeMetrics | None = None, readiness: Readiness | None = None) -> BridgeGroup | None:
+    """Registry, recovery of every stream, the shared Kafka sink and the streams' bridges in one
+    group; None if stopped while waiting for services. ``readiness`` is told what is awaited
+    (:attr:`Readiness.starting`), then checks the group."""
+    cfgs = configs_from_args(args)
     topics = settings.topics
     readiness = readiness or Readiness()
     readiness.starting = "Kafka"
@@ -132,19 +206,22 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
         log.info("EventBatch schema id %d for %s-value", schema_id, topics.raw)
     else:
         serialize_batch = lambda b: batch_serde.dumps(b, topics.raw)  # noqa: E731
-    resume: Resume | None = None
-    if not args.no_recover:
-        readiness.starting = f"the last position produced (reading {topics.raw})"
-        ok, resume = wait_and_recover(
-            lambda: find_last_produced(settings.kafka(), topics.raw, cfg.replica, cfg.dp_rank, cfg.worker_rank,
-                                       lambda v: batch_serde.loads(v, topics.raw)),
-            stop,
-        )
-        if not ok:
-            return None
-        if resume is None:
-            log.info("no earlier record of %s#%d worker %d in %s: first start", cfg.replica, cfg.dp_rank,
-                     cfg.worker_rank, topics.raw)
+    resumes: list[Resume | None] = []
+    for cfg in cfgs:
+        resume: Resume | None = None
+        if not args.no_recover:
+            readiness.starting = f"the last position produced (reading {topics.raw})"
+            ok, resume = wait_and_recover(
+                lambda: find_last_produced(settings.kafka(), topics.raw, cfg.replica, cfg.dp_rank, cfg.worker_rank,
+                                           lambda v: batch_serde.loads(v, topics.raw)),
+                stop,
+            )
+            if not ok:
+                return None
+            if resume is None:
+                log.info("no earlier record of %s#%d worker %d in %s: first start", cfg.replica, cfg.dp_rank,
+                         cfg.worker_rank, topics.raw)
+        resumes.append(resume)
     metrics = metrics or BridgeMetrics()
     sink = RawProducer.build(
         settings.kafka(), topics.raw, topics.dlq, serialize_batch, lambda dl: dl_serde.dumps(dl, topics.dlq),
@@ -152,14 +229,17 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
         max_backlog_bytes=args.max_backlog_mb << 20,
         max_record_bytes=args.max_record_bytes or settings.max_record_bytes,
     )
-    bridge = Bridge(cfg, sink, metrics, resume=resume)
-    readiness.add(bridge.not_ready)
+    poller = zmq.Poller()
+    bridges = [Bridge(cfg, sink, metrics, resume=resume, poller=poller) for cfg, resume in zip(cfgs, resumes)]
+    group = BridgeGroup(bridges, sink, metrics, poller, Batching(args.batch_wait, args.batch_large))
+    readiness.add(group.not_ready)
     readiness.starting = None
-    return bridge
+    return group
 
 
 def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
-    """Run one bridge until SIGTERM/SIGINT; flushes on exit. Returns 0, or 1 if records were left undelivered."""
+    """Run the bridge (its streams) until SIGTERM/SIGINT; flushes on exit. Returns 0, or 1 if records
+    were left undelivered."""
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -168,7 +248,8 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    logs.bind(holder=holder_key(args.replica, args.dp_rank))
+    if not args.streams:
+        logs.bind(holder=holder_key(args.replica, args.dp_rank))
     metrics, readiness = BridgeMetrics(), Readiness(starting="Kafka")
     if args.metrics_port:  # first: /healthz answers, and /readyz says what the bridge waits for
         metrics.serve(args.metrics_port, readiness)
@@ -186,10 +267,10 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         left = bridge.close(args.flush_timeout)
         m = bridge.metrics
-        log.info("bridge stopped: in %d batches / %d events, acked %d batches / %d events, dlq %d, resets %d, "
-                 "recovered %d, left undelivered %d", m.value("batches_in"), m.value("events_in"),
-                 m.value("batches_acked"), m.value("events_acked"), m.value("dlq"), m.value("resets"),
-                 m.value("recovered"), left)
+        log.info("bridge stopped (%d stream(s)): in %d batches / %d events, acked %d batches / %d events, "
+                 "dlq %d, resets %d, recovered %d, left undelivered %d", len(bridge.bridges), m.value("batches_in"),
+                 m.value("events_in"), m.value("batches_acked"), m.value("events_acked"), m.value("dlq"),
+                 m.value("resets"), m.value("recovered"), left)
     return 1 if left else 0
 
 

@@ -59,9 +59,10 @@ class BridgeMetrics:
         self.held = Gauge(p + "held", "Live batches held while a replay runs", registry=r)
         self._seq_seen = SequencerStats()
 
-    def sync_sequencer(self, stats: SequencerStats) -> None:
-        """Add the sequencer counters' growth since the last call."""
-        seen = self._seq_seen
+    def sync_sequencer(self, stats: SequencerStats, seen: SequencerStats | None = None) -> None:
+        """Add the sequencer counters' growth since the last call; ``seen``: the counters as last
+        added (updated here), one per stream when several share these metrics (default: one of its own)."""
+        seen = self._seq_seen if seen is None else seen
         for name, counter in (
             ("gaps", self.gaps), ("replays", self.replays), ("replays_incomplete", self.replays_incomplete),
             ("recovered", self.recovered), ("duplicates", self.duplicates), ("resets", self.resets),

@@ -40,6 +40,7 @@ import logging
 import os
 import random
 import signal
+import struct
 import threading
 import time
 from collections import OrderedDict, deque
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import msgspec
 import zmq
 
 from kvbus.schemas.events import (
@@ -337,7 +339,9 @@ class CacheModel:
         self._raw = raw_hashes
         self.system = system if system is not None else system_prompts(rng, cfg)
         """The system prompts this cache's requests start with (a fleet's are shared by every replica)."""
-        self.truth = Residency()
+        self._truth = Residency()
+        self._unapplied: list[Event] = []
+        """Events published but not yet applied to the ground truth (:meth:`later`), in order."""
         self._lru: dict[Tier, OrderedDict[bytes, None]] = {}
         self.prompts: deque[list[int]] = deque(maxlen=cfg.history)
         self._digests: dict[bytes, bytes] = {}
@@ -369,8 +373,29 @@ class CacheModel:
         digests = block_digests(tokens, self.cfg.block_size, self.cfg.hash_algo)
         return [canonical_hash(d) for d in digests], digests
 
-    def step(self) -> list[Event]:
-        """One engine step: a few requests served (stores, evictions, offloads), maybe a reset."""
+    @property
+    def truth(self) -> Residency:
+        """Ground truth: every event published so far applied (those kept by :meth:`later` first)."""
+        if self._unapplied:
+            self._truth.apply_all(self._unapplied)
+            self._unapplied.clear()
+        return self._truth
+
+    def later(self, events: Sequence[Event]) -> None:
+        """Events (as a decoder yields them, :func:`~kvbus.simulator.engine_wire.project`) just
+        published, applied to the ground truth when it is next read: publishing stays a list append."""
+        self._unapplied.extend(events)
+
+    def truth_view(self, event: Event) -> Event:
+        """``event`` as the ground truth needs it: projected as a decoder yields it, without the
+        token ids (which residency does not depend on), so that pregenerated steps stay small."""
+        p = project(self.fmt, event, raw_hashes=self._raw)
+        return msgspec.structs.replace(p, token_ids=[]) if isinstance(p, BlockStored) else p
+
+    def step(self, apply_truth: bool = True) -> list[Event]:
+        """One engine step: a few requests served (stores, evictions, offloads), maybe a reset.
+        ``apply_truth=False``: the ground truth is left alone (a pregenerated step applies its
+        events when it is published, :meth:`later`)."""
         self.steps += 1
         events: list[Event] = []
         if self.rng.random() < self.cfg.clear_rate:
@@ -378,8 +403,10 @@ class CacheModel:
         lo, hi = self.cfg.requests_per_step
         for _ in range(self.rng.randint(lo, hi)):
             events += self.serve(self.new_prompt())
-        for e in events:
-            self.truth.apply(project(self.fmt, e, raw_hashes=self._raw))
+        if apply_truth:
+            truth = self.truth
+            for e in events:
+                truth.apply(project(self.fmt, e, raw_hashes=self._raw))
         return events
 
     def _clear(self) -> AllBlocksCleared:
@@ -529,6 +556,11 @@ class FleetConfig:
     probe_every: float = 0.0
     """Seconds between freshness probes (0 = none): a one-block BlockStored of a fresh random hash,
     published to the next (replica, dp rank) in turn, on every worker stream, like any batch."""
+    pregenerate: bool = False
+    """Generate and encode every step of the schedule before playing it, and play the encoded frames
+    (each batch's ``ts`` restamped when sent), so that the generator costs about one ZMQ send per
+    batch while it plays; the ground truth is applied as batches are published. Only with a
+    ``schedule``. The manifest's prompts are then those generated, its tiers those published."""
     probe_log: str | None = None
     """Where probes and rung starts are written, one JSON object per line: ``{"probe": "<hash hex>",
     "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>, "wall": <time.time()>}``,
@@ -557,6 +589,36 @@ class ScriptBatch:
     ts: float | None = None
     send_live: bool = True
     """False: keep it for replay only (a lost live message)."""
+
+
+@dataclass
+class PregeneratedBatch:
+    """One (replica, dp rank)'s batch of a pregenerated step (:meth:`Fleet.pregenerate`)."""
+
+    key: tuple[str, int]
+    """(replica, dp rank)."""
+    payloads: list[tuple[bytes, int]]
+    """Per worker stream: (the encoded payload, events in it)."""
+    truth: list[Event]
+    """The batch's events as the ground truth applies them (:meth:`CacheModel.truth_view`)."""
+
+
+_TS_FLOAT64 = 0xCB
+"""msgpack's float 64 marker: the engine envelope ``[ts, events, ...]`` starts with it after its array header."""
+
+
+def restamp_prefix(ts: float) -> bytes:
+    """What :func:`restamp` writes for ``ts``: a msgpack float 64."""
+    return struct.pack(">Bd", _TS_FLOAT64, ts)
+
+
+def restamp(payload: bytes, ts_prefix: bytes) -> bytes:
+    """``payload`` (an engine envelope as :func:`~kvbus.simulator.engine_wire.encode_batch` writes it:
+    a fixarray whose first element is the float 64 ``ts``) with ``ts`` replaced by ``ts_prefix``
+    (:func:`restamp_prefix`); any other layout is returned unchanged."""
+    if len(payload) > 10 and 0x90 <= payload[0] <= 0x9F and payload[1] == _TS_FLOAT64:
+        return payload[:1] + ts_prefix + payload[10:]
+    return payload
 
 
 def stream_index(cfg: FleetConfig, replica: int, dp_rank: int, worker: int) -> int:
@@ -603,6 +665,8 @@ class Fleet:
         self._probe_rng = random.Random(f"probe:{cfg.seed}:{time.time_ns()}")  # fresh hashes every run
         self._probe_turn = 0
         self._probe_out: Any = None
+        self._pregenerated: deque[list[PregeneratedBatch]] = deque()
+        """Steps generated and encoded ahead (:meth:`pregenerate`), played by :meth:`publish_step` first."""
 
     # lifecycle
     def streams(self) -> list[StreamInfo]:
@@ -678,8 +742,49 @@ class Fleet:
                 self.worker_dups += 1
         return out
 
+    def pregenerate(self, events: int) -> int:
+        """Generate and encode steps of every (replica, dp rank) until they hold ``events`` engine
+        events; :meth:`publish_step` then plays them, in order, before generating new ones.
+        Returns the steps generated."""
+        ts, total, steps = time.time(), 0, 0
+        while total < events:
+            step: list[PregeneratedBatch] = []
+            for key, model in self.models.items():
+                evs = model.step(apply_truth=False)
+                if not evs:
+                    continue
+                payloads = []
+                for w in range(self.cfg.workers):
+                    wevs = self._worker_view(evs) if self.cfg.workers > 1 else evs
+                    payloads.append((self.publishers[(*key, w)].encode(wevs, ts), len(wevs)))
+                step.append(PregeneratedBatch(key, payloads, [model.truth_view(e) for e in evs]))
+                total += len(evs)
+            self._pregenerated.append(step)
+            steps += 1
+        return steps
+
+    def _publish_pregenerated(self, step: list["PregeneratedBatch"]) -> int:
+        ts = restamp_prefix(time.time())
+        n = 0
+        for b in step:
+            name, d = b.key
+            for w, (payload, count) in enumerate(b.payloads):
+                live = not (self.cfg.live_drop_rate and self.rng.random() < self.cfg.live_drop_rate)
+                pub = self.publishers[(name, d, w)]
+                pub.publish_payload(restamp(payload, ts), send_live=live)
+                pub.last_events = count
+            self.models[b.key].later(b.truth)
+            n += len(b.truth)
+        return n
+
     def publish_step(self) -> int:
-        """One generated engine step for every (replica, dp rank); returns events published."""
+        """One engine step for every (replica, dp rank): the next pregenerated one (:meth:`pregenerate`),
+        else one generated now; returns events published."""
+        if self._pregenerated:
+            n = self._publish_pregenerated(self._pregenerated.popleft())
+            self.steps += 1
+            self.events += n
+            return n
         n = 0
         ts = time.time()
         for (name, d), model in self.models.items():
@@ -756,7 +861,7 @@ class Fleet:
                             medium="GPU" if "medium" in wire_format(self.cfg.format).stored else None)
         for w in range(self.cfg.workers):
             self.publishers[(name, d, w)].publish([event])
-        self.models[(name, d)].truth.apply(project(self.cfg.format, event, raw_hashes=self.cfg.raw_hashes))
+        self.models[(name, d)].later([project(self.cfg.format, event, raw_hashes=self.cfg.raw_hashes)])
         holder = f"{name}#{d}"
         self._note({"probe": h.hex(), "holder": holder})
         return h, holder
@@ -784,6 +889,11 @@ class Fleet:
         stop = stop or self._stop
         if self.cfg.probe_log:
             self._probe_out = open(self.cfg.probe_log, "a", encoding="utf-8")
+        if self.cfg.pregenerate and self.cfg.schedule:
+            t0 = time.monotonic()
+            want = sum(rate * seconds for rate, seconds in self.cfg.schedule)
+            steps = self.pregenerate(int(want))
+            log.info("pregenerated %d steps (%d events) in %.1f s", steps, want, time.monotonic() - t0)
         last_manifest = time.monotonic()
         next_probe = time.monotonic()
         try:
@@ -818,7 +928,7 @@ class Fleet:
             if now >= next_step:
                 n = self.publish_step()
                 next_step = max(next_step + period * (max(n, 1) if per_event else 1), now - 1.0)  # catch up <= 1 s
-            if self.cfg.manifest and now - last_manifest > 5.0:
+            if self.cfg.manifest and not self.cfg.pregenerate and now - last_manifest > 5.0:
                 self.write_manifest(self.cfg.manifest)
                 last_manifest = now
             wake = min(next_step, next_probe if probe_every else float("inf"))
@@ -869,6 +979,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-every", type=float, default=0.0,
                    help="seconds between freshness probes, one fresh block each (0 = none; default 0)")
     p.add_argument("--probe-log", default=None, help="append probes and rung starts to this file as JSON lines")
+    p.add_argument("--pregenerate", action="store_true",
+                   help="generate and encode the whole --schedule before playing it, then play the encoded "
+                        "frames (a generator that costs little CPU while it plays; the manifest is written at the end)")
 
 
 def parse_schedule(text: str) -> tuple[tuple[float, float], ...]:
@@ -896,6 +1009,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         replica_prefix=args.replica_prefix, manifest=args.manifest, host=args.host, topic=args.topic,
         buffer_steps=args.buffer_steps, raw_hashes=args.raw_hashes, model=model,
         schedule=args.schedule, probe_every=args.probe_every, probe_log=args.probe_log,
+        pregenerate=args.pregenerate,
     )
 
 

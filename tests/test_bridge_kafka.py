@@ -6,6 +6,7 @@ Consumer and the registry's AvroDeserializer (not kvbus's RecordSerde).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -82,14 +83,15 @@ class RawReader:
 
 
 class BridgeProcess:
-    """``python -m kvbus.producers.cli bridge`` with this test's topics."""
+    """``python -m kvbus.producers.cli bridge`` with this test's topics; ``endpoint`` None: the
+    streams are named by ``--streams`` in ``extra``."""
 
-    def __init__(self, settings: Settings, endpoint: str, replay_endpoint: str | None, *extra: str) -> None:
+    def __init__(self, settings: Settings, endpoint: str | None, replay_endpoint: str | None, *extra: str) -> None:
         env = dict(os.environ, KVBUS_BOOTSTRAP=settings.bootstrap, KVBUS_REGISTRY_URL=settings.registry_url,
                    KVBUS_TOPIC_RAW=settings.topics.raw, KVBUS_TOPIC_DLQ=settings.topics.dlq,
                    KVBUS_TOPIC_BLOCKS=settings.topics.blocks, KVBUS_TOPIC_INCOMPLETE=settings.topics.incomplete)
-        argv = [sys.executable, "-m", "kvbus.producers.cli", "bridge", "--endpoint", endpoint, "--replica", REPLICA,
-                "--topic", ZMQ_TOPIC, "--flush-timeout", "10", *extra]
+        argv = [sys.executable, "-m", "kvbus.producers.cli", "bridge", "--topic", ZMQ_TOPIC, "--flush-timeout", "10",
+                *(["--endpoint", endpoint, "--replica", REPLICA] if endpoint else []), *extra]
         if replay_endpoint:
             argv += ["--replay-endpoint", replay_endpoint]
         self.log_path = f"/tmp/kvbus-test-bridge-{uuid.uuid4().hex[:8]}.log"
@@ -219,6 +221,66 @@ def test_killed_bridge_restarts_without_losing_what_the_engine_buffered(test_set
             proc = locals().get(b)
             if proc is not None and proc.proc.poll() is None:
                 proc.kill()
+
+
+def test_one_bridge_serves_several_streams_each_with_its_own_key_sequence_and_recovery(
+        test_settings: Settings, tmp_path):
+    """``--streams``: three engines, one bridge process. Each stream's records carry its own key, in
+    its own partition, numbered by its own sequence in its own epoch; killed and restarted, the
+    bridge recovers each stream's position on its own and replays what each engine buffered."""
+    fleet = Fleet(FleetConfig(replicas=3, base_port=0, format=FMT, topic=ZMQ_TOPIC, seed=5)).start()
+    streams = tmp_path / "streams.json"
+    streams.write_text(json.dumps([{"endpoint": s.endpoint, "replay_endpoint": s.replay_endpoint,
+                                    "replica": s.replica} for s in fleet.streams()]))
+    names = fleet.names
+    seqs = {name: 0 for name in names}
+
+    def publish(n: int, skip: str | None = None) -> None:
+        for _ in range(n):
+            for k, name in enumerate(names):
+                if name == skip:
+                    continue
+                pub = fleet.publisher(name)
+                i = pub.next_seq
+                pub.publish([BlockStored(block_hashes=[(1000 * k + i + 1).to_bytes(8, "big")],
+                                         token_ids=list(range(16)), block_size=16, medium="GPU")], ts=1000.0 + i)
+                seqs[name] = pub.next_seq
+
+    def per_stream(values: list[dict]) -> dict[str, list[dict]]:
+        return {name: [v for v in _data(values) if v["replica"] == name] for name in names}
+
+    reader = RawReader(test_settings, test_settings.topics.raw)
+    first = second = None
+    try:
+        first = BridgeProcess(test_settings, None, None, "--streams", str(streams))
+        first.wait_ready()
+        publish(8)
+        reader.until(lambda vs: all(len(r) >= 8 for r in per_stream(vs).values()), what="8 records of each stream")
+        first.kill()
+        publish(6, skip=names[2])  # while no bridge runs; replica-2 stays quiet
+        second = BridgeProcess(test_settings, None, None, "--streams", str(streams))
+        second.wait_ready()
+        publish(3)
+        want = {name: seqs[name] for name in names}
+        reader.until(lambda vs: {n: len(r) for n, r in per_stream(vs).items()} == want,
+                     what=f"records of each stream: {want}")
+        assert second.terminate() == 0, second.output()
+        reader.poll(1.0)
+        values = reader.values()
+    finally:
+        reader.close()
+        fleet.stop()
+        for proc in (first, second):
+            if proc is not None and proc.proc.poll() is None:
+                proc.kill()
+    got = per_stream(values)
+    assert {n: [v["seq"] for v in r] for n, r in got.items()} == {n: list(range(seqs[n])) for n in names}
+    assert all(len({v["epoch"] for v in r}) == 1 for r in got.values())  # each resumed its epoch
+    assert not [v for v in values if v["seq"] < 0]  # no reset: every gap was replayed
+    assert {(v["replica"], v["events"][0]["block_hashes"][0]) for v in values} == {
+        (name, (1000 * k + i + 1).to_bytes(8, "big")) for k, name in enumerate(names) for i in range(seqs[name])}
+    for p, _, key, v in reader.records:
+        assert key == holder_key(v["replica"], 0).encode() and p == partition_for(key, test_settings.partitions)
 
 
 def test_bad_input_lands_in_the_dlq_topic(test_settings: Settings, fleet: Fleet):

@@ -311,3 +311,42 @@ def test_schedule_option_parses_rungs_and_rejects_bad_ones():
     for bad in ("2000", "x:1", "100:0", "-1:3"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_schedule(bad)
+
+
+def test_pregenerated_steps_play_the_events_and_truth_of_live_ones_restamped():
+    """``pregenerate``: the same seed plays the same batches and ends with the same ground truth as
+    steps generated while playing; each payload's ts is the time it was sent, not generated; a probe
+    published after them is in the ground truth."""
+    live_fleet = Fleet(FleetConfig(replicas=3, base_port=0, seed=4))
+    pre_fleet = Fleet(FleetConfig(replicas=3, base_port=0, seed=4))
+    with live_fleet as live, pre_fleet as pre:
+        generated = time.time()
+        steps = pre.pregenerate(400)
+        assert steps > 1 and pre.events == 0 and pre.truth("replica-0").snapshot() == {}  # nothing published yet
+        time.sleep(0.01)
+        sent = time.time()
+        for _ in range(steps):
+            assert live.publish_step() == pre.publish_step() > 0
+        for name in live.names:
+            a = [decode_batch(p, "auto") for _, p in live.publisher(name).buffer]
+            b = [decode_batch(p, "auto") for _, p in pre.publisher(name).buffer]
+            assert [x.events for x in a] == [y.events for y in b] and a
+            assert all(y.ts >= sent > generated for y in b)
+            assert pre.truth(name).snapshot() == live.truth(name).snapshot()
+            assert pre.publisher(name).published() == live.publisher(name).published()
+        h, holder = pre.publish_probe()
+        assert pre.truth(holder[:-2]).holds(h)
+
+
+def test_restamp_replaces_only_an_envelopes_leading_float_ts():
+    import msgspec
+
+    from kvbus.simulator.engine_wire import encode_batch
+    from kvbus.simulator.fleet import restamp, restamp_prefix
+
+    payload = encode_batch("vllm-0.33", 1.5, [BlockStored(block_hashes=[b"\0" * 7 + b"\1"], token_ids=[1] * 16,
+                                                         block_size=16, medium="GPU")])
+    again = restamp(payload, restamp_prefix(2.25))
+    assert msgspec.msgpack.decode(again)[0] == 2.25 and msgspec.msgpack.decode(again)[1:] == \
+        msgspec.msgpack.decode(payload)[1:]
+    assert restamp(b"\x93\xc0\x90\x00", restamp_prefix(2.0)) == b"\x93\xc0\x90\x00"  # not a float ts: unchanged

@@ -1,0 +1,127 @@
+"""Several engine streams in one bridge process: one loop, one poller, one Kafka producer.
+
+A node-level bridge serves every engine stream of its node (``kvbus bridge --streams FILE``); a
+sidecar serves one (``--endpoint``), through the same loop. Each stream keeps its own
+:class:`~kvbus.producers.bridge.Bridge`: its replica key, sequencer, epoch, start-up recovery and
+replay-gap handling are exactly those of a bridge of its own. What the streams share is what
+costs per process and per wake-up: the sockets are polled together, the producer (one
+connection, one queue, so one produce request carries every stream's records) is served once per
+pass, and the metrics are one set, summed over the streams.
+
+**Adaptive batching** (:class:`Batching`): after a pass that read many engine batches the loop
+pauses a little before reading again, so that under load each pass reads (and the producer
+queues) more batches at once and the process wakes up less often; after a pass that read few it
+goes straight back to waiting on the sockets, so that a lone batch is produced as soon as it
+arrives. Batches grow with load: the pause is fixed, the batches that arrive during it are not.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import zmq
+
+from kvbus.producers.bridge import Bridge, Sink
+from kvbus.producers.metrics import BridgeMetrics
+
+log = logging.getLogger("kvbus.producers.bridge")
+
+DEFAULT_BATCH_WAIT = 0.002
+"""Seconds :class:`Batching` pauses after a large pass."""
+DEFAULT_BATCH_LARGE = 8
+"""Engine batches read in one pass that make it large."""
+
+
+@dataclass(frozen=True)
+class Batching:
+    """When the loop waits for more engine batches before reading again.
+
+    ``wait``: seconds paused after a pass that read at least ``large`` engine batches (0: never
+    pause, read as soon as the sockets have something). A pass that read fewer never pauses, so the
+    pause costs freshness only when the batches come so fast that they would share a pass anyway."""
+
+    wait: float = DEFAULT_BATCH_WAIT
+    large: int = DEFAULT_BATCH_LARGE
+
+    def pause(self, read: int) -> float:
+        """Seconds to pause after a pass that read ``read`` engine batches."""
+        return self.wait if self.wait > 0 and read >= self.large else 0.0
+
+
+class BridgeGroup:
+    """Runs ``bridges`` (built with the shared ``sink``, ``metrics`` and ``poller``) in one loop."""
+
+    def __init__(self, bridges: Sequence[Bridge], sink: Sink, metrics: BridgeMetrics, poller: zmq.Poller,
+                 batching: Batching = Batching()) -> None:
+        if not bridges:
+            raise ValueError("a bridge group needs at least one stream")
+        self.bridges = list(bridges)
+        self.sink = sink
+        self.metrics = metrics
+        self.poller = poller
+        self.batching = batching
+        self.passes: Counter[int] = Counter()
+        """Engine batches read in one pass -> passes that read so many (passes that read none are
+        not counted): how batches grow with load."""
+        self._stop = threading.Event()
+        self._last_gauges = 0.0
+
+    def open(self) -> None:
+        """Connect every stream and issue its start-up replay."""
+        for b in self.bridges:
+            b.open()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return (thread-safe)."""
+        self._stop.set()
+
+    def run(self, stop: Callable[[], bool] | None = None, poll_ms: int = 50) -> None:
+        """Loop until :meth:`stop` (or ``stop()`` returns True)."""
+        should_stop = stop or (lambda: False)
+        while not self._stop.is_set() and not should_stop():
+            self.step(poll_ms)
+
+    def step(self, poll_ms: int = 50, max_live: int = 5000) -> int:
+        """One pass: serve the producer, wait up to ``poll_ms`` for any stream's sockets, handle what
+        each has, then pause as :attr:`batching` says; returns the engine batches read."""
+        self.sink.service()
+        for b in self.bridges:
+            b.sync_poller()
+        ready = dict(self.poller.poll(poll_ms))
+        read = 0
+        if ready:
+            for b in self.bridges:
+                read += b.handle(ready, max_live)
+        if read:
+            self.passes[read] += 1
+        now = time.monotonic()
+        if now - self._last_gauges > 0.5:
+            self._last_gauges = now
+            for b in self.bridges:
+                b.sync_metrics()
+            self.metrics.held.set(sum(b.sequencer.held for b in self.bridges))
+            self.sink.update_gauges()
+        pause = self.batching.pause(read)
+        if pause:
+            self.sink.service()  # delivery reports of what is in flight, while the batches gather
+            time.sleep(pause)
+        return read
+
+    def not_ready(self) -> str | None:
+        """Why the group is not ready: the first stream that is not (its reason, naming its endpoint)."""
+        for b in self.bridges:
+            why = b.not_ready()
+            if why:
+                return why if len(self.bridges) == 1 else f"{b.cfg.replica} worker {b.cfg.worker_rank}: {why}"
+        return None
+
+    def close(self, flush_timeout: float = 30.0) -> int:
+        """Flush the shared producer, then close every stream's sockets; returns records left undelivered."""
+        left = self.sink.close(flush_timeout)
+        for b in self.bridges:
+            b.close_sockets()
+        return left
