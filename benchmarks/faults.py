@@ -56,7 +56,6 @@ import logging
 import os
 import shutil
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -110,9 +109,9 @@ FAULTS: dict[str, Fault] = {}
 
 
 def fault(name: str, **kw: Any) -> Callable[[Callable[["Ctx"], None]], Callable[["Ctx"], None]]:
-    """Register ``fn`` as fault ``name`` (its docstring's first line is its description)."""
+    """Register ``fn`` as fault ``name`` (its docstring's first paragraph is its description)."""
     def deco(fn: Callable[["Ctx"], None]) -> Callable[["Ctx"], None]:
-        FAULTS[name] = Fault(name, fn, (fn.__doc__ or "").strip().splitlines()[0], **kw)
+        FAULTS[name] = Fault(name, fn, " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split()), **kw)
         return fn
     return deco
 
@@ -223,6 +222,132 @@ def redis_lost_snapshot(ctx: "Ctx") -> None:
     ctx.kill_redis()
     ctx.follow(ctx.args.down_for)
     ctx.restart_redis()
+
+
+@fault("pause-sink", sinks=2)
+def pause_sink(ctx: "Ctx") -> None:
+    """SIGSTOP one of two sinks for --pause-for s, SIGCONT; past the sinks' session timeout (10 s)
+    the other sink takes its partitions."""
+    ctx.pause("sink-0", ctx.args.pause_for)
+
+
+@fault("pause-worker-only")
+def pause_worker_only(ctx: "Ctx") -> None:
+    """SIGSTOP the only Faust worker for --pause-for s (past its session timeout), SIGCONT."""
+    ctx.pause("worker-0", ctx.args.pause_for)
+
+
+@fault("pause-worker-of-two", workers=2)
+def pause_worker_of_two(ctx: "Ctx") -> None:
+    """SIGSTOP one of two Faust workers for --pause-for s, SIGCONT; past the workers' session
+    timeout (10 s) the other takes its partitions."""
+    ctx.pause("worker-1", ctx.args.pause_for)
+
+
+@fault("pause-broker")
+def pause_broker(ctx: "Ctx") -> None:
+    """SIGSTOP the broker leading most raw/blocks partitions (not the controller) for --pause-for s, SIGCONT;
+    past broker.session.timeout.ms (9 s) the controller fences it and its partitions get new leaders."""
+    from kvbus.infra import stack
+
+    leaders = ctx.partition_leaders()
+    ctl = stack.controller()
+    node = sorted(leaders, key=lambda b: (b == ctl, -len(leaders[b])))[0]
+    ctx.notes.update(broker=node, leads=sorted(leaders[node]), controller=ctl)
+    ctx.pause_broker(node, ctx.args.pause_for)
+
+
+@fault("pause-redis", redis="aof")
+def pause_redis(ctx: "Ctx") -> None:
+    """SIGSTOP Redis for --pause-for s (the sink's and the probes' calls hang), SIGCONT."""
+    assert isinstance(ctx.own_redis, OwnRedis)
+    ctx.pause_pid("redis", ctx.own_redis.rec.pid, ctx.args.pause_for)
+
+
+@fault("broker-lost")
+def broker_lost(ctx: "Ctx") -> None:
+    """kill -9 the broker leading most raw/blocks partitions (not the controller), never restarted;
+    the flow goes on on the two left (min ISR 2). It is started again after the fault's figures."""
+    from kvbus.infra import stack
+
+    leaders = ctx.partition_leaders()
+    ctl = stack.controller()
+    node = sorted(leaders, key=lambda b: (b == ctl, -len(leaders[b])))[0]
+    ctx.notes.update(broker=node, leads=sorted(leaders[node]), controller=ctl)
+    ctx.kill_broker(node)
+    ctx.lost_broker = node
+
+
+@fault("redis-full", redis="none")
+def redis_full(ctx: "Ctx") -> None:
+    """Redis full (maxmemory just above its use, noeviction) for --down-for s, then maxmemory raised;
+    the sink stops applying with an ERROR naming the cause, and catches up."""
+    assert isinstance(ctx.own_redis, OwnRedis)
+    r = redis.Redis.from_url(ctx.own_redis.url)
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory", str(used + 256 * 1024))
+    ctx.mark("fault")
+    ctx.notes["maxmemory"] = used + 256 * 1024
+    port = ctx.ports["sink-0"]
+    t0 = time.monotonic()
+    ctx.follow(ctx.args.down_for + 20, until=lambda: scrape(port, "kvbus_sink_redis_oom") >= 1)
+    full = scrape(port, "kvbus_sink_redis_oom") >= 1
+    ctx.notes["full_after_s"] = round(time.monotonic() - t0, 2) if full else None
+    ctx.follow(ctx.args.down_for)
+    text = tail_text(ctx.child("sink-0").log_path, 0)
+    errors = [ln for ln in text.splitlines() if " ERROR " in ln and "memory" in ln.lower()]
+    ctx.notes["sink_error"] = errors[0][-240:] if errors else None
+    ctx.notes["refusals"] = scrape(port, "kvbus_sink_redis_oom_refusals_total")
+    r.config_set("maxmemory", "0")
+    ctx.mark("restart")
+
+
+@fault("redis-evict", redis="none")
+def redis_evict(ctx: "Ctx") -> None:
+    """maxmemory-policy allkeys-random set under the running sink, maxmemory half the view: Redis evicts
+    keys; the sink notices, marks the view not ready and rebuilds it once the policy is noeviction again.
+
+    The fault lasts until the sink counted the evictions (kvbus_sink_redis_evicted_keys_total); then
+    the policy and maxmemory are restored and the rebuild is followed like any recovery."""
+    assert isinstance(ctx.own_redis, OwnRedis)
+    r = redis.Redis.from_url(ctx.own_redis.url)
+    port = ctx.ports["sink-0"]
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory-policy", "allkeys-random")
+    r.config_set("maxmemory", str(used // 2))
+    ctx.mark("fault")
+    seen: dict[str, float] = {}
+
+    def evicted() -> bool:
+        if "not_ready" not in seen and ready(port) is False:
+            seen["not_ready"] = time.monotonic()
+        return scrape(port, "kvbus_sink_redis_evicted_keys_total") > 0
+    ctx.follow(30, until=evicted)
+    ctx.notes["evicted_keys"] = scrape(port, "kvbus_sink_redis_evicted_keys_total")
+    ctx.notes["redis_evicted"] = int(r.info("stats")["evicted_keys"])
+    r.config_set("maxmemory", "0")
+    r.config_set("maxmemory-policy", "noeviction")
+    ctx.mark("restart")
+    ctx.follow(3, until=lambda: ready(port) is False)
+    if "not_ready" not in seen and ready(port) is False:
+        seen["not_ready"] = time.monotonic()
+    ctx.notes["not_ready_after_s"] = round(seen["not_ready"] - ctx.marks["fault"], 2) if seen else None
+    ctx.notes["sink_error"] = next((ln[-240:] for ln in tail_text(ctx.child("sink-0").log_path, 0).splitlines()
+                                    if " ERROR " in ln and "evicted" in ln), None)
+
+
+def ready(port: int) -> Optional[bool]:
+    """Whether the process serving probes on ``port`` answers /readyz with 200 (None: no answer)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
+            return resp.status == 200
+    except urllib.error.HTTPError as e:
+        return e.code == 200
+    except OSError:
+        return None
 
 
 # -- what a fault function works with ----------------------------------------------------
@@ -347,12 +472,26 @@ class Ctx:
     notes: dict[str, Any] = field(default_factory=dict)
     carried: dict[str, dict[str, float]] = field(default_factory=dict)
     """Kind -> counter -> sum over the incarnations that were killed."""
+    woken: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Process paused and continued (:meth:`pause_pid`) -> ``at`` (when it was continued), ``log``
+    and ``log_offset`` (its log and its size when paused), ``alive`` and ``restart`` (callables),
+    ``crashed`` (set when it exited afterwards: it was started again)."""
+    lost_broker: Optional[int] = None
+    """A broker the fault killed for good (started again after the fault's figures)."""
 
     def mark(self, what: str) -> None:
         self.marks[what] = time.monotonic()
         log.info("%s at +%.1f s", what, self.marks[what] - self.marks.get("start", self.marks[what]))
 
     def check(self) -> None:
+        """A woken process (:meth:`pause`) that exited is recorded as crashed and started again; any
+        other process of the run that exited is :class:`StageDied`."""
+        for name, w in self.woken.items():
+            if "crashed" not in w and not w["alive"]():
+                w["crashed"] = f"exited {time.monotonic() - w['at']:.1f} s after waking"
+                w["last_lines"] = tail_lines(w["log"], w["log_offset"], 3)
+                log.warning("%s %s: starting it again", name, w["crashed"])
+                w["restart"]()
         report = self.run.children.stopped_report(ignore=("fleet",), tail=1500)
         if report:
             raise StageDied(report)
@@ -406,14 +545,57 @@ class Ctx:
         self.mark("fault")
         return c
 
-    def restart(self, old: Child) -> Child:
+    def restart(self, old: Child, mark: bool = True) -> Child:
         """Start ``old``'s command again (same name, options and metrics port)."""
         new = self.run.children.start(old.name, *old.args)
         kind = old.name.split("-")[0]
         pids = self.run.pids.get(kind, [])
         self.run.pids[kind] = [new.proc.pid if p == old.proc.pid else p for p in pids]
-        self.mark("restart")
+        if mark:
+            self.mark("restart")
         return new
+
+    def pause(self, name: str, seconds: float) -> None:
+        """SIGSTOP child ``name``'s process group for ``seconds`` (probes followed), then SIGCONT;
+        from then on it is watched (:meth:`check`, :func:`woken_outcome`)."""
+        c = self.child(name)
+
+        def restart() -> None:
+            self.run.children.started.remove(c)
+            self.restart(c, mark=False)
+        self.pause_pid(name, -c.proc.pid, seconds, c.log_path, lambda: c.proc.poll() is None, restart)
+
+    def pause_pid(self, name: str, pid: int, seconds: float, log_path: Path, alive: Callable[[], bool],
+                  restart: Callable[[], None]) -> None:
+        """SIGSTOP ``pid`` (negative: a process group) for ``seconds``, then SIGCONT; watched from
+        then on as ``name``: ``alive()`` false makes :meth:`check` call ``restart()``."""
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        send = os.killpg if pid < 0 else os.kill
+        # SIGCONT from a timer: following the probes blocks while a paused Redis does not answer
+        cont = threading.Timer(seconds, lambda: send(abs(pid), signal.SIGCONT))
+        send(abs(pid), signal.SIGSTOP)
+        self.mark("fault")
+        cont.start()
+        try:
+            self.follow(seconds)
+        finally:
+            cont.join()
+        self.mark("restart")
+        self.woken[name] = {"at": self.marks["restart"], "log": log_path, "log_offset": offset,
+                            "alive": alive, "restart": restart}
+
+    def pause_broker(self, node_id: int, seconds: float) -> None:
+        from kvbus.infra import kafka_broker, stack
+        from kvbus.infra.procs import alive_record
+        from kvbus.infra.stack_env import Paths
+
+        node = next(n for n in kafka_broker.plan(Paths(), 3) if n.node_id == node_id)
+        rec = alive_record(node.pid_path)
+        if rec is None:
+            raise RuntimeError(f"kafka node {node_id} is not running")
+        self.pause_pid(f"broker-{node_id}", rec.pid, seconds, node.log_path,
+                       lambda: alive_record(node.pid_path) is not None,
+                       lambda: self.during(lambda: stack.restart_broker(node_id)))
 
     def kill_restart(self, name: str) -> None:
         old = self.kill(name)
@@ -530,6 +712,9 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         sampler.start()
         ctx = Ctx(args, run, prober, sampler, ports, own)
         ctx.mark("start")
+        wait_steady(ctx)
+        ctx.mark("steady")
+        out["steady_after_s"] = round(ctx.marks["steady"] - ctx.marks["start"], 1)
         ctx.follow(args.before)
         ctx.mark("steady_end")
         f.run(ctx)
@@ -537,6 +722,8 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         converged = settle(ctx)
         ctx.mark("settled")
         out["settled"] = converged
+        for name, w in ctx.woken.items():
+            out.setdefault("woken", {})[name] = woken_outcome(w)
         fleet = ctx.child("fleet")
         run.children.stop(fleet)  # SIGTERM: the fleet writes its final manifest
         ctx.mark("fleet_stopped")
@@ -567,7 +754,62 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
                 log.warning("cleanup of %s: %s", run.run_id, e)
         if own is not None:
             own.stop()
+        if ctx is not None and ctx.lost_broker is not None:  # the next fault has three brokers again
+            from kvbus.infra import stack
+
+            out["lost_broker_restart_s"] = stack.restart_broker(ctx.lost_broker)["seconds"]
     out["duration_s"] = round(time.monotonic() - t_start, 1)
+    return out
+
+
+WOKEN_SIGNS: dict[str, str] = {
+    "fenced": r"UNKNOWN_MEMBER_ID|ILLEGAL_GENERATION|FENCED_INSTANCE_ID|UnknownMemberId|IllegalGeneration|"
+              r"CommitFailed|[Ff]enced|MAXPOLL|[Ss]ession timed out|REBALANCE_IN_PROGRESS|RebalanceInProgress",
+    "rejoined": r"kvbus\.sinks: assigned |[Aa]ssigned partitions|Resuming flow|Worker ready|Rebalance complete|"
+                r"registered with the controller|Transition from STARTING to STARTED|"
+                r"[Rr]eplica .* is in sync|[Ee]xpanding ISR|Broker \d+ is no longer fenced",
+}
+"""What a woken process's log says after SIGCONT (regular expressions): the group (or the controller)
+had given up on it; it took part again (partitions assigned, flow resumed, broker unfenced)."""
+
+
+def tail_text(path: Path, offset: int) -> str:
+    """``path``'s text from byte ``offset`` ("" if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def tail_lines(path: Path, offset: int, n: int) -> list[str]:
+    """The last ``n`` non-empty lines of ``path`` after byte ``offset``, each cut to 240 characters."""
+    return [ln[-240:] for ln in tail_text(path, offset).splitlines() if ln.strip()][-n:]
+
+
+def woken_outcome(w: dict[str, Any]) -> dict[str, Any]:
+    """What a paused process did once continued, from its log since the pause and its liveness:
+    ``did`` is "crashed (restarted)", "fenced, rejoined", "fenced", "rejoined" or "carried on"
+    (nothing in its log says the group or the controller had given up on it); with the first line
+    of each sign seen (``signs``)."""
+    import re
+
+    text = tail_text(w["log"], w["log_offset"])
+    signs = {}
+    for kind, rx in WOKEN_SIGNS.items():
+        m = re.search(rx, text)
+        if m:
+            start = text.rfind("\n", 0, m.start()) + 1
+            end = text.find("\n", m.end())
+            signs[kind] = text[start:end if end >= 0 else None][-240:]
+    if "crashed" in w:
+        did = "crashed (restarted)"
+    else:
+        did = ", ".join(k for k in ("fenced", "rejoined") if k in signs) or "carried on"
+    out: dict[str, Any] = {"did": did, "signs": signs}
+    if "crashed" in w:
+        out.update(crashed=w["crashed"], last_lines=w.get("last_lines"))
     return out
 
 
@@ -585,6 +827,34 @@ def late_probes(prober: pl.Prober, since: float, now: float, late_s: float,
         elif ts - tp > late_s:
             seen_late.append(h)
     return seen_late, outstanding
+
+
+class NeverSteady(RuntimeError):
+    """The pipeline never became fresh after its start: no fault was injected."""
+
+
+def wait_steady(ctx: Ctx) -> None:
+    """Follow the flow from the fleet's start until the pipeline is fresh: the last
+    ``--steady-probes`` probes old enough to judge (published more than ``--late-ms`` ago) were each
+    visible within ``--late-ms``. :class:`NeverSteady` after ``--steady-timeout`` s, with what the
+    last probes showed."""
+    args = ctx.args
+    k, late_s = args.steady_probes, args.late_ms / 1000.0
+    deadline = ctx.marks["start"] + args.steady_timeout
+    while True:
+        ctx.follow(0.25)
+        now = time.monotonic()
+        judged = sorted((tp, h) for h, tp in ctx.prober.published.items() if tp <= now - late_s)[-k:]
+        fresh = [ctx.prober.seen[h] - tp if h in ctx.prober.seen else now - tp for tp, h in judged]
+        if len(judged) == k and max(fresh) <= late_s:
+            return
+        if now > deadline:
+            late = sum(f > late_s for f in fresh)
+            raise NeverSteady(
+                f"the pipeline was never fresh within {args.steady_timeout:.0f} s of its start: of the last "
+                f"{len(judged)} probes, {late} were not visible within {args.late_ms:.0f} ms (worst "
+                f"{max(fresh, default=0) * 1000:.0f} ms; {len(ctx.prober.published)} probes published, "
+                f"{len(ctx.prober.seen)} seen); no fault injected")
 
 
 def settle(ctx: Ctx) -> bool:
@@ -625,10 +895,15 @@ def figures(ctx: Ctx) -> dict[str, Any]:
         done = max((p.seen[h] for h in seen_late), default=t_fault)
         out["converge_from_fault_s"] = round(done - t_fault, 2)
         out["converge_from_restart_s"] = round(max(0.0, done - t_restart), 2)
-    steady = [s for s in ctx.sampler.samples if m["start"] + 2 <= s.t <= t_fault]
-    base_p = [(p.seen[h] - tp) * 1000.0 for h, tp in p.published.items()
-              if m["start"] + 2 <= tp < t_fault and h in p.seen]
-    out["steady_fresh_p50_ms"] = round(statistics.median(base_p), 1) if base_p else None
+    t_steady = m.get("steady", m["start"])
+    steady = [s for s in ctx.sampler.samples if t_steady <= s.t <= t_fault]
+    base_p = sorted((p.seen[h] - tp) * 1000.0 for h, tp in p.published.items()
+                    if t_steady <= tp < t_fault and h in p.seen)
+    out["steady_fresh_p50_ms"] = round(pl.quantile(base_p, 0.5), 1) if base_p else None
+    out["steady_fresh_p99_ms"] = round(pl.quantile(base_p, 0.99), 1) if base_p else None
+    warm = sorted((p.seen[h] - tp) * 1000.0 for h, tp in p.published.items()
+                  if m["start"] <= tp < t_steady and h in p.seen)
+    out["warmup_max_ms"] = round(warm[-1]) if warm else None
     out["lag_back_s"] = lag_back(steady, ctx.sampler.samples, t_restart)
     c = ctx.counters()
     sink_c, worker_c, bridge_c = c.get("sink", {}), c.get("worker", {}), c.get("bridge", {})
@@ -758,7 +1033,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=None,
                    help="partitions of the run's topics (default KVBUS_PARTITIONS)")
     p.add_argument("--probe-every", type=float, default=0.05, help="seconds between freshness probes (default 0.05)")
-    p.add_argument("--before", type=float, default=8.0, help="seconds of steady flow before the fault (default 8)")
+    p.add_argument("--before", type=float, default=5.0,
+                   help="seconds of measured steady flow before the fault, once the pipeline is fresh (default 5)")
+    p.add_argument("--steady-probes", type=int, default=40,
+                   help="the pipeline is fresh when this many probes in a row were visible within --late-ms "
+                        "(default 40: 2 s at the default --probe-every)")
+    p.add_argument("--steady-timeout", type=float, default=180.0,
+                   help="seconds after the start to wait for the pipeline to be fresh before giving up (default 180)")
+    p.add_argument("--pause-for", type=float, default=15.0,
+                   help="seconds a paused (SIGSTOP) process stays stopped: past the sinks' and workers' session "
+                        "timeouts (10 s) and the brokers' broker.session.timeout.ms (9 s) (default 15)")
     p.add_argument("--down-for", type=float, default=10.0, help="seconds a killed process stays down (default 10)")
     p.add_argument("--registry-down", type=float, default=20.0, help="seconds the registry stays stopped (default 20)")
     p.add_argument("--late-ms", type=float, default=500.0,
@@ -818,7 +1102,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 r["round"] = rep + 1
                 results.append(r)
                 print(text_table([r]), flush=True)
-                for k in ("error", "view_diffs", "position_diffs"):
+                for k in ("error", "view_diffs", "position_diffs", "woken"):
                     if r.get(k):
                         print(f"  {k}: {r[k]}", flush=True)
                 if r.get("notes"):
