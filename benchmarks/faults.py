@@ -715,6 +715,7 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         wait_steady(ctx)
         ctx.mark("steady")
         out["steady_after_s"] = round(ctx.marks["steady"] - ctx.marks["start"], 1)
+        out["load_1m"] = round(os.getloadavg()[0], 1)  # the machine's load when the fault began
         ctx.follow(args.before)
         ctx.mark("steady_end")
         f.run(ctx)
@@ -724,6 +725,8 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         out["settled"] = converged
         for name, w in ctx.woken.items():
             out.setdefault("woken", {})[name] = woken_outcome(w)
+        if "woken" in out:
+            out["woken_did"] = "; ".join(f"{n}: {o['did']}" for n, o in out["woken"].items())
         fleet = ctx.child("fleet")
         run.children.stop(fleet)  # SIGTERM: the fleet writes its final manifest
         ctx.mark("fleet_stopped")
@@ -732,6 +735,8 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         except SystemExit as e:  # pipeline.check_alive: a stage exited
             raise StageDied(str(e)) from None
         out["drained"] = drained
+        if args.hops:
+            out["hops"] = hop_windows(ctx)
         out["drain_s"] = round(time.monotonic() - ctx.marks["fleet_stopped"], 1)
         exact, diffs = pl.view_matches_truth(store, manifest) if manifest.exists() else (False, ["no manifest"])
         pos_ok, pos_diffs = positions_match(store, manifest) if manifest.exists() else (False, ["no manifest"])
@@ -874,6 +879,25 @@ def settle(ctx: Ctx) -> bool:
     return False
 
 
+def hop_windows(ctx: Ctx, bucket: float = 5.0) -> dict[str, Any]:
+    """Each probe's freshness split into hops (pipeline.hop_figures: fleet -> raw record, raw -> blocks
+    record, blocks record -> visible, by the records' Kafka timestamps) over windows of ``bucket`` s:
+    ``warm+N`` from the fleet's start until the pipeline was fresh, ``steady``, then ``fault+N``
+    until the fault was over."""
+    m = ctx.marks
+    windows: dict[str, tuple[float, float]] = {}
+    t = m["start"]
+    while t < m.get("steady", m["start"]):
+        windows[f"warm+{t - m['start']:.0f}"] = (t, min(t + bucket, m["steady"]))
+        t += bucket
+    windows["steady"] = (m.get("steady", m["start"]), m["fault"])
+    t, end = m["fault"], m.get("settled", m["fault"])
+    while t < end:
+        windows[f"fault+{t - m['fault']:.0f}"] = (t, min(t + bucket, end))
+        t += bucket
+    return pl.hop_figures(ctx.run, ctx.prober, windows)
+
+
 def figures(ctx: Ctx) -> dict[str, Any]:
     """The fault's figures from the marks, the probes, the samples and the counters."""
     m, p = ctx.marks, ctx.prober
@@ -988,12 +1012,14 @@ def positions_match(store: ResidencyStore, manifest: Path) -> tuple[bool, list[s
 # -- output ----------------------------------------------------------------------------
 
 COLUMNS = (
-    ("fault", "fault"), ("ok", "ok"), ("in_flight", "in flight"), ("fault_window_s", "window s"),
+    ("fault", "fault"), ("ok", "ok"), ("steady_after_s", "fresh after s"), ("steady_fresh_p50_ms", "steady p50 ms"),
+    ("in_flight", "in flight"), ("fault_window_s", "window s"),
     ("worker_reread", "worker re-read"), ("worker_dups", "worker dups"), ("sink_dups", "sink dups"),
     ("sink_reread", "sink re-read"),
     ("bridge_recovered", "bridge replayed"), ("max_stale_ms", "max stale ms"),
     ("converge_from_fault_s", "converge (fault) s"), ("converge_from_restart_s", "converge (restart) s"),
     ("lag_back_s", "lag back s"), ("view_exact", "view == truth"), ("positions_ok", "positions"),
+    ("woken_did", "woken process did"),
 )
 
 
@@ -1054,6 +1080,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=90.0,
                    help="seconds to wait for the pipeline to drain (default 90)")
     p.add_argument("--seed", type=int, default=11, help="fleet seed (default 11)")
+    p.add_argument("--hops", action="store_true",
+                   help="after each fault, split the probes' freshness into hops (bridge, worker, sink) per 5 s "
+                        "from the start (reads the run's raw and blocks topics back)")
     p.add_argument("--keep", action="store_true", help="leave each fault's topics and Redis keys")
     p.add_argument("--keep-cluster", action="store_true", help="leave the cluster up even if this run started it")
     p.add_argument("--use-env", action="store_true",

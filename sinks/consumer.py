@@ -147,7 +147,15 @@ class SinkConsumer:
         # a stored offset outside the log is the sink's to decide (:meth:`_out_of_range`), never
         # librdkafka's silent jump to the start: it means the topic was recreated or truncated,
         # or retention deleted records the view never applied
-        role = {"session.timeout.ms": int(config.session_timeout * 1000), "topic.metadata.refresh.interval.ms": 5000,
+        # heartbeats every tenth of the session (librdkafka's default is 3 s): when the group
+        # coordinator's broker dies, the coordinator moves once the controller fences that broker;
+        # librdkafka counts the session from the last heartbeat answered and, past it, leaves and
+        # rejoins under a new member id, which makes the coordinator wait out the old member (a
+        # rebalance of ~20 s seen on broker kills). Frequent heartbeats reach the new coordinator
+        # sooner after the move, within the session
+        role = {"session.timeout.ms": int(config.session_timeout * 1000),
+                "heartbeat.interval.ms": max(100, int(config.session_timeout * 100)),
+                "topic.metadata.refresh.interval.ms": 5000,
                 "auto.offset.reset": "error",
                 **({"group.instance.id": config.instance_id} if config.instance_id else {}), **(consumer_conf or {})}
         self.consumer = Consumer(kafka_consumer_conf(kafka, config.group, role, error_cb=self.errors.error_cb,
