@@ -12,20 +12,65 @@ controller on its broker port + 1), registry ``:28081`` (management ``:29001``),
 this run started it (``--keep-cluster`` leaves it); the command that stops it is printed either way.
 
 **Sinks restarted in their group.** A sink killed with SIGKILL stays a member of its consumer group
-until its session times out (librdkafka's ``session.timeout.ms``, 45 s), and its successor gets no
+until its session times out (``kvbus sink --session-timeout``, 10 s), and its successor gets no
 partitions before that: fault ``sink`` measures exactly that; ``sink-static`` runs the sink with
 static membership (``kvbus sink --instance-id``: Kafka's ``group.instance.id``), whose
 successor takes the dead member's place and partitions at once.
 
-**One fault.** Fresh topics (replication 3), consumer groups and Redis prefix (``pipeline.new_run``),
-then the real processes of ``benchmarks/pipeline.py``: ``kvbus sink``, W ``kvbus worker``, one
-``kvbus bridge`` per engine and ``kvbus fleet`` publishing ``--rate`` engine events/s with a
-freshness probe every ``--probe-every`` s. After ``--before`` s of steady flow the fault function
-runs (kill -9 / stop, hold ``--down-for`` s, restart), the benchmark follows until the view is
-fresh again, stops the fleet, waits for both hops to drain and compares the view with the fleet's
-ground truth (``pipeline.view_matches_truth``: every holder, every tier) and every holder's stored
-position with the last batch the fleet published (nothing acknowledged missing, nothing past it).
-Everything is deleted afterwards, so faults do not see each other's records.
+**Pauses (gray faults).** A ``pause-*`` fault SIGSTOPs a process for ``--pause-for`` s (15), past
+the timeout that makes the others give up on it: a sink of two or a worker (their groups' session
+timeouts, 10 s: the group moves its partitions), a broker leading partitions
+(``broker.session.timeout.ms``: the controller fences it and elects other leaders), Redis (every
+call of the sink hangs). Then SIGCONT, and the woken process is watched: ``woken_did`` says what its
+log shows it did (``WOKEN_SIGNS``: ``fenced``, the group or the controller had given up on it;
+``rejoined``, partitions assigned again, flow resumed, broker unfenced; ``carried on``, neither) or
+``crashed (restarted)``: it exited, and was started again with the same command.
+
+**Faults of Redis and Kafka besides crashes.** ``redis-full``: maxmemory just above what Redis uses,
+under ``noeviction``, for ``--down-for`` s: the sink must stop applying with an ERROR naming the
+cause (``notes.sink_error``), lose nothing and catch up once maxmemory is raised. ``redis-evict``:
+an eviction policy set under the running sink, with maxmemory half the view: the sink counts the
+evictions, marks the view not ready (``notes.not_ready_after_s``) and rebuilds it.
+``broker-lost``: a leading broker killed for good; the flow goes on on the two left (min ISR 2)
+and must be fresh again there (the broker is started again after the fault's figures).
+
+**A fresh pipeline first.** Each fault waits, after the fleet starts, until the pipeline is fresh:
+the last ``--steady-probes`` (40) probes each visible within ``--late-ms``; ``steady_after_s`` is
+how long that took, then ``--before`` s of steady flow give ``steady_fresh_p50_ms`` /
+``_p99_ms``, and only then the fault runs. A pipeline never fresh within ``--steady-timeout`` s
+(180) fails the fault with what the last probes showed (``NeverSteady``), no fault injected: a fault
+injected into a pipeline still seconds behind measures the start-up, not the fault. Why a freshly
+started three-broker pipeline is behind, as ``--hops`` and the stages' logs show it: the first
+records wait for each producer's idempotent producer id and the first metadata of the new topics
+(seconds while the brokers are cold: their JIT has compiled little of the request path yet), the
+worker registers the block topics' schemas on its first outputs and the sink fetches them on its
+first records (a registry round trip each), the Faust worker's first commits overlap their
+interval; and, on a loaded machine, a group coordinator that does not answer a heartbeat within
+the session (librdkafka's ``SESSTMOUT``: the member leaves and rejoins under a new member id, and
+the coordinator waits out the old one): each time ~20 s without partitions for the sinks.
+
+**Broker crashes.** A broker killed with SIGKILL still leads its partitions, and still coordinates
+its consumer groups, until the controller fences it (``broker.session.timeout.ms``; the dev stack's
+brokers: 5 s, Kafka's default 9 s): nothing is written to or read from those partitions until
+then. Then the clients find the new leaders on their next metadata refresh (librdkafka and aiokafka
+both refresh at once after a failed connection) and the group members the new coordinator: a sink
+whose session ran out meanwhile rejoins under a new member id, which costs a rebalance (~20 s);
+the sink heartbeats every tenth of its session so that it reaches the new coordinator first. When
+the broker comes back, librdkafka clients reconnect within ``reconnect.backoff.max.ms`` (1 s,
+``kvbus.schemas.kafka_clients.RECOVERY_CONF``); its partitions' leadership returns to it at the
+controller's next preferred-leader check (``leader.imbalance.check.interval.seconds``, 300 s), a
+short move of its own, usually after the fault's figures.
+
+**One fault.** Fresh topics (replication 3), consumer groups and Redis prefix
+(``pipeline.new_run``), then the real processes of ``benchmarks/pipeline.py``: ``kvbus sink``, W
+``kvbus worker``, one ``kvbus bridge`` per engine and ``kvbus fleet`` publishing ``--rate`` engine
+events/s with a freshness probe every ``--probe-every`` s. Once the pipeline is fresh and after
+``--before`` s of steady flow, the fault function runs (kill -9 / stop, hold ``--down-for`` s,
+restart), the benchmark follows until the view is fresh again, stops the fleet, waits for both hops
+to drain and compares the view with the fleet's ground truth (``pipeline.view_matches_truth``: every
+holder, every tier) and every holder's stored position with the last batch the fleet published
+(nothing acknowledged missing, nothing past it). Everything is deleted afterwards, so faults do not
+see each other's records.
 
 **Figures per fault.**
 - ``in_flight``: engine events the fleet published between the fault and the restart.
