@@ -780,8 +780,6 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         except SystemExit as e:  # pipeline.check_alive: a stage exited
             raise StageDied(str(e)) from None
         out["drained"] = drained
-        if args.hops:
-            out["hops"] = hop_windows(ctx)
         out["drain_s"] = round(time.monotonic() - ctx.marks["fleet_stopped"], 1)
         exact, diffs = pl.view_matches_truth(store, manifest) if manifest.exists() else (False, ["no manifest"])
         pos_ok, pos_diffs = positions_match(store, manifest) if manifest.exists() else (False, ["no manifest"])
@@ -791,6 +789,11 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         out["error"] = f"{type(e).__name__}: {e}"[:3000]
         log.warning("fault %s failed: %s", f.name, out["error"])
     finally:
+        if ctx is not None and args.hops:
+            try:
+                out["hops"] = hop_windows(ctx)
+            except Exception as e:  # noqa: BLE001 - Kafka or the registry gone: no split
+                log.warning("hops of %s: %s", run.run_id, e)
         if ctx is not None:
             out.update(figures(ctx))
             ctx.prober.write_csv(state_dir / "logs" / f"{run.run_id}-probes.csv")
@@ -931,11 +934,14 @@ def hop_windows(ctx: Ctx, bucket: float = 5.0) -> dict[str, Any]:
     until the fault was over."""
     m = ctx.marks
     windows: dict[str, tuple[float, float]] = {}
-    t = m["start"]
-    while t < m.get("steady", m["start"]):
-        windows[f"warm+{t - m['start']:.0f}"] = (t, min(t + bucket, m["steady"]))
+    t, warm_end = m["start"], m.get("steady", m.get("fault", time.monotonic()))
+    while t < warm_end:  # never steady: the whole run is warm-up
+        windows[f"warm+{t - m['start']:.0f}"] = (t, min(t + bucket, warm_end))
         t += bucket
-    windows["steady"] = (m.get("steady", m["start"]), m["fault"])
+    if "fault" not in m:
+        return pl.hop_figures(ctx.run, ctx.prober, windows)
+    if "steady" in m:
+        windows["steady"] = (m["steady"], m["fault"])
     t, end = m["fault"], m.get("settled", m["fault"])
     while t < end:
         windows[f"fault+{t - m['fault']:.0f}"] = (t, min(t + bucket, end))
@@ -1154,6 +1160,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         raise SystemExit(f"unknown faults {unknown}; --list shows them")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def interrupted(signum: int, _frame: Any) -> None:  # SIGTERM (SIGINT is ignored in a background job)
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupted)  # the run's processes stopped, the cluster as it was started
     logging.getLogger("kvbus.bench").setLevel(logging.WARNING)
     from kvbus.infra import stack
 
