@@ -295,7 +295,7 @@ def pause_worker_of_two(ctx: "Ctx") -> None:
 @fault("pause-broker")
 def pause_broker(ctx: "Ctx") -> None:
     """SIGSTOP the broker leading most raw/blocks partitions (not the controller) for --pause-for s, SIGCONT;
-    past broker.session.timeout.ms (9 s) the controller fences it and its partitions get new leaders."""
+    past broker.session.timeout.ms (the dev stack's: 5 s) the controller fences it, its partitions get new leaders."""
     from kvbus.infra import stack
 
     leaders = ctx.partition_leaders()
@@ -1169,7 +1169,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="seconds after the start to wait for the pipeline to be fresh before giving up (default 180)")
     p.add_argument("--pause-for", type=float, default=15.0,
                    help="seconds a paused (SIGSTOP) process stays stopped: past the sinks' and workers' session "
-                        "timeouts (10 s) and the brokers' broker.session.timeout.ms (9 s) (default 15)")
+                        "timeouts (10 s) and the brokers' broker.session.timeout.ms (dev stack: 5 s) (default 15)")
     p.add_argument("--down-for", type=float, default=10.0, help="seconds a killed process stays down (default 10)")
     p.add_argument("--registry-down", type=float, default=20.0, help="seconds the registry stays stopped (default 20)")
     p.add_argument("--late-ms", type=float, default=500.0,
