@@ -865,6 +865,7 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
 WOKEN_SIGNS: dict[str, str] = {
     "fenced": r"UNKNOWN_MEMBER_ID|ILLEGAL_GENERATION|FENCED_INSTANCE_ID|UnknownMemberId|IllegalGeneration|"
               r"CommitFailed|[Ff]enced|MAXPOLL|[Ss]ession timed out|REBALANCE_IN_PROGRESS|RebalanceInProgress|"
+              r"member_id was not recognized|Heartbeat session expired|"
               # the sink's own fence: the view's stored offsets moved on under it (another sink applied
               # its partitions meanwhile), so the Redis functions refused its writes
               r"view changed|is not where this sink left it",
