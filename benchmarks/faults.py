@@ -871,7 +871,8 @@ WOKEN_SIGNS: dict[str, str] = {
               r"view changed|is not where this sink left it",
     "rejoined": r"kvbus\.sinks: assigned |[Aa]ssigned partitions|Resuming flow|Worker ready|Rebalance complete|"
                 r"registered with the controller|Transition from STARTING to STARTED|"
-                r"[Rr]eplica .* is in sync|[Ee]xpanding ISR|Broker \d+ is no longer fenced",
+                r"[Rr]eplica .* is in sync|[Ee]xpanding ISR|Broker \d+ is no longer fenced|"
+                r"BrokerRegistrationChangeRecord\(brokerId=\d+, brokerEpoch=\d+, fenced=-1",
 }
 """What a woken process's log says after SIGCONT (regular expressions): the group (or the controller)
 had given up on it; it took part again (partitions assigned, flow resumed, broker unfenced)."""
