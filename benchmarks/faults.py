@@ -308,8 +308,21 @@ def pause_broker(ctx: "Ctx") -> None:
 @fault("pause-redis", redis="aof")
 def pause_redis(ctx: "Ctx") -> None:
     """SIGSTOP Redis for --pause-for s (the sink's and the probes' calls hang), SIGCONT."""
-    assert isinstance(ctx.own_redis, OwnRedis)
-    ctx.pause_pid("redis", ctx.own_redis.rec.pid, ctx.args.pause_for)
+    own = ctx.own_redis
+    assert isinstance(own, OwnRedis)
+
+    pid = own.rec.pid
+    ctx.pause_pid("redis", pid, ctx.args.pause_for, own.log_path, lambda: pid_alive(pid),
+                  lambda: ctx.during(own.start))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie of ours counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @fault("broker-lost")
