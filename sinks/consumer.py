@@ -214,8 +214,11 @@ class SinkConsumer:
                  extra={"partitions": [f"{tp.topic}[{tp.partition}]" for tp in partitions]})
 
     def _sync_view(self) -> dict[tuple[str, int], int]:
-        """Make sure there is a view (rebuild it if it is gone); its id and stored offsets. Evictions
-        are counted from here on (those before were the old view's)."""
+        """Make sure there is a view (rebuild it if it is gone, or if Redis evicted keys of it since
+        the last sync: a resync after a refused write can come before the periodic check sees
+        them); its id and stored offsets. Evictions are counted from here on."""
+        if self._evicted():  # said, counted and the view dropped: ensure_view rebuilds it
+            self._resync = False
         self._evictions.reset()
         self.view_id = ensure_view(self.store, self.reader, self._end_offsets, self.metrics)
         return self.store.offsets()
@@ -453,11 +456,13 @@ class SinkConsumer:
             return
         self._view_checked = now
         try:
+            # evictions first: an evicted key may be the view's id or offsets, which would otherwise
+            # look like a view lost or rolled back, and the eviction would go unsaid and uncounted
+            if self._evicted():
+                return
             if self.store.view_id() != self.view_id or not self.store.holds(self._expected):
                 log.warning("the view is not where this sink left it (lost, rebuilt or rolled back): resync")
                 self._resync = True
-                return
-            if self._evicted():
                 return
             ready = mark_ready_if_caught_up(self.store, self.metrics)
         except REDIS_DOWN:
