@@ -988,7 +988,9 @@ def settle(ctx: Ctx) -> bool:
         now = time.monotonic()
         seen_late, outstanding = late_probes(ctx.prober, t_fault, now, late_s)
         last = max((ctx.prober.seen[h] for h in seen_late), default=t_restart)
-        if not outstanding and now - max(last, t_restart) >= args.settle:
+        # a probe published at the restart (or at a fault with none, broker-lost) is known to be
+        # in time only --late-ms later: no settling before then
+        if not outstanding and now - max(last, t_restart + late_s) >= args.settle:
             return True
     return False
 
