@@ -59,7 +59,12 @@ the sink heartbeats every tenth of its session so that it reaches the new coordi
 the broker comes back, librdkafka clients reconnect within ``reconnect.backoff.max.ms`` (1 s,
 ``kvbus.schemas.kafka_clients.RECOVERY_CONF``); its partitions' leadership returns to it at the
 controller's next preferred-leader check (``leader.imbalance.check.interval.seconds``, 300 s), a
-short move of its own, usually after the fault's figures.
+short move of its own, usually after the fault's figures. Killing the active controller (a broker
+too) takes longer: the quorum elects a new controller first (~5 s), whose session timer for the
+dead broker starts then (5 s more), ~12 s leaderless in all on a loaded machine; longer than the
+sinks' 10 s session, so each sink rejoins under a new member id and waits out its old one (~18 s
+more). A sink session above the cluster's failover time, or static membership (``--instance-id``),
+avoids that rebalance.
 
 **One fault.** Fresh topics (replication 3), consumer groups and Redis prefix
 (``pipeline.new_run``), then the real processes of ``benchmarks/pipeline.py``: ``kvbus sink``, W
