@@ -41,13 +41,16 @@ how long that took, then ``--before`` s of steady flow give ``steady_fresh_p50_m
 (180) fails the fault with what the last probes showed (``NeverSteady``), no fault injected: a fault
 injected into a pipeline still seconds behind measures the start-up, not the fault. Why a freshly
 started three-broker pipeline is behind, as ``--hops`` and the stages' logs show it: the first
-records wait for each producer's idempotent producer id and the first metadata of the new topics
-(seconds while the brokers are cold: their JIT has compiled little of the request path yet), the
-worker registers the block topics' schemas on its first outputs and the sink fetches them on its
-first records (a registry round trip each), the Faust worker's first commits overlap their
-interval; and, on a loaded machine, a group coordinator that does not answer a heartbeat within
-the session (librdkafka's ``SESSTMOUT``: the member leaves and rejoins under a new member id, and
-the coordinator waits out the old one): each time ~20 s without partitions for the sinks.
+records wait for each producer's idempotent producer id and the first metadata of the new topics,
+the bridges' engine connections (the worker's first record 3-7 s after the fleet started, on a
+loaded machine), the worker registers the block topics' schemas on its first outputs and the sink
+fetches them on its first records (a registry round trip each), and the Faust worker's first
+commits overrun their interval (1-4 s each): in the first 10 s the worker's hop is 1.3-2.0 s at the
+median, 0.6-0.8 s later, the sink's 0.8-1.7 s, 0.5 s later (``--hops``; whether the brokers' JIT
+warm-up adds to it was not isolated). On a machine loaded far past its cores, a group coordinator
+that does not answer a heartbeat within the session (librdkafka's ``SESSTMOUT``: the member leaves
+and rejoins under a new member id, and the coordinator waits out the old one) costs each sink ~25 s
+without partitions, again and again: the pipeline is then never fresh.
 
 **Broker crashes.** A broker killed with SIGKILL still leads its partitions, and still coordinates
 its consumer groups, until the controller fences it (``broker.session.timeout.ms``; the dev stack's
