@@ -12,20 +12,73 @@ controller on its broker port + 1), registry ``:28081`` (management ``:29001``),
 this run started it (``--keep-cluster`` leaves it); the command that stops it is printed either way.
 
 **Sinks restarted in their group.** A sink killed with SIGKILL stays a member of its consumer group
-until its session times out (librdkafka's ``session.timeout.ms``, 45 s), and its successor gets no
+until its session times out (``kvbus sink --session-timeout``, 10 s), and its successor gets no
 partitions before that: fault ``sink`` measures exactly that; ``sink-static`` runs the sink with
 static membership (``kvbus sink --instance-id``: Kafka's ``group.instance.id``), whose
 successor takes the dead member's place and partitions at once.
 
-**One fault.** Fresh topics (replication 3), consumer groups and Redis prefix (``pipeline.new_run``),
-then the real processes of ``benchmarks/pipeline.py``: ``kvbus sink``, W ``kvbus worker``, one
-``kvbus bridge`` per engine and ``kvbus fleet`` publishing ``--rate`` engine events/s with a
-freshness probe every ``--probe-every`` s. After ``--before`` s of steady flow the fault function
-runs (kill -9 / stop, hold ``--down-for`` s, restart), the benchmark follows until the view is
-fresh again, stops the fleet, waits for both hops to drain and compares the view with the fleet's
-ground truth (``pipeline.view_matches_truth``: every holder, every tier) and every holder's stored
-position with the last batch the fleet published (nothing acknowledged missing, nothing past it).
-Everything is deleted afterwards, so faults do not see each other's records.
+**Pauses (gray faults).** A ``pause-*`` fault SIGSTOPs a process for ``--pause-for`` s (15), past
+the timeout that makes the others give up on it: a sink of two or a worker (their groups' session
+timeouts, 10 s: the group moves its partitions), a broker leading partitions
+(``broker.session.timeout.ms``: the controller fences it and elects other leaders), Redis (every
+call of the sink hangs). Then SIGCONT, and the woken process is watched: ``woken_did`` says what its
+log shows it did (``WOKEN_SIGNS``: ``fenced``, the group or the controller had given up on it;
+``rejoined``, partitions assigned again, flow resumed, broker unfenced; ``carried on``, neither) or
+``crashed (restarted)``: it exited, and was started again with the same command.
+
+**Faults of Redis and Kafka besides crashes.** ``redis-full``: maxmemory just above what Redis uses,
+under ``noeviction``, for ``--down-for`` s: the sink must stop applying with an ERROR naming the
+cause (``notes.sink_error``), lose nothing and catch up once maxmemory is raised. ``redis-evict``:
+an eviction policy set under the running sink, with maxmemory half the view: the sink counts the
+evictions, marks the view not ready (``notes.not_ready_after_s``) and rebuilds it.
+``broker-lost``: a leading broker killed for good; the flow goes on on the two left (min ISR 2)
+and must be fresh again there (the broker is started again after the fault's figures).
+
+**A fresh pipeline first.** Each fault waits, after the fleet starts, until the pipeline is fresh:
+the last ``--steady-probes`` (40) probes each visible within ``--late-ms``; ``steady_after_s`` is
+how long that took, then ``--before`` s of steady flow give ``steady_fresh_p50_ms`` /
+``_p99_ms``, and only then the fault runs. A pipeline never fresh within ``--steady-timeout`` s
+(180) fails the fault with what the last probes showed (``NeverSteady``), no fault injected: a fault
+injected into a pipeline still seconds behind measures the start-up, not the fault. Why a freshly
+started three-broker pipeline is behind, as ``--hops`` and the stages' logs show it: the first
+records wait for each producer's idempotent producer id and the first metadata of the new topics,
+the bridges' engine connections (the worker's first record 3-7 s after the fleet started, on a
+loaded machine), the worker registers the block topics' schemas on its first outputs and the sink
+fetches them on its first records (a registry round trip each), and the Faust worker's first
+commits overrun their interval (1-4 s each): in the first 10 s the worker's hop is 1.3-2.0 s at the
+median, 0.6-0.8 s later, the sink's 0.8-1.7 s, 0.5 s later (``--hops``; whether the brokers' JIT
+warm-up adds to it was not isolated). On a machine loaded far past its cores, a group coordinator
+that does not answer a heartbeat within the session (librdkafka's ``SESSTMOUT``: the member leaves
+and rejoins under a new member id, and the coordinator waits out the old one) costs each sink ~25 s
+without partitions, again and again: the pipeline is then never fresh.
+
+**Broker crashes.** A broker killed with SIGKILL still leads its partitions, and still coordinates
+its consumer groups, until the controller fences it (``broker.session.timeout.ms``; the dev stack's
+brokers: 5 s, Kafka's default 9 s): nothing is written to or read from those partitions until
+then. Then the clients find the new leaders on their next metadata refresh (librdkafka and aiokafka
+both refresh at once after a failed connection) and the group members the new coordinator: a sink
+whose session ran out meanwhile rejoins under a new member id, which costs a rebalance (~20 s);
+the sink heartbeats every tenth of its session so that it reaches the new coordinator first. When
+the broker comes back, librdkafka clients reconnect within ``reconnect.backoff.max.ms`` (1 s,
+``kvbus.schemas.kafka_clients.RECOVERY_CONF``); its partitions' leadership returns to it at the
+controller's next preferred-leader check (``leader.imbalance.check.interval.seconds``, 300 s), a
+short move of its own, usually after the fault's figures. Killing the active controller (a broker
+too) takes longer: the quorum elects a new controller first (~5 s), whose session timer for the
+dead broker starts then (5 s more), ~12 s leaderless in all on a loaded machine; longer than the
+sinks' 10 s session, so each sink rejoins under a new member id and waits out its old one (~18 s
+more). A sink session above the cluster's failover time, or static membership (``--instance-id``),
+avoids that rebalance.
+
+**One fault.** Fresh topics (replication 3), consumer groups and Redis prefix
+(``pipeline.new_run``), then the real processes of ``benchmarks/pipeline.py``: ``kvbus sink``, W
+``kvbus worker``, one ``kvbus bridge`` per engine and ``kvbus fleet`` publishing ``--rate`` engine
+events/s with a freshness probe every ``--probe-every`` s. Once the pipeline is fresh and after
+``--before`` s of steady flow, the fault function runs (kill -9 / stop, hold ``--down-for`` s,
+restart), the benchmark follows until the view is fresh again, stops the fleet, waits for both hops
+to drain and compares the view with the fleet's ground truth (``pipeline.view_matches_truth``: every
+holder, every tier) and every holder's stored position with the last batch the fleet published
+(nothing acknowledged missing, nothing past it). Everything is deleted afterwards, so faults do not
+see each other's records.
 
 **Figures per fault.**
 - ``in_flight``: engine events the fleet published between the fault and the restart.
@@ -56,7 +109,6 @@ import logging
 import os
 import shutil
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -104,15 +156,18 @@ class Fault:
     append-only file (appendfsync everysec) / with no persistence at all."""
     sink_args: tuple[str, ...] = ()
     """Extra ``kvbus sink`` arguments (pipeline.start_stages)."""
+    exact: bool = True
+    """Whether ``ok`` requires the view to equal the fleet's truth (False: the fault destroys
+    records, e.g. a topic deleted; the view's exactness is reported, and the fault says what it needs)."""
 
 
 FAULTS: dict[str, Fault] = {}
 
 
 def fault(name: str, **kw: Any) -> Callable[[Callable[["Ctx"], None]], Callable[["Ctx"], None]]:
-    """Register ``fn`` as fault ``name`` (its docstring's first line is its description)."""
+    """Register ``fn`` as fault ``name`` (its docstring's first paragraph is its description)."""
     def deco(fn: Callable[["Ctx"], None]) -> Callable[["Ctx"], None]:
-        FAULTS[name] = Fault(name, fn, (fn.__doc__ or "").strip().splitlines()[0], **kw)
+        FAULTS[name] = Fault(name, fn, " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split()), **kw)
         return fn
     return deco
 
@@ -223,6 +278,185 @@ def redis_lost_snapshot(ctx: "Ctx") -> None:
     ctx.kill_redis()
     ctx.follow(ctx.args.down_for)
     ctx.restart_redis()
+
+
+@fault("pause-sink", sinks=2)
+def pause_sink(ctx: "Ctx") -> None:
+    """SIGSTOP one of two sinks for --pause-for s, SIGCONT; past the sinks' session timeout (10 s)
+    the other sink takes its partitions."""
+    ctx.pause("sink-0", ctx.args.pause_for)
+
+
+@fault("pause-worker-only")
+def pause_worker_only(ctx: "Ctx") -> None:
+    """SIGSTOP the only Faust worker for --pause-for s (past its session timeout), SIGCONT."""
+    ctx.pause("worker-0", ctx.args.pause_for)
+
+
+@fault("pause-worker-of-two", workers=2)
+def pause_worker_of_two(ctx: "Ctx") -> None:
+    """SIGSTOP one of two Faust workers for --pause-for s, SIGCONT; past the workers' session
+    timeout (10 s) the other takes its partitions."""
+    ctx.pause("worker-1", ctx.args.pause_for)
+
+
+@fault("pause-broker")
+def pause_broker(ctx: "Ctx") -> None:
+    """SIGSTOP the broker leading most raw/blocks partitions (not the controller) for --pause-for s, SIGCONT;
+    past broker.session.timeout.ms (the dev stack's: 5 s) the controller fences it, its partitions get new leaders."""
+    from kvbus.infra import stack
+
+    leaders = ctx.partition_leaders()
+    ctl = stack.controller()
+    node = sorted(leaders, key=lambda b: (b == ctl, -len(leaders[b])))[0]
+    ctx.notes.update(broker=node, leads=sorted(leaders[node]), controller=ctl)
+    ctx.pause_broker(node, ctx.args.pause_for)
+
+
+@fault("pause-redis", redis="aof")
+def pause_redis(ctx: "Ctx") -> None:
+    """SIGSTOP Redis for --pause-for s (the sink's and the probes' calls hang), SIGCONT."""
+    own = ctx.own_redis
+    assert isinstance(own, OwnRedis)
+
+    pid = own.rec.pid
+    ctx.pause_pid("redis", pid, ctx.args.pause_for, own.log_path, lambda: pid_alive(pid),
+                  lambda: ctx.during(own.start))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie of ours counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@fault("broker-lost")
+def broker_lost(ctx: "Ctx") -> None:
+    """kill -9 the broker leading most raw/blocks partitions (not the controller), never restarted;
+    the flow goes on on the two left (min ISR 2). It is started again after the fault's figures."""
+    from kvbus.infra import stack
+
+    leaders = ctx.partition_leaders()
+    ctl = stack.controller()
+    node = sorted(leaders, key=lambda b: (b == ctl, -len(leaders[b])))[0]
+    ctx.notes.update(broker=node, leads=sorted(leaders[node]), controller=ctl)
+    ctx.kill_broker(node)
+    ctx.lost_broker = node
+
+
+@fault("redis-full", redis="none")
+def redis_full(ctx: "Ctx") -> None:
+    """Redis full (maxmemory just above its use, noeviction) for --down-for s, then maxmemory raised;
+    the sink stops applying with an ERROR naming the cause, and catches up."""
+    assert isinstance(ctx.own_redis, OwnRedis)
+    r = redis.Redis.from_url(ctx.own_redis.url)
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory", str(used + 256 * 1024))
+    ctx.mark("fault")
+    ctx.notes["maxmemory"] = used + 256 * 1024
+    port = ctx.ports["sink-0"]
+    t0 = time.monotonic()
+    ctx.follow(ctx.args.down_for + 20, until=lambda: scrape(port, "kvbus_sink_redis_oom") >= 1)
+    full = scrape(port, "kvbus_sink_redis_oom") >= 1
+    ctx.notes["full_after_s"] = round(time.monotonic() - t0, 2) if full else None
+    ctx.follow(ctx.args.down_for)
+    text = tail_text(ctx.child("sink-0").log_path, 0)
+    errors = [ln for ln in text.splitlines() if " ERROR " in ln and "memory" in ln.lower()]
+    ctx.notes["sink_error"] = errors[0][-240:] if errors else None
+    ctx.notes["refusals"] = scrape(port, "kvbus_sink_redis_oom_refusals_total")
+    r.config_set("maxmemory", "0")
+    ctx.mark("restart")
+
+
+@fault("redis-evict", redis="none")
+def redis_evict(ctx: "Ctx") -> None:
+    """maxmemory-policy allkeys-random set under the running sink, maxmemory half the view: Redis evicts
+    keys; the sink notices, marks the view not ready and rebuilds it once the policy is noeviction again.
+
+    The fault lasts until the sink counted the evictions (kvbus_sink_redis_evicted_keys_total); then
+    the policy and maxmemory are restored and the rebuild is followed like any recovery."""
+    assert isinstance(ctx.own_redis, OwnRedis)
+    r = redis.Redis.from_url(ctx.own_redis.url)
+    port = ctx.ports["sink-0"]
+    used = int(r.info("memory")["used_memory"])
+    r.config_set("maxmemory-policy", "allkeys-random")
+    r.config_set("maxmemory", str(used // 2))
+    ctx.mark("fault")
+    seen: dict[str, float] = {}
+
+    def evicted() -> bool:
+        if "not_ready" not in seen and ready(port) is False:
+            seen["not_ready"] = time.monotonic()
+        return scrape(port, "kvbus_sink_redis_evicted_keys_total") > 0
+    ctx.follow(30, until=evicted)  # a Redis still above maxmemory refuses writes: the sink may only see it later
+    ctx.notes["redis_evicted"] = int(r.info("stats")["evicted_keys"])
+    r.config_set("maxmemory", "0")
+    r.config_set("maxmemory-policy", "noeviction")
+    ctx.mark("restart")
+    ctx.follow(30, until=evicted)
+    ctx.notes["evicted_keys"] = scrape(port, "kvbus_sink_redis_evicted_keys_total")
+    ctx.notes["counted_after_s"] = round(time.monotonic() - ctx.marks["fault"], 2) if evicted() else None
+    ctx.notes["not_ready_after_s"] = round(seen["not_ready"] - ctx.marks["fault"], 2) if seen else None
+    ctx.notes["sink_error"] = next((ln[-240:] for ln in tail_text(ctx.child("sink-0").log_path, 0).splitlines()
+                                    if " ERROR " in ln and "evicted" in ln), None)
+
+
+@fault("topic-recreated", sink_args=("--snapshot-every", "4"), exact=False)
+def topic_recreated(ctx: "Ctx") -> None:
+    """Delete the block topic and create it again empty while the sink (snapshotting every 4 s) and
+    the worker run: the sink finds its stored offsets past the new log's end and rebuilds the view
+    from the latest snapshot, the recreated partitions replayed from their start.
+
+    What the deleted log held after the latest snapshot is gone with it, so the view is not expected
+    to equal the truth (``view_exact`` is reported, not required); ``ok`` needs the rebuild
+    (``notes.log_replaced``, ``notes.rebuilds``), the drain, and every probe published after the
+    recreation visible."""
+    from confluent_kafka.admin import AdminClient
+
+    from kvbus.infra.dev_topics import ensure_topics
+
+    settings = ctx.run.settings
+    topic, port = settings.topics.blocks, ctx.ports["sink-0"]
+    ctx.follow(30, until=lambda: scrape(port, "kvbus_sink_snapshots_total") >= 1)
+    ctx.notes["snapshots_before"] = scrape(port, "kvbus_sink_snapshots_total")
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap})
+    ctx.mark("fault")
+    ctx.during(lambda: admin.delete_topics([topic], operation_timeout=30)[topic].result(30))
+    ctx.follow(60, until=lambda: topic not in admin.list_topics(timeout=10).topics)
+
+    def create() -> None:
+        deadline = time.monotonic() + 60
+        while True:  # refused while the deletion is still being finished (or created by a produce)
+            try:
+                ensure_topics(settings.bootstrap, [topic], settings.partitions, pl.cluster_replication(
+                    settings.bootstrap))
+                return
+            except Exception:  # noqa: BLE001 - marked for deletion still: again
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    ctx.during(create)
+    ctx.mark("restart")
+    ctx.follow(60, until=lambda: scrape(port, "kvbus_sink_log_replaced_total") >= 1)
+    ctx.notes["log_replaced"] = scrape(port, "kvbus_sink_log_replaced_total")
+    ctx.notes["rebuilds"] = scrape(port, "kvbus_sink_view_rebuilds_total")
+
+
+def ready(port: int) -> Optional[bool]:
+    """Whether the process serving probes on ``port`` answers /readyz with 200 (None: no answer)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
+            return resp.status == 200
+    except urllib.error.HTTPError as e:
+        return e.code == 200
+    except OSError:
+        return None
 
 
 # -- what a fault function works with ----------------------------------------------------
@@ -347,12 +581,26 @@ class Ctx:
     notes: dict[str, Any] = field(default_factory=dict)
     carried: dict[str, dict[str, float]] = field(default_factory=dict)
     """Kind -> counter -> sum over the incarnations that were killed."""
+    woken: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Process paused and continued (:meth:`pause_pid`) -> ``at`` (when it was continued), ``log``
+    and ``log_offset`` (its log and its size when paused), ``alive`` and ``restart`` (callables),
+    ``crashed`` (set when it exited afterwards: it was started again)."""
+    lost_broker: Optional[int] = None
+    """A broker the fault killed for good (started again after the fault's figures)."""
 
     def mark(self, what: str) -> None:
         self.marks[what] = time.monotonic()
         log.info("%s at +%.1f s", what, self.marks[what] - self.marks.get("start", self.marks[what]))
 
     def check(self) -> None:
+        """A woken process (:meth:`pause`) that exited is recorded as crashed and started again; any
+        other process of the run that exited is :class:`StageDied`."""
+        for name, w in self.woken.items():
+            if "crashed" not in w and not w["alive"]():
+                w["crashed"] = f"exited {time.monotonic() - w['at']:.1f} s after waking"
+                w["last_lines"] = tail_lines(w["log"], w["log_offset"], 3)
+                log.warning("%s %s: starting it again", name, w["crashed"])
+                w["restart"]()
         report = self.run.children.stopped_report(ignore=("fleet",), tail=1500)
         if report:
             raise StageDied(report)
@@ -406,14 +654,57 @@ class Ctx:
         self.mark("fault")
         return c
 
-    def restart(self, old: Child) -> Child:
+    def restart(self, old: Child, mark: bool = True) -> Child:
         """Start ``old``'s command again (same name, options and metrics port)."""
         new = self.run.children.start(old.name, *old.args)
         kind = old.name.split("-")[0]
         pids = self.run.pids.get(kind, [])
         self.run.pids[kind] = [new.proc.pid if p == old.proc.pid else p for p in pids]
-        self.mark("restart")
+        if mark:
+            self.mark("restart")
         return new
+
+    def pause(self, name: str, seconds: float) -> None:
+        """SIGSTOP child ``name``'s process group for ``seconds`` (probes followed), then SIGCONT;
+        from then on it is watched (:meth:`check`, :func:`woken_outcome`)."""
+        c = self.child(name)
+
+        def restart() -> None:
+            self.run.children.started.remove(c)
+            self.restart(c, mark=False)
+        self.pause_pid(name, -c.proc.pid, seconds, c.log_path, lambda: c.proc.poll() is None, restart)
+
+    def pause_pid(self, name: str, pid: int, seconds: float, log_path: Path, alive: Callable[[], bool],
+                  restart: Callable[[], None]) -> None:
+        """SIGSTOP ``pid`` (negative: a process group) for ``seconds``, then SIGCONT; watched from
+        then on as ``name``: ``alive()`` false makes :meth:`check` call ``restart()``."""
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        send = os.killpg if pid < 0 else os.kill
+        # SIGCONT from a timer: following the probes blocks while a paused Redis does not answer
+        cont = threading.Timer(seconds, lambda: send(abs(pid), signal.SIGCONT))
+        send(abs(pid), signal.SIGSTOP)
+        self.mark("fault")
+        cont.start()
+        try:
+            self.follow(seconds)
+        finally:
+            cont.join()
+        self.mark("restart")
+        self.woken[name] = {"at": self.marks["restart"], "log": log_path, "log_offset": offset,
+                            "alive": alive, "restart": restart}
+
+    def pause_broker(self, node_id: int, seconds: float) -> None:
+        from kvbus.infra import kafka_broker, stack
+        from kvbus.infra.procs import alive_record
+        from kvbus.infra.stack_env import Paths
+
+        node = next(n for n in kafka_broker.plan(Paths(), 3) if n.node_id == node_id)
+        rec = alive_record(node.pid_path)
+        if rec is None:
+            raise RuntimeError(f"kafka node {node_id} is not running")
+        self.pause_pid(f"broker-{node_id}", rec.pid, seconds, node.log_path,
+                       lambda: alive_record(node.pid_path) is not None,
+                       lambda: self.during(lambda: stack.restart_broker(node_id)))
 
     def kill_restart(self, name: str) -> None:
         old = self.kill(name)
@@ -459,7 +750,8 @@ class Ctx:
         from kvbus.infra import stack
 
         self.mark("restart")
-        res = self.during(lambda: stack.restart_broker(node_id))
+        # a broker restarted on a loaded machine recovers every partition's log first: minutes
+        res = self.during(lambda: stack.restart_broker(node_id, timeout=self.args.converge_timeout + 180))
         self.notes["restart_ready_s"] = res["seconds"]
 
     # Redis
@@ -530,6 +822,10 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         sampler.start()
         ctx = Ctx(args, run, prober, sampler, ports, own)
         ctx.mark("start")
+        wait_steady(ctx)
+        ctx.mark("steady")
+        out["steady_after_s"] = round(ctx.marks["steady"] - ctx.marks["start"], 1)
+        out["load_1m"] = round(os.getloadavg()[0], 1)  # the machine's load when the fault began
         ctx.follow(args.before)
         ctx.mark("steady_end")
         f.run(ctx)
@@ -537,6 +833,10 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         converged = settle(ctx)
         ctx.mark("settled")
         out["settled"] = converged
+        for name, w in ctx.woken.items():
+            out.setdefault("woken", {})[name] = woken_outcome(w)
+        if "woken" in out:
+            out["woken_did"] = "; ".join(f"{n}: {o['did']}" for n, o in out["woken"].items())
         fleet = ctx.child("fleet")
         run.children.stop(fleet)  # SIGTERM: the fleet writes its final manifest
         ctx.mark("fleet_stopped")
@@ -549,11 +849,19 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         exact, diffs = pl.view_matches_truth(store, manifest) if manifest.exists() else (False, ["no manifest"])
         pos_ok, pos_diffs = positions_match(store, manifest) if manifest.exists() else (False, ["no manifest"])
         out.update(view_exact=exact, view_diffs=diffs[:5], positions_ok=pos_ok, position_diffs=pos_diffs[:5])
-        out["ok"] = bool(drained and exact and pos_ok)
+        if f.exact:
+            out["ok"] = bool(drained and exact and pos_ok)
+        else:  # what the fault needs instead (topic-recreated: the view rebuilt)
+            out["ok"] = bool(drained and converged and ctx.notes.get("log_replaced"))
     except (Exception, SystemExit) as e:  # noqa: BLE001 - one fault failing must not stop the suite
         out["error"] = f"{type(e).__name__}: {e}"[:3000]
         log.warning("fault %s failed: %s", f.name, out["error"])
     finally:
+        if ctx is not None and args.hops:
+            try:
+                out["hops"] = hop_windows(ctx)
+            except Exception as e:  # noqa: BLE001 - Kafka or the registry gone: no split
+                log.warning("hops of %s: %s", run.run_id, e)
         if ctx is not None:
             out.update(figures(ctx))
             ctx.prober.write_csv(state_dir / "logs" / f"{run.run_id}-probes.csv")
@@ -567,7 +875,67 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
                 log.warning("cleanup of %s: %s", run.run_id, e)
         if own is not None:
             own.stop()
+        if ctx is not None and ctx.lost_broker is not None:  # the next fault has three brokers again
+            from kvbus.infra import stack
+
+            out["lost_broker_restart_s"] = stack.restart_broker(ctx.lost_broker, timeout=300)["seconds"]
     out["duration_s"] = round(time.monotonic() - t_start, 1)
+    return out
+
+
+WOKEN_SIGNS: dict[str, str] = {
+    "fenced": r"UNKNOWN_MEMBER_ID|ILLEGAL_GENERATION|FENCED_INSTANCE_ID|UnknownMemberId|IllegalGeneration|"
+              r"CommitFailed|[Ff]enced|MAXPOLL|[Ss]ession timed out|REBALANCE_IN_PROGRESS|RebalanceInProgress|"
+              r"member_id was not recognized|Heartbeat session expired|"
+              # the sink's own fence: the view's stored offsets moved on under it (another sink applied
+              # its partitions meanwhile), so the Redis functions refused its writes
+              r"view changed|is not where this sink left it",
+    "rejoined": r"kvbus\.sinks: assigned |[Aa]ssigned partitions|Resuming flow|Worker ready|Rebalance complete|"
+                r"registered with the controller|Transition from STARTING to STARTED|"
+                r"[Rr]eplica .* is in sync|[Ee]xpanding ISR|Broker \d+ is no longer fenced|"
+                r"BrokerRegistrationChangeRecord\(brokerId=\d+, brokerEpoch=\d+, fenced=-1",
+}
+"""What a woken process's log says after SIGCONT (regular expressions): the group (or the controller)
+had given up on it; it took part again (partitions assigned, flow resumed, broker unfenced)."""
+
+
+def tail_text(path: Path, offset: int) -> str:
+    """``path``'s text from byte ``offset`` ("" if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def tail_lines(path: Path, offset: int, n: int) -> list[str]:
+    """The last ``n`` non-empty lines of ``path`` after byte ``offset``, each cut to 240 characters."""
+    return [ln[-240:] for ln in tail_text(path, offset).splitlines() if ln.strip()][-n:]
+
+
+def woken_outcome(w: dict[str, Any]) -> dict[str, Any]:
+    """What a paused process did once continued, from its log since the pause and its liveness:
+    ``did`` is "crashed (restarted)", "fenced, rejoined", "fenced", "rejoined" or "carried on"
+    (nothing in its log says the group or the controller had given up on it); with the first line
+    of each sign seen (``signs``)."""
+    import re
+
+    text = tail_text(w["log"], w["log_offset"])
+    signs = {}
+    for kind, rx in WOKEN_SIGNS.items():
+        m = re.search(rx, text)
+        if m:
+            start = text.rfind("\n", 0, m.start()) + 1
+            end = text.find("\n", m.end())
+            signs[kind] = text[start:end if end >= 0 else None][-240:]
+    if "crashed" in w:
+        did = "crashed (restarted)"
+    else:
+        did = ", ".join(k for k in ("fenced", "rejoined") if k in signs) or "carried on"
+    out: dict[str, Any] = {"did": did, "signs": signs}
+    if "crashed" in w:
+        out.update(crashed=w["crashed"], last_lines=w.get("last_lines"))
     return out
 
 
@@ -587,6 +955,34 @@ def late_probes(prober: pl.Prober, since: float, now: float, late_s: float,
     return seen_late, outstanding
 
 
+class NeverSteady(RuntimeError):
+    """The pipeline never became fresh after its start: no fault was injected."""
+
+
+def wait_steady(ctx: Ctx) -> None:
+    """Follow the flow from the fleet's start until the pipeline is fresh: the last
+    ``--steady-probes`` probes old enough to judge (published more than ``--late-ms`` ago) were each
+    visible within ``--late-ms``. :class:`NeverSteady` after ``--steady-timeout`` s, with what the
+    last probes showed."""
+    args = ctx.args
+    k, late_s = args.steady_probes, args.late_ms / 1000.0
+    deadline = ctx.marks["start"] + args.steady_timeout
+    while True:
+        ctx.follow(0.25)
+        now = time.monotonic()
+        judged = sorted((tp, h) for h, tp in ctx.prober.published.items() if tp <= now - late_s)[-k:]
+        fresh = [ctx.prober.seen[h] - tp if h in ctx.prober.seen else now - tp for tp, h in judged]
+        if len(judged) == k and max(fresh) <= late_s:
+            return
+        if now > deadline:
+            late = sum(f > late_s for f in fresh)
+            raise NeverSteady(
+                f"the pipeline was never fresh within {args.steady_timeout:.0f} s of its start: of the last "
+                f"{len(judged)} probes, {late} were not visible within {args.late_ms:.0f} ms (worst "
+                f"{max(fresh, default=0) * 1000:.0f} ms; {len(ctx.prober.published)} probes published, "
+                f"{len(ctx.prober.seen)} seen); no fault injected")
+
+
 def settle(ctx: Ctx) -> bool:
     """Follow the flow after the restart until every probe is visible in time again and has been for
     ``--settle`` s (at most ``--converge-timeout`` s); returns whether it got there."""
@@ -599,9 +995,33 @@ def settle(ctx: Ctx) -> bool:
         now = time.monotonic()
         seen_late, outstanding = late_probes(ctx.prober, t_fault, now, late_s)
         last = max((ctx.prober.seen[h] for h in seen_late), default=t_restart)
-        if not outstanding and now - max(last, t_restart) >= args.settle:
+        # a probe published at the restart (or at a fault with none, broker-lost) is known to be
+        # in time only --late-ms later: no settling before then
+        if not outstanding and now - max(last, t_restart + late_s) >= args.settle:
             return True
     return False
+
+
+def hop_windows(ctx: Ctx, bucket: float = 5.0) -> dict[str, Any]:
+    """Each probe's freshness split into hops (pipeline.hop_figures: fleet -> raw record, raw -> blocks
+    record, blocks record -> visible, by the records' Kafka timestamps) over windows of ``bucket`` s:
+    ``warm+N`` from the fleet's start until the pipeline was fresh, ``steady``, then ``fault+N``
+    until the fault was over."""
+    m = ctx.marks
+    windows: dict[str, tuple[float, float]] = {}
+    t, warm_end = m["start"], m.get("steady", m.get("fault", time.monotonic()))
+    while t < warm_end:  # never steady: the whole run is warm-up
+        windows[f"warm+{t - m['start']:.0f}"] = (t, min(t + bucket, warm_end))
+        t += bucket
+    if "fault" not in m:
+        return pl.hop_figures(ctx.run, ctx.prober, windows)
+    if "steady" in m:
+        windows["steady"] = (m["steady"], m["fault"])
+    t, end = m["fault"], m.get("settled", m["fault"])
+    while t < end:
+        windows[f"fault+{t - m['fault']:.0f}"] = (t, min(t + bucket, end))
+        t += bucket
+    return pl.hop_figures(ctx.run, ctx.prober, windows)
 
 
 def figures(ctx: Ctx) -> dict[str, Any]:
@@ -625,10 +1045,16 @@ def figures(ctx: Ctx) -> dict[str, Any]:
         done = max((p.seen[h] for h in seen_late), default=t_fault)
         out["converge_from_fault_s"] = round(done - t_fault, 2)
         out["converge_from_restart_s"] = round(max(0.0, done - t_restart), 2)
-    steady = [s for s in ctx.sampler.samples if m["start"] + 2 <= s.t <= t_fault]
-    base_p = [(p.seen[h] - tp) * 1000.0 for h, tp in p.published.items()
-              if m["start"] + 2 <= tp < t_fault and h in p.seen]
-    out["steady_fresh_p50_ms"] = round(statistics.median(base_p), 1) if base_p else None
+    t_steady = m.get("steady", m["start"])
+    steady = [s for s in ctx.sampler.samples if t_steady <= s.t <= t_fault]
+    # probes published within --late-ms of the fault may have been held up by it: not steady ones
+    base_p = sorted((p.seen[h] - tp) * 1000.0 for h, tp in p.published.items()
+                    if t_steady <= tp < t_fault - late_s and h in p.seen)
+    out["steady_fresh_p50_ms"] = round(pl.quantile(base_p, 0.5), 1) if base_p else None
+    out["steady_fresh_p99_ms"] = round(pl.quantile(base_p, 0.99), 1) if base_p else None
+    warm = sorted((p.seen[h] - tp) * 1000.0 for h, tp in p.published.items()
+                  if m["start"] <= tp < t_steady and h in p.seen)
+    out["warmup_max_ms"] = round(warm[-1]) if warm else None
     out["lag_back_s"] = lag_back(steady, ctx.sampler.samples, t_restart)
     c = ctx.counters()
     sink_c, worker_c, bridge_c = c.get("sink", {}), c.get("worker", {}), c.get("bridge", {})
@@ -713,12 +1139,14 @@ def positions_match(store: ResidencyStore, manifest: Path) -> tuple[bool, list[s
 # -- output ----------------------------------------------------------------------------
 
 COLUMNS = (
-    ("fault", "fault"), ("ok", "ok"), ("in_flight", "in flight"), ("fault_window_s", "window s"),
+    ("fault", "fault"), ("ok", "ok"), ("steady_after_s", "fresh after s"), ("steady_fresh_p50_ms", "steady p50 ms"),
+    ("in_flight", "in flight"), ("fault_window_s", "window s"),
     ("worker_reread", "worker re-read"), ("worker_dups", "worker dups"), ("sink_dups", "sink dups"),
     ("sink_reread", "sink re-read"),
     ("bridge_recovered", "bridge replayed"), ("max_stale_ms", "max stale ms"),
     ("converge_from_fault_s", "converge (fault) s"), ("converge_from_restart_s", "converge (restart) s"),
     ("lag_back_s", "lag back s"), ("view_exact", "view == truth"), ("positions_ok", "positions"),
+    ("woken_did", "woken process did"),
 )
 
 
@@ -758,7 +1186,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=None,
                    help="partitions of the run's topics (default KVBUS_PARTITIONS)")
     p.add_argument("--probe-every", type=float, default=0.05, help="seconds between freshness probes (default 0.05)")
-    p.add_argument("--before", type=float, default=8.0, help="seconds of steady flow before the fault (default 8)")
+    p.add_argument("--before", type=float, default=5.0,
+                   help="seconds of measured steady flow before the fault, once the pipeline is fresh (default 5)")
+    p.add_argument("--steady-probes", type=int, default=40,
+                   help="the pipeline is fresh when this many probes in a row were visible within --late-ms "
+                        "(default 40: 2 s at the default --probe-every)")
+    p.add_argument("--steady-timeout", type=float, default=180.0,
+                   help="seconds after the start to wait for the pipeline to be fresh before giving up (default 180)")
+    p.add_argument("--pause-for", type=float, default=15.0,
+                   help="seconds a paused (SIGSTOP) process stays stopped: past the sinks' and workers' session "
+                        "timeouts (10 s) and the brokers' broker.session.timeout.ms (dev stack: 5 s) (default 15)")
     p.add_argument("--down-for", type=float, default=10.0, help="seconds a killed process stays down (default 10)")
     p.add_argument("--registry-down", type=float, default=20.0, help="seconds the registry stays stopped (default 20)")
     p.add_argument("--late-ms", type=float, default=500.0,
@@ -770,6 +1207,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=90.0,
                    help="seconds to wait for the pipeline to drain (default 90)")
     p.add_argument("--seed", type=int, default=11, help="fleet seed (default 11)")
+    p.add_argument("--hops", action="store_true",
+                   help="after each fault, split the probes' freshness into hops (bridge, worker, sink) per 5 s "
+                        "from the start (reads the run's raw and blocks topics back)")
     p.add_argument("--keep", action="store_true", help="leave each fault's topics and Redis keys")
     p.add_argument("--keep-cluster", action="store_true", help="leave the cluster up even if this run started it")
     p.add_argument("--use-env", action="store_true",
@@ -796,6 +1236,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         raise SystemExit(f"unknown faults {unknown}; --list shows them")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def interrupted(signum: int, _frame: Any) -> None:  # SIGTERM (SIGINT is ignored in a background job)
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupted)  # the run's processes stopped, the cluster as it was started
     logging.getLogger("kvbus.bench").setLevel(logging.WARNING)
     from kvbus.infra import stack
 
@@ -818,7 +1262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 r["round"] = rep + 1
                 results.append(r)
                 print(text_table([r]), flush=True)
-                for k in ("error", "view_diffs", "position_diffs"):
+                for k in ("error", "view_diffs", "position_diffs", "woken"):
                     if r.get(k):
                         print(f"  {k}: {r[k]}", flush=True)
                 if r.get("notes"):

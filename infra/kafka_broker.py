@@ -183,6 +183,12 @@ def node_properties(node: Node, nodes: list[Node], overrides: Mapping[str, str |
         "log.segment.bytes": str(64 * 1024 * 1024),
         "log.retention.hours": "168",
         "unclean.leader.election.enable": "false",
+        # the controller fences a broker that sent no heartbeat for broker.session.timeout.ms (Kafka's
+        # default 9 s, heartbeats every 2 s); until then a crashed broker still leads its partitions,
+        # and nothing is written to them nor read from them: the largest part of the view's staleness
+        # after a broker crash (benchmarks/faults.py, broker-leader). 5 s with heartbeats every second
+        "broker.session.timeout.ms": "5000",
+        "broker.heartbeat.interval.ms": "1000",
     }
     for key, value in (overrides or {}).items():
         if value is None:

@@ -32,7 +32,18 @@ from kvbus.schemas.topics import TopicSpec
 
 log = logging.getLogger("kvbus.kafka")
 
+RECOVERY_CONF: Mapping[str, Any] = {
+    # librdkafka waits up to reconnect.backoff.max.ms (default 10 s) between attempts to reach a
+    # broker that went away: a broker back after a crash or a restart was left unused for up to
+    # 10 s (its partitions' leaders once preferred leaders move back to it). 1 s: on loopback or a
+    # LAN an attempt costs one refused connection
+    "reconnect.backoff.max.ms": 1000,
+}
+"""What every kvbus librdkafka client (producer and consumer) does after losing a broker; part of
+:data:`PRODUCER_CONF` and :data:`CONSUMER_CONF`."""
+
 PRODUCER_CONF: Mapping[str, Any] = {
+    **RECOVERY_CONF,
     "enable.idempotence": True,  # acks=all, ordered retries, no duplicates from retries
     "acks": "all",
     "compression.type": "lz4",
@@ -46,6 +57,7 @@ PRODUCER_CONF: Mapping[str, Any] = {
 """What every kvbus producer is; a role's properties are laid over it (:func:`producer_conf`)."""
 
 CONSUMER_CONF: Mapping[str, Any] = {
+    **RECOVERY_CONF,
     "enable.auto.commit": False,  # a stage commits what it has applied, a reader commits nothing
     "auto.offset.reset": "earliest",
     "enable.partition.eof": False,

@@ -147,7 +147,15 @@ class SinkConsumer:
         # a stored offset outside the log is the sink's to decide (:meth:`_out_of_range`), never
         # librdkafka's silent jump to the start: it means the topic was recreated or truncated,
         # or retention deleted records the view never applied
-        role = {"session.timeout.ms": int(config.session_timeout * 1000), "topic.metadata.refresh.interval.ms": 5000,
+        # heartbeats every tenth of the session (librdkafka's default is 3 s): when the group
+        # coordinator's broker dies, the coordinator moves once the controller fences that broker;
+        # librdkafka counts the session from the last heartbeat answered and, past it, leaves and
+        # rejoins under a new member id, which makes the coordinator wait out the old member (a
+        # rebalance of ~20 s seen on broker kills). Frequent heartbeats reach the new coordinator
+        # sooner after the move, within the session
+        role = {"session.timeout.ms": int(config.session_timeout * 1000),
+                "heartbeat.interval.ms": max(100, int(config.session_timeout * 100)),
+                "topic.metadata.refresh.interval.ms": 5000,
                 "auto.offset.reset": "error",
                 **({"group.instance.id": config.instance_id} if config.instance_id else {}), **(consumer_conf or {})}
         self.consumer = Consumer(kafka_consumer_conf(kafka, config.group, role, error_cb=self.errors.error_cb,
@@ -206,8 +214,11 @@ class SinkConsumer:
                  extra={"partitions": [f"{tp.topic}[{tp.partition}]" for tp in partitions]})
 
     def _sync_view(self) -> dict[tuple[str, int], int]:
-        """Make sure there is a view (rebuild it if it is gone); its id and stored offsets. Evictions
-        are counted from here on (those before were the old view's)."""
+        """Make sure there is a view (rebuild it if it is gone, or if Redis evicted keys of it since
+        the last sync: a resync after a refused write can come before the periodic check sees
+        them); its id and stored offsets. Evictions are counted from here on."""
+        if self._evicted():  # said, counted and the view dropped: ensure_view rebuilds it
+            self._resync = False
         self._evictions.reset()
         self.view_id = ensure_view(self.store, self.reader, self._end_offsets, self.metrics)
         return self.store.offsets()
@@ -445,11 +456,13 @@ class SinkConsumer:
             return
         self._view_checked = now
         try:
+            # evictions first: an evicted key may be the view's id or offsets, which would otherwise
+            # look like a view lost or rolled back, and the eviction would go unsaid and uncounted
+            if self._evicted():
+                return
             if self.store.view_id() != self.view_id or not self.store.holds(self._expected):
                 log.warning("the view is not where this sink left it (lost, rebuilt or rolled back): resync")
                 self._resync = True
-                return
-            if self._evicted():
                 return
             ready = mark_ready_if_caught_up(self.store, self.metrics)
         except REDIS_DOWN:
