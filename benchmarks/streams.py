@@ -23,7 +23,8 @@ pipeline but without the fleet, bridges and sink: for each rate (events/s) a fre
 topics, single-worker replicas (TP=1, pass-through) whose records a producer configured as a bridge's
 (:func:`kvbus.schemas.kafka_clients.producer_conf`) writes at that rate, one engine step of every
 replica at a time; over ``--window`` seconds after ``--warmup`` it reports the worker's and the
-Kafka brokers' CPU (user + system, ``/proc``) per event, and, up to 5,000 events/s, the freshness of
+Kafka brokers' CPU (user + system, ``/proc``) per offered event (and the worker's per event it
+produced in the window: the two differ when the worker falls behind), and, up to 5,000 events/s, the freshness of
 each step: from producing its record to consuming its first consolidated event.
 
 The last line is one JSON object with all figures.
@@ -357,6 +358,7 @@ def paced(settings: Settings, rate: float, events: int, replicas: int, warmup: f
     r = {"rate": rate, "offered_events": round(offered), "worker_events_s": round((e1 - e0) / (t1 - t0)),
          "worker_us_per_event": round(1e6 * (w1 - w0) / offered, 2),
          "kafka_us_per_event": round(1e6 * (k1 - k0) / offered, 2),
+         "worker_us_per_event_out": round(1e6 * (w1 - w0) / max(1.0, e1 - e0), 2),
          "worker_cores": round((w1 - w0) / (t1 - t0), 3), "kafka_cores": round((k1 - k0) / (t1 - t0), 3)}
     if measure_fresh:
         print(f"  freshness: {len(sent)} steps sent, {len(seen)} seen", flush=True)

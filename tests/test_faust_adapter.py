@@ -24,7 +24,7 @@ import inspect
 import textwrap
 import tomllib
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 import faust
 import faust.streams
@@ -294,13 +294,12 @@ def test_a_changed_signature_kind_or_type_is_named(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_rewritten_source_is_named(monkeypatch: pytest.MonkeyPatch):
-    async def take_events(self: Any, max_: int, within: float) -> AsyncIterator[list]:
-        """Stands for a release that acks differently: same signature, another body."""
-        yield []
+    def enable_passive(self: Any, channel: Any, *, declare: bool = False) -> None:
+        """Stands for a release that drains differently: same signature, another body."""
 
-    monkeypatch.setattr(faust.streams.Stream, "take_events", take_events)
+    monkeypatch.setattr(faust.streams.Stream, "_enable_passive", enable_passive)
     revised = revised_internals()
-    assert len(revised) == 1 and revised[0].startswith("faust.streams.Stream.take_events: source "), revised
+    assert len(revised) == 1 and revised[0].startswith("faust.streams.Stream._enable_passive: source "), revised
     assert broken_internals() == []  # the signature still fits: only the review is due
 
 
