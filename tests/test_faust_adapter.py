@@ -369,3 +369,17 @@ def test_the_scan_flags_faust_privates_and_not_kvbus_own():
     ]
     # not flagged: Fast's own self._mine and self._deliver, Plain's self._stopped (a kvbus class),
     # runtime._producer (kvbus.streams.runtime's own, though Faust has a _producer too)
+
+
+# -- the batch wait's arrival rate --------------------------------------------------------------
+
+
+def test_arrival_rate_counts_recent_records_and_forgets_old_ones():
+    rate = faust_adapter.ArrivalRate(tau=0.2)
+    assert rate.per_second(10.0) == 0.0  # nothing counted yet: a new worker does not wait
+    for i in range(100):  # 1,000 records/s for 1 s, in batches of 10 every 10 ms
+        rate.add(10, 10.0 + i * 0.01)
+    assert 900 <= rate.per_second(11.0) <= 1100
+    assert rate.per_second(11.0 + 2.0) < 1.0  # two idle seconds later it is all but forgotten
+    rate.add(1, 20.0)  # one record after a long pause: a quiet stream
+    assert rate.per_second(20.0) == pytest.approx(5.0, rel=0.01)
