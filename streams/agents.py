@@ -63,8 +63,7 @@ def build(settings: Settings, options: StreamsOptions) -> faust.App:
     @app.agent(raw, name="consolidate")
     async def consolidate(stream: Any) -> None:
         """Aggregate worker reports into consolidated events, a batch of raw records at a time."""
-        async for events in take_batches(stream, options.batch, options.batch_within, options.batch_from,
-                                         consumer=app.consumer):
+        async for events in take_batches(stream, options.batch, options.batch_within, options.batch_from):
             # take_batches acks the batch when this body returns; hold each record until the runtime has
             # delivered its outputs and written its state (Runtime releases it then).
             hold(events)

@@ -19,8 +19,7 @@ its kind, its parameters and a fingerprint of the source reviewed. :func:`broken
 :func:`revised_internals` compare them with the installed faust-streaming and mode-streaming: the
 worker refuses to start when a name is missing or has another kind or signature, and logs a warning
 when a reviewed source changed (``tests/test_faust_adapter.py`` fails on both). No aiokafka name is
-used elsewhere: aiokafka is reached through Faust's driver (its ``seek_wait`` is reviewed here), and
-:meth:`Consumer.fetch_wait` sets the two fetch parameters of aiokafka's fetcher that Faust does not expose.
+used directly: aiokafka is reached only through Faust's driver, whose ``seek_wait`` is reviewed here.
 
 The fast hand-over. Faust's ``Consumer._drain_messages`` hands every fetched record to the conductor
 through ``Service.wait_first(callback(message), suspend_flow.wait())``: four tasks and an
@@ -49,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
 from faust.streams import _current_event
-from faust.transport import consumer as faust_consumer, drivers
+from faust.transport import drivers
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, EventT, Message
@@ -61,26 +60,19 @@ log = logging.getLogger("kvbus.streams")
 SCHEME = "kvbus"
 """Broker URL scheme of :class:`Transport` (``kvbus://host:port;host2:port2``)."""
 
-BUSY_FETCH_MIN_BYTES = 1 << 20
-"""Bytes a busy worker's fetch waits for at the broker (at most its wait: :meth:`Consumer.fetch_wait`);
-more than a wait's worth of records at the rates one worker sustains, so the wait is what ends it."""
-QUIET_FETCH_MAX_WAIT_MS = 1500
-"""A quiet worker's fetch wait in ms (Faust's): a fetch returns with the first record, or empty after this."""
-
 YIELD_EVERY = 100
 """Records delivered between two ``sleep(0)`` (as Faust does), so other tasks keep running."""
 
 Kind = Literal["context variable", "function", "coroutine function", "async generator function", "service task",
-               "instance attribute", "started attribute"]
+               "instance attribute"]
 """What an internal is: a ``ContextVar``; a plain function or method; an ``async def``; an ``async def``
 that yields; a mode ``Service.task`` (a ``ServiceTask`` wrapping an ``async def``); an attribute every
-instance of the owner class has after ``__init__``; an attribute set once the owner has started (only
-its owner class is checked: the reviewed source of the code that sets and reads it stands for the rest)."""
+instance of the owner class has after ``__init__``."""
 
 
 @dataclass(frozen=True)
 class Internal:
-    """One name of faust-streaming (or mode-streaming, or aiokafka) kvbus relies on beyond Faust's documented API."""
+    """One name of faust-streaming (or mode-streaming) kvbus relies on beyond Faust's documented API."""
 
     where: str
     """``module:qualified.name``, e.g. ``faust.transport.consumer:Consumer._add_gap``."""
@@ -126,30 +118,6 @@ INTERNALS: tuple[Internal, ...] = (
              why="the copied loop's broker_commit_every"),
     Internal("mode.services:Service._stopped", "instance attribute", types=(Event,),
              why="the copied loop stops when the consumer's or the fetcher's stopped event is set (is_set)"),
-    Internal("faust.transport.consumer:ThreadDelegateConsumer._thread", "instance attribute",
-             types=(faust_consumer.ConsumerThread,),
-             why="Consumer.fetch_wait: the consumer thread, whose _consumer is the aiokafka consumer (None "
-                 "until it started)"),
-    Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread.on_start", "coroutine function", ("self",),
-             reviewed="38b4e8bd1e10723a",
-             why="Consumer.fetch_wait: sets _consumer, the aiokafka consumer, when the thread starts"),
-    Internal("aiokafka.consumer.consumer:AIOKafkaConsumer.start", "coroutine function", ("self",),
-             reviewed="2f1ba70443327538",
-             why="Consumer.fetch_wait: creates _fetcher, the aiokafka Fetcher"),
-    Internal("aiokafka.consumer.fetcher:Fetcher.__init__", "function", None, reviewed="bf21ecb7e0f210b7",
-             why="Consumer.fetch_wait: stores fetch_min_bytes and fetch_max_wait_ms as _fetch_min_bytes and "
-                 "_fetch_max_wait_ms"),
-    Internal("aiokafka.consumer.fetcher:Fetcher._get_actions_per_node", "function", ("self", "assignment"),
-             reviewed="1dab2cf937d165d0",
-             why="Consumer.fetch_wait: every fetch request is built from _fetch_min_bytes and _fetch_max_wait_ms"),
-    Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread._consumer", "started attribute",
-             why="Consumer.fetch_wait: the aiokafka consumer (None until the thread started)"),
-    Internal("aiokafka.consumer.consumer:AIOKafkaConsumer._fetcher", "started attribute",
-             why="Consumer.fetch_wait: the aiokafka Fetcher that builds the fetch requests"),
-    Internal("aiokafka.consumer.fetcher:Fetcher._fetch_min_bytes", "started attribute",
-             why="Consumer.fetch_wait: the minimum bytes of every fetch request"),
-    Internal("aiokafka.consumer.fetcher:Fetcher._fetch_max_wait_ms", "started attribute",
-             why="Consumer.fetch_wait: the broker-side wait of every fetch request"),
     Internal("faust.types.tuples:Message.incref", "function", ("self", "n"),
              why="hold: one more reference, so the ack at the end of take_batches is not the final one"),
     Internal("faust.types.tuples:Message.ack", "function", ("self", "consumer", "n"), reviewed="4751b72c4ed84153",
@@ -210,28 +178,6 @@ class Consumer(faust_aiokafka.Consumer):
             raise
         finally:
             self.diag.unset_flag(CONSUMER_FETCHING)
-
-    def fetch_wait(self, seconds: float) -> bool:
-        """Make the next fetches wait at the broker up to ``seconds`` for :data:`BUSY_FETCH_MIN_BYTES`
-        of records (0: return as soon as any record is there, Faust's setting). False when the
-        consumer has not started fetching yet (nothing changed).
-
-        aiokafka builds every fetch request from its fetcher's ``_fetch_min_bytes`` and
-        ``_fetch_max_wait_ms`` (on the consumer's thread; two int stores from the event loop's thread
-        are seen by its next request). Faust exposes neither: it passes aiokafka's default minimum (one
-        byte) and a 1.5 s wait, so every record a producer appends ends a waiting fetch, i.e. one
-        fetch request, response and thread hand-over per producer request under load."""
-        aio = self._thread._consumer
-        fetcher = aio._fetcher if aio is not None else None
-        if fetcher is None or not hasattr(fetcher, "_fetch_min_bytes"):
-            return False
-        if seconds > 0:
-            fetcher._fetch_min_bytes = BUSY_FETCH_MIN_BYTES
-            fetcher._fetch_max_wait_ms = max(1, round(seconds * 1000))
-        else:
-            fetcher._fetch_min_bytes = 1
-            fetcher._fetch_max_wait_ms = QUIET_FETCH_MAX_WAIT_MS
-        return True
 
     async def _deliver(self, records: AsyncIterator[tuple[TP, Message]]) -> None:
         """Hand one fetch's records to the conductor in order; per record exactly what Faust's
@@ -341,7 +287,7 @@ class ArrivalRate:
 
 
 async def take_batches(stream: Any, max_: int, within: float, wait_from: int,
-                       rate: Optional[ArrivalRate] = None, consumer: Any = None) -> AsyncIterator[list[EventT]]:
+                       rate: Optional[ArrivalRate] = None) -> AsyncIterator[list[EventT]]:
     """Batches of at most ``max_`` events of ``stream``, each event acked once after the agent's body
     returns, as Faust's ``Stream.take_events`` yields them, with a wait that follows the load.
 
@@ -352,19 +298,12 @@ async def take_batches(stream: Any, max_: int, within: float, wait_from: int,
     otherwise it takes what has arrived with that record (the consumer hands over a fetch's records
     together). So a busy worker processes fewer, larger batches and a quiet one answers at once.
 
-    With ``consumer`` (the app's :class:`Consumer`) a busy stream waits at the broker instead: its
-    fetches wait up to ``within`` for records (:meth:`Consumer.fetch_wait`) and each batch is what one
-    fetch brought, so fewer fetch requests, responses and wake-ups. A busy stream that receives nothing
-    for ``2 * within`` goes back to fetches that return with the first record (no empty fetch every
-    ``within`` while idle).
-
     Otherwise Faust's own code: records reach the buffer through a stream processor while the stream
     is drained in the background (``Stream._enable_passive``), a full buffer holds the processor back
     until the batch is consumed. When the generator ends its processor passes records through
     untouched (Faust removes its own from a private list; the stream ends with the agent anyway).
     """
     rate = rate if rate is not None else ArrivalRate()
-    consumer = consumer if isinstance(consumer, Consumer) else None
     events: list[EventT] = []
     buffer_full = asyncio.Event()
     buffer_started = asyncio.Event()
@@ -404,21 +343,11 @@ async def take_batches(stream: Any, max_: int, within: float, wait_from: int,
     stream.enable_acks = False  # acked here, once the agent's body returned
     stream.add_processor(add_to_buffer)
     stream._enable_passive(stream.channel)
-    fetching = False
-    """Whether the consumer's fetches wait (set by this generator)."""
     try:
         while not stream.should_stop:
-            if not events and fetching:
-                if await stream.wait_for_stopped(buffer_started, timeout=2 * within):
-                    break
-                if not events:
-                    fetching = not consumer.fetch_wait(0)
             if not events and await stream.wait_for_stopped(buffer_started):
                 break
-            busy = rate.per_second(clock()) * within >= wait_from
-            if consumer is not None and busy != fetching:
-                fetching = consumer.fetch_wait(within if busy else 0) and busy
-            if len(events) < max_ and busy and not fetching:
+            if len(events) < max_ and rate.per_second(clock()) * within >= wait_from:
                 await stream.wait_for_stopped(buffer_full, timeout=within)
             if not events:
                 buffer_started.clear()
@@ -440,8 +369,6 @@ async def take_batches(stream: Any, max_: int, within: float, wait_from: int,
     finally:
         done = True
         stream.enable_acks = enable_acks
-        if fetching:
-            consumer.fetch_wait(0)
 
 
 # -- acking after delivery --------------------------------------------------------------------------
@@ -539,12 +466,6 @@ def _kind_of(obj: Any) -> str:
 
 def _check(internal: Internal, instances: Sequence[object]) -> Optional[str]:
     name = internal.where.replace(":", ".")
-    if internal.kind == "started attribute":
-        try:
-            resolve(internal.where.rpartition(".")[0])
-        except (ImportError, AttributeError) as exc:
-            return f"{name}: missing ({exc})"
-        return None
     if internal.kind == "instance attribute":
         owner_path, _, attr = internal.where.rpartition(".")
         try:
