@@ -18,6 +18,15 @@ With ``--latency N`` it then measures freshness at low load: a fresh worker, one
 of a step is from producing its last worker record to consuming its first consolidated event
 from ``kvbus.blocks`` (worker batch wait, aggregation, output linger and delivery included).
 
+With ``--paced R1,R2,...`` it measures instead what one worker costs at a steady load, as in the
+pipeline but without the fleet, bridges and sink: for each rate (events/s) a fresh worker on fresh
+topics, single-worker replicas (TP=1, pass-through) whose records a producer configured as a bridge's
+(:func:`kvbus.schemas.kafka_clients.producer_conf`) writes at that rate, one engine step of every
+replica at a time; over ``--window`` seconds after ``--warmup`` it reports the worker's and the
+Kafka brokers' CPU (user + system, ``/proc``) per offered event (and the worker's per event it
+produced in the window: the two differ when the worker falls behind), and, up to 5,000 events/s, the freshness of
+each step: from producing its record to consuming its first consolidated event.
+
 The last line is one JSON object with all figures.
 """
 from __future__ import annotations
@@ -250,6 +259,117 @@ def latency(settings: Settings, steps: int, workers: int, workdir: Path) -> dict
             "max_ms": round(ms[-1], 1)}
 
 
+def broker_pids() -> list[int]:
+    """Pids of the stack's Kafka brokers (infra's pid files)."""
+    from kvbus.infra.procs import read_pid
+    from kvbus.infra.stack_env import Paths
+
+    recs = [read_pid(pf) for pf in sorted(Paths().run.glob("kafka*.pid"))]
+    return [r.pid for r in recs if r is not None]
+
+
+def paced(settings: Settings, rate: float, events: int, replicas: int, warmup: float, window: float,
+          workdir: Path) -> dict:
+    """One worker at ``rate`` events/s (module doc): CPU per event of the worker and of Kafka, and the
+    freshness of steps up to 5,000 events/s."""
+    from confluent_kafka import Consumer
+
+    from kvbus.schemas.kafka_clients import producer_conf
+
+    suffix = uuid.uuid4().hex[:8]
+    topics = Topics(raw=f"paced{suffix}.raw", blocks=f"paced{suffix}.blocks",
+                    incomplete=f"paced{suffix}.incomplete", dlq=f"paced{suffix}.dlq")
+    ensure_topics(settings, [topics.raw, topics.blocks, topics.incomplete, topics.dlq])
+    steps = int(rate * (warmup + window + 2) / (events * replicas)) + 20
+    spec = TraceSpec(replicas=replicas, workers=1, steps=steps, events_per_batch=events, tier=None,
+                     prefix=f"paced{suffix}", seed=3)
+    registry = registry_client(settings)
+    serde, out_serde = RecordSerde(registry, "EventBatch"), RecordSerde(registry, "BlockEvent")
+    records = [(serde.dumps(b, topics.raw), holder_key(b.replica, b.dp_rank).encode(), b.seq) for b in batches(spec)]
+    producer = Producer(producer_conf(settings.kafka(), {"client.id": "paced-bridge"}))
+    measure_fresh = rate <= 5000
+    consumer = None
+    if measure_fresh:
+        consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"paced-{suffix}",
+                             "auto.offset.reset": "earliest", "fetch.wait.max.ms": 5})
+        consumer.subscribe([topics.blocks])
+    port = free_port()
+    proc = start_worker(settings, topics, workdir, suffix, port)
+    kafka = broker_pids()
+    sent: dict[int, float] = {}
+    seen: dict[int, float] = {}
+    try:
+        for value, key, _ in records[:replicas * 20]:  # until the worker consolidates (group join)
+            producer.produce(topics.raw, value, key)
+        producer.flush()
+        deadline = time.time() + 120
+        want = replicas * 20 * events
+        while time.time() < deadline and scrape(port).get("kvbus_streams_passthrough_total", 0) < want:
+            time.sleep(0.2)
+        i = replicas * 20
+        per_step = events * replicas
+        start = time.perf_counter()
+        marks: dict[str, tuple] = {}
+        step = 0
+        while i + replicas <= len(records):
+            now = time.perf_counter()
+            if "a" not in marks and now - start >= warmup:
+                marks["a"] = (now, cpu_seconds(proc.pid), sum(cpu_seconds(p) for p in kafka),
+                              scrape(port).get("kvbus_streams_passthrough_total", 0))
+            if now - start >= warmup + window:
+                marks["b"] = (now, cpu_seconds(proc.pid), sum(cpu_seconds(p) for p in kafka),
+                              scrape(port).get("kvbus_streams_passthrough_total", 0))
+                break
+            due = start + step * per_step / rate
+            if now >= due:
+                seq = records[i][2]
+                for value, key, _ in records[i:i + replicas]:
+                    producer.produce(topics.raw, value, key)
+                if measure_fresh and "a" in marks:
+                    sent[seq] = time.perf_counter()
+                i += replicas
+                step += 1
+                producer.poll(0)
+                continue
+            if consumer is not None:
+                for msg in consumer.consume(1000, min(0.001, max(0.0, due - now))):
+                    if msg.error() is None:
+                        seen.setdefault(out_serde.loads(msg.value(), msg.topic()).seq, time.perf_counter())
+            else:
+                time.sleep(min(0.001, max(0.0, due - now)))
+        end = time.time() + 3
+        while consumer is not None and time.time() < end and not set(sent) <= set(seen):
+            for msg in consumer.consume(1000, 0.05):
+                if msg.error() is None:
+                    seen.setdefault(out_serde.loads(msg.value(), msg.topic()).seq, time.perf_counter())
+        producer.flush(10)
+    finally:
+        if consumer is not None:
+            consumer.close()
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if "b" not in marks:
+        raise RuntimeError(f"the trace ran out before the window ended ({len(records)} records)")
+    (t0, w0, k0, e0), (t1, w1, k1, e1) = marks["a"], marks["b"]
+    offered = (t1 - t0) * rate
+    r = {"rate": rate, "offered_events": round(offered), "worker_events_s": round((e1 - e0) / (t1 - t0)),
+         "worker_us_per_event": round(1e6 * (w1 - w0) / offered, 2),
+         "kafka_us_per_event": round(1e6 * (k1 - k0) / offered, 2),
+         "worker_us_per_event_out": round(1e6 * (w1 - w0) / max(1.0, e1 - e0), 2),
+         "worker_cores": round((w1 - w0) / (t1 - t0), 3), "kafka_cores": round((k1 - k0) / (t1 - t0), 3)}
+    if measure_fresh:
+        print(f"  freshness: {len(sent)} steps sent, {len(seen)} seen", flush=True)
+        ms = sorted(1000 * (seen[k] - t) for k, t in sent.items() if k in seen)
+        if ms:
+            pick = lambda q: round(ms[min(len(ms) - 1, int(q * len(ms)))], 1)  # noqa: E731
+            r.update({"fresh_steps": len(sent), "fresh_seen": len(ms), "fresh_p50_ms": pick(0.5),
+                      "fresh_p99_ms": pick(0.99), "fresh_max_ms": round(ms[-1], 1)})
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=16)
@@ -259,8 +379,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="keep worker logs and data here (default: a temporary directory)")
     p.add_argument("--latency", type=int, default=0, metavar="STEPS",
                    help="also measure freshness at low load over this many steps (TP of the first --tp)")
+    p.add_argument("--paced", metavar="RATES",
+                   help="events/s, comma-separated: measure a worker's and Kafka's CPU per event at each (module doc)")
+    p.add_argument("--paced-replicas", type=int, default=8, help="replicas of --paced (default 8)")
+    p.add_argument("--paced-events", type=int, default=16, help="events per engine step of --paced (default 16)")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds of each --paced rate before its window")
+    p.add_argument("--window", type=float, default=10.0, help="seconds of each --paced rate's window")
     args = p.parse_args(argv)
     settings = Settings.from_env()
+    if args.paced:
+        out: dict = {"cpus": os.cpu_count(), "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
+                     "events_per_record": args.paced_events, "replicas": args.paced_replicas}
+        with tempfile.TemporaryDirectory(prefix="kvbus-bench-streams-") as tmp:
+            for rate in (float(x) for x in args.paced.split(",")):
+                r = paced(settings, rate, args.paced_events, args.paced_replicas, args.warmup, args.window,
+                          Path(args.workdir or tmp))
+                out[f"paced_{rate:g}"] = r
+                fresh = (f"; freshness p50 {r['fresh_p50_ms']} ms, p99 {r['fresh_p99_ms']} ms"
+                         if "fresh_p50_ms" in r else "")
+                print(f"  {rate:g} events/s: worker {r['worker_us_per_event']} us/event ({r['worker_cores']} cores, "
+                      f"{r['worker_events_s']} events/s out), kafka {r['kafka_us_per_event']} us/event{fresh}",
+                      flush=True)
+        out["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+        print(json.dumps(out))
+        return 0
     results: dict = {"target_reports_per_s": TARGET, "events_per_batch": args.events, "replicas": args.replicas,
                      "partitions": settings.partitions, "cpus": os.cpu_count(),
                      "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}

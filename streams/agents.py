@@ -20,7 +20,7 @@ from faust.types import AppT, Message
 
 from kvbus.schemas.settings import Settings
 from kvbus.streams.app import create_app
-from kvbus.streams.faust_adapter import hold
+from kvbus.streams.faust_adapter import hold, take_batches
 from kvbus.streams.options import StreamsOptions
 from kvbus.streams.runtime import Runtime
 
@@ -63,8 +63,8 @@ def build(settings: Settings, options: StreamsOptions) -> faust.App:
     @app.agent(raw, name="consolidate")
     async def consolidate(stream: Any) -> None:
         """Aggregate worker reports into consolidated events, a batch of raw records at a time."""
-        async for events in stream.take_events(options.batch, within=options.batch_within):
-            # Faust acks the batch when this body returns; hold each record until the runtime has
+        async for events in take_batches(stream, options.batch, options.batch_within, options.batch_from):
+            # take_batches acks the batch when this body returns; hold each record until the runtime has
             # delivered its outputs and written its state (Runtime releases it then).
             hold(events)
             try:

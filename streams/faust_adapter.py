@@ -1,6 +1,6 @@
 """The one module of kvbus that touches Faust's (faust-streaming's) private internals.
 
-The rest of the streams stage uses Faust's public API, and calls this module for four things the
+The rest of the streams stage uses Faust's public API, and calls this module for five things the
 public API does not offer:
 
 * :class:`Transport` (broker scheme :data:`SCHEME`, ``kvbus://host:port;host2:port2``): Faust's
@@ -8,8 +8,10 @@ public API does not offer:
   task instead of one ``wait_first`` per record (below);
 * :class:`ChangelogPartition`: table writes made inside ``with ChangelogPartition(topic, partition):``
   go to that changelog partition, outside of an agent's iteration;
-* :func:`hold` / :func:`release`: keep a raw record uncommittable after Faust's own ack at the end of
-  ``take_events``, until kvbus has delivered its outputs and written its state;
+* :func:`take_batches`: ``Stream.take_events`` with a wait that follows the load (no timer while
+  idle, no wait when few records are expected, up to ``within`` when many are);
+* :func:`hold` / :func:`release`: keep a raw record uncommittable after the ack at the end of each
+  batch, until kvbus has delivered its outputs and written its state;
 * :func:`rewind`: seek partitions on the consumer's own thread.
 
 :data:`INTERNALS` lists every private name (and every behaviour of a public one) this relies on, with
@@ -39,6 +41,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import math
 import weakref
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
@@ -116,12 +119,13 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("mode.services:Service._stopped", "instance attribute", types=(Event,),
              why="the copied loop stops when the consumer's or the fetcher's stopped event is set (is_set)"),
     Internal("faust.types.tuples:Message.incref", "function", ("self", "n"),
-             why="hold: one more reference, so Faust's ack at the end of take_events is not the final one"),
+             why="hold: one more reference, so the ack at the end of take_batches is not the final one"),
     Internal("faust.types.tuples:Message.ack", "function", ("self", "consumer", "n"), reviewed="4751b72c4ed84153",
              why="the final ack (reference count 0) is the one that makes the offset committable"),
-    Internal("faust.streams:Stream.take_events", "async generator function", ("self", "max_", "within"),
-             reviewed="607d48aead118ba8",
-             why="acks every event of a batch once, after the agent's body returns (so one hold per event)"),
+    Internal("faust.streams:Stream._enable_passive", "function", ("self", "channel", "declare"),
+             reviewed="64da8ce9f729e30e",
+             why="take_batches: drains the stream in the background, so its processor fills the batch buffer "
+                 "(what Stream.take_events does)"),
     Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread.seek_wait", "coroutine function",
              ("self", "partitions"), reviewed="12e8d34e554e9024",
              why="rewind: seeks run on the consumer thread (calling aiokafka's seek from the event loop's "
@@ -252,11 +256,126 @@ class ChangelogPartition:
             _current_event.reset(token)
 
 
+# -- batches whose wait follows the load -----------------------------------------------------------
+
+
+class ArrivalRate:
+    """Records per second arriving at a stream, as an exponentially decayed count: each batch adds
+    its records, and the count decays by ``e`` every ``tau`` seconds (so ``count / tau`` is the rate
+    over roughly the last ``tau`` seconds). Pure bookkeeping, no clock of its own."""
+
+    __slots__ = ("tau", "count", "at")
+
+    def __init__(self, tau: float = 0.2):
+        self.tau = tau
+        self.count = 0.0
+        self.at: Optional[float] = None
+        """Monotonic time of the last :meth:`add` (None before the first)."""
+
+    def add(self, records: int, now: float) -> None:
+        """``records`` arrived by ``now`` (monotonic seconds)."""
+        if self.at is not None:
+            self.count *= math.exp(-max(0.0, now - self.at) / self.tau)
+        self.count += records
+        self.at = now
+
+    def per_second(self, now: float) -> float:
+        """The rate at ``now``: what was counted, decayed to ``now``, over ``tau``."""
+        if self.at is None:
+            return 0.0
+        return self.count * math.exp(-max(0.0, now - self.at) / self.tau) / self.tau
+
+
+async def take_batches(stream: Any, max_: int, within: float, wait_from: int,
+                       rate: Optional[ArrivalRate] = None) -> AsyncIterator[list[EventT]]:
+    """Batches of at most ``max_`` events of ``stream``, each event acked once after the agent's body
+    returns, as Faust's ``Stream.take_events`` yields them, with a wait that follows the load.
+
+    ``take_events`` wakes every ``within`` seconds whether or not anything arrived, and always waits
+    up to ``within`` after a record for more. Here an idle stream waits for its first record without
+    a timer; then, when the records expected in ``within`` seconds (:class:`ArrivalRate` over the last
+    fraction of a second) reach ``wait_from``, it waits up to ``within`` for the batch to fill, and
+    otherwise it takes what has arrived with that record (the consumer hands over a fetch's records
+    together). So a busy worker processes fewer, larger batches and a quiet one answers at once.
+
+    Otherwise Faust's own code: records reach the buffer through a stream processor while the stream
+    is drained in the background (``Stream._enable_passive``), a full buffer holds the processor back
+    until the batch is consumed. When the generator ends its processor passes records through
+    untouched (Faust removes its own from a private list; the stream ends with the agent anyway).
+    """
+    rate = rate if rate is not None else ArrivalRate()
+    events: list[EventT] = []
+    buffer_full = asyncio.Event()
+    buffer_started = asyncio.Event()
+    buffer_consumed = asyncio.Event()
+    consuming: Optional[asyncio.Future] = None
+    done = False
+    clock = asyncio.get_running_loop().time
+
+    async def add_to_buffer(value: Any) -> Any:
+        nonlocal consuming
+        if done:
+            return value
+        try:
+            if consuming is not None:
+                try:
+                    await consuming
+                finally:
+                    consuming = None
+            event = stream.current_event
+            if event is None:
+                raise RuntimeError("Take buffer found current_event is None")
+            events.append(event)
+            if len(events) == 1:
+                buffer_started.set()
+            if len(events) >= max_:
+                buffer_full.set()
+                buffer_consumed.clear()
+                await stream.wait(buffer_consumed)
+        except asyncio.CancelledError:  # pragma: no cover
+            raise
+        except Exception as exc:
+            stream.log.exception("Error adding to take buffer: %r", exc)
+            await stream.crash(exc)
+        return value
+
+    enable_acks = stream.enable_acks
+    stream.enable_acks = False  # acked here, once the agent's body returned
+    stream.add_processor(add_to_buffer)
+    stream._enable_passive(stream.channel)
+    try:
+        while not stream.should_stop:
+            if not events and await stream.wait_for_stopped(buffer_started):
+                break
+            if len(events) < max_ and rate.per_second(clock()) * within >= wait_from:
+                await stream.wait_for_stopped(buffer_full, timeout=within)
+            if not events:
+                buffer_started.clear()
+                continue
+            rate.add(len(events), clock())
+            consuming = asyncio.get_running_loop().create_future()
+            try:
+                yield list(events)
+            finally:
+                taken = list(events)
+                events.clear()
+                buffer_started.clear()
+                for event in taken:
+                    await stream.ack(event)
+                if not consuming.done():
+                    consuming.set_result(None)
+                buffer_full.clear()
+                buffer_consumed.set()
+    finally:
+        done = True
+        stream.enable_acks = enable_acks
+
+
 # -- acking after delivery --------------------------------------------------------------------------
 
 
 def hold(events: Iterable[EventT]) -> None:
-    """Take one reference on each event's message, so that the ack Faust's ``take_events`` makes when
+    """Take one reference on each event's message, so that the ack :func:`take_batches` makes when
     the agent's body returns is not the final one: the offset stays uncommittable until :func:`release`."""
     for event in events:
         event.message.incref()

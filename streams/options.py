@@ -47,9 +47,14 @@ class StreamsOptions:
                                      "consumer-group session timeout: seconds before a dead worker's partitions move")
     batch: int = setting("KVBUS_STREAMS_BATCH", COUNT, 2000, "most raw records taken per processing batch")
     batch_within: float = setting(
-        "KVBUS_STREAMS_BATCH_WITHIN", SECONDS, 0.002,
-        "seconds to wait for a batch to fill before processing what arrived: the latency an idle worker adds; "
-        "smaller values answer sooner and cost more CPU per record (docs/performance.md, \"Tuning values\")")
+        "KVBUS_STREAMS_BATCH_WITHIN", SECONDS, 0.01,
+        "seconds a busy worker waits for a batch to fill before processing what arrived (a worker that "
+        "expects fewer than KVBUS_STREAMS_BATCH_FROM records in that time waits for nothing): longer waits "
+        "cost less CPU per record under load (docs/performance.md, \"Tuning values\")")
+    batch_from: int = setting(
+        "KVBUS_STREAMS_BATCH_FROM", COUNT, 4,
+        "raw records a worker must expect within KVBUS_STREAMS_BATCH_WITHIN (at the rate they arrived over "
+        "the last fraction of a second) before it waits for a batch to fill")
     commit_interval: float = setting("KVBUS_STREAMS_COMMIT_INTERVAL", SECONDS, 1.0,
                                      "seconds between offset commits (replay after a crash is at most about this long)")
 

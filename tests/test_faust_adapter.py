@@ -24,7 +24,7 @@ import inspect
 import textwrap
 import tomllib
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 import faust
 import faust.streams
@@ -294,13 +294,12 @@ def test_a_changed_signature_kind_or_type_is_named(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_rewritten_source_is_named(monkeypatch: pytest.MonkeyPatch):
-    async def take_events(self: Any, max_: int, within: float) -> AsyncIterator[list]:
-        """Stands for a release that acks differently: same signature, another body."""
-        yield []
+    def enable_passive(self: Any, channel: Any, *, declare: bool = False) -> None:
+        """Stands for a release that drains differently: same signature, another body."""
 
-    monkeypatch.setattr(faust.streams.Stream, "take_events", take_events)
+    monkeypatch.setattr(faust.streams.Stream, "_enable_passive", enable_passive)
     revised = revised_internals()
-    assert len(revised) == 1 and revised[0].startswith("faust.streams.Stream.take_events: source "), revised
+    assert len(revised) == 1 and revised[0].startswith("faust.streams.Stream._enable_passive: source "), revised
     assert broken_internals() == []  # the signature still fits: only the review is due
 
 
@@ -370,3 +369,17 @@ def test_the_scan_flags_faust_privates_and_not_kvbus_own():
     ]
     # not flagged: Fast's own self._mine and self._deliver, Plain's self._stopped (a kvbus class),
     # runtime._producer (kvbus.streams.runtime's own, though Faust has a _producer too)
+
+
+# -- the batch wait's arrival rate --------------------------------------------------------------
+
+
+def test_arrival_rate_counts_recent_records_and_forgets_old_ones():
+    rate = faust_adapter.ArrivalRate(tau=0.2)
+    assert rate.per_second(10.0) == 0.0  # nothing counted yet: a new worker does not wait
+    for i in range(100):  # 1,000 records/s for 1 s, in batches of 10 every 10 ms
+        rate.add(10, 10.0 + i * 0.01)
+    assert 900 <= rate.per_second(11.0) <= 1100
+    assert rate.per_second(11.0 + 2.0) < 1.0  # two idle seconds later it is all but forgotten
+    rate.add(1, 20.0)  # one record after a long pause: a quiet stream
+    assert rate.per_second(20.0) == pytest.approx(5.0, rel=0.01)
