@@ -529,6 +529,10 @@ class FleetConfig:
     probe_every: float = 0.0
     """Seconds between freshness probes (0 = none): a one-block BlockStored of a fresh random hash,
     published to the next (replica, dp rank) in turn, on every worker stream, like any batch."""
+    probe_keep: int = 0
+    """Probes left in the caches (0 = every one, for good): once more are out, the oldest is removed
+    again (a one-block BlockRemoved to its holder, applied to the ground truth too), so that a long
+    run's view and truth do not grow by one block per probe."""
     probe_log: str | None = None
     """Where probes and rung starts are written, one JSON object per line: ``{"probe": "<hash hex>",
     "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>, "wall": <time.time()>}``,
@@ -602,6 +606,8 @@ class Fleet:
         self._server: threading.Thread | None = None
         self._probe_rng = random.Random(f"probe:{cfg.seed}:{time.time_ns()}")  # fresh hashes every run
         self._probe_turn = 0
+        self._probes_out: deque[tuple[bytes, str, int]] = deque()
+        """Probes still cached (hash, replica, dp rank), oldest first (kept only with ``probe_keep``)."""
         self._probe_out: Any = None
 
     # lifecycle
@@ -757,9 +763,21 @@ class Fleet:
         for w in range(self.cfg.workers):
             self.publishers[(name, d, w)].publish([event])
         self.models[(name, d)].truth.apply(project(self.cfg.format, event, raw_hashes=self.cfg.raw_hashes))
+        if self.cfg.probe_keep:
+            self._probes_out.append((h, name, d))
+            if len(self._probes_out) > self.cfg.probe_keep:
+                self._unprobe(*self._probes_out.popleft())
         holder = f"{name}#{d}"
         self._note({"probe": h.hex(), "holder": holder})
         return h, holder
+
+    def _unprobe(self, h: bytes, name: str, d: int) -> None:
+        """Remove probe block ``h`` from holder (``name``, ``d``) again, on every worker stream."""
+        medium = "GPU" if "medium" in wire_format(self.cfg.format).removed else None
+        event = BlockRemoved(block_hashes=[h], medium=medium)
+        for w in range(self.cfg.workers):
+            self.publishers[(name, d, w)].publish([event])
+        self.models[(name, d)].truth.apply(project(self.cfg.format, event, raw_hashes=self.cfg.raw_hashes))
 
     def _note(self, record: dict[str, Any]) -> None:
         """Append one line to the probe log (if any), stamped with ``time.monotonic()``."""
@@ -868,6 +886,8 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                         "seconds, in order); replaces --rate and --duration")
     p.add_argument("--probe-every", type=float, default=0.0,
                    help="seconds between freshness probes, one fresh block each (0 = none; default 0)")
+    p.add_argument("--probe-keep", type=int, default=0,
+                   help="probes left cached: the oldest beyond this many is removed again (0 = keep all; default 0)")
     p.add_argument("--probe-log", default=None, help="append probes and rung starts to this file as JSON lines")
 
 
@@ -895,7 +915,8 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         seed=args.seed, rate=args.rate, duration=args.duration, block_size=args.block_size,
         replica_prefix=args.replica_prefix, manifest=args.manifest, host=args.host, topic=args.topic,
         buffer_steps=args.buffer_steps, raw_hashes=args.raw_hashes, model=model,
-        schedule=args.schedule, probe_every=args.probe_every, probe_log=args.probe_log,
+        schedule=args.schedule, probe_every=args.probe_every, probe_keep=args.probe_keep,
+        probe_log=args.probe_log,
     )
 
 
