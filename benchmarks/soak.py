@@ -94,6 +94,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="seconds after the restart to wait for the view to be fresh again (default 120)")
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds to wait for the pipeline to drain at the end (default 120)")
+    p.add_argument("--samples-out", type=Path, default=None,
+                   help="write every resource sample as a JSON line: seconds since the start, RSS KiB by process, "
+                        "view size, Redis used_memory, probes published")
     p.add_argument("--seed", type=int, default=11, help="fleet seed and fault draw seed (default 11)")
     p.add_argument("--keep", action="store_true", help="leave the run's topics and Redis keys")
     p.add_argument("--keep-cluster", action="store_true", help="leave the cluster up even if this run started it")
@@ -210,7 +213,9 @@ def slope_per_hour(points: list[tuple[float, float]]) -> Optional[float]:
 
 def rss_figures(samples: list[Probe], t0: float, warmup: float, min_fit: float) -> dict[str, Any]:
     """Per process name, per incarnation (pid): RSS first/last/max MiB and the growth slope (MiB/h)
-    over its samples from ``warmup`` s after the later of the soak's and its own start."""
+    over its samples from ``warmup`` s after the later of the soak's and its own start, and over the
+    second half of those samples (a buffer still filling at the warm-up's end slopes in the first
+    half only; a leak slopes in both)."""
     series: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for s in samples:
         for name, (pid, kib) in s.rss_kib.items():
@@ -221,13 +226,24 @@ def rss_figures(samples: list[Probe], t0: float, warmup: float, min_fit: float) 
         fit = [(t, v) for t, v in pts if t >= start]
         span = fit[-1][0] - fit[0][0] if fit else 0.0
         slope = slope_per_hour(fit) if span >= min_fit else None
+        tail = [(t, v) for t, v in fit if t >= fit[-1][0] - span / 2] if fit else []
+        tail_slope = slope_per_hour(tail) if span >= min_fit else None
         out.setdefault(name, []).append({
             "pid": pid, "samples": len(pts), "fit_span_s": round(span), "first_mib": round(pts[0][1], 1),
             "after_warmup_mib": round(fit[0][1], 1) if fit else None, "last_mib": round(pts[-1][1], 1),
             "max_mib": round(max(v for _, v in pts), 1),
             "growth_mib_h": round(slope, 1) if slope is not None else None,
+            "second_half_growth_mib_h": round(tail_slope, 1) if tail_slope is not None else None,
         })
     return out
+
+
+def write_samples(path: Path, samples: list[Probe], t0: float) -> None:
+    """Every sample as one JSON line (``--samples-out``)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps({"t": round(s.t - t0, 1), "rss_kib": {n: kib for n, (_, kib) in s.rss_kib.items()},
+                                "view": s.view, "redis_used": s.redis_used, "probes": s.probes}) + "\n")
 
 
 def view_figures(samples: list[Probe], t0: float, warmup: float) -> dict[str, Any]:
@@ -384,6 +400,8 @@ def soak(args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str,
             res.stop.set()
             res.join(timeout=30)
             out["rss"] = rss_figures(res.samples, res.t0, args.warmup, args.min_fit)
+            if args.samples_out:
+                write_samples(args.samples_out, res.samples, res.t0)
             out["view"] = view_figures(res.samples, res.t0, args.warmup)
         if lag is not None:
             lag.stop.set()
@@ -410,7 +428,8 @@ def report(out: dict[str, Any]) -> None:
     for name, incs in out.get("rss", {}).items():
         for i in incs:
             print(f"  {name:<14} pid {i['pid']:<8} {i['after_warmup_mib'] or i['first_mib']:>7} -> {i['last_mib']:>7}"
-                  f" (max {i['max_mib']}) over {i['fit_span_s']} s: {fx.cell(i['growth_mib_h'])} MiB/h")
+                  f" (max {i['max_mib']}) over {i['fit_span_s']} s: {fx.cell(i['growth_mib_h'])} MiB/h, "
+                  f"second half {fx.cell(i['second_half_growth_mib_h'])} MiB/h")
     v = out.get("view") or {}
     if v:
         print(f"\n== view: {v['after_warmup']} after warm-up, {v['end']} at the end; per hour: "
