@@ -25,9 +25,11 @@ at each sample (elapsed/total, lag, RSS, view).
 
 **Figures.** RSS growth per hour of each process incarnation: the least-squares slope of its
 samples after ``--warmup`` s (from the soak's start, and from the incarnation's own start for a
-restarted one), over at least ``--min-fit`` s, in MiB/h. The view's growth in blocks per hour
-beside the probes published per hour: a probe is one block the fleet stores and never evicts
-(its ground truth keeps it too), so a bounded view grows by about the probe rate. Worst lag of
+restarted one), over at least ``--min-fit`` s, in MiB/h, and over the second half of those samples.
+The view's size and growth per hour: each replica's caches hold at most 2,048 GPU + 4,096 CPU
++ 4,096 kvcr blocks (kvbus fleet's defaults, LRU), and a probe is one block the fleet removes again once
+``--probe-keep`` newer ones are out, so a bounded view levels off at the fleet's capacity plus
+``--probe-keep`` entries once the caches are full. Worst lag of
 each hop, over the whole run and outside the faults (from each fault until it settled).
 At the end the fleet stops, both hops drain and the view is compared with the fleet's ground
 truth (``pipeline.view_matches_truth``) and every holder's position with the last batch published
@@ -332,7 +334,8 @@ def soak(args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str,
     total_s = args.minutes * 60.0
     out: dict[str, Any] = {"run": run.run_id, "minutes": args.minutes, "rate_ev_s": args.rate,
                            "replicas": args.replicas, "workers": args.workers, "cluster": base.bootstrap,
-                           "fault_pool": [f.name for f in pool], "faults": [], "ok": False}
+                           "probe_keep": args.probe_keep, "fault_pool": [f.name for f in pool], "faults": [],
+                           "ok": False}
     print(f"soak {run.run_id}: {args.minutes:g} min at {args.rate:g} engine events/s, {args.replicas} replicas, "
           f"{args.workers} workers, a fault every {args.fault_every:g} s from {out['fault_pool']}; "
           f"logs {run.children.log_dir}/{run.run_id}-*", flush=True)
@@ -434,7 +437,7 @@ def report(out: dict[str, Any]) -> None:
     if v:
         print(f"\n== view: {v['after_warmup']} after warm-up, {v['end']} at the end; per hour: "
               f"blocks {v['blocks_per_h']}, entries {v['entries_per_h']}, holders {v['holders_per_h']} "
-              f"(probes published {v['probes_per_h']}/h, one never-evicted block each); Redis used_memory "
+              f"(probes published {v['probes_per_h']}/h, the last {out.get('probe_keep')} kept); Redis used_memory "
               f"{v.get('redis_used_mib')}")
     for hop, fig in (out.get("lag") or {}).items():
         print(f"== {hop}: max {fig['max']}, max outside faults {fig['max_outside_faults']}, median {fig['p50']}")
