@@ -238,14 +238,15 @@ def group_stable(bootstrap: str, group: str, members: int) -> bool:
 
 
 def start_fleet(run: Run, args: argparse.Namespace, rungs: list[tuple[float, float]], probe_log: Path,
-                manifest: Path) -> None:
-    """The load generator, playing ``rungs`` ((fleet events/s, seconds)) with probes."""
+                manifest: Path, extra: tuple[str, ...] = ()) -> None:
+    """The load generator, playing ``rungs`` ((fleet events/s, seconds)) with probes; ``extra``: more
+    ``kvbus fleet`` options."""
     schedule = ",".join(f"{r:g}:{s:g}" for r, s in rungs)
     child = run.children.start("fleet", "fleet", "--replicas", str(args.replicas), "--workers", str(args.tp),
                                "--base-port", str(args.base_port), "--schedule", schedule, "--seed", str(args.seed),
                                "--clear-rate", "0", "--probe-every", str(args.probe_every),
                                "--probe-log", str(probe_log), "--manifest", str(manifest),
-                               *(() if args.live_generator else ("--pregenerate",)))
+                               *(() if args.live_generator else ("--pregenerate",)), *extra)
     run.pids["fleet"] = [child.proc.pid]
 
 

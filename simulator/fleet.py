@@ -561,6 +561,10 @@ class FleetConfig:
     (each batch's ``ts`` restamped when sent), so that the generator costs about one ZMQ send per
     batch while it plays; the ground truth is applied as batches are published. Only with a
     ``schedule``. The manifest's prompts are then those generated, its tiers those published."""
+    probe_keep: int = 0
+    """Probes left in the caches (0 = every one, for good): once more are out, the oldest is removed
+    again (a one-block BlockRemoved to its holder, applied to the ground truth too), so that a long
+    run's view and truth do not grow by one block per probe."""
     probe_log: str | None = None
     """Where probes and rung starts are written, one JSON object per line: ``{"probe": "<hash hex>",
     "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>, "wall": <time.time()>}``,
@@ -664,6 +668,8 @@ class Fleet:
         self._server: threading.Thread | None = None
         self._probe_rng = random.Random(f"probe:{cfg.seed}:{time.time_ns()}")  # fresh hashes every run
         self._probe_turn = 0
+        self._probes_out: deque[tuple[bytes, str, int]] = deque()
+        """Probes still cached (hash, replica, dp rank), oldest first (kept only with ``probe_keep``)."""
         self._probe_out: Any = None
         self._pregenerated: deque[list[PregeneratedBatch]] = deque()
         """Steps generated and encoded ahead (:meth:`pregenerate`), played by :meth:`publish_step` first."""
@@ -862,9 +868,21 @@ class Fleet:
         for w in range(self.cfg.workers):
             self.publishers[(name, d, w)].publish([event])
         self.models[(name, d)].later([project(self.cfg.format, event, raw_hashes=self.cfg.raw_hashes)])
+        if self.cfg.probe_keep:
+            self._probes_out.append((h, name, d))
+            if len(self._probes_out) > self.cfg.probe_keep:
+                self._unprobe(*self._probes_out.popleft())
         holder = f"{name}#{d}"
         self._note({"probe": h.hex(), "holder": holder})
         return h, holder
+
+    def _unprobe(self, h: bytes, name: str, d: int) -> None:
+        """Remove probe block ``h`` from holder (``name``, ``d``) again, on every worker stream."""
+        medium = "GPU" if "medium" in wire_format(self.cfg.format).removed else None
+        event = BlockRemoved(block_hashes=[h], medium=medium)
+        for w in range(self.cfg.workers):
+            self.publishers[(name, d, w)].publish([event])
+        self.models[(name, d)].later([project(self.cfg.format, event, raw_hashes=self.cfg.raw_hashes)])
 
     def _note(self, record: dict[str, Any]) -> None:
         """Append one line to the probe log (if any), stamped with ``time.monotonic()``."""
@@ -978,6 +996,8 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                         "seconds, in order); replaces --rate and --duration")
     p.add_argument("--probe-every", type=float, default=0.0,
                    help="seconds between freshness probes, one fresh block each (0 = none; default 0)")
+    p.add_argument("--probe-keep", type=int, default=0,
+                   help="probes left cached: the oldest beyond this many is removed again (0 = keep all; default 0)")
     p.add_argument("--probe-log", default=None, help="append probes and rung starts to this file as JSON lines")
     p.add_argument("--pregenerate", action="store_true",
                    help="generate and encode the whole --schedule before playing it, then play the encoded "
@@ -1008,8 +1028,8 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         seed=args.seed, rate=args.rate, duration=args.duration, block_size=args.block_size,
         replica_prefix=args.replica_prefix, manifest=args.manifest, host=args.host, topic=args.topic,
         buffer_steps=args.buffer_steps, raw_hashes=args.raw_hashes, model=model,
-        schedule=args.schedule, probe_every=args.probe_every, probe_log=args.probe_log,
-        pregenerate=args.pregenerate,
+        schedule=args.schedule, probe_every=args.probe_every, probe_keep=args.probe_keep,
+        probe_log=args.probe_log, pregenerate=args.pregenerate,
     )
 
 

@@ -6,6 +6,8 @@ public API does not offer:
 * :class:`Transport` (broker scheme :data:`SCHEME`, ``kvbus://host:port;host2:port2``): Faust's
   aiokafka transport whose :class:`Consumer` hands the records of one fetch to the conductor in one
   task instead of one ``wait_first`` per record (below);
+* its :class:`Producer`, whose flush before an offset commit waits for the changelog records
+  buffered when it began, not for a buffer that steady table writes never empty (below);
 * :class:`ChangelogPartition`: table writes made inside ``with ChangelogPartition(topic, partition):``
   go to that changelog partition, outside of an agent's iteration;
 * :func:`take_batches`: ``Stream.take_events`` with a wait that follows the load (no timer while
@@ -32,6 +34,18 @@ waits that way once per *fetch*: the records of one ``getmany`` are delivered by
 consumer seeks back to committed offsets: :meth:`kvbus.streams.runtime.Runtime.rebuild`). Faust offers
 no hook for this, hence the subclass of a private method. Everything else (fetching thread,
 rebalancing, commits, producer, tables) is Faust's ``faust.transport.drivers.aiokafka``.
+
+The bounded flush. Faust flushes its producer before every offset commit (``Consumer._commit_offsets``)
+and before a recovery (``Recovery._restart_recovery``), and ``ProducerBuffer.flush`` returns only
+once the buffer is empty (or nothing was sent for 0.1 s). Table writes are put in that buffer: the
+runtime writes each batch's state when its outputs are delivered, so under steady load the buffer
+is refilled faster than one flush empties it, and a commit waited as long as the load lasted. Seen:
+a commit timer running 40 s, and a worker SIGKILLed after 40 s of work that had never committed,
+so the survivor replayed its partitions from offset 0 and the partial aggregates it restored
+outlived their window before the replay reached their other halves. :class:`ProducerBuffer` waits
+for the messages buffered when the flush began (what the offsets being committed depend on: their
+records were acked after their table writes were buffered), then Faust's driver flushes aiokafka's
+own batches as before.
 """
 from __future__ import annotations
 
@@ -51,6 +65,7 @@ from faust.streams import _current_event
 from faust.transport import drivers
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.transport.producer import ProducerBuffer as FaustProducerBuffer
 from faust.types import TP, EventT, Message
 from mode.services import ServiceTask
 from mode.utils.locks import Event
@@ -126,6 +141,25 @@ INTERNALS: tuple[Internal, ...] = (
              reviewed="64da8ce9f729e30e",
              why="take_batches: drains the stream in the background, so its processor fills the batch buffer "
                  "(what Stream.take_events does)"),
+    Internal("faust.transport.consumer:Consumer._commit_offsets", "coroutine function",
+             ("self", "offsets", "start_new_transaction"), reviewed="1a69799041188441",
+             why="flushes the producer (app.producer.flush) before committing offsets: the flush Producer bounds"),
+    Internal("faust.transport.drivers.aiokafka:Producer.flush", "coroutine function", ("self",),
+             reviewed="36d0cb3615f65b01",
+             why="flushes self.buffer (ProducerBuffer.flush, overridden) and then aiokafka's producer"),
+    Internal("faust.transport.producer:Producer.__init__", "function", ("self", "transport", "loop", "kwargs"),
+             reviewed="5c53a4b47aa1372b",
+             why="builds self.buffer (a ProducerBuffer, app set) after Service.__init__: Producer replaces it; "
+                 "on_start makes the buffer a runtime dependency"),
+    Internal("faust.transport.producer:ProducerBuffer.flush", "coroutine function", ("self",),
+             reviewed="26fbebb124ad9c98", why="overridden: flush_atmost(None) waits until the buffer is empty"),
+    Internal("faust.transport.producer:ProducerBuffer.flush_atmost", "coroutine function", ("self", "max_messages"),
+             reviewed="4966e8c5f9b42eb9",
+             why="waits for up to max_messages sends (one per message_sent event), returns when the buffer is "
+                 "empty or nothing was sent for 0.1 s"),
+    Internal("faust.transport.producer:ProducerBuffer.on_stop", "coroutine function", ("self",),
+             reviewed="caffce6cde883392",
+             why="calls self.flush() (the bounded one): at stop nothing is buffered any more"),
     Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread.seek_wait", "coroutine function",
              ("self", "partitions"), reviewed="12e8d34e554e9024",
              why="rewind: seeks run on the consumer thread (calling aiokafka's seek from the event loop's "
@@ -206,10 +240,39 @@ class Consumer(faust_aiokafka.Consumer):
             set_read_offset(tp, offset)
 
 
+# -- the bounded flush ------------------------------------------------------------------------------
+
+
+class ProducerBuffer(FaustProducerBuffer):
+    """Faust's producer buffer whose :meth:`flush` waits for the messages buffered when it was called
+    (module doc, "The bounded flush"), however many are buffered meanwhile."""
+
+    async def flush(self) -> None:
+        """Wait until the messages buffered now are sent: Faust's ``flush_atmost`` waits for one send
+        per message counted (it misses sends made while it is not waiting, so it waits for a few more,
+        a bounded number), counting one more for the message the sending task may have taken from the
+        buffer and not sent yet; it also returns once the buffer is empty or nothing was sent for 0.1 s."""
+        await self.flush_atmost(self.size + 1)
+
+
+class Producer(faust_aiokafka.Producer):
+    """Faust's aiokafka producer (the changelog's) with :class:`ProducerBuffer` as its buffer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        stock = self.buffer  # built by Faust's __init__ and not started yet (on_start starts self.buffer)
+        buffer = ProducerBuffer(loop=self.loop, beacon=self.beacon)
+        buffer.app = stock.app
+        if hasattr(stock, "threaded_producer"):  # producer_threaded: the driver's thread producer
+            buffer.threaded_producer = stock.threaded_producer
+        self.buffer = buffer
+
+
 class Transport(faust_aiokafka.Transport):
-    """Faust's aiokafka transport with :class:`Consumer` (broker scheme :data:`SCHEME`)."""
+    """Faust's aiokafka transport with :class:`Consumer` and :class:`Producer` (broker scheme :data:`SCHEME`)."""
 
     Consumer = Consumer
+    Producer = Producer
 
 
 drivers.TRANSPORTS.aliases.setdefault(SCHEME, f"{__name__}:Transport")

@@ -18,6 +18,7 @@ for itself (``_producer``, ``_lock``, ...).
 from __future__ import annotations
 
 import ast
+import asyncio
 import functools
 import importlib
 import inspect
@@ -29,6 +30,7 @@ from typing import Any, Optional
 import faust
 import faust.streams
 import faust.transport.consumer
+import faust.transport.producer
 import pytest
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
@@ -258,6 +260,51 @@ def test_installed_faust_has_the_sources_the_adapter_was_reviewed_against():
 def test_the_worker_consumer_is_the_adapters_and_passes_its_own_check():
     app = faust.App("kvbus-faust-internals", broker=f"{faust_adapter.SCHEME}://127.0.0.1:9", autodiscover=False)
     assert type(app.consumer) is faust_adapter.Consumer
+    assert type(app.producer) is faust_adapter.Producer
+    assert type(app.producer.buffer) is faust_adapter.ProducerBuffer and app.producer.buffer.app is app
+
+
+# -- the bounded flush ----------------------------------------------------------------------------
+
+
+async def flush_under_steady_writes(buffer_class: type) -> tuple[list[object], list[object], int]:
+    """Buffer 50 messages, then flush while every message sent brings two more (table writes that
+    outpace the sends, until 2,000 sends): (the 50, what was sent when the flush returned, how many
+    were still buffered then)."""
+    from types import SimpleNamespace
+
+    buf = buffer_class()
+    buf.app = SimpleNamespace(conf=SimpleNamespace(producer_threaded=False))
+    sent: list[object] = []
+    writing = True
+
+    async def send(message: object) -> None:  # stands for handing the record to aiokafka
+        await asyncio.sleep(0)
+        sent.append(message)
+        if writing and len(sent) < 2000:
+            buf.put(object())
+            buf.put(object())
+
+    buf._send_pending = send
+    await buf.start()
+    first = [object() for _ in range(50)]
+    for m in first:
+        buf.put(m)
+    await buf.flush()
+    at_return, left = list(sent), buf.size
+    writing = False
+    await buf.flush_atmost(None)  # empty, so that it stops
+    await buf.stop()
+    return first, at_return, left
+
+
+async def test_the_flush_before_a_commit_waits_for_what_was_buffered_not_for_an_empty_buffer():
+    # the premise: Faust's own flush returns only once the buffer is empty, i.e. after the writes stop
+    first, at_return, left = await flush_under_steady_writes(faust.transport.producer.ProducerBuffer)
+    assert len(at_return) >= 2000 and left == 0
+    first, at_return, left = await flush_under_steady_writes(faust_adapter.ProducerBuffer)
+    assert set(map(id, first)) <= set(map(id, at_return)), "a message buffered before the flush was not sent"
+    assert len(at_return) < 1000 and left > 0, (len(at_return), left)  # long before the writes stopped
 
 
 # -- the checks catch a change --------------------------------------------------------------------
