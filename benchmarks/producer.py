@@ -154,6 +154,8 @@ def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dic
             bridge.step(poll_ms=5)
             if metrics.value("events_acked") > 0:
                 break
+        else:
+            raise RuntimeError("bridge: no event acknowledged by Kafka within 60 s of the engine's start")
         t_first = time.monotonic()
         next_sample = t_first + warmup
         end = t_first + warmup + seconds
@@ -163,7 +165,9 @@ def bench_bridge(settings: Settings, seconds: float, warmup: float = 2.0) -> dic
             if now >= next_sample:
                 samples.append((now, time.process_time(), time.thread_time(), metrics.value("events_acked")))
                 next_sample = now + 0.5
-                if now >= end:
+                # two samples at least: on a loaded machine one step can outlast the whole window
+                # (a rate from one sample divided by zero)
+                if now >= end and len(samples) >= 2:
                     break
     finally:
         engine.kill()

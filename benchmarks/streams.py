@@ -132,8 +132,11 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
                     incomplete=f"bench{suffix}.incomplete", dlq=f"bench{suffix}.dlq")
     ensure_topics(settings, [topics.raw, topics.blocks, topics.incomplete, topics.dlq])
     serde = RecordSerde(registry_client(settings), "EventBatch")
+    # idempotent like every kvbus producer: a retried request must not land after a later one, or the
+    # worker reads a worker's seq 1 before its seq 0, ignores seq 0 as a redelivery, and its
+    # aggregates never complete (the run then waits for a consolidated count it cannot reach)
     producer = Producer({"bootstrap.servers": settings.bootstrap, "linger.ms": 20, "compression.type": "lz4",
-                         "queue.buffering.max.messages": 2_000_000})
+                         "queue.buffering.max.messages": 2_000_000, "enable.idempotence": True})
     t0 = time.perf_counter()
     for b in trace:
         producer.produce(topics.raw, serde.dumps(b, topics.raw), holder_key(b.replica, b.dp_rank).encode())
@@ -211,7 +214,7 @@ def latency(settings: Settings, steps: int, workers: int, workdir: Path) -> dict
         by_step[b.seq].append(b)
     registry = registry_client(settings)
     serde, out_serde = RecordSerde(registry, "EventBatch"), RecordSerde(registry, "BlockEvent")
-    producer = Producer({"bootstrap.servers": settings.bootstrap, "linger.ms": 0})
+    producer = Producer({"bootstrap.servers": settings.bootstrap, "linger.ms": 0, "enable.idempotence": True})
     consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"lat-{suffix}",
                          "auto.offset.reset": "earliest", "fetch.wait.max.ms": 5})
     consumer.subscribe([topics.blocks])
