@@ -1176,6 +1176,19 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 # -- main ------------------------------------------------------------------------------
 
+def add_fault_args(p: argparse.ArgumentParser) -> None:
+    """The options of how a fault is run and followed (the fault functions and :func:`settle` read
+    them), shared with benchmarks/soak.py."""
+    p.add_argument("--down-for", type=float, default=10.0, help="seconds a killed process stays down (default 10)")
+    p.add_argument("--registry-down", type=float, default=20.0, help="seconds the registry stays stopped (default 20)")
+    p.add_argument("--late-ms", type=float, default=500.0,
+                   help="a probe not visible within this many ms is late (default 500)")
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="seconds every probe must be in time before the fault counts as over (default 3)")
+    p.add_argument("--converge-timeout", type=float, default=120.0,
+                   help="seconds after the restart to wait for the view to be fresh again (default 120)")
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true", help="list the faults and exit")
@@ -1196,14 +1209,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--pause-for", type=float, default=15.0,
                    help="seconds a paused (SIGSTOP) process stays stopped: past the sinks' and workers' session "
                         "timeouts (10 s) and the brokers' broker.session.timeout.ms (dev stack: 5 s) (default 15)")
-    p.add_argument("--down-for", type=float, default=10.0, help="seconds a killed process stays down (default 10)")
-    p.add_argument("--registry-down", type=float, default=20.0, help="seconds the registry stays stopped (default 20)")
-    p.add_argument("--late-ms", type=float, default=500.0,
-                   help="a probe not visible within this many ms is late (default 500)")
-    p.add_argument("--settle", type=float, default=3.0,
-                   help="seconds every probe must be in time before the fault counts as over (default 3)")
-    p.add_argument("--converge-timeout", type=float, default=120.0,
-                   help="seconds after the restart to wait for the view to be fresh again (default 120)")
+    add_fault_args(p)
     p.add_argument("--drain-timeout", type=float, default=90.0,
                    help="seconds to wait for the pipeline to drain (default 90)")
     p.add_argument("--seed", type=int, default=11, help="fleet seed (default 11)")

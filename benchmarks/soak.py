@@ -57,7 +57,7 @@ import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, pro
 from kvbus.infra.procs import proc_rss_kib, read_pid  # noqa: E402
 from kvbus.infra.stack_env import Paths  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
-from kvbus.sinks.sharded_store import open_store  # noqa: E402
+from kvbus.sinks.store_url import open_store  # noqa: E402
 
 log = logging.getLogger("kvbus.soak")
 
@@ -86,14 +86,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--min-fit", type=float, default=300.0,
                    help="shortest span (s) of samples an RSS slope is fitted over (default 300)")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS/view samples (default 10)")
-    p.add_argument("--down-for", type=float, default=10.0, help="seconds a killed process stays down (default 10)")
-    p.add_argument("--registry-down", type=float, default=20.0, help="seconds the registry stays stopped (default 20)")
-    p.add_argument("--late-ms", type=float, default=500.0,
-                   help="a probe not visible within this many ms is late (default 500)")
-    p.add_argument("--settle", type=float, default=3.0,
-                   help="seconds every probe must be in time before a fault counts as over (default 3)")
-    p.add_argument("--converge-timeout", type=float, default=120.0,
-                   help="seconds after the restart to wait for the view to be fresh again (default 120)")
+    fx.add_fault_args(p)
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="seconds to wait for the pipeline to drain at the end (default 120)")
     p.add_argument("--samples-out", type=Path, default=None,
