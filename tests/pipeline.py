@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -16,6 +15,10 @@ from kvbus.children import Children
 from kvbus.schemas.events import EventBatch, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
+from tests.waiting import (
+    Waiting,  # noqa: F401  (the checks' return value, re-exported)
+    eventually as _eventually,
+)
 
 
 def env_for(settings: Settings) -> dict[str, str]:
@@ -57,37 +60,11 @@ class Pipeline:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-class Waiting:
-    """What a check of :func:`eventually` saw while its condition does not hold yet: falsy, and shown
-    in the message when ``eventually`` gives up (``Waiting(lag=3, flow=[10, 9, 9])``)."""
-
-    def __init__(self, **seen: object) -> None:
-        self.seen = seen
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __repr__(self) -> str:
-        return "Waiting(" + ", ".join(f"{k}={v!r}" for k, v in self.seen.items()) + ")"
-
-
 def eventually(check: Callable[[], object], timeout: float, pipeline: Pipeline | None = None,
                interval: float = 0.5) -> object:
-    """Poll ``check()`` until it returns a truthy value; after ``timeout`` seconds fail naming the
-    check (its name and the first line of its docstring: what it waited for) and its last value (what
-    it saw: return a :class:`Waiting` to say more than None or False)."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        if pipeline is not None:
-            pipeline.check_alive()
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    doc = (check.__doc__ or "").strip().splitlines()
-    what = getattr(check, "__name__", repr(check)) + (f" ({doc[0]})" if doc else "")
-    raise AssertionError(f"not reached in {timeout}s: {what}; last value: {last!r}")
+    """:func:`tests.waiting.eventually`, failing at once if a process of ``pipeline`` died."""
+    return _eventually(check, timeout, interval=interval,
+                       alive=pipeline.check_alive if pipeline is not None else None)
 
 
 class RawProducer:

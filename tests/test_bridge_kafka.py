@@ -29,6 +29,7 @@ from kvbus.schemas.events import BlockStored, holder_key
 from kvbus.schemas.settings import Settings
 from kvbus.simulator.engine_wire import FORMATS, project
 from kvbus.simulator.fleet import Fleet, FleetConfig
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -38,12 +39,7 @@ ZMQ_TOPIC = "kv@replica-0@model"
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    eventually(cond, timeout, what=what, interval=0.05)
 
 
 class RawReader:

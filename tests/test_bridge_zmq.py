@@ -27,6 +27,7 @@ from kvbus.simulator.fleet import Fleet, FleetConfig, ScriptBatch
 from tests.callback_sink import CallbackSink
 from tests.recording_producer import RecordingProducer
 from tests.vllm_shapes import VllmBlockStored
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,12 +35,7 @@ REPLICA = "replica-0"
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+    eventually(cond, timeout, what=what, interval=0.01)
 
 
 def h(i: int) -> bytes:

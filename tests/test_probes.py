@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import socket
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -32,6 +31,7 @@ from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
 from tests.redis_server import RedisServer
 from tests.test_sink_consumer import produce
+from tests.waiting import eventually
 
 QUIET = logging.getLogger("tests.probes.librdkafka")
 """Where the test's own librdkafka clients log (not stderr)."""
@@ -57,17 +57,11 @@ def readyz(port: int) -> tuple[int, list[str]]:
 def wait_until(check, timeout: float, what: str, children: Children | None = None, interval: float = 0.2):
     """``check()`` until truthy; fails after ``timeout`` s saying what it waited for and what it last saw
     (and with the log of any child that exited)."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        if children is not None:
-            report = children.stopped_report(tail=3000)
-            assert report is None, report
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"{what}: not within {timeout}s; last seen {last!r}")
+    def alive() -> None:
+        report = children.stopped_report(tail=3000) if children is not None else None
+        assert report is None, report
+
+    return eventually(check, timeout, what=what, interval=interval, alive=alive)
 
 
 def json_lines(path: Path) -> list[dict]:

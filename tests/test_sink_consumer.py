@@ -24,6 +24,7 @@ from kvbus.sinks.redis_store import RedisStore
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
 from tests.redis_server import RedisServer
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -56,13 +57,7 @@ def produce(settings: Settings, records, extra=()) -> None:
 
 
 def wait_for(cond, timeout: float, what: str, step=None) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        if step:
-            step()
-        else:
-            time.sleep(0.2)
+    eventually(cond, timeout, what=what, step=step)
 
 
 def read_dead_letters(settings: Settings, topic: str, n: int) -> list[DeadLetter]:
