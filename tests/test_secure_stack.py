@@ -80,7 +80,7 @@ def test_sink_reads_block_topics_in_its_group_but_not_raw(secure_stack):
     group = SinkConfig().group
     tier = T.for_ownership("lmcache")
     value = uuid.uuid4().bytes
-    admin = secure.topics.admin_client(secure_stack.bootstrap, **secure.admin_conf(secure_stack))
+    admin = secure.dev_topics.admin_client(secure_stack.bootstrap, **secure.admin_conf(secure_stack))
     admin.create_topics([NewTopic(tier, 1, 1)])[tier].result(PROMPT)
     assert produce_one(kafka_conf(secure_stack, STREAMS), tier, value) is None
     c = Consumer(group_conf(secure_stack, SINK, group))
@@ -108,7 +108,7 @@ def test_sink_reads_block_topics_in_its_group_but_not_raw(secure_stack):
 def test_sink_writes_dead_letters_and_snapshots_only(secure_stack):
     conf = kafka_conf(secure_stack, SINK)
     assert produce_one(conf, T.dlq) is None
-    admin = secure.topics.admin_client(secure_stack.bootstrap, **conf)
+    admin = secure.dev_topics.admin_client(secure_stack.bootstrap, **conf)
     fut = admin.create_topics([NewTopic(T.snapshots, 1, 1, config={"cleanup.policy": "compact"})])[T.snapshots]
     try:
         fut.result(PROMPT)
@@ -128,7 +128,7 @@ def test_streams_reads_raw_writes_outputs_and_creates_tier_and_own_topics_only(s
         assert produce_one(conf, topic) is None, topic
     err = produce_one(conf, T.raw)
     assert err is not None and err.code() == DENIED
-    admin = secure.topics.admin_client(secure_stack.bootstrap, **conf)
+    admin = secure.dev_topics.admin_client(secure_stack.bootstrap, **conf)
     tier = T.for_ownership(f"t{uuid.uuid4().hex[:6]}")
     changelog, other = f"{app}-x{uuid.uuid4().hex[:6]}-changelog", f"x{uuid.uuid4().hex[:6]}"
     futs = admin.create_topics([NewTopic(t, 1, 1) for t in (tier, changelog, other)], operation_timeout=PROMPT)
