@@ -93,9 +93,8 @@ class BridgeGroup:
             b.sync_poller()
         ready = dict(self.poller.poll(poll_ms))
         read = 0
-        if ready:
-            for b in self.bridges:
-                read += b.handle(ready, max_live)
+        for b in self.bridges:  # also when no socket is ready: a stream's catch-up after shedding and
+            read += b.handle(ready, max_live)  # its replay timeout are due whether or not batches arrive
         if read:
             self.passes[read] += 1
         now = time.monotonic()

@@ -175,3 +175,21 @@ def test_streams_file_names_each_stream_over_the_flags(tmp_path):
     add_bridge_args(p)
     with pytest.raises(SettingError, match="--endpoint and --replica are required"):
         configs_from_args(p.parse_args([]))
+
+
+def test_a_stream_that_went_quiet_after_shedding_gets_its_tail_replayed(groups):
+    """Batches shed while the producer refused, with no live batch after them: once it accepts
+    again, the group's next passes ask the engine for the tail, though no socket has anything."""
+    g = groups(2)
+    g.subscribed()
+    name = g.fleet.names[0]
+    pub = g.fleet.publisher(name)
+    g.sink.accept = False
+    for i in range(5):
+        pub.publish([stored(2_000_000 + i)], ts=1.0)
+    mine = lambda: [b.seq for b in g.data() if b.replica == name]  # noqa: E731
+    have = len(mine())
+    g.step_until(lambda: g.metrics.value("shed") >= 5, "the five batches shed")
+    assert len(mine()) == have  # refused: nothing produced
+    g.sink.accept = True  # the engine stays quiet from here on
+    g.step_until(lambda: mine() == list(range(pub.next_seq)), f"{name}'s shed tail replayed")
