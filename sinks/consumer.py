@@ -135,6 +135,12 @@ class SinkConsumer:
         self.commit_every = config.commit_every
         self._last_commit = 0.0
         self._uncommitted = False
+        self._positions: dict[tuple[str, int], int] = {}
+        """Per assigned partition, the offset after the last record the view holds: what the group's
+        commit says. Set from the view's offsets on assignment and resync, moved by every batch
+        applied. Committed explicitly, never from librdkafka's offset store, which an assignment
+        empties: a sink reassigned at the view's offsets with nothing new to read would otherwise
+        leave the group's committed offset behind for good (a lag it does not have)."""
         self.metrics = metrics or SinkMetrics()
         registry = registry_client(settings)
         # Avro decoding generated from the .avsc files for records of the current schema (figures:
@@ -208,10 +214,18 @@ class SinkConsumer:
         for tp in partitions:
             tp.offset = off.get((tp.topic, tp.partition), OFFSET_BEGINNING)
         consumer.assign(partitions)
+        self._hold_positions(off, partitions)
         self.metrics.lag.clear()  # partitions given to another sink are not this sink's lag any more
         self.lag, self.assigned = 0, True
         log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in partitions),
                  extra={"partitions": [f"{tp.topic}[{tp.partition}]" for tp in partitions]})
+
+    def _hold_positions(self, off: dict[tuple[str, int], int], partitions: list[TopicPartition]) -> None:
+        """The view's offsets ``off`` become the positions to commit for ``partitions`` (the
+        assignment); committed at the next chance."""
+        self._positions = {(tp.topic, tp.partition): off[(tp.topic, tp.partition)]
+                           for tp in partitions if (tp.topic, tp.partition) in off}
+        self._uncommitted = bool(self._positions)
 
     def _sync_view(self) -> dict[tuple[str, int], int]:
         """Make sure there is a view (rebuild it if it is gone, or if Redis evicted keys of it since
@@ -250,6 +264,7 @@ class SinkConsumer:
                     TopicPartition(t.topic, t.partition, off.get((t.topic, t.partition), OFFSET_BEGINNING))
                     for t in self.consumer.assignment()])
                 break
+        self._hold_positions(off, self.consumer.assignment())
         self._resync = False
         self.metrics.resyncs.inc()
         log.warning("resynchronised with view %s: reading again from its stored offsets", self.view_id)
@@ -439,6 +454,7 @@ class SinkConsumer:
             self._writes_accepted()
             self._expected = self.store.advance(self._expected, offsets)
         if msgs:
+            self._positions.update(offsets)
             self._uncommitted = True
             if time.monotonic() - self._last_commit >= self.commit_every:
                 self._commit()
@@ -530,8 +546,6 @@ class SinkConsumer:
         """librdkafka's answer to an asynchronous commit (called from ``poll``, this thread): a commit
         refused (e.g. while the group still rebalances after a join) is sent again at the next chance,
         so a quiet sink does not keep reporting a lag it does not have."""
-        if err is not None and err.code() == KafkaError._NO_OFFSET:
-            return  # nothing new to commit
         failed = err is not None or any(p.error is not None for p in partitions or ())
         if failed:
             log.debug("offset commit refused (%s): committed again at the next batch or idle poll", err)
@@ -539,10 +553,13 @@ class SinkConsumer:
 
     def _commit(self) -> None:
         """Commit the positions after the records handled so far (asynchronously), if any are new."""
-        if self._uncommitted:
-            self.consumer.commit(asynchronous=True)
-            self._uncommitted = False
+        if self._uncommitted and self._positions:
+            self.consumer.commit(offsets=self._commit_offsets(), asynchronous=True)
             self._last_commit = time.monotonic()
+        self._uncommitted = False
+
+    def _commit_offsets(self) -> list[TopicPartition]:
+        return [TopicPartition(topic, partition, offset) for (topic, partition), offset in self._positions.items()]
 
     def _dead(self, msg: Any, source: str, reason: str, kind: str) -> None:
         log.warning("dead letter %s: %s", source, reason,
@@ -591,7 +608,8 @@ class SinkConsumer:
         """Commit what was applied and leave the group."""
         try:
             self.producer.flush(10)
-            self.consumer.commit(asynchronous=False)
+            if self._positions:
+                self.consumer.commit(offsets=self._commit_offsets(), asynchronous=False)
         except KafkaException as e:
             if e.args[0].code() != KafkaError._NO_OFFSET:
                 log.warning("final commit failed: %s", e)

@@ -9,9 +9,10 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kvbus.schemas.events import BlockEvent, BlockStored, DeadLetter, canonical_hash, holder_key
@@ -24,7 +25,7 @@ from kvbus.sinks.redis_store import RedisStore
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
 from tests.redis_server import RedisServer
-from tests.waiting import eventually
+from tests.waiting import Waiting, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -183,3 +184,44 @@ def test_sink_picks_up_new_tier_topics_and_expires_silent_replicas(settings, top
             admin.delete_topics([late])
     finally:
         sink.close()
+
+
+def committed_offsets(settings: Settings, group: str, topic: str, partitions: int) -> dict[int, int]:
+    """Group ``group``'s committed offset per partition of ``topic`` (negative: none committed)."""
+    c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": group})
+    try:
+        return {tp.partition: tp.offset
+                for tp in c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)}
+    finally:
+        c.close()
+
+
+def test_a_sink_resuming_from_the_view_commits_its_positions_with_nothing_new_to_read(settings, topics,
+                                                                                     redis_server):
+    """The group's committed offsets say what the view holds, even for a sink whose assignment starts
+    at the view's offsets and which never reads a record (a monitor would show a lag that is not)."""
+    records = random_streams(5, topics, holders=3, batches=40, pool=20)
+    produce(settings, records)
+    model = InMemoryStore()
+    model.apply(records)
+    store = RedisStore(redis_server.client(), f"s{uuid.uuid4().hex[:8]}:")
+    config = SinkConfig(group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0, poll_timeout=0.2)
+    first = SinkConsumer(settings, store, config, topics=topics)
+    try:
+        wait_for(lambda: store.positions() == model.positions(), 90, "the first sink to catch up", step=first.step)
+    finally:
+        first.close()
+    view = {p: off for (t, p), off in store.offsets().items() if t == topics.blocks}
+    assert view  # the records reached the main block topic
+    second = SinkConsumer(settings, store, replace(config, group=f"g-{uuid.uuid4().hex}"), topics=topics)
+    parts = settings.partitions
+    try:
+        def committed() -> bool | Waiting:
+            second.step()
+            seen = {p: off for p, off in committed_offsets(settings, second.config.group, topics.blocks,
+                                                           parts).items() if p in view}
+            return seen == view or Waiting(committed=seen, view=view)
+        eventually(committed, 60, what="the second sink's group to commit the view's offsets")
+    finally:
+        second.close()
+    assert second.metrics.records._value.get() == 0  # it read nothing: the positions came from the view
