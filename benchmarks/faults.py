@@ -773,15 +773,61 @@ class Ctx:
 
 def stage_args(args: argparse.Namespace, f: Fault) -> argparse.Namespace:
     """The options pipeline.py's helpers read (new_run, start_stages, start_fleet, drain)."""
+    # one bridge per stream (sidecars, so that a bridge fault is one stream's); the live generator:
+    # a run lasts until the fault is followed, a schedule not known up front to pregenerate
     return argparse.Namespace(replicas=args.replicas, tp=1, workers_procs=f.workers, sinks=f.sinks,
                               partitions=args.partitions, seed=args.seed, probe_every=args.probe_every,
-                              base_port=free_port_block(2 * args.replicas), drain_timeout=args.drain_timeout)
+                              base_port=free_port_block(2 * args.replicas), drain_timeout=args.drain_timeout,
+                              streams_per_bridge=1, live_generator=True)
+
+
+@dataclass
+class Started:
+    """A run whose stages and fleet play: what a fault or a soak follows it with."""
+
+    ports: dict[str, int]
+    """Metrics port of each stage process by name (``sink-0``, ``worker-1``, ``bridge-2-w0``)."""
+    probe_log: Path
+    """The fleet's probe log (one JSON line per probe published)."""
+    manifest: Path
+    """The fleet's truth: what every holder published (read at the end against the view)."""
+    store: ResidencyStore
+    """The run's view, read by the prober and the truth check."""
+    prober: pl.Prober
+    """Follows the probes into the view (freshness)."""
+
+
+def start_run(run: pl.Run, pargs: argparse.Namespace, logs: Path, rate: float, seconds: float,
+              sink_args: tuple[str, ...] = (), fleet_args: tuple[str, ...] = ()) -> Started:
+    """Register the schemas, start ``run``'s stages (``sink_args`` added to each sink's command),
+    then its fleet publishing ``rate`` engine events/s for ``seconds`` with probes (``fleet_args``
+    added to ``kvbus fleet``'s command)."""
+    from kvbus.schemas.registry import register
+
+    for attempt in range(3):  # Apicurio now and then closes a connection unanswered (README)
+        try:
+            register(run.settings.registry_url, run.settings.topics, ("kvcr",), run.settings.security.registry)
+            break
+        except OSError as e:
+            if attempt == 2:
+                raise
+            log.warning("schema registration failed (%s): again", e)
+            time.sleep(1.0)
+    pl.start_stages(run, pargs, sink_args=sink_args)
+    run.pids.update(pl.service_pids(run.settings.redis_url))
+    ports = {f"sink-{i}": p for i, p in enumerate(run.sink_ports)}
+    ports.update({f"worker-{i}": p for i, p in enumerate(run.worker_ports)})
+    ports.update({f"bridge-{i}-w0": p for i, p in enumerate(run.bridge_ports)})
+    time.sleep(1.0)  # bridges connected before the first batch
+    probe_log, manifest = logs / f"{run.run_id}-probes.jsonl", logs / f"{run.run_id}-manifest.json"
+    store = open_store(run.settings.redis_url, run.prefix, load=False)  # sharded on a cluster URL
+    prober = pl.Prober(probe_log, store)
+    pl.start_fleet(run, pargs, [(rate, seconds)], probe_log, manifest, fleet_args)
+    return Started(ports, probe_log, manifest, store, prober)
 
 
 def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str, Any]:
     """Run fault ``f`` on a fresh run; returns its figures."""
-    from kvbus.schemas.registry import register
-
     t_start = time.monotonic()
     out: dict[str, Any] = {"fault": f.name, "ok": False}
     own: Any = None
@@ -798,26 +844,8 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
     sampler: Optional[pl.Sampler] = None
     ctx: Optional[Ctx] = None
     try:
-        for attempt in range(3):  # Apicurio now and then closes a connection unanswered (README)
-            try:
-                register(run.settings.registry_url, run.settings.topics, ("kvcr",), run.settings.security.registry)
-                break
-            except OSError as e:
-                if attempt == 2:
-                    raise
-                log.warning("schema registration failed (%s): again", e)
-                time.sleep(1.0)
-        pl.start_stages(run, pargs, sink_args=f.sink_args)
-        run.pids.update(pl.service_pids(run.settings.redis_url))
-        ports = {f"sink-{i}": p for i, p in enumerate(run.sink_ports)}
-        ports.update({f"worker-{i}": p for i, p in enumerate(run.worker_ports)})
-        ports.update({f"bridge-{i}-w0": p for i, p in enumerate(run.bridge_ports)})
-        time.sleep(1.0)  # bridges connected before the first batch
-        logs = state_dir / "logs"
-        probe_log, manifest = logs / f"{run.run_id}-probes.jsonl", logs / f"{run.run_id}-manifest.json"
-        store = open_store(run.settings.redis_url, run.prefix, load=False)  # sharded on a cluster URL
-        prober = pl.Prober(probe_log, store)
-        pl.start_fleet(run, pargs, [(args.rate, 24 * 3600.0)], probe_log, manifest)
+        started = start_run(run, pargs, state_dir / "logs", args.rate, 24 * 3600.0, sink_args=f.sink_args)
+        ports, manifest, store, prober = started.ports, started.manifest, started.store, started.prober
         sampler = pl.Sampler(run)
         sampler.start()
         ctx = Ctx(args, run, prober, sampler, ports, own)
@@ -1176,6 +1204,14 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 # -- main ------------------------------------------------------------------------------
 
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """The load a fault run or a soak runs under: the fleet's rate and replicas, the topics' partitions."""
+    p.add_argument("--rate", type=float, default=1500.0, help="engine events/s the fleet publishes (default 1500)")
+    p.add_argument("--replicas", type=int, default=4, help="engine replicas = bridges (default 4)")
+    p.add_argument("--partitions", type=int, default=None,
+                   help="partitions of the run's topics (default KVBUS_PARTITIONS)")
+
+
 def add_fault_args(p: argparse.ArgumentParser) -> None:
     """The options of how a fault is run and followed (the fault functions and :func:`settle` read
     them), shared with benchmarks/soak.py."""
@@ -1194,10 +1230,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="list the faults and exit")
     p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated faults to run, in order (default all)")
     p.add_argument("--repeat", type=int, default=1, help="run the selection this many times in a row (default 1)")
-    p.add_argument("--rate", type=float, default=1500.0, help="engine events/s the fleet publishes (default 1500)")
-    p.add_argument("--replicas", type=int, default=4, help="engine replicas = bridges (default 4)")
-    p.add_argument("--partitions", type=int, default=None,
-                   help="partitions of the run's topics (default KVBUS_PARTITIONS)")
+    add_load_args(p)
     p.add_argument("--probe-every", type=float, default=0.05, help="seconds between freshness probes (default 0.05)")
     p.add_argument("--before", type=float, default=5.0,
                    help="seconds of measured steady flow before the fault, once the pipeline is fresh (default 5)")

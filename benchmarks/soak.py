@@ -69,11 +69,8 @@ CONVERGENCE = ("fault_window_s", "in_flight", "late_probes", "max_stale_ms", "co
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, required=True, help="minutes of load (faults included)")
-    p.add_argument("--rate", type=float, default=1500.0, help="engine events/s the fleet publishes (default 1500)")
-    p.add_argument("--replicas", type=int, default=4, help="engine replicas = bridges (default 4)")
+    fx.add_load_args(p)
     p.add_argument("--workers", type=int, default=2, help="Faust worker processes (default 2)")
-    p.add_argument("--partitions", type=int, default=None,
-                   help="partitions of the run's topics (default KVBUS_PARTITIONS)")
     p.add_argument("--probe-every", type=float, default=0.1, help="seconds between freshness probes (default 0.1)")
     p.add_argument("--probe-keep", type=int, default=600,
                    help="probes left in the view: the fleet removes the oldest beyond this many again "
@@ -309,7 +306,6 @@ def one_fault(ctx: fx.Ctx, f: fx.Fault, since: float, t0: float) -> dict[str, An
 
 
 def soak(args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str, Any]:
-    from kvbus.schemas.registry import register
 
     setup = fx.Fault("soak", lambda ctx: None, "the soak's processes", workers=args.workers)
     pool = [f for f in fx.FAULTS.values() if fits(f, setup)]
@@ -335,19 +331,9 @@ def soak(args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str,
     lag: Optional[pl.Sampler] = None
     res: Optional[Resources] = None
     try:
-        register(run.settings.registry_url, run.settings.topics, ("kvcr",), run.settings.security.registry)
-        pl.start_stages(run, pargs)
-        run.pids.update(pl.service_pids(run.settings.redis_url))
-        ports = {f"sink-{i}": p for i, p in enumerate(run.sink_ports)}
-        ports.update({f"worker-{i}": p for i, p in enumerate(run.worker_ports)})
-        ports.update({f"bridge-{i}-w0": p for i, p in enumerate(run.bridge_ports)})
-        time.sleep(1.0)  # bridges connected before the first batch
-        logs = state_dir / "logs"
-        probe_log, manifest = logs / f"{run.run_id}-probes.jsonl", logs / f"{run.run_id}-manifest.json"
-        store = open_store(run.settings.redis_url, run.prefix, load=False)
-        prober = pl.Prober(probe_log, store)
-        pl.start_fleet(run, pargs, [(args.rate, total_s + 3600.0)], probe_log, manifest,
-                       ("--probe-keep", str(args.probe_keep)))
+        started = fx.start_run(run, pargs, state_dir / "logs", args.rate, total_s + 3600.0,
+                               fleet_args=("--probe-keep", str(args.probe_keep)))
+        ports, manifest, store, prober = started.ports, started.manifest, started.store, started.prober
         lag = pl.Sampler(run)
         lag.start()
         t0 = time.monotonic()
