@@ -75,6 +75,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--probe-keep", type=int, default=600,
                    help="probes left in the view: the fleet removes the oldest beyond this many again "
                         "(kvbus fleet --probe-keep; 0 = none removed; default 600)")
+    p.add_argument("--clear-rate", type=float, default=0.0005,
+                   help="chance per engine step that a replica clears its cache (AllBlocksCleared), so that "
+                        "the view churns as well as fills (kvbus fleet --clear-rate; default 0.0005)")
     p.add_argument("--faults", default=None,
                    help="comma-separated faults to draw from (default: every registered fault that fits)")
     p.add_argument("--fault-every", type=float, default=180.0, help="seconds between fault starts (default 180)")
@@ -323,7 +326,8 @@ def soak(args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str,
     total_s = args.minutes * 60.0
     out: dict[str, Any] = {"run": run.run_id, "minutes": args.minutes, "rate_ev_s": args.rate,
                            "replicas": args.replicas, "workers": args.workers, "cluster": base.bootstrap,
-                           "probe_keep": args.probe_keep, "fault_pool": [f.name for f in pool], "faults": [],
+                           "probe_keep": args.probe_keep, "clear_rate": args.clear_rate,
+                           "fault_pool": [f.name for f in pool], "faults": [],
                            "ok": False}
     print(f"soak {run.run_id}: {args.minutes:g} min at {args.rate:g} engine events/s, {args.replicas} replicas, "
           f"{args.workers} workers, a fault every {args.fault_every:g} s from {out['fault_pool']}; "
@@ -332,7 +336,7 @@ def soak(args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str,
     res: Optional[Resources] = None
     try:
         started = fx.start_run(run, pargs, state_dir / "logs", args.rate, total_s + 3600.0,
-                               fleet_args=("--probe-keep", str(args.probe_keep)))
+                               fleet_args=("--probe-keep", str(args.probe_keep), "--clear-rate", str(args.clear_rate)))
         ports, manifest, store, prober = started.ports, started.manifest, started.store, started.prober
         lag = pl.Sampler(run)
         lag.start()

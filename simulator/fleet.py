@@ -19,8 +19,8 @@ cached prefix is reused, new full blocks are announced as one ``BlockStored`` ch
 (parent hash = the last cached block, hashes from :mod:`kvbus.schemas.hashing`, so
 ``kvbus lookup --tokens`` finds them), LRU evictions are one ``BlockRemoved`` per hash
 (like vLLM), some chains are offloaded to CPU (``medium="CPU"``) and some to the
-secondary tier ``ownership="kvcr"``, and rarely the whole cache is reset
-(``AllBlocksCleared``). Each model keeps the ground truth (:class:`Residency`).
+secondary tier ``ownership="kvcr"``, and rarely the framework's cache is reset
+(``AllBlocksCleared``: GPU and CPU emptied, the kvcr tier kept). Each model keeps the ground truth (:class:`Residency`).
 
 **Tensor-parallel workers.** ``workers > 1``: every worker has its own stream reporting the
 same events; ``drop_rate`` / ``dup_rate`` omit or duplicate single event reports of one
@@ -260,7 +260,10 @@ class Residency:
             if tier is not None:
                 for h in event.block_hashes:
                     tier.pop(h, None)
-        elif isinstance(event, (AllBlocksCleared, Reset)):
+        elif isinstance(event, AllBlocksCleared):  # the framework's cache: secondary tiers keep theirs
+            for tier in [t for t in self.tiers if t[1] is None]:
+                del self.tiers[tier]
+        elif isinstance(event, Reset):  # the engine restarted: every tier is gone
             self.tiers.clear()
 
     def apply_all(self, events: Iterable[Event]) -> "Residency":
@@ -410,13 +413,16 @@ class CacheModel:
         return events
 
     def _clear(self) -> AllBlocksCleared:
-        self._lru.clear()
+        """Empty the framework's tiers (ownership null); a secondary tier (kvcr) is its connector's,
+        which the engine's prefix-cache reset leaves alone (as the view does)."""
+        for tier in [t for t in self._lru if t[1] is None]:
+            del self._lru[tier]
         self.clears += 1
         return AllBlocksCleared()
 
     def clear(self) -> AllBlocksCleared:
-        """Reset the prefix cache (vLLM's ``reset_prefix_cache``): every tier emptied, ground truth
-        included; returns the event that announces it."""
+        """Reset the prefix cache (vLLM's ``reset_prefix_cache``): the framework's tiers emptied,
+        ground truth included; returns the event that announces it."""
         event = self._clear()
         self.truth.apply(event)
         return event
@@ -465,11 +471,17 @@ class CacheModel:
             cached += 1
         for h in reversed(hashes[:cached]):  # touch, parents most recent
             lru.move_to_end(h)
-        new = hashes[cached:]
+        medium, ownership = tier
+        end = len(hashes)
+        if medium not in ("GPU", None) or ownership is not None:
+            # an offloading tier counts references (a store of a block it holds is a second
+            # reference, kept until a second remove), and its connector announces a block once: the
+            # chain stops before the first block the tier already holds, so the truth stays a set
+            end = next((i for i in range(cached, len(hashes)) if hashes[i] in lru), end)
+        new = hashes[cached:end]
         events: list[Event] = []
         if not new:
             return events
-        medium, ownership = tier
         extra: dict[str, Any] = {}
         if self._has_group and medium == "GPU":
             extra = {"group_idx": 0}
@@ -486,13 +498,13 @@ class CacheModel:
         parent = hashes[cached - 1] if cached else None
         events.append(BlockStored(
             block_hashes=list(new), parent_block_hash=parent,
-            token_ids=list(tokens[cached * bs:len(hashes) * bs]), block_size=bs,
+            token_ids=list(tokens[cached * bs:end * bs]), block_size=bs,
             medium=medium, ownership=ownership,
-            block_digests=list(digests[cached:]) if self._raw else None,
+            block_digests=list(digests[cached:end]) if self._raw else None,
             parent_block_digest=(digests[cached - 1] if cached else None) if self._raw else None,
             **extra,
         ))
-        for h, d in zip(reversed(new), reversed(digests[cached:])):
+        for h, d in zip(reversed(new), reversed(digests[cached:end])):
             lru[h] = None
             if self._raw:
                 self._digests[h] = d

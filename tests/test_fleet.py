@@ -12,8 +12,9 @@ import pytest
 import zmq
 
 from kvbus.producers.decode import decode_batch, parse_frames, parse_replay_reply
-from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 from kvbus.schemas.hashing import block_hashes
+from kvbus.schemas.topics import Topics
 from kvbus.simulator.engine_wire import project
 from kvbus.simulator.fleet import (
     CacheModel,
@@ -25,6 +26,7 @@ from kvbus.simulator.fleet import (
     parse_schedule,
     stream_index,
 )
+from tests.memory_store import InMemoryStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,15 +97,46 @@ def test_formats_without_medium_or_ownership_get_no_offload_events():
     assert "CPU" in {getattr(e, "medium", None) for e in events}
 
 
-def test_all_blocks_cleared_empties_the_truth():
-    m = model(clear_rate=1.0)
-    m.step()
+def test_all_blocks_cleared_empties_the_frameworks_tiers_of_the_truth():
+    m = model(clear_rate=1.0, kvcr_rate=0.5)
+    for _ in range(5):
+        m.step()
+    kvcr_before = m.truth.snapshot()[("CPU", "kvcr")]
     events = m.step()
     assert isinstance(events[0], AllBlocksCleared)
-    assert set(m.truth.snapshot()) <= {("GPU", None), ("CPU", None), ("CPU", "kvcr")}
-    # after the clear only this step's stores are resident
+    truth = m.truth.snapshot()
+    assert set(truth) <= {("GPU", None), ("CPU", None), ("CPU", "kvcr")}
+    # after the clear only this step's stores are resident in the framework's tiers
     stored = {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
-    assert set().union(*m.truth.snapshot().values()) <= stored
+    assert truth.get(("GPU", None), set()) | truth.get(("CPU", None), set()) <= stored
+    # the secondary tier is its connector's: the clear leaves it
+    assert kvcr_before <= truth[("CPU", "kvcr")] | stored | removed_from(events, ("CPU", "kvcr"))
+
+
+def removed_from(events: list, tier: tuple) -> set[bytes]:
+    return {h for e in events if isinstance(e, BlockRemoved) and (e.medium, e.ownership) == tier
+            for h in e.block_hashes}
+
+
+def test_the_views_rules_over_the_fleets_events_give_its_truth():
+    """The fleet's ground truth follows the view's documented rules (AllBlocksCleared drops the
+    framework's tiers, ownership tiers stay): the sink's model store, fed the fleet's events on
+    their topics, ends where the truth does."""
+    m = model(gpu_blocks=128, cpu_blocks=64, kvcr_blocks=32, cpu_rate=0.5, kvcr_rate=0.3, clear_rate=0.05)
+    topics = Topics()
+    records = []
+    for seq in range(300):
+        for i, e in enumerate(m.step()):
+            ev = project("vllm-0.33", e)
+            owner = getattr(ev, "ownership", None)
+            records.append((topics.for_ownership(owner) if owner else topics.blocks,
+                            BlockEvent(replica="r", epoch=1, seq=seq, index=i, ts=float(seq), event=ev)))
+    view = InMemoryStore()
+    view.apply(records)
+    labels = {(medium, owner): medium if owner is None else f"{medium}@{owner}"
+              for medium, owner in m.truth.snapshot()}
+    assert view.summary() == {"r": {labels[t]: len(hs) for t, hs in m.truth.snapshot().items()}}
+    assert any(isinstance(e, AllBlocksCleared) for _, r in records for e in [r.event])
 
 
 def test_port_mapping_of_replicas_dp_ranks_and_workers():
