@@ -432,6 +432,8 @@ class Prober:
         """Probe hash -> time the first lookup that found it returned."""
         self.events: list[tuple[float, int]] = []
         """(time, engine events the fleet had published by then), one per log line."""
+        self.withdrawn = 0
+        """Probes forgotten unseen because their holder's cache was cleared right after them."""
         self._outstanding: list[bytes] = []
         self._offset = 0
         self._partial = b""
@@ -456,10 +458,21 @@ class Prober:
                 self.holders[h] = rec["holder"]
                 self.wall[h] = rec["wall"]
                 self._outstanding.append(h)
+            elif "cleared" in rec:
+                self._withdraw(rec["cleared"])
             elif "rung" in rec:
                 self.rungs.append(rec)
             elif rec.get("end"):
                 self.ended = True
+
+    def _withdraw(self, holder: str) -> None:
+        """Holder ``holder``'s cache was cleared (AllBlocksCleared): its probes not seen yet are gone
+        from the truth before they could show, so they are no one's freshness (forgotten, counted)."""
+        gone = [h for h in self._outstanding if self.holders[h] == holder and h not in self.seen]
+        for h in gone:
+            del self.published[h], self.holders[h], self.wall[h]
+        self._outstanding = [h for h in self._outstanding if h in self.published]
+        self.withdrawn += len(gone)
 
     def poll(self, limit: int = 32) -> None:
         """One pass: read new log lines, look up (at most ``limit`` of) the oldest outstanding probes."""

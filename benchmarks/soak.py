@@ -375,6 +375,7 @@ def soak(args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str,
         pos_ok, pos_diffs = fx.positions_match(store, manifest) if manifest.exists() else (False, ["no manifest"])
         out.update(view_exact=exact, view_diffs=diffs[:5], positions_ok=pos_ok, position_diffs=pos_diffs[:5])
         out["probes"] = len(prober.published)
+        out["probes_withdrawn"] = prober.withdrawn  # cleared by their holder before they showed
         out["ok"] = bool(drained and exact and pos_ok
                          and all(r.get("settled") and not r.get("error") for r in out["faults"]))
         out["elapsed_s"] = round(t_stop - t0, 1)

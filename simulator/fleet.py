@@ -580,6 +580,7 @@ class FleetConfig:
     probe_log: str | None = None
     """Where probes and rung starts are written, one JSON object per line: ``{"probe": "<hash hex>",
     "holder": "<replica>#<dp>", "t": <time.monotonic() after sending>, "wall": <time.time()>}``,
+    ``{"cleared": "<replica>#<dp>", "t": ...}`` after a step that cleared that holder's cache,
     ``{"rung": i, "rate": r, "seconds": s, "t": ...}``, and ``{"end": true, "t": ...}`` at the end."""
 
 
@@ -793,6 +794,7 @@ class Fleet:
                 pub.last_events = count
             self.models[b.key].later(b.truth)
             n += len(b.truth)
+            self._note_clear(name, d, b.truth)
         return n
 
     def publish_step(self) -> int:
@@ -810,6 +812,7 @@ class Fleet:
             if events:  # vLLM publishes only non-empty batches
                 self.publish_events(name, events, d, ts)
                 n += len(events)
+                self._note_clear(name, d, events)
         self.steps += 1
         self.events += n
         return n
@@ -828,6 +831,7 @@ class Fleet:
         """Reset every (replica, dp rank)'s prefix cache and publish its ``AllBlocksCleared``."""
         for (name, d), model in self.models.items():
             self.publish_events(name, [model.clear()], d)
+            self._note({"cleared": f"{name}#{d}"})
 
     def play(self, script: Iterable[ScriptBatch]) -> list[list[int]]:
         """Script mode: publish explicit batches in order (ground truth updated too)."""
@@ -895,6 +899,12 @@ class Fleet:
         for w in range(self.cfg.workers):
             self.publishers[(name, d, w)].publish([event])
         self.models[(name, d)].later([project(self.cfg.format, event, raw_hashes=self.cfg.raw_hashes)])
+
+    def _note_clear(self, name: str, d: int, events: Sequence[Event]) -> None:
+        """Log that holder (``name``, ``d``) cleared its cache, if ``events`` (just published) hold an
+        AllBlocksCleared: the probes it held are gone (a prober forgets those it has not seen)."""
+        if any(isinstance(e, AllBlocksCleared) for e in events):
+            self._note({"cleared": f"{name}#{d}"})
 
     def _note(self, record: dict[str, Any]) -> None:
         """Append one line to the probe log (if any), stamped with ``time.monotonic()``."""
