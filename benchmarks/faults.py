@@ -773,7 +773,9 @@ class Ctx:
 
 def stage_args(args: argparse.Namespace, f: Fault) -> argparse.Namespace:
     """The options pipeline.py's helpers read (new_run, start_stages, start_fleet, drain)."""
-    return argparse.Namespace(replicas=args.replicas, tp=1, workers_procs=f.workers, sinks=f.sinks,
+    # one bridge per engine; the fleet generates while it plays (it plays until the fault is over)
+    return argparse.Namespace(replicas=args.replicas, tp=1, streams_per_bridge=1, live_generator=True,
+                              workers_procs=f.workers, sinks=f.sinks,
                               partitions=args.partitions, seed=args.seed, probe_every=args.probe_every,
                               base_port=free_port_block(2 * args.replicas), drain_timeout=args.drain_timeout)
 
