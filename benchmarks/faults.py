@@ -19,7 +19,7 @@ successor takes the dead member's place and partitions at once.
 
 **Pauses (gray faults).** A ``pause-*`` fault SIGSTOPs a process for ``--pause-for`` s (15), past
 the timeout that makes the others give up on it: a sink of two or a worker (their groups' session
-timeouts, 10 s: the group moves its partitions), a broker leading partitions
+timeouts, 10 s and 6 s: the group moves its partitions), a broker leading partitions
 (``broker.session.timeout.ms``: the controller fences it and elects other leaders), Redis (every
 call of the sink hangs). Then SIGCONT, and the woken process is watched: ``woken_did`` says what its
 log shows it did (``WOKEN_SIGNS``: ``fenced``, the group or the controller had given up on it;
@@ -296,7 +296,7 @@ def pause_worker_only(ctx: "Ctx") -> None:
 @fault("pause-worker-of-two", workers=2)
 def pause_worker_of_two(ctx: "Ctx") -> None:
     """SIGSTOP one of two Faust workers for --pause-for s, SIGCONT; past the workers' session
-    timeout (10 s) the other takes its partitions."""
+    timeout (6 s) the other takes its partitions."""
     ctx.pause("worker-1", ctx.args.pause_for)
 
 
@@ -1210,7 +1210,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="seconds after the start to wait for the pipeline to be fresh before giving up (default 180)")
     p.add_argument("--pause-for", type=float, default=15.0,
                    help="seconds a paused (SIGSTOP) process stays stopped: past the sinks' and workers' session "
-                        "timeouts (10 s) and the brokers' broker.session.timeout.ms (dev stack: 5 s) (default 15)")
+                        "timeouts (10 s, 6 s) and the brokers' broker.session.timeout.ms (dev stack: 5 s) (default 15)")
     add_fault_args(p)
     p.add_argument("--drain-timeout", type=float, default=90.0,
                    help="seconds to wait for the pipeline to drain (default 90)")
