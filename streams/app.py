@@ -59,6 +59,12 @@ MAX_FETCH_BYTES = 8 * 1024**2
 gets per round trip (why 8 MiB: docs/performance.md, "Tuning values")."""
 
 
+def heartbeat_interval(session_timeout: float) -> float:
+    """Seconds between a worker's group heartbeats for a session of ``session_timeout`` s: a tenth
+    of it, at least 0.1 s (a session survives nine lost heartbeats)."""
+    return max(0.1, session_timeout / 10)
+
+
 def broker_url(bootstrap: str, scheme: str = faust_adapter.SCHEME) -> str:
     """Faust broker URL for comma-separated bootstrap servers: ``kvbus://h1:p1;h2:p2``
     (:class:`kvbus.streams.faust_adapter.Transport`: Faust's aiokafka transport, cheaper per fetched record)."""
@@ -82,7 +88,9 @@ def create_app(settings: Settings, options: StreamsOptions) -> faust.App:
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=options.commit_interval,
         broker_session_timeout=options.session_timeout,
-        broker_heartbeat_interval=max(0.5, options.session_timeout / 5),
+        # heartbeats every tenth of the session (as the sink's, kvbus.sinks.consumer): after a broker
+        # crash moves the group coordinator, the member reaches the new one well within its session
+        broker_heartbeat_interval=heartbeat_interval(options.session_timeout),
         broker_request_timeout=max(90.0, options.session_timeout * 2),
         producer_acks=-1,
         # Faust's producer only writes the changelog: batch it (it is flushed before each commit)

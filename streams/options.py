@@ -43,8 +43,9 @@ class StreamsOptions:
                                "replication factor of the changelog topic and of the tier topics the workers create")
     standby_replicas: int = setting("KVBUS_STREAMS_STANDBY_REPLICAS", NATURAL, 0,
                                     "Faust standby replicas of the state table (useful with rocksdb://)")
-    session_timeout: float = setting("KVBUS_STREAMS_SESSION_TIMEOUT", SECONDS, 10.0,
-                                     "consumer-group session timeout: seconds before a dead worker's partitions move")
+    session_timeout: float = setting("KVBUS_STREAMS_SESSION_TIMEOUT", SECONDS, 6.0,
+                                     "consumer-group session timeout: seconds before a dead worker's partitions "
+                                     "move (at least the brokers' group.min.session.timeout.ms, Kafka's default 6)")
     batch: int = setting("KVBUS_STREAMS_BATCH", COUNT, 2000, "most raw records taken per processing batch")
     batch_within: float = setting(
         "KVBUS_STREAMS_BATCH_WITHIN", SECONDS, 0.01,
