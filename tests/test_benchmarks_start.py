@@ -4,6 +4,7 @@ until someone runs it. ``fleet_view.py`` is the lookup benchmarks' library, not 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,11 +39,14 @@ def test_fault_runs_give_the_pipeline_helpers_every_option_they_read() -> None:
     """faults.py and soak.py drive pipeline.py's helpers with a namespace of their own
     (``faults.stage_args``): an option added to the ladder must reach it, or every fault run fails
     at its start."""
+    saved = dict(os.environ)  # faults.py points the environment at its own cluster when imported
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import faults
     finally:
         sys.path.remove(str(BENCHMARKS))
+        os.environ.clear()
+        os.environ.update(saved)
     read = args_read(BENCHMARKS / "pipeline.py", {"new_run", "start_stages", "start_fleet", "drain"})
     given = vars(faults.stage_args(faults.parse_args([]), faults.FAULTS["sink"]))
     assert read - set(given) == set()
