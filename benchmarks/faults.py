@@ -1223,6 +1223,9 @@ def add_fault_args(p: argparse.ArgumentParser) -> None:
                    help="seconds every probe must be in time before the fault counts as over (default 3)")
     p.add_argument("--converge-timeout", type=float, default=120.0,
                    help="seconds after the restart to wait for the view to be fresh again (default 120)")
+    p.add_argument("--pause-for", type=float, default=15.0,
+                   help="seconds a paused (SIGSTOP) process stays stopped: past the sinks' (10 s) and workers' (6 s) "
+                        "session timeouts and the brokers' broker.session.timeout.ms (dev stack: 5 s) (default 15)")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -1239,9 +1242,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "(default 40: 2 s at the default --probe-every)")
     p.add_argument("--steady-timeout", type=float, default=180.0,
                    help="seconds after the start to wait for the pipeline to be fresh before giving up (default 180)")
-    p.add_argument("--pause-for", type=float, default=15.0,
-                   help="seconds a paused (SIGSTOP) process stays stopped: past the sinks' and workers' session "
-                        "timeouts (10 s) and the brokers' broker.session.timeout.ms (dev stack: 5 s) (default 15)")
     add_fault_args(p)
     p.add_argument("--drain-timeout", type=float, default=90.0,
                    help="seconds to wait for the pipeline to drain (default 90)")

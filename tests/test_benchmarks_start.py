@@ -4,10 +4,12 @@ until someone runs it. ``fleet_view.py`` is the lookup benchmarks' library, not 
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,18 +37,36 @@ def args_read(path: Path, functions: set[str]) -> set[str]:
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args"}
 
 
-def test_fault_runs_give_the_pipeline_helpers_every_option_they_read() -> None:
-    """faults.py and soak.py drive pipeline.py's helpers with a namespace of their own
-    (``faults.stage_args``): an option added to the ladder must reach it, or every fault run fails
-    at its start."""
-    saved = dict(os.environ)  # faults.py points the environment at its own cluster when imported
+def import_benchmark(name: str) -> Any:
+    """benchmarks/<name>.py as a module, the environment left as it was (faults.py points it at
+    its own cluster when imported)."""
+    saved = dict(os.environ)
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        import faults
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_fault_runs_give_the_pipeline_helpers_every_option_they_read() -> None:
+    """faults.py and soak.py drive pipeline.py's helpers with a namespace of their own
+    (``faults.stage_args``): an option added to the ladder must reach it, or every fault run fails
+    at its start."""
+    faults = import_benchmark("faults")
     read = args_read(BENCHMARKS / "pipeline.py", {"new_run", "start_stages", "start_fleet", "drain"})
     given = vars(faults.stage_args(faults.parse_args([]), faults.FAULTS["sink"]))
     assert read - set(given) == set()
+
+
+def test_the_fault_functions_find_their_options_in_both_benchmarks() -> None:
+    """Every ``<ctx>.args.<option>`` the fault functions read is an option of faults.py and of
+    soak.py, which draws from the same faults (a fault that reads one soak.py lacks fails at once)."""
+    tree = ast.parse((BENCHMARKS / "faults.py").read_text())
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute) and node.value.attr == "args"}
+    assert {"down_for", "pause_for"} <= read
+    faults, soak = import_benchmark("faults"), import_benchmark("soak")
+    assert read - set(vars(faults.parse_args([]))) == set()
+    assert read - set(vars(soak.parse_args(["--minutes", "1"]))) == set()
