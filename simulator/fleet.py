@@ -242,6 +242,13 @@ Tier = tuple[str | None, str | None]
 """(medium, ownership) as kvbus normalizes them."""
 
 
+def drop_framework_tiers(tiers: dict[Tier, Any]) -> None:
+    """Remove from ``tiers`` those of the framework (ownership null), as an AllBlocksCleared does;
+    a secondary tier (an ``ownership``'s) is its connector's and stays."""
+    for tier in [t for t in tiers if t[1] is None]:
+        del tiers[tier]
+
+
 class Residency:
     """Ground truth of one (replica, dp_rank): the block hashes each tier holds."""
 
@@ -261,8 +268,7 @@ class Residency:
                 for h in event.block_hashes:
                     tier.pop(h, None)
         elif isinstance(event, AllBlocksCleared):  # the framework's cache: secondary tiers keep theirs
-            for tier in [t for t in self.tiers if t[1] is None]:
-                del self.tiers[tier]
+            drop_framework_tiers(self.tiers)
         elif isinstance(event, Reset):  # the engine restarted: every tier is gone
             self.tiers.clear()
 
@@ -415,8 +421,7 @@ class CacheModel:
     def _clear(self) -> AllBlocksCleared:
         """Empty the framework's tiers (ownership null); a secondary tier (kvcr) is its connector's,
         which the engine's prefix-cache reset leaves alone (as the view does)."""
-        for tier in [t for t in self._lru if t[1] is None]:
-            del self._lru[tier]
+        drop_framework_tiers(self._lru)
         self.clears += 1
         return AllBlocksCleared()
 
@@ -830,8 +835,9 @@ class Fleet:
     def clear_caches(self) -> None:
         """Reset every (replica, dp rank)'s prefix cache and publish its ``AllBlocksCleared``."""
         for (name, d), model in self.models.items():
-            self.publish_events(name, [model.clear()], d)
-            self._note({"cleared": f"{name}#{d}"})
+            event = model.clear()
+            self.publish_events(name, [event], d)
+            self._note_clear(name, d, [event])
 
     def play(self, script: Iterable[ScriptBatch]) -> list[list[int]]:
         """Script mode: publish explicit batches in order (ground truth updated too)."""

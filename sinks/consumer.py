@@ -610,9 +610,8 @@ class SinkConsumer:
             self.producer.flush(10)
             if self._positions:
                 self.consumer.commit(offsets=self._commit_offsets(), asynchronous=False)
-        except KafkaException as e:
-            if e.args[0].code() != KafkaError._NO_OFFSET:
-                log.warning("final commit failed: %s", e)
+        except KafkaException as e:  # explicit offsets: never "nothing to commit"
+            log.warning("final commit failed: %s", e)
         finally:
             self.consumer.close()
             log.info("sink stopped")
