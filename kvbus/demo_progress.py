@@ -9,10 +9,10 @@ import time
 import urllib.request
 from typing import Any, Mapping
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbus.schemas.kafka_clients import consumer_conf
+from kvbus.schemas.kafka_clients import GroupOffsets
 from kvbus.schemas.settings import Settings
 
 
@@ -34,28 +34,28 @@ def scrape(port: int, pattern: str) -> float:
 class GroupLag:
     """Records in topics matching ``topic_regex`` that consumer ``group`` has not committed yet.
 
-    Keeps one consumer (never subscribed: it only reads ``group``'s committed offsets and the
-    watermarks), so a caller asking every second does not connect anew each time. ``timeout``:
+    Keeps one :class:`~kvbus.schemas.kafka_clients.GroupOffsets` (its consumer reads ``group``'s
+    committed offsets and the watermarks), so a caller asking every second does not connect anew each time. ``timeout``:
     seconds each Kafka request may take; ``conf``: more librdkafka settings (e.g. a ``logger``)."""
 
     def __init__(self, kafka: "str | Mapping[str, Any]", group: str, topic_regex: str, timeout: float = 5.0,
                  conf: dict | None = None) -> None:
         self.rx = re.compile(topic_regex)
         self.timeout = timeout
-        self.consumer = Consumer(consumer_conf(kafka, group, conf))
+        self.offsets = GroupOffsets(kafka, group, conf)
 
     def partitions(self) -> list[tuple[str, int, int, int]]:
         """``(topic, partition, committed, end)`` of every partition of the matching topics, sorted:
         ``end`` is the high watermark, ``committed`` the group's next offset (the low watermark when
         the group committed nothing there); the lag is ``end - committed``. Raises KafkaException
         while Kafka cannot say (e.g. a coordinator moving)."""
-        c, t = self.consumer, self.timeout
+        c, t = self.offsets.consumer(), self.timeout
         md = c.list_topics(timeout=t)
-        tps = [TopicPartition(n, p) for n, tm in md.topics.items() if self.rx.fullmatch(n) for p in tm.partitions]
+        tps = [(n, p) for n, tm in md.topics.items() if self.rx.fullmatch(n) for p in tm.partitions]
         out = []
-        for tp in c.committed(tps, timeout=t) if tps else ():
-            low, high = c.get_watermark_offsets(tp, timeout=t, cached=False)
-            out.append((tp.topic, tp.partition, tp.offset if tp.offset >= 0 else low, high))
+        for (topic, partition), done in self.offsets.committed(tps, timeout=t).items():
+            low, high = c.get_watermark_offsets(TopicPartition(topic, partition), timeout=t, cached=False)
+            out.append((topic, partition, low if done is None else done, high))
         return sorted(out)
 
     def lag(self) -> int:
@@ -63,7 +63,7 @@ class GroupLag:
         return sum(max(0, end - done) for _t, _p, done, end in self.partitions())
 
     def close(self) -> None:
-        self.consumer.close()
+        self.offsets.close()
 
 
 class Progress:

@@ -12,6 +12,7 @@ delivery error does, and for creating topics.
   worker produces its outputs again).
 * :func:`ensure_topics`: the one place a topic is created, from its declaration
   (:class:`kvbus.schemas.topics.TopicSpec`).
+* :class:`GroupOffsets`: the one way a stage reads a consumer group's committed offsets.
 
 Connection and security properties come from ``kafka``: a bootstrap string (an open cluster) or
 :meth:`kvbus.schemas.settings.Settings.kafka` (servers, security, the log bridge); they are laid
@@ -24,7 +25,7 @@ import time
 import uuid
 from typing import Any, Iterable, Mapping
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kvbus.schemas.security import describe_kafka_error, kafka_error_report
@@ -92,6 +93,41 @@ def reader_conf(kafka: str | Mapping[str, Any], group_prefix: str, role: Mapping
     """:func:`consumer_conf` of a consumer that reads once and commits nothing, in a group of its own:
     ``<group_prefix><random hex>`` (the prefixes of :mod:`kvbus.schemas.topics`, which ACLs grant)."""
     return consumer_conf(kafka, f"{group_prefix}{uuid.uuid4().hex}", role, **callbacks)
+
+
+class GroupOffsets:
+    """The committed offsets of consumer group ``group``, read through a consumer of that group that
+    never subscribes (so it never joins the group nor takes partitions from its members).
+
+    Why not ``AdminClient.list_consumer_group_offsets``: when the group's coordinator answers
+    NOT_COORDINATOR (it moved after a broker fault, or a fresh cluster has not finished loading it),
+    librdkafka (2.16 and earlier) asks the client's own consumer group to find the coordinator again,
+    and an admin client has none: a NULL dereference that kills the whole process with SIGSEGV
+    (https://github.com/confluentinc/librdkafka/issues/5040). A consumer of the group re-queries the
+    coordinator and retries instead (tests/test_kafka_clients.py holds both against a fresh broker).
+    """
+
+    def __init__(self, kafka: str | Mapping[str, Any], group: str, role: Mapping[str, Any] | None = None) -> None:
+        """``role``: more librdkafka properties of the consumer (e.g. a ``logger``)."""
+        self.group = group
+        self._consumer = Consumer(consumer_conf(kafka, group, role))
+
+    def committed(self, topic_partitions: Iterable[tuple[str, int]], timeout: float = 30.0
+                  ) -> dict[tuple[str, int], int | None]:
+        """``(topic, partition) -> the group's next offset there``, None where it committed none.
+        Raises KafkaException when Kafka cannot say within ``timeout`` seconds."""
+        tps = [TopicPartition(t, p) for t, p in topic_partitions]
+        if not tps:
+            return {}
+        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None)
+                for tp in self._consumer.committed(tps, timeout=timeout)}
+
+    def consumer(self) -> Consumer:
+        """The underlying consumer, for metadata and watermarks (it must never subscribe)."""
+        return self._consumer
+
+    def close(self) -> None:
+        self._consumer.close()
 
 
 class RateLimitedLog:

@@ -33,7 +33,7 @@ from confluent_kafka.admin import AdminClient
 
 from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
-from kvbus.schemas.kafka_clients import DeliveryErrors, ensure_topics, producer_conf
+from kvbus.schemas.kafka_clients import DeliveryErrors, GroupOffsets, ensure_topics, producer_conf
 from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
@@ -129,6 +129,7 @@ class Runtime:
         self.errors = DeliveryErrors(settings.kafka(), log)
         """What Kafka refused of the output producer (client errors, output records produced again)."""
         self._admin: Optional[AdminClient] = None
+        self._group_offsets: Optional[GroupOffsets] = None
         self._partitions: dict[str, int] = {}
         self._contexts: dict[int, ChangelogPartition] = {}
         self._inflight: deque[_Batch] = deque()
@@ -191,6 +192,9 @@ class Runtime:
         """Best effort: deliver what is queued (un-acked batches are replayed after a restart)."""
         if self._producer is not None:
             self._producer.flush(10)
+        if self._group_offsets is not None:
+            self._group_offsets.close()
+            self._group_offsets = None
 
     # -- the agent ------------------------------------------------------------
 
@@ -326,12 +330,12 @@ class Runtime:
                                                                       for tp in tps})
 
     def _committed(self, tps: list[Any]) -> dict[int, Optional[int]]:
-        from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
-
-        request = ConsumerGroupTopicPartitions(self.options.app_id,
-                                               [TopicPartition(tp.topic, tp.partition) for tp in tps])
-        result = self._admin.list_consumer_group_offsets([request])[self.options.app_id].result(30)
-        return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in result.topic_partitions}
+        """Raw partition -> the group's committed offset there (None: none), read as
+        :class:`~kvbus.schemas.kafka_clients.GroupOffsets` says (never through the admin client)."""
+        if self._group_offsets is None:
+            self._group_offsets = GroupOffsets(self.settings.kafka(), self.options.app_id)
+        offsets = self._group_offsets.committed([(tp.topic, tp.partition) for tp in tps])
+        return {partition: offset for (_topic, partition), offset in offsets.items()}
 
     def revoke(self, partitions: Iterable[int]) -> None:
         """Partitions were revoked: stop sweeping until the next recovery."""

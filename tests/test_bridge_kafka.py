@@ -22,13 +22,13 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from kvbus.children import free_port_block
 from kvbus.producers.recovery import partition_for
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART
 from kvbus.schemas.events import BlockStored, holder_key
 from kvbus.schemas.settings import Settings
 from kvbus.simulator.engine_wire import FORMATS, project
 from kvbus.simulator.fleet import Fleet, FleetConfig
+from tests.private_kafka import PrivateKafka
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -307,49 +307,6 @@ def test_bad_input_lands_in_the_dlq_topic(test_settings: Settings, fleet: Fleet)
 
 
 # -- Kafka outage: a private single-node broker this test can stop and start -------------
-
-class PrivateKafka:
-    """A throw-away 1-node KRaft broker (kvbus.infra.kafka_broker) in its own state dir and ports,
-    so the test can kill it without touching the shared stack. Only pids it started are killed."""
-
-    def __init__(self, root, monkeypatch) -> None:
-        from kvbus.infra import kafka_broker
-        from kvbus.infra.stack_env import Paths
-
-        shared_libs = Paths().kafka_libs
-        assert shared_libs.is_dir(), "the shared stack's Kafka jars are needed (infra/stack up)"
-        self.paths = Paths(root=root).ensure()
-        (self.paths.root / "kafka").mkdir(parents=True, exist_ok=True)
-        (self.paths.root / "kafka" / "libs").symlink_to(shared_libs)
-        port = free_port_block(2)
-        monkeypatch.setenv("KVBUS_BOOTSTRAP", f"127.0.0.1:{port}")
-        self.kb = kafka_broker
-        self.nodes = kafka_broker.plan(self.paths, 1)
-        self.bootstrap = kafka_broker.bootstrap(self.nodes)
-        self.pids: list[int] = []
-
-    def up(self, timeout: float = 90.0) -> None:
-        for rec in self.kb.start(self.paths, self.nodes):
-            self.pids.append(rec.pid)
-        ready = self.kb.Readiness(self.nodes)
-
-        def probe() -> bool:
-            try:
-                return ready()
-            except Exception:
-                return False
-
-        wait_for(probe, timeout, "private Kafka ready")
-
-    def kill(self) -> None:
-        for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-        self.pids.clear()
-
 
 def test_bridge_rides_out_a_kafka_outage(stack: Settings, tmp_path, monkeypatch, fleet: Fleet):
     """Kafka dies mid-stream: the engine is never slowed, the bridge holds what it can

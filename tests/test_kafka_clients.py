@@ -3,6 +3,7 @@ what Kafka refuses, and topics created as declared."""
 from __future__ import annotations
 
 import logging
+import uuid
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -12,6 +13,7 @@ from kvbus.schemas.kafka_clients import (
     CONSUMER_CONF,
     PRODUCER_CONF,
     DeliveryErrors,
+    GroupOffsets,
     consumer_conf,
     ensure_topics,
     producer_conf,
@@ -98,3 +100,63 @@ def test_topics_are_created_as_declared_once(stack: Settings) -> None:
     finally:
         _delete_topics(stack, prefix)
 
+
+
+# -- GroupOffsets: a group's committed offsets, read while its coordinator is not ready ------
+
+COMMITTED_LOOP = """
+import sys, time, uuid
+from kvbus.schemas.kafka_clients import GroupOffsets
+bootstrap, seconds = sys.argv[1], float(sys.argv[2])
+answered = failed = 0
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    offsets = GroupOffsets(bootstrap, "fresh-" + uuid.uuid4().hex[:8])
+    try:
+        got = offsets.committed([("never-committed", p) for p in range(4)], timeout=10)
+        assert set(got.values()) == {None}, got
+        answered += 1
+    except Exception as e:
+        failed += 1
+        print("failed:", type(e).__name__, e, flush=True)
+    finally:
+        offsets.close()
+print("answered", answered, "failed", failed, flush=True)
+"""
+
+
+def test_group_offsets_are_read_while_a_fresh_clusters_coordinators_load(stack: Settings, tmp_path, monkeypatch):
+    """From the first second of a fresh cluster, the group coordinators answer NOT_COORDINATOR
+    while they load: librdkafka's admin client dies of SIGSEGV there (the worker did, after
+    rebalances), GroupOffsets retries and answers. Then it reads back what a group committed."""
+    import subprocess
+    import sys
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    from tests.private_kafka import PrivateKafka
+
+    kafka = PrivateKafka(tmp_path / "kafka-state", monkeypatch)
+    try:
+        kafka.up()
+        loop = subprocess.run([sys.executable, "-c", COMMITTED_LOOP, kafka.bootstrap, "8"],
+                              capture_output=True, text=True, timeout=120)
+        out = loop.stdout + loop.stderr
+        assert loop.returncode == 0, f"the reader exited with {loop.returncode} (-11: SIGSEGV): {out[-2000:]}"
+        assert "answered" in out and not out.split("answered")[-1].strip().startswith("0 "), out[-2000:]
+
+        ensure_topics(kafka.bootstrap, [record_spec("committed-here", 2, 1)])
+        group = "committer-" + uuid.uuid4().hex[:8]
+        committer = Consumer(consumer_conf(kafka.bootstrap, group))
+        try:
+            committer.commit(offsets=[TopicPartition("committed-here", 0, 5)], asynchronous=False)
+        finally:
+            committer.close()
+        offsets = GroupOffsets(kafka.bootstrap, group)
+        try:
+            assert offsets.committed([("committed-here", 0), ("committed-here", 1)]) == {
+                ("committed-here", 0): 5, ("committed-here", 1): None}
+        finally:
+            offsets.close()
+    finally:
+        kafka.kill()

@@ -104,13 +104,14 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
             flow = [snap["flow"][k]["total"] for k in ("in", "consolidated", "applied")]
             dead = [(r["stage"], r["reason"], r["total"]) for r in snap["dead_letters"]["rows"] if r["total"]]
             sinks = snap["sinks"]
+            dlq = snap["dead_letters"]["topic"] or {}  # None while Kafka is unreachable (snap["kafka"]["error"])
             done = (snap["view"].get("replicas") == VIEW and len(hops) == 2 and all(h["lag"] == 0 for h in hops)
                     and flow == [ENGINE_EVENTS] * 3 and dead == [("worker", "decode", 1)]
-                    and snap["dead_letters"]["topic"]["records"] == 1
+                    and dlq.get("records") == 1
                     and sinks[0]["up"] and sinks[0]["gauges"]["view_holders"] == 2)
             return snap if done else Waiting(view=snap["view"].get("replicas"), lags=[h["lag"] for h in hops],
                                              lagging=[p for h in hops for p in h["partitions"] if p["lag"]],
-                                             flow=flow, dead=dead, dlq=snap["dead_letters"]["topic"]["records"],
+                                             flow=flow, dead=dead, dlq=dlq.get("records"), kafka_error=snap["kafka"].get("error"),
                                              sink=(sinks[0]["up"], sinks[0].get("gauges", {}).get("view_holders")))
 
         try:

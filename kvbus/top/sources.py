@@ -49,7 +49,7 @@ class KafkaSource:
         """Records ``topic`` holds (high - low watermark, summed over partitions; 0 if it does not exist)."""
         from confluent_kafka import TopicPartition
 
-        c = self.hops["raw -> worker"][2].consumer
+        c = self.hops["raw -> worker"][2].offsets.consumer()
         md = c.list_topics(topic, timeout=self.timeout).topics.get(topic)
         if md is None or md.error is not None:
             return 0
