@@ -111,7 +111,8 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
                     and sinks[0]["up"] and sinks[0]["gauges"]["view_holders"] == 2)
             return snap if done else Waiting(view=snap["view"].get("replicas"), lags=[h["lag"] for h in hops],
                                              lagging=[p for h in hops for p in h["partitions"] if p["lag"]],
-                                             flow=flow, dead=dead, dlq=dlq.get("records"), kafka_error=snap["kafka"].get("error"),
+                                             flow=flow, dead=dead, dlq=dlq.get("records"),
+                                             kafka_error=snap["kafka"].get("error"),
                                              sink=(sinks[0]["up"], sinks[0].get("gauges", {}).get("view_holders")))
 
         try:
