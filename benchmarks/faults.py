@@ -861,10 +861,7 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
         converged = settle(ctx)
         ctx.mark("settled")
         out["settled"] = converged
-        for name, w in ctx.woken.items():
-            out.setdefault("woken", {})[name] = woken_outcome(w)
-        if "woken" in out:
-            out["woken_did"] = "; ".join(f"{n}: {o['did']}" for n, o in out["woken"].items())
+        out.update(woken_figures(ctx.woken))
         fleet = ctx.child("fleet")
         run.children.stop(fleet)  # SIGTERM: the fleet writes its final manifest
         ctx.mark("fleet_stopped")
@@ -940,6 +937,15 @@ def tail_text(path: Path, offset: int) -> str:
 def tail_lines(path: Path, offset: int, n: int) -> list[str]:
     """The last ``n`` non-empty lines of ``path`` after byte ``offset``, each cut to 240 characters."""
     return [ln[-240:] for ln in tail_text(path, offset).splitlines() if ln.strip()][-n:]
+
+
+def woken_figures(woken: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``{"woken": {name: woken_outcome}, "woken_did": "name: did; ..."}`` of the processes a fault
+    paused (:attr:`Ctx.woken`); empty when it paused none."""
+    if not woken:
+        return {}
+    outcomes = {name: woken_outcome(w) for name, w in woken.items()}
+    return {"woken": outcomes, "woken_did": "; ".join(f"{n}: {o['did']}" for n, o in outcomes.items())}
 
 
 def woken_outcome(w: dict[str, Any]) -> dict[str, Any]:

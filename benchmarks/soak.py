@@ -299,6 +299,10 @@ def one_fault(ctx: fx.Ctx, f: fx.Fault, since: float, t0: float) -> dict[str, An
     except Exception as e:  # noqa: BLE001 - reported; the soak goes on to its end check
         out["error"] = f"{type(e).__name__}: {e}"[:2000]
         log.warning("fault %s failed: %s", f.name, out["error"])
+    # what a paused process did; from the next fault on it is one of the soak's processes again (a
+    # later fault may kill it: watched as woken still, its restart would start it a second time)
+    out["woken_did"] = fx.woken_figures(ctx.woken).get("woken_did")
+    ctx.woken = {}
     figs = fx.figures(ctx)
     out.update({k: figs.get(k) for k in CONVERGENCE})
     out["at_s"] = round(ctx.marks.get("fault", t) - t0, 1)
@@ -410,7 +414,8 @@ def report(out: dict[str, Any]) -> None:
         print(f"  +{r.get('at_s', 0) / 60:5.1f} min {r['fault']:<14} settled {fx.cell(r.get('settled'))} "
               f"converge (fault/restart) {fx.cell(r.get('converge_from_fault_s'))}/"
               f"{fx.cell(r.get('converge_from_restart_s'))} s, max stale {fx.cell(r.get('max_stale_ms'))} ms, "
-              f"lag back {fx.cell(r.get('lag_back_s'))} s" + (f", ERROR {r['error']}" if r.get("error") else ""))
+              f"lag back {fx.cell(r.get('lag_back_s'))} s" + (f", woken {r['woken_did']}" if r.get("woken_did") else "")
+              + (f", ERROR {r['error']}" if r.get("error") else ""))
     print("\n== RSS (MiB; growth = least-squares slope after warm-up, MiB/h)")
     for name, incs in out.get("rss", {}).items():
         for i in incs:
