@@ -900,10 +900,8 @@ def run_fault(f: Fault, args: argparse.Namespace, base: Settings, state_dir: Pat
                 log.warning("cleanup of %s: %s", run.run_id, e)
         if own is not None:
             own.stop()
-        if ctx is not None and ctx.lost_broker is not None:  # the next fault has three brokers again
-            from kvbus.infra import stack
-
-            out["lost_broker_restart_s"] = stack.restart_broker(ctx.lost_broker, timeout=300)["seconds"]
+        if ctx is not None:
+            out.update(restore_lost_broker(ctx, follow=False))
     out["duration_s"] = round(time.monotonic() - t_start, 1)
     return out
 
@@ -937,6 +935,20 @@ def tail_text(path: Path, offset: int) -> str:
 def tail_lines(path: Path, offset: int, n: int) -> list[str]:
     """The last ``n`` non-empty lines of ``path`` after byte ``offset``, each cut to 240 characters."""
     return [ln[-240:] for ln in tail_text(path, offset).splitlines() if ln.strip()][-n:]
+
+
+def restore_lost_broker(ctx: Ctx, follow: bool = True) -> dict[str, Any]:
+    """Start the broker a fault killed for good (:attr:`Ctx.lost_broker`, ``broker-lost``) again, so
+    that the next fault has three brokers; ``{"lost_broker_restart_s": seconds}``, or ``{}`` when
+    the fault lost none. ``follow``: follow the probes and the run's processes meanwhile (False once
+    the run's processes are stopped)."""
+    if ctx.lost_broker is None:
+        return {}
+    from kvbus.infra import stack
+
+    node, ctx.lost_broker = ctx.lost_broker, None
+    restart = lambda: stack.restart_broker(node, timeout=300)  # noqa: E731
+    return {"lost_broker_restart_s": (ctx.during(restart) if follow else restart())["seconds"]}
 
 
 def woken_figures(woken: dict[str, dict[str, Any]]) -> dict[str, Any]:
