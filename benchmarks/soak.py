@@ -308,7 +308,8 @@ def one_fault(ctx: fx.Ctx, f: fx.Fault, since: float, t0: float) -> dict[str, An
     try:
         out.update(fx.restore_lost_broker(ctx))  # broker-lost: the next fault has three brokers again
     except Exception as e:  # noqa: BLE001 - reported; the soak goes on on two brokers
-        out["error"] = f"{out.get('error', '')} restarting the lost broker: {type(e).__name__}: {e}"[:2000]
+        restart_error = f"restarting the lost broker: {type(e).__name__}: {e}"
+        out["error"] = "; ".join(filter(None, (out.get("error"), restart_error)))[:2000]
         log.warning("fault %s: %s", f.name, out["error"])
     out["at_s"] = round(ctx.marks.get("fault", t) - t0, 1)
     out["window"] = (ctx.marks.get("fault", t), ctx.marks.get("settled", time.monotonic()))

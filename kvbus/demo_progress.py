@@ -35,8 +35,9 @@ class GroupLag:
     """Records in topics matching ``topic_regex`` that consumer ``group`` has not committed yet.
 
     Keeps one :class:`~kvbus.schemas.kafka_clients.GroupOffsets` (its consumer reads ``group``'s
-    committed offsets and the watermarks), so a caller asking every second does not connect anew each time. ``timeout``:
-    seconds each Kafka request may take; ``conf``: more librdkafka settings (e.g. a ``logger``)."""
+    committed offsets and the watermarks), so a caller asking every second does not connect anew
+    each time. ``timeout``: seconds each Kafka request may take; ``conf``: more librdkafka settings
+    (e.g. a ``logger``)."""
 
     def __init__(self, kafka: "str | Mapping[str, Any]", group: str, topic_regex: str, timeout: float = 5.0,
                  conf: dict | None = None) -> None:

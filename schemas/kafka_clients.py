@@ -109,7 +109,6 @@ class GroupOffsets:
 
     def __init__(self, kafka: str | Mapping[str, Any], group: str, role: Mapping[str, Any] | None = None) -> None:
         """``role``: more librdkafka properties of the consumer (e.g. a ``logger``)."""
-        self.group = group
         self._consumer = Consumer(consumer_conf(kafka, group, role))
 
     def committed(self, topic_partitions: Iterable[tuple[str, int]], timeout: float = 30.0
