@@ -138,17 +138,26 @@ def render(sql: str, settings: Settings, group: str) -> str:
                      for line in sql.splitlines())
 
 
+JOB_TIMEOUT_S = 600.0
+"""How long :func:`run` waits for a job, seconds: a bounded job over the dev topics takes 20-60 s on
+a 2-core machine, minutes when that machine is also running a test suite and a busy process."""
+
+
 def run(sql_file: Path, settings: Settings, python: Path, jars: list[Path], workdir: Path,
-        group: str | None = None, timeout: float = 600) -> list[dict]:
+        group: str | None = None, timeout: float = JOB_TIMEOUT_S) -> list[dict]:
     """Run ``sql_file`` with PyFlink (``python`` of the PyFlink venv, connector ``jars``); returns the
     rows printed, ``{"query": name, "row": {...}}``. Raises RuntimeError with Flink's output tail
-    when the job fails."""
+    when the job fails or has not finished within ``timeout`` seconds."""
     workdir.mkdir(parents=True, exist_ok=True)
     rendered = workdir / sql_file.name
     rendered.write_text(render(sql_file.read_text(), settings, group or f"kvbus-flink-{uuid.uuid4().hex[:8]}"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    proc = subprocess.run([str(python), str(FLINK_DIR / "run_sql.py"), str(rendered), ";".join(map(str, jars))],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+    try:
+        proc = subprocess.run([str(python), str(FLINK_DIR / "run_sql.py"), str(rendered), ";".join(map(str, jars))],
+                              capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or "")[-4000:]
+        raise RuntimeError(f"Flink job {sql_file.name} did not finish in {timeout:.0f} s; its log so far:\n{tail}") from e
     (workdir / "flink.log").write_text(proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"Flink job {sql_file.name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -19,7 +19,7 @@ import pytest
 from confluent_kafka import Producer
 
 from kvbus.analytics.cli import build_report
-from kvbus.analytics.flink_job import DEFAULT_SQL, run
+from kvbus.analytics.flink_job import DEFAULT_SQL, JOB_TIMEOUT_S, run
 from kvbus.analytics.reader import read
 from kvbus.analytics.timerange import TimeRange
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, holder_key
@@ -110,6 +110,11 @@ def topics_with_history(stack: Settings, unique_topics):
     return settings
 
 
+FIRST_RUN_INSTALL_S = 600.0
+"""Budget for making PyFlink's venv (~300 MB from PyPI) and the connector jars on a machine's first run."""
+
+
+@pytest.mark.timeout(FIRST_RUN_INSTALL_S + JOB_TIMEOUT_S + 60)  # the job's own bound gives up first, with its log
 def test_flink_sql_counts_stores_and_removes_per_replica_and_minute(topics_with_history, tmp_path) -> None:
     from kvbus.infra.flink import ensure
 
