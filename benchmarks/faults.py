@@ -46,8 +46,10 @@ the bridges' engine connections (the worker's first record 3-7 s after the fleet
 loaded machine), the worker registers the block topics' schemas on its first outputs and the sink
 fetches them on its first records (a registry round trip each), and the Faust worker's first
 commits overrun their interval (1-4 s each): in the first 10 s the worker's hop is 1.3-2.0 s at the
-median, 0.6-0.8 s later, the sink's 0.8-1.7 s, 0.5 s later (``--hops``; whether the brokers' JIT
-warm-up adds to it was not isolated). On a machine loaded far past its cores, a group coordinator
+median, 0.6-0.8 s later, the sink's 0.8-1.7 s, 0.5 s later (``--hops``). The brokers' JIT added
+to it: with C2 their compiler threads took ~0.3 core for minutes after the start, and a pipeline
+became fresh 5-84 s after the fleet started; a cluster's brokers now run C1 only, 5-18 s
+(docs/benchmarks.md, "C1-only brokers"). On a machine loaded far past its cores, a group coordinator
 that does not answer a heartbeat within the session (librdkafka's ``SESSTMOUT``: the member leaves
 and rejoins under a new member id, and the coordinator waits out the old one) costs each sink ~25 s
 without partitions, again and again: the pipeline is then never fresh.

@@ -226,7 +226,16 @@ def cluster_id(nodes: list[Node]) -> str:
 
 
 def java_argv(paths: Paths, brokers: int, main: str, args: list[str], *, server: bool) -> list[str]:
-    """``java ... -cp libs/* main args`` with small heaps suited to a 2-core test box."""
+    """``java ... -cp libs/* main args`` with small heaps suited to a 2-core test box.
+
+    C1 only (``-XX:TieredStopAtLevel=1``) for the short-lived tools and for every broker of a
+    cluster of several: three brokers' C2 compiler threads on a 2-core box took ~0.3 core between
+    them for minutes after start, and the pipeline beside them fell seconds behind; with C1 only a
+    restarted broker was ready in 8-16 s instead of 28-35 s and freshness came back 2-5 times sooner
+    after a broker or controller fault (docs/benchmarks.md, "C1-only brokers"). A single broker keeps
+    C2, so that ``benchmarks/pipeline.py``'s capacity is Kafka's at full speed.
+    ``KVBUS_KAFKA_JVM_OPTS=-XX:TieredStopAtLevel=4`` gives a cluster C2 back (later flags win).
+    """
     heap = (["-Xms256m", "-Xmx512m"] if brokers == 1 else ["-Xms256m", "-Xmx384m"]) if server else ["-Xmx256m"]
     opts = [
         *heap,
@@ -234,9 +243,7 @@ def java_argv(paths: Paths, brokers: int, main: str, args: list[str], *, server:
         "-XX:MaxGCPauseMillis=20",
         "-XX:InitiatingHeapOccupancyPercent=35",
         "-XX:+ExplicitGCInvokesConcurrent",
-        # C1-only speeds up short-lived tools; for the broker it gained nothing measurable at startup
-        # here and would make throughput benchmarks unrepresentative
-        *([] if server else ["-XX:TieredStopAtLevel=1"]),
+        *([] if server and brokers == 1 else ["-XX:TieredStopAtLevel=1"]),
         "-XX:+ExitOnOutOfMemoryError",
         "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
