@@ -157,7 +157,8 @@ def run(sql_file: Path, settings: Settings, python: Path, jars: list[Path], work
                               capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or "")[-4000:]
-        raise RuntimeError(f"Flink job {sql_file.name} did not finish in {timeout:.0f} s; its log so far:\n{tail}") from e
+        raise RuntimeError(f"Flink job {sql_file.name} did not finish in {timeout:.0f} s; "
+                           f"its log so far:\n{tail}") from e
     (workdir / "flink.log").write_text(proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"Flink job {sql_file.name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
