@@ -28,12 +28,12 @@ import time
 from collections import defaultdict, deque
 from typing import Any, Iterable, Optional, Sequence
 
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
-from kvbus.schemas.kafka_clients import DeliveryErrors, GroupOffsets, ensure_topics, producer_conf
+from kvbus.schemas.kafka_clients import DeliveryErrors, GroupOffsets, RateLimitedLog, ensure_topics, producer_conf
 from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
@@ -83,6 +83,11 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
+TOPIC_GONE = frozenset({KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION, KafkaError.UNKNOWN_TOPIC_OR_PART})
+"""Codes with which ``produce()`` refuses a record whose topic (or partition) the client no longer
+knows: a topic being deleted and recreated. Produced again after a backoff, not a crash."""
+
+
 class _Batch:
     """Outputs of one processing step on their way to Kafka, and what to do once delivered."""
 
@@ -102,6 +107,13 @@ class _Batch:
         """librdkafka delivery report (served by ``poll`` on the event-loop thread)."""
         if err is not None:
             self.failed.append((msg.topic(), msg.key(), msg.value(), msg.partition(), err))
+        self.remaining -= 1
+
+    def refused(self, topic: str, key: bytes, value: bytes, partition: int, err: Any) -> None:
+        """A record ``produce()`` refused before queueing it (no delivery report follows): failed
+        like a refused delivery, so it is produced again after a backoff. ``err`` is the KafkaError,
+        e.g. ``_UNKNOWN_TOPIC`` while an operator deletes and recreates the topic."""
+        self.failed.append((topic, key, value, partition, err))
         self.remaining -= 1
 
 
@@ -128,6 +140,8 @@ class Runtime:
         self._producer: Optional[Producer] = None
         self.errors = DeliveryErrors(settings.kafka(), log)
         """What Kafka refused of the output producer (client errors, output records produced again)."""
+        self._retry_log = RateLimitedLog(5.0, log)
+        """The retries of refused output records (every ~0.1-5 s while a topic is recreated)."""
         self._admin: Optional[AdminClient] = None
         self._group_offsets: Optional[GroupOffsets] = None
         self._partitions: dict[str, int] = {}
@@ -352,14 +366,14 @@ class Runtime:
         encode = self._codec.encode
         parts = self._partitions
         produce = self._produce
-        cb = batch.delivered
+        # counted before producing: a poll() inside _produce may serve this batch's reports already
+        batch.remaining = len(out) + len(dead)
         for o in out:
             n = parts.get(o.topic, 0)
-            produce(o.topic, o.key, encode(o.value, o.topic), o.partition if o.partition < n else -1, cb)
+            produce(o.topic, o.key, encode(o.value, o.topic), o.partition if o.partition < n else -1, batch)
         dlq = self.topics.dlq
         for d in dead:
-            produce(dlq, d.source.encode(), encode(d, dlq), -1, cb)
-        batch.remaining = len(out) + len(dead)
+            produce(dlq, d.source.encode(), encode(d, dlq), -1, batch)
         batch.items = list(self.aggregator.flush(holders))
         if not batch.items and not batch.events and not batch.remaining:
             return
@@ -368,13 +382,21 @@ class Runtime:
             self._completer = asyncio.ensure_future(self._complete_loop())
         self._wake.set()
 
-    def _produce(self, topic: str, key: bytes, value: bytes, partition: int, cb: Any) -> None:
+    def _produce(self, topic: str, key: bytes, value: bytes, partition: int, batch: _Batch) -> None:
+        """Queue one record of ``batch`` (counted in its ``remaining`` already). A full queue is
+        waited out; a record the client refuses outright (a topic deleted under the worker) is
+        :meth:`_Batch.refused`, and produced again by the completion loop; any other refusal raises."""
         while True:
             try:
-                self._producer.produce(topic, value, key, partition=partition, on_delivery=cb)
+                self._producer.produce(topic, value, key, partition=partition, on_delivery=batch.delivered)
                 return
             except BufferError:
                 self._producer.poll(0.05)
+            except KafkaException as exc:
+                if exc.args[0].code() not in TOPIC_GONE:
+                    raise
+                batch.refused(topic, key, value, partition, exc.args[0])
+                return
 
     async def _complete_loop(self) -> None:
         """Serve delivery reports; complete batches in order once all their records are in Kafka.
@@ -411,12 +433,12 @@ class Runtime:
                 for topic, _, _, _, err in failed:
                     self.errors.refused(err, topic)
                 pause = backoff.next()
-                log.warning("%d output records refused (%s): produced again in %.1fs", len(failed),
-                            self.errors.take()[-1], pause)
+                self._retry_log(logging.WARNING, "%d output records refused (%s): produced again in %.1fs",
+                                len(failed), self.errors.take()[-1], pause)
                 await asyncio.sleep(pause)
                 head.remaining += len(failed)
                 for topic, key, value, partition, _ in failed:
-                    self._produce(topic, key, value, partition, head.delivered)
+                    self._produce(topic, key, value, partition, head)
                 continue
             if self._inflight:
                 await asyncio.sleep(POLL_DRAINING if self._draining else POLL_EVERY)

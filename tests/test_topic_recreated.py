@@ -51,13 +51,15 @@ def later(records, seq_from: int) -> list[tuple[str, BlockEvent]]:
     return out
 
 
-def recreate(stack: Settings, topic: str, partitions: int) -> None:
-    """Delete ``topic`` and create it again empty, waiting until each is done."""
+def recreate(stack: Settings, topic: str, partitions: int, gone_for: float = 0.0) -> None:
+    """Delete ``topic`` and create it again empty, waiting until each is done (and ``gone_for``
+    seconds between the two)."""
     from kvbus.infra.dev_topics import ensure_topics
 
     admin = AdminClient({"bootstrap.servers": stack.bootstrap})
     admin.delete_topics([topic], operation_timeout=30)[topic].result(30)
     wait_until(lambda: topic not in admin.list_topics(timeout=10).topics, 60, f"{topic} to be deleted")
+    time.sleep(gone_for)
     deadline = time.monotonic() + 60
     while True:  # the broker refuses to create it while the deletion is still being finished
         try:
@@ -160,3 +162,83 @@ def test_a_sink_refuses_block_topics_retaining_less_than_its_snapshot_interval(s
     assert line.startswith("kvbus sink: ") and "Traceback" not in out.stderr, out.stderr
     assert f"topic {tier} keeps records retention.ms=60000" in line and \
         "--snapshot-every / KVBUS_SINK_SNAPSHOT_EVERY=120" in line, line
+
+
+# ------------------------------------------------------------------ the worker producing into a recreated topic
+
+
+@pytest.mark.integration
+def test_a_worker_keeps_running_while_its_block_topic_is_deleted_and_recreated(test_settings, tmp_path):
+    """A replica publishing all along while the operator deletes the worker's output topic and
+    creates it again: records refused meanwhile (``_UNKNOWN_TOPIC``) are produced again once it
+    exists, the worker does not crash, and a block stored after the recreation reaches the new topic."""
+    import threading
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    from kvbus.schemas.events import BlockStored, EventBatch, canonical_hash
+    from kvbus.schemas.serde import RecordSerde, registry_client
+    from tests.pipeline import Pipeline, RawProducer, eventually
+
+    run, topic = uuid.uuid4().hex[:8], test_settings.topics.blocks
+    pipeline = Pipeline(test_settings, tmp_path)
+    raw = RawProducer(test_settings)
+    seq, stop = [0], threading.Event()
+
+    def publish(n: int) -> None:
+        raw.send(EventBatch(replica="r", worker_rank=0, workers=1, epoch=1, seq=seq[0], ts=time.time(),
+                            events=[BlockStored(block_hashes=[canonical_hash(n)], token_ids=[1], block_size=1,
+                                                medium="GPU")]))
+        seq[0] += 1
+
+    def fleet() -> None:
+        while not stop.wait(0.05):
+            publish(seq[0] + 1)
+
+    serde = RecordSerde(registry_client(test_settings.registry_url), "BlockEvent", auto_register=False)
+    marker = canonical_hash(10**6)
+
+    def stored_on_topic() -> list[bytes]:
+        """Every block hash the block topic holds now (up to each partition's end when asked), read
+        from its start."""
+        c = Consumer({"bootstrap.servers": test_settings.bootstrap, "group.id": f"t-{run}",
+                      "enable.auto.commit": False})
+        try:
+            parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+            ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
+            left = {p: end for p, end in ends.items() if end > 0}
+            c.assign([TopicPartition(topic, p, 0) for p in left])
+            hashes: list[bytes] = []
+            deadline = time.monotonic() + 30
+            while left and time.monotonic() < deadline:
+                for m in c.consume(500, timeout=1.0):
+                    if m.error() is not None:
+                        continue
+                    hashes += getattr(serde.loads(m.value(), topic).event, "block_hashes", [])
+                    if m.partition() in left and m.offset() + 1 >= left[m.partition()]:
+                        del left[m.partition()]
+            assert not left, f"partitions of {topic} not read to their end {ends} in 30 s: {sorted(left)}"
+            return hashes
+        finally:
+            c.close()
+
+    # librdkafka marks a topic gone at once (not after 30 s) and looks at the cluster every second
+    props = tmp_path / "client.properties"
+    props.write_text("topic.metadata.propagation.max.ms=0\ntopic.metadata.refresh.interval.ms=1000\n")
+    pipeline.start("worker", "worker", "--app-id", f"streams-{run}", "--workdir", str(tmp_path),
+                   env={"KVBUS_KAFKA_PROPERTIES": str(props)})
+    feeder = threading.Thread(target=fleet, daemon=True)
+    try:
+        feeder.start()
+        eventually(lambda: len(stored_on_topic()) >= 5, 120, pipeline)
+        recreate(test_settings, topic, test_settings.partitions, gone_for=5)  # the worker's producer learns it is gone
+        time.sleep(2)  # the replica goes on publishing into the recreated topic
+        stop.set()
+        feeder.join(10)
+        publish(10**6)
+        raw.flush()
+        eventually(lambda: marker in stored_on_topic(), 120, pipeline)
+        pipeline.check_alive()
+    finally:
+        stop.set()
+        pipeline.stop()
