@@ -108,26 +108,42 @@ def wait_for(predicate, timeout: float, interval: float = 0.5) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for a process to bind a moment later
+    (:func:`free_port_block` of one port: below the ephemeral range, never one this process handed out)."""
+    return free_port_block(1)
+
+
+_HANDED_OUT: dict[int, float] = {}
+"""Port -> when :func:`free_port_block` returned it in this process (``time.monotonic()``): free when
+checked and bound a moment later by a child, so no search returns it again for
+:data:`HANDED_OUT_FOR` seconds."""
+
+HANDED_OUT_FOR = 120.0
+"""Seconds a port handed out stays reserved in this process (a child binds well within them)."""
 
 
 def free_port_block(n: int, start: int = 21000, stop: int = 32000) -> int:
     """A base port with ``n`` consecutive ports free after it (a fleet binds base..base+n-1; a
     Kafka node its port and port + 1). Searched below Linux's ephemeral range (32768-60999), where
     an outgoing connection could take a port between the check and the bind, in random order: two
-    processes searching at once (a benchmark and a test run) once both took the first free block."""
-    bases = list(range(start, stop - n, max(n, 10)))
+    processes searching at once (a benchmark and a test run) once both took the first free block.
+    Never the OS's pick for port 0: that is an ephemeral port, which any of the many outgoing Kafka
+    connections of a run can take between the check and the child's bind."""
+    now = time.monotonic()
+    for port in [p for p, at in _HANDED_OUT.items() if now - at > HANDED_OUT_FOR]:
+        del _HANDED_OUT[port]
+    bases = list(range(start, stop - n, n))
     random.shuffle(bases)
     for base in bases:
+        if any(port in _HANDED_OUT for port in range(base, base + n)):
+            continue
         socks = []
         try:
             for port in range(base, base + n):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", port))
+            _HANDED_OUT.update(dict.fromkeys(range(base, base + n), now))
             return base
         except OSError:
             continue
