@@ -3,6 +3,8 @@
 
 * ``consolidate``: reads raw EventBatch records in batches and hands them to the runtime.
 * ``sweep`` (timer): expires partial aggregates older than the window.
+* an unready watch (a thread): exits the worker when it has been unready longer than its recovery
+  timeout (:mod:`kvbus.streams.unready_watch`).
 * ``STATE`` table: the durable copy of the aggregation state, keyed ``<holder>\\0`` (meta) and
   ``<holder>\\0<identity>`` (open aggregates); its changelog has the raw topic's partition count
   and every entry lives in the partition of its holder's raw records.
@@ -12,7 +14,10 @@ Why a plain Table swept by a timer rather than a windowed table: see docs/stream
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
 from typing import Any, Optional
 
 import faust
@@ -23,8 +28,14 @@ from kvbus.streams.app import create_app
 from kvbus.streams.faust_adapter import hold, take_batches
 from kvbus.streams.options import StreamsOptions
 from kvbus.streams.runtime import Runtime
+from kvbus.streams.unready_watch import UnreadyWatch, start_watch
 
 log = logging.getLogger("kvbus.streams")
+
+WATCH_EVERY = 5.0
+"""Seconds between two looks at how long the worker has been unready (KVBUS_STREAMS_RECOVERY_TIMEOUT)."""
+EXIT_GRACE = 30.0
+"""Seconds a worker past its recovery timeout has to stop cleanly before it exits at once."""
 
 
 class RawBytes(faust.Schema):
@@ -78,6 +89,15 @@ def build(settings: Settings, options: StreamsOptions) -> faust.App:
     async def sweep() -> None:
         """Expire partial aggregates that waited longer than the window."""
         await runtime.sweep()
+
+    def exit_with(verdict: str) -> None:
+        """Crash the app (the worker exits with 1); exit at once if it has not within EXIT_GRACE s."""
+        asyncio.run_coroutine_threadsafe(app.crash(RuntimeError(verdict)), app.loop)
+        time.sleep(EXIT_GRACE)
+        os._exit(1)
+
+    if options.recovery_timeout:
+        start_watch(UnreadyWatch(options.recovery_timeout), runtime.recovering, exit_with, WATCH_EVERY)
 
     @state.on_recover
     async def rebuild() -> None:

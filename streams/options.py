@@ -56,6 +56,10 @@ class StreamsOptions:
         "KVBUS_STREAMS_BATCH_FROM", COUNT, 4,
         "raw records a worker must expect within KVBUS_STREAMS_BATCH_WITHIN (at the rate they arrived over "
         "the last fraction of a second) before it waits for a batch to fill")
+    recovery_timeout: float = setting(
+        "KVBUS_STREAMS_RECOVERY_TIMEOUT", SECONDS, 300.0,
+        "seconds a worker may stay unready (its group rebalancing, its table recovering) before it exits "
+        "with an error for its supervisor to start it again; 0 = wait for ever")
     commit_interval: float = setting("KVBUS_STREAMS_COMMIT_INTERVAL", SECONDS, 1.0,
                                      "seconds between offset commits (replay after a crash is at most about this long)")
 

@@ -192,14 +192,20 @@ class Runtime:
         the state table is recovering from its changelog, the state of the partitions assigned has
         not been rebuilt yet, or no raw partition is assigned to this worker (more workers than
         partitions). Called from the probe server's thread: it reads flags only."""
+        why = self.recovering()
+        if why is None and not self.assigned:
+            return f"no partition of {self.topics.raw} is assigned to this worker"
+        return why
+
+    def recovering(self) -> str | None:
+        """Why this worker is between a rebalance and the end of its recovery (the part of
+        :meth:`not_ready` that must end), None when it is past it."""
         if getattr(self.app, "rebalancing", False):
             return "the consumer group is rebalancing"
         if getattr(self.app, "in_recovery", False):
             return "recovering the state table from its changelog"
         if not self.ready:
             return "waiting for partitions (the state of each assignment is rebuilt first)"
-        if not self.assigned:
-            return f"no partition of {self.topics.raw} is assigned to this worker"
         return None
 
     def stop(self) -> None:
