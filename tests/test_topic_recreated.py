@@ -222,9 +222,12 @@ def test_a_worker_keeps_running_while_its_block_topic_is_deleted_and_recreated(t
         finally:
             c.close()
 
-    # librdkafka marks a topic gone at once (not after 30 s) and looks at the cluster every second
+    # librdkafka marks a topic gone at once (not after 30 s), looks at the cluster every second, and
+    # does not have the broker create the deleted topic again (auto.create.topics.enable) when the
+    # worker produces to it, which would race the deletion
     props = tmp_path / "client.properties"
-    props.write_text("topic.metadata.propagation.max.ms=0\ntopic.metadata.refresh.interval.ms=1000\n")
+    props.write_text("topic.metadata.propagation.max.ms=0\ntopic.metadata.refresh.interval.ms=1000\n"
+                     "allow.auto.create.topics=false\n")
     pipeline.start("worker", "worker", "--app-id", f"streams-{run}", "--workdir", str(tmp_path),
                    env={"KVBUS_KAFKA_PROPERTIES": str(props)})
     feeder = threading.Thread(target=fleet, daemon=True)
