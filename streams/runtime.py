@@ -83,7 +83,7 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
-TOPIC_GONE = frozenset({KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION, KafkaError.UNKNOWN_TOPIC_OR_PART})
+TOPIC_GONE = frozenset({KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION})
 """Codes with which ``produce()`` refuses a record whose topic (or partition) the client no longer
 knows: a topic being deleted and recreated. Produced again after a backoff, not a crash."""
 
@@ -372,14 +372,15 @@ class Runtime:
         encode = self._codec.encode
         parts = self._partitions
         produce = self._produce
+        cb = batch.delivered
         # counted before producing: a poll() inside _produce may serve this batch's reports already
         batch.remaining = len(out) + len(dead)
         for o in out:
             n = parts.get(o.topic, 0)
-            produce(o.topic, o.key, encode(o.value, o.topic), o.partition if o.partition < n else -1, batch)
+            produce(o.topic, o.key, encode(o.value, o.topic), o.partition if o.partition < n else -1, batch, cb)
         dlq = self.topics.dlq
         for d in dead:
-            produce(dlq, d.source.encode(), encode(d, dlq), -1, batch)
+            produce(dlq, d.source.encode(), encode(d, dlq), -1, batch, cb)
         batch.items = list(self.aggregator.flush(holders))
         if not batch.items and not batch.events and not batch.remaining:
             return
@@ -388,13 +389,14 @@ class Runtime:
             self._completer = asyncio.ensure_future(self._complete_loop())
         self._wake.set()
 
-    def _produce(self, topic: str, key: bytes, value: bytes, partition: int, batch: _Batch) -> None:
-        """Queue one record of ``batch`` (counted in its ``remaining`` already). A full queue is
+    def _produce(self, topic: str, key: bytes, value: bytes, partition: int, batch: _Batch, cb: Any) -> None:
+        """Queue one record of ``batch`` (counted in its ``remaining`` already; ``cb``: its
+        ``delivered``, bound once per batch by the caller, not once per record). A full queue is
         waited out; a record the client refuses outright (a topic deleted under the worker) is
         :meth:`_Batch.refused`, and produced again by the completion loop; any other refusal raises."""
         while True:
             try:
-                self._producer.produce(topic, value, key, partition=partition, on_delivery=batch.delivered)
+                self._producer.produce(topic, value, key, partition=partition, on_delivery=cb)
                 return
             except BufferError:
                 self._producer.poll(0.05)
@@ -443,8 +445,9 @@ class Runtime:
                                 len(failed), self.errors.take()[-1], pause)
                 await asyncio.sleep(pause)
                 head.remaining += len(failed)
+                cb = head.delivered
                 for topic, key, value, partition, _ in failed:
-                    self._produce(topic, key, value, partition, head)
+                    self._produce(topic, key, value, partition, head, cb)
                 continue
             if self._inflight:
                 await asyncio.sleep(POLL_DRAINING if self._draining else POLL_EVERY)
