@@ -31,9 +31,16 @@ event loop's time per raw record. :class:`Consumer` keeps the same loop and the 
 waits that way once per *fetch*: the records of one ``getmany`` are delivered by one coroutine, which
 ``wait_first`` cancels wherever it is blocked when the flow is suspended, the worker stops or crashes
 (the records not yet delivered are dropped, as Faust drops them per record; after the rebalance the
-consumer seeks back to committed offsets: :meth:`kvbus.streams.runtime.Runtime.rebuild`). Faust offers
-no hook for this, hence the subclass of a private method. Everything else (fetching thread,
-rebalancing, commits, producer, tables) is Faust's ``faust.transport.drivers.aiokafka``.
+consumer seeks back to committed offsets: :meth:`kvbus.streams.runtime.Runtime.rebuild`). The fetch
+itself (the first record of ``getmany``) is awaited outside that wait, as in Faust: it runs on the
+consumer's thread, which a cancel does not reach, so a fetch cancelled on the event loop still takes
+its records out of aiokafka and nobody receives them. Such a fetch reads the *current* active
+partitions, and a rebalance changes them while it waits (aiokafka holds it until the new assignment
+is in place): it then took the records of the changelog partitions that recovery had just sought to,
+or of raw partitions just rewound, and recovery waited for ever for a record already consumed, or a
+survivor skipped part of the partitions it took over. Faust offers no hook for this, hence the
+subclass of a private method. Everything else (fetching thread, rebalancing, commits, producer,
+tables) is Faust's ``faust.transport.drivers.aiokafka``.
 
 The bounded flush. Faust flushes its producer before every offset commit (``Consumer._commit_offsets``)
 and before a recovery (``Recovery._restart_recovery``), and ``ProducerBuffer.flush`` returns only
@@ -195,7 +202,10 @@ class Consumer(faust_aiokafka.Consumer):
                 records = self.getmany(timeout=1.0)
                 await self.sleep(0)  # getmany may return at once again and again (as Faust does)
                 if not self.should_stop:
-                    await self.wait_first(self._deliver(records), self.suspend_flow.wait())
+                    # the fetch: never cancelled by a suspended flow (module doc, "The fast hand-over")
+                    first = await anext(records, None)
+                    if first is not None:
+                        await self.wait_first(self._deliver(first, records), self.suspend_flow.wait())
                 self.diag.unset_flag(CONSUMER_FETCHING)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:
@@ -213,31 +223,34 @@ class Consumer(faust_aiokafka.Consumer):
         finally:
             self.diag.unset_flag(CONSUMER_FETCHING)
 
-    async def _deliver(self, records: AsyncIterator[tuple[TP, Message]]) -> None:
-        """Hand one fetch's records to the conductor in order; per record exactly what Faust's
-        loop does (skip offsets already read, note gaps of acking topics, commit every N acks)."""
+    async def _deliver(self, first: tuple[TP, Message], rest: AsyncIterator[tuple[TP, Message]]) -> None:
+        """Hand one fetch's records (``first``, then the ``rest`` of ``getmany``) to the conductor in
+        order; per record exactly what Faust's loop does (skip offsets already read, note gaps of
+        acking topics, commit every N acks)."""
         callback: Callable[[Message], Awaitable[Any]] = self.callback
         get_read_offset = self._read_offset.__getitem__
         set_read_offset = self._read_offset.__setitem__
         acks_enabled_for = self.app.topics.acks_enabled_for
         commit_every: Optional[int] = self._commit_every
         since_yield = 0
-        async for tp, message in records:
+        item: Optional[tuple[TP, Message]] = first
+        while item is not None:
+            tp, message = item
             since_yield += 1
             if since_yield > YIELD_EVERY:
                 await asyncio.sleep(0)
                 since_yield = 0
             offset = message.offset
             r_offset = get_read_offset(tp)
-            if r_offset is not None and offset < r_offset:
-                continue  # already read (Faust logs "DROPPED MESSAGE ROFF" at dev level)
-            if r_offset and offset - r_offset > 1 and acks_enabled_for(message.topic):
-                await self._add_gap(tp, r_offset + 1, offset)
-            if commit_every is not None and self._n_acked >= commit_every:
-                self._n_acked = 0
-                await self.commit()
-            await callback(message)
-            set_read_offset(tp, offset)
+            if r_offset is None or offset >= r_offset:  # else already read (Faust: "DROPPED MESSAGE ROFF")
+                if r_offset and offset - r_offset > 1 and acks_enabled_for(message.topic):
+                    await self._add_gap(tp, r_offset + 1, offset)
+                if commit_every is not None and self._n_acked >= commit_every:
+                    self._n_acked = 0
+                    await self.commit()
+                await callback(message)
+                set_read_offset(tp, offset)
+            item = await anext(rest, None)
 
 
 # -- the bounded flush ------------------------------------------------------------------------------

@@ -264,6 +264,66 @@ def test_the_worker_consumer_is_the_adapters_and_passes_its_own_check():
     assert type(app.producer.buffer) is faust_adapter.ProducerBuffer and app.producer.buffer.app is app
 
 
+# -- the fast hand-over ----------------------------------------------------------------------------
+
+
+async def test_a_fetch_under_way_when_a_rebalance_suspends_the_flow_still_delivers_its_records():
+    """The consumer thread's fetch completes whether or not the event loop still waits for it (mode's
+    ``call_thread``: a cancelled caller only loses the result), and it takes its records out of
+    aiokafka. So a suspended flow must not cancel the wait for a fetch: its records would be read and
+    never delivered (what stalled recovery for good, or made a survivor skip records)."""
+    from types import SimpleNamespace
+
+    from faust.types import TP
+
+    app = faust.App("kvbus-fast-handover", broker=f"{faust_adapter.SCHEME}://127.0.0.1:9", autodiscover=False)
+    consumer = app.consumer
+    records = [(TP("kvbus-fast-handover-changelog", 2), SimpleNamespace(topic="kvbus-fast-handover-changelog",
+                                                                       offset=offset)) for offset in range(3)]
+    fetching, release = asyncio.Event(), asyncio.Event()
+    taken: list[int] = []
+    delivered: list[int] = []
+    fetches: list[asyncio.Future] = []
+
+    async def thread_fetch() -> list[Any]:  # stands for aiokafka's fetched_records on the consumer thread
+        await release.wait()
+        taken.extend(message.offset for _tp, message in records)
+        return records
+
+    async def getmany(timeout: float) -> Any:  # Faust's getmany: one fetch, then its records
+        if fetches:
+            await asyncio.sleep(0.01)
+            return
+        fetches.append(asyncio.ensure_future(thread_fetch()))
+        fetching.set()
+        for item in await asyncio.shield(fetches[0]):
+            yield item
+
+    async def callback(message: Any) -> None:
+        delivered.append(message.offset)
+
+    consumer.getmany = getmany
+    consumer.callback = callback
+    fetcher = SimpleNamespace(_stopped=asyncio.Event())
+    drain = asyncio.ensure_future(consumer._drain_messages(fetcher))
+    try:
+        await asyncio.wait_for(fetching.wait(), 5)
+        consumer.stop_flow()  # a rebalance starts while the fetch waits on the consumer thread
+        await asyncio.sleep(0.05)
+        consumer.resume_flow()  # ... and ends
+        release.set()  # the fetch returns the records it took out of aiokafka
+        for _ in range(500):
+            if delivered == taken == [0, 1, 2]:
+                break
+            await asyncio.sleep(0.01)
+        assert delivered == taken == [0, 1, 2], (
+            f"waited 5 s for the records the fetch took ({taken}) to be delivered; delivered: {delivered}")
+    finally:
+        fetcher._stopped.set()
+        drain.cancel()
+        await asyncio.gather(drain, return_exceptions=True)
+
+
 # -- the bounded flush ----------------------------------------------------------------------------
 
 
