@@ -358,8 +358,14 @@ class Runtime:
         return {partition: offset for (_topic, partition), offset in offsets.items()}
 
     def revoke(self, partitions: Iterable[int]) -> None:
-        """Partitions were revoked: stop sweeping until the next recovery."""
+        """Partitions were revoked: stop sweeping until the next recovery. Logs, per revoked raw
+        partition, the offset after the last record processed (None: none since the last
+        recovery), to compare with the committed offset the next owner starts from."""
         self.ready = False
+        revoked = sorted(partitions)
+        if revoked:
+            log.info("raw partitions revoked, next offsets to process %s",
+                     {p: self.next_offset.get(p) for p in revoked}, extra={"partitions": revoked})
 
     # -- publishing -----------------------------------------------------------
 
