@@ -324,6 +324,103 @@ async def test_a_fetch_under_way_when_a_rebalance_suspends_the_flow_still_delive
         await asyncio.gather(drain, return_exceptions=True)
 
 
+async def test_records_fetched_before_a_seek_of_their_partition_are_read_again_from_the_seek():
+    """A fetch returns its records on the consumer thread; before the event loop delivers them, a
+    rewind seeks one of their partitions back. Those records are not delivered (Faust would take the
+    jump from the sought offset for a gap, drop the re-read records as already read and let the next
+    commit cover them); the other partition's records are, and the re-read ones follow in order."""
+    from types import SimpleNamespace
+
+    from faust.types import TP
+
+    app = faust.App("kvbus-stale-fetch", broker=f"{faust_adapter.SCHEME}://127.0.0.1:9", autodiscover=False)
+    consumer = app.consumer
+    thread = consumer._thread
+    assert isinstance(thread, faust_adapter.ConsumerThread)
+    rewound, other = TP("kvbus-stale-fetch-raw", 0), TP("kvbus-stale-fetch-raw", 1)
+
+    def record(tp: TP, offset: int) -> tuple[TP, Any]:
+        return tp, SimpleNamespace(topic=tp.topic, partition=tp.partition, offset=offset)
+
+    fetches = [[record(rewound, 10), record(other, 5), record(rewound, 11), record(other, 6)],
+               [record(rewound, 3), record(rewound, 4)]]
+    returned, handed_over = asyncio.Event(), asyncio.Event()
+    delivered: list[tuple[int, int]] = []
+
+    async def getmany(timeout: float) -> Any:  # Faust's getmany over the stamped thread fetch
+        if not fetches:
+            await asyncio.sleep(0.01)
+            return
+        batch = fetches.pop(0)
+        thread.fetched = thread.seeks  # what ConsumerThread._fetch_records does on its return
+        returned.set()
+        await handed_over.wait()  # the event loop runs other tasks before it delivers
+        for item in batch:
+            yield item
+
+    async def callback(message: Any) -> None:
+        delivered.append((message.partition, message.offset))
+
+    consumer.getmany = getmany
+    consumer.callback = callback
+    fetcher = SimpleNamespace(_stopped=asyncio.Event())
+    drain = asyncio.ensure_future(consumer._drain_messages(fetcher))
+    try:
+        await asyncio.wait_for(returned.wait(), 5)
+        thread.stamp_seek([rewound])  # the rewind to the committed offset 3 (Faust's seek_wait) ...
+        consumer._read_offset[rewound] = 3  # ... which also sets the read offset
+        handed_over.set()
+        want = [(1, 5), (1, 6), (0, 3), (0, 4)]
+        for _ in range(500):
+            if len(delivered) >= len(want):
+                break
+            await asyncio.sleep(0.01)
+        assert delivered == want, f"waited 5 s for {want} to be delivered; delivered: {delivered}"
+        assert not consumer._gap.get(rewound), f"a gap was noted where records were re-read: {consumer._gap}"
+    finally:
+        fetcher._stopped.set()
+        drain.cancel()
+        await asyncio.gather(drain, return_exceptions=True)
+
+
+async def test_every_seek_of_the_consumer_thread_is_stamped():
+    """Faust's seek_wait, seek and seek_to_committed go through the thread's stamped seeks: a fetch
+    stamped before them is stale for exactly the partitions they moved."""
+    from faust.types import TP
+
+    app = faust.App("kvbus-seek-stamps", broker=f"{faust_adapter.SCHEME}://127.0.0.1:9", autodiscover=False)
+    thread = app.consumer._thread
+    tps = [TP("kvbus-seek-stamps-raw", p) for p in range(3)]
+    committed = {tps[0]: 7, tps[1]: None, tps[2]: 0}
+    moved: list[tuple[TP, int]] = []
+
+    class Aiokafka:  # the public calls of aiokafka's consumer the thread makes
+        def seek(self, tp: TP, offset: int) -> None:
+            moved.append((tp, offset))
+
+        async def position(self, tp: TP) -> int:
+            return 0
+
+        def assignment(self) -> set[TP]:
+            return set(tps)
+
+        async def committed(self, tp: TP) -> Optional[int]:
+            return committed[tp]
+
+    stub = Aiokafka()
+    thread._ensure_consumer = lambda: stub
+    fetched = thread.fetched = thread.seeks
+    await thread._seek_wait(stub, {tps[1]: 4})
+    assert moved == [(tps[1], 4)] and thread.sought == {tps[1]: thread.seeks} and thread.seeks > fetched
+    thread.seek(tps[2], 9)
+    assert thread.sought[tps[2]] == thread.seeks > thread.sought[tps[1]]
+    moved.clear()
+    fetched = thread.fetched = thread.seeks
+    assert await thread._seek_each_to_committed() == committed
+    assert moved == [(tps[0], 7)], "only a partition with a committed offset above 0 is sought, as aiokafka does"
+    assert thread.sought[tps[0]] > fetched >= thread.sought[tps[1]] and fetched >= thread.sought[tps[2]]
+
+
 # -- the bounded flush ----------------------------------------------------------------------------
 
 
