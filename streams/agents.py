@@ -3,6 +3,7 @@
 
 * ``consolidate``: reads raw EventBatch records in batches and hands them to the runtime.
 * ``sweep`` (timer): expires partial aggregates older than the window.
+* a warm-up (a thread): the runtime's Kafka clients connect while Faust starts.
 * an unready watch (a thread): exits the worker when it has been unready longer than its recovery
   timeout (:mod:`kvbus.streams.unready_watch`).
 * ``STATE`` table: the durable copy of the aggregation state, keyed ``<holder>\\0`` (meta) and
@@ -27,7 +28,7 @@ from kvbus.schemas.settings import Settings
 from kvbus.streams.app import create_app
 from kvbus.streams.faust_adapter import hold, take_batches
 from kvbus.streams.options import StreamsOptions
-from kvbus.streams.runtime import Runtime
+from kvbus.streams.runtime import Runtime, start_warm_up
 from kvbus.streams.unready_watch import UnreadyWatch, start_watch
 
 log = logging.getLogger("kvbus.streams")
@@ -70,6 +71,7 @@ def build(settings: Settings, options: StreamsOptions) -> faust.App:
     )  # durable aggregation state; changelog topic <app id>-state-changelog (compacted)
 
     runtime = Runtime(app, settings, options, state)
+    start_warm_up(runtime)  # its Kafka clients connect while Faust starts and joins the group
 
     @app.agent(raw, name="consolidate")
     async def consolidate(stream: Any) -> None:

@@ -102,4 +102,5 @@ def create_app(settings: Settings, options: StreamsOptions) -> faust.App:
         web_host="127.0.0.1",
         autodiscover=False,
         Monitor=RecordQuietMonitor,
+        TableManager=faust_adapter.TableManager,
     )

@@ -15,6 +15,8 @@ public API does not offer:
 * :func:`hold` / :func:`release`: keep a raw record uncommittable after the ack at the end of each
   batch, until kvbus has delivered its outputs and written its state;
 * :func:`rewind`: seek partitions on the consumer's own thread;
+* :class:`TableManager`: Faust's table manager without the second it sleeps at start before it
+  registers the tables (below);
 * :class:`ConsumerThread`: the consumer thread, which stamps seeks and fetches so that records fetched
   before a seek of their partition are not delivered after it (below).
 
@@ -58,6 +60,13 @@ back from the survivor and the replicas on it kept blocks their engines had remo
 consumer thread, and :class:`Consumer` drops the records of a partition sought after their fetch
 returned: the seek has already set the position they are read again from.
 
+The start without a pause. Faust's ``TableManager.on_start`` sleeps one second before it registers
+the tables (so that tables declared while the app starts are registered too), and the consumer joins
+its group only once they are. kvbus declares its one table before the app starts, so the pause only
+delayed every worker's join: a restarted worker's partitions waited a second longer (part of the
+freshness of one of two workers killed and restarted, docs/benchmarks.md). :class:`TableManager`
+registers them at once.
+
 The bounded flush. Faust flushes its producer before every offset commit (``Consumer._commit_offsets``)
 and before a recovery (``Recovery._restart_recovery``), and ``ProducerBuffer.flush`` returns only
 once the buffer is empty (or nothing was sent for 0.1 s). Table writes are put in that buffer: the
@@ -85,6 +94,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
 from faust.streams import _current_event
+from faust.tables import TableManager as FaustTableManager
 from faust.transport import drivers
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
@@ -187,6 +197,11 @@ INTERNALS: tuple[Internal, ...] = (
              ("self", "partitions"), reviewed="12e8d34e554e9024",
              why="rewind: seeks run on the consumer thread (calling aiokafka's seek from the event loop's "
                  "thread races the fetcher and kills the consumer thread)"),
+    Internal("faust.tables.manager:TableManager.on_start", "coroutine function", ("self",),
+             reviewed="365dd25fbc0e0684",
+             why="overridden by TableManager.on_start: the same steps without the one-second sleep first"),
+    Internal("faust.tables.manager:TableManager._update_channels", "coroutine function", ("self",),
+             why="registers the tables' changelog channels (then Faust sets _tables_registered)"),
     Internal("faust.transport.drivers.aiokafka:Consumer._new_consumer_thread", "function", ("self",),
              reviewed="0870ec53dea75083",
              why="builds the consumer's thread: overridden to build ConsumerThread"),
@@ -396,6 +411,20 @@ class Transport(faust_aiokafka.Transport):
 
 
 drivers.TRANSPORTS.aliases.setdefault(SCHEME, f"{__name__}:Transport")
+
+
+# -- the start without a pause ----------------------------------------------------------------------
+
+
+class TableManager(FaustTableManager):
+    """Faust's table manager (the app's ``TableManager`` setting) that registers the tables as soon as
+    it starts (module doc, "The start without a pause")."""
+
+    async def on_start(self) -> None:
+        """Register the tables' changelogs and start recovery, as Faust does after its one-second sleep."""
+        if not self.should_stop:
+            await self._update_channels()
+            await self.recovery.start()
 
 
 # -- table writes under a chosen changelog partition -----------------------------------------------

@@ -24,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 from collections import defaultdict, deque
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
@@ -86,6 +87,20 @@ def tune_gc() -> None:
 TOPIC_GONE = frozenset({KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION})
 """Codes with which ``produce()`` refuses a record whose topic (or partition) the client no longer
 knows: a topic being deleted and recreated. Produced again after a backoff, not a crash."""
+
+
+class _Partition(NamedTuple):
+    """A topic partition as the committed-offset reader takes it (``.topic``, ``.partition``)."""
+
+    topic: str
+    partition: int
+
+
+def start_warm_up(runtime: "Runtime") -> threading.Thread:
+    """Run :meth:`Runtime.warm_up` on a daemon thread of its own; the thread."""
+    thread = threading.Thread(target=runtime.warm_up, name="kvbus-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 class _Batch:
@@ -156,14 +171,38 @@ class Runtime:
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
         self._completer: Optional[asyncio.Task] = None
+        self._started = False
+        self._start_lock = threading.Lock()
+        self._offsets_lock = threading.Lock()
         self.metrics.serve(options.metrics_port, Readiness([self.not_ready]))  # from the start: /healthz answers
 
     # -- lifecycle ------------------------------------------------------------
 
-    def start(self) -> None:
-        """Connect the producer, the registry and the metrics endpoint (idempotent)."""
-        if self._producer is not None:
+    def warm_up(self) -> None:
+        """What the first assignment would otherwise wait for, done while the worker joins its group:
+        connect the output producer, the registry and the admin client (:meth:`start`), and look up
+        the group coordinator of the reader of committed offsets (the first rewind). Runs on a thread of
+        its own (:func:`start_warm_up`); a failure is logged, and the first rebuild tries again."""
+        t0 = time.perf_counter()
+        try:
+            self.start()
+            self._committed([_Partition(self.topics.raw, 0)])
+        except Exception as exc:  # the first rebuild does the same and raises what it meets
+            log.warning("warming up the worker's Kafka clients failed (the first assignment connects them): %s", exc)
             return
+        log.info("worker's Kafka clients connected in %.2f s", time.perf_counter() - t0)
+
+    def start(self) -> None:
+        """Connect the producer, the registry and the admin client (idempotent; thread-safe, so that
+        :meth:`warm_up` may run it on a thread of its own while the event loop starts)."""
+        if self._started:
+            return
+        with self._start_lock:
+            if not self._started:
+                self._start()
+                self._started = True
+
+    def _start(self) -> None:
         tune_gc()
         s = self.settings
         self._codec = Codec(registry_client(s))
@@ -305,19 +344,23 @@ class Runtime:
     async def rebuild(self) -> None:
         """After table recovery: rebuild the working state of the assigned raw partitions and
         rewind them to their committed offsets (see :meth:`_rewind`)."""
+        t0 = time.perf_counter()
         async with self.lock:
             await self._drain()
+            t_drained = time.perf_counter()
             tps = [tp for tp in self.app.assignor.assigned_actives() if tp.topic == self.topics.raw]
             actives = {tp.partition for tp in tps}
             await self._rewind(tps)
+            t_rewound = time.perf_counter()
             states = load(self.table.items(), actives)
             self.aggregator.holders.clear()
             self.aggregator.holders.update(states)
             self.next_offset.clear()
             self.assigned = frozenset(actives)
             self.ready = True
-            log.info("state rebuilt for raw partitions %s: %d holders, %d pending aggregates",
-                     sorted(actives), len(states), self.aggregator.pending_count(),
+            log.info("state rebuilt for raw partitions %s: %d holders, %d pending aggregates in %.2f s "
+                     "(drain %.2f s, rewind %.2f s)", sorted(actives), len(states), self.aggregator.pending_count(),
+                     time.perf_counter() - t0, t_drained - t0, t_rewound - t_drained,
                      extra={"partitions": sorted(actives)})
 
     async def _rewind(self, tps: list[Any]) -> None:
@@ -352,9 +395,10 @@ class Runtime:
     def _committed(self, tps: list[Any]) -> dict[int, Optional[int]]:
         """Raw partition -> the group's committed offset there (None: none), read as
         :class:`~kvbus.schemas.kafka_clients.GroupOffsets` says (never through the admin client)."""
-        if self._group_offsets is None:
-            self._group_offsets = GroupOffsets(self.settings.kafka(), self.options.app_id)
-        offsets = self._group_offsets.committed([(tp.topic, tp.partition) for tp in tps])
+        with self._offsets_lock:  # the warm-up thread and the rebuild's executor thread
+            if self._group_offsets is None:
+                self._group_offsets = GroupOffsets(self.settings.kafka(), self.options.app_id)
+            offsets = self._group_offsets.committed([(tp.topic, tp.partition) for tp in tps])
         return {partition: offset for (_topic, partition), offset in offsets.items()}
 
     def revoke(self, partitions: Iterable[int]) -> None:
