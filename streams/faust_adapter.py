@@ -16,9 +16,7 @@ public API does not offer:
   batch, until kvbus has delivered its outputs and written its state;
 * :func:`rewind`: seek partitions on the consumer's own thread;
 * :class:`TableManager`: Faust's table manager without the second it sleeps at start before it
-  registers the tables (below);
-* :class:`ConsumerThread`: the consumer thread, which stamps seeks and fetches so that records fetched
-  before a seek of their partition are not delivered after it (below).
+  registers the tables (below).
 
 :data:`INTERNALS` lists every private name (and every behaviour of a public one) this relies on, with
 its kind, its parameters and a fingerprint of the source reviewed. :func:`broken_internals` and
@@ -45,20 +43,6 @@ or of raw partitions just rewound, and recovery waited for ever for a record alr
 survivor skipped part of the partitions it took over. Faust offers no hook for this, hence the
 subclass of a private method. Everything else (fetching thread, rebalancing, commits, producer,
 tables) is Faust's ``faust.transport.drivers.aiokafka``.
-
-Fetches older than a seek. A fetch runs on the consumer thread, and its records reach the event
-loop later; meanwhile the event loop may seek a partition (recovery seeks changelog partitions, a
-worker rewinds its raw partitions to their committed offsets, Faust seeks to committed offsets at
-the end of recovery). aiokafka drops fetched records whose partition was sought only while they are
-still inside aiokafka; records already handed to the event loop were delivered after the seek.
-Faust then took the jump from the sought offset to the stale records' offset for a gap in the log
-(``Consumer._add_gap``) and the records re-read from the sought offset for records already read, so
-those records were never processed, and the gap let the next commit cover them: the new owner of the
-partition skipped them for good (seen once in the fault suite: a restarted worker took a partition
-back from the survivor and the replicas on it kept blocks their engines had removed).
-:class:`ConsumerThread` stamps each seek and each fetch's return with a counter, in order, on the
-consumer thread, and :class:`Consumer` drops the records of a partition sought after their fetch
-returned: the seek has already set the position they are read again from.
 
 The start without a pause. Faust's ``TableManager.on_start`` sleeps one second before it registers
 the tables (so that tables declared while the app starts are registered too), and the consumer joins
@@ -202,25 +186,6 @@ INTERNALS: tuple[Internal, ...] = (
              why="overridden by TableManager.on_start: the same steps without the one-second sleep first"),
     Internal("faust.tables.manager:TableManager._update_channels", "coroutine function", ("self",),
              why="registers the tables' changelog channels (then Faust sets _tables_registered)"),
-    Internal("faust.transport.drivers.aiokafka:Consumer._new_consumer_thread", "function", ("self",),
-             reviewed="0870ec53dea75083",
-             why="builds the consumer's thread: overridden to build ConsumerThread"),
-    Internal("faust.transport.consumer:ThreadDelegateConsumer._thread", "instance attribute",
-             why="the consumer's thread, whose seek and fetch stamps the copied loop reads"),
-    Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread._fetch_records", "coroutine function",
-             ("self", "consumer", "active_partitions", "timeout", "max_records"), reviewed="39a2c6c79fc1455a",
-             why="runs on the consumer thread and returns one fetch's records: overridden to stamp its return"),
-    Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread._seek_wait", "coroutine function",
-             ("self", "consumer", "partitions"), reviewed="9d221e816d940467",
-             why="seeks each partition synchronously, then waits for the positions: overridden to stamp the seeks"),
-    Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread.seek_to_committed", "coroutine function",
-             ("self",), reviewed="775ab0adc4b052ab",
-             why="overridden: the same seeks (aiokafka's public committed() and seek()), each stamped"),
-    Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread.seek", "function",
-             ("self", "partition", "offset"), reviewed="1498560d05f02582",
-             why="overridden to stamp the seek"),
-    Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread._ensure_consumer", "function", ("self",),
-             why="the thread's aiokafka consumer, for the stamped seek_to_committed"),
 )
 """Every Faust internal this module relies on (tests/test_faust_adapter.py checks the list is complete)."""
 
@@ -243,13 +208,9 @@ class Consumer(faust_aiokafka.Consumer):
         for change in revised_internals():
             log.warning("Faust internal changed since kvbus reviewed it: %s", change)
 
-    def _new_consumer_thread(self) -> "ConsumerThread":
-        return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
-
     async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - runs in the worker
         consumer_should_stop = self._stopped.is_set
         fetcher_should_stop = fetcher._stopped.is_set
-        thread: ConsumerThread = self._thread
         try:
             while not (consumer_should_stop() or fetcher_should_stop()):
                 self.diag.set_flag(CONSUMER_FETCHING)
@@ -259,9 +220,7 @@ class Consumer(faust_aiokafka.Consumer):
                     # the fetch: never cancelled by a suspended flow (module doc, "The fast hand-over")
                     first = await anext(records, None)
                     if first is not None:
-                        fetched = thread.fetched  # this fetch's stamp (one fetch at a time)
-                        await self.wait_first(self._deliver(first, records, fetched, thread.sought),
-                                              self.suspend_flow.wait())
+                        await self.wait_first(self._deliver(first, records), self.suspend_flow.wait())
                 self.diag.unset_flag(CONSUMER_FETCHING)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:
@@ -279,15 +238,10 @@ class Consumer(faust_aiokafka.Consumer):
         finally:
             self.diag.unset_flag(CONSUMER_FETCHING)
 
-    async def _deliver(self, first: tuple[TP, Message], rest: AsyncIterator[tuple[TP, Message]],
-                       fetched: int = 0, sought: Optional[Mapping[TP, int]] = None) -> None:
+    async def _deliver(self, first: tuple[TP, Message], rest: AsyncIterator[tuple[TP, Message]]) -> None:
         """Hand one fetch's records (``first``, then the ``rest`` of ``getmany``) to the conductor in
         order; per record exactly what Faust's loop does (skip offsets already read, note gaps of
-        acking topics, commit every N acks), except that a record whose partition was sought after
-        the fetch returned is dropped (module doc, "Fetches older than a seek"). ``fetched``: the
-        fetch's stamp (:attr:`ConsumerThread.fetched`); ``sought``: partition -> stamp of its last seek."""
-        sought_at = (sought if sought is not None else {}).get
-        stale: dict[TP, int] = {}
+        acking topics, commit every N acks)."""
         callback: Callable[[Message], Awaitable[Any]] = self.callback
         get_read_offset = self._read_offset.__getitem__
         set_read_offset = self._read_offset.__setitem__
@@ -302,10 +256,6 @@ class Consumer(faust_aiokafka.Consumer):
                 await asyncio.sleep(0)
                 since_yield = 0
             offset = message.offset
-            if sought_at(tp, 0) > fetched:  # read again from where the later seek put the partition
-                stale[tp] = stale.get(tp, 0) + 1
-                item = await anext(rest, None)
-                continue
             r_offset = get_read_offset(tp)
             if r_offset is None or offset >= r_offset:  # else already read (Faust: "DROPPED MESSAGE ROFF")
                 if r_offset and offset - r_offset > 1 and acks_enabled_for(message.topic):
@@ -316,63 +266,6 @@ class Consumer(faust_aiokafka.Consumer):
                 await callback(message)
                 set_read_offset(tp, offset)
             item = await anext(rest, None)
-        if stale:
-            log.info("records fetched before a seek of their partition dropped (read again from the seek's "
-                     "offset): %s", {f"{tp.topic}[{tp.partition}]": n for tp, n in stale.items()})
-
-
-class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
-    """Faust's aiokafka consumer thread that stamps every seek and every fetch's return with one
-    counter, in the order they happen on the thread (module doc, "Fetches older than a seek")."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.seeks = 0
-        """Seeks made so far (the stamp of the last one)."""
-        self.sought: dict[TP, int] = {}
-        """Partition -> the stamp of its last seek (absent: never sought)."""
-        self.fetched = 0
-        """The value of :attr:`seeks` when the last fetch returned its records: a record of that fetch
-        whose partition has a higher stamp in :attr:`sought` was fetched before that seek."""
-
-    def stamp_seek(self, partitions: Iterable[Any]) -> None:
-        """Note a seek of ``partitions``; called in the same step as the seek itself."""
-        self.seeks += 1
-        for tp in partitions:
-            self.sought[TP(tp.topic, tp.partition)] = self.seeks
-
-    async def _fetch_records(self, consumer: Any, active_partitions: Any, timeout: Optional[float] = None,
-                             max_records: Optional[int] = None) -> Any:
-        records = await super()._fetch_records(consumer, active_partitions, timeout=timeout,
-                                               max_records=max_records)
-        self.fetched = self.seeks
-        return records
-
-    async def _seek_wait(self, consumer: Any, partitions: Mapping[TP, int]) -> None:
-        self.stamp_seek(partitions)  # Faust's seeks run before its first await, in this same step
-        await super()._seek_wait(consumer, partitions)
-
-    def seek(self, partition: TP, offset: int) -> None:
-        """Seek ``partition`` to ``offset`` (Faust's), stamped."""
-        super().seek(partition, offset)
-        self.stamp_seek((partition,))
-
-    async def seek_to_committed(self) -> Mapping[TP, int]:
-        """Seek the assigned partitions to their committed offsets, as aiokafka's
-        ``seek_to_committed`` does (one with none, or 0, keeps its position), each seek stamped when
-        it is made: aiokafka's own awaits each partition's committed offset between two seeks, so a
-        stamp after it returned would mark the records fetched meanwhile from a new position stale."""
-        return await self.call_thread(self._seek_each_to_committed)
-
-    async def _seek_each_to_committed(self) -> dict[Any, Optional[int]]:
-        consumer = self._ensure_consumer()
-        committed: dict[Any, Optional[int]] = {}
-        for tp in consumer.assignment():
-            offset = committed[tp] = await consumer.committed(tp)
-            if offset and offset > 0:
-                consumer.seek(tp, offset)
-                self.stamp_seek((tp,))
-        return committed
 
 
 # -- the bounded flush ------------------------------------------------------------------------------
