@@ -14,7 +14,8 @@ public API does not offer:
   idle, no wait when few records are expected, up to ``within`` when many are);
 * :func:`hold` / :func:`release`: keep a raw record uncommittable after the ack at the end of each
   batch, until kvbus has delivered its outputs and written its state;
-* :func:`rewind`: seek partitions on the consumer's own thread;
+* :func:`rewind`: seek partitions on the consumer's own thread; :func:`forget_gaps`: forget the gaps
+  Faust noted in a partition's offsets;
 * :class:`TableManager`: Faust's table manager without the second it sleeps at start before it
   registers the tables (below).
 
@@ -181,6 +182,8 @@ INTERNALS: tuple[Internal, ...] = (
              ("self", "partitions"), reviewed="12e8d34e554e9024",
              why="rewind: seeks run on the consumer thread (calling aiokafka's seek from the event loop's "
                  "thread races the fetcher and kills the consumer thread)"),
+    Internal("faust.transport.consumer:Consumer._gap", "instance attribute", types=(Mapping,),
+             why="forget_gaps: pops a partition's gaps (offsets taken for absent, so that commits pass them)"),
     Internal("faust.tables.manager:TableManager.on_start", "coroutine function", ("self",),
              reviewed="365dd25fbc0e0684",
              why="overridden by TableManager.on_start: the same steps without the one-second sleep first"),
@@ -505,6 +508,14 @@ async def rewind(consumer: Any, offsets: Mapping[TP, int]) -> None:
     Faust's own recovery does).
     """
     await consumer.seek_wait(dict(offsets))
+
+
+def forget_gaps(consumer: Any, tp: TP) -> None:
+    """Forget the gaps Faust noted in ``tp``'s offsets. Faust takes a jump in the offsets it delivers
+    for records absent from the log (transaction markers, compaction) and lets its commits pass over
+    them; a partition read again from before a jump (:mod:`kvbus.streams.offset_guard`) is not
+    missing those records, and a commit over them would cover records not processed yet."""
+    consumer._gap.pop(tp, None)
 
 
 # -- checking the installed Faust -------------------------------------------------------------------

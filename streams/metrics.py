@@ -11,6 +11,7 @@
 | ``kvbus_streams_resets_total{kind}`` | counter | Reset markers: forwarded or coalesced |
 | ``kvbus_streams_dropped_by_reset_total`` | counter | partial aggregates dropped by a Reset |
 | ``kvbus_streams_dead_letters_total{reason}`` | counter | raw records sent to the DLQ: decode or invariant |
+| ``kvbus_streams_offset_gaps_total{outcome}`` | counter | gaps in a raw partition's delivered offsets: reread, gone |
 | ``kvbus_streams_pending_aggregates`` | gauge | partial aggregates held by this process |
 | ``kvbus_streams_holders`` | gauge | (replica, dp_rank) states held by this process |
 | ``kvbus_streams_partition_lag{partition}`` | gauge | raw records not yet processed, per assigned partition |
@@ -38,6 +39,8 @@ class StreamsMetrics:
         self.resets = Counter("kvbus_streams_resets", "Reset markers", ["kind"], registry=r)
         self.dropped = Counter("kvbus_streams_dropped_by_reset", "Partial aggregates dropped by a Reset", registry=r)
         self.dead_letters = Counter("kvbus_streams_dead_letters", "Raw records sent to the DLQ", ["reason"], registry=r)
+        self.offset_gaps = Counter("kvbus_streams_offset_gaps", "Gaps in a raw partition's delivered offsets",
+                                   ["outcome"], registry=r)
         self.pending = Gauge("kvbus_streams_pending_aggregates", "Partial aggregates held", registry=r)
         self.holders = Gauge("kvbus_streams_holders", "(replica, dp_rank) states held", registry=r)
         self.lag = Gauge("kvbus_streams_partition_lag", "Raw records not yet processed", ["partition"], registry=r)

@@ -40,12 +40,15 @@ from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import record_spec
 from kvbus.streams.aggregation import Aggregator, Output, check, is_meta_key, load
-from kvbus.streams.faust_adapter import ChangelogPartition, release, rewind
+from kvbus.streams.faust_adapter import ChangelogPartition, forget_gaps, release, rewind
 from kvbus.streams.metrics import StreamsMetrics
+from kvbus.streams.offset_guard import Admission, OffsetGuard
 from kvbus.streams.options import StreamsOptions
 from kvbus.streams.record_values import Codec
 
 log = logging.getLogger("kvbus.streams")
+
+PROCESS = Admission.PROCESS
 
 MAX_INFLIGHT = 32
 """Batches whose outputs may be awaiting delivery while the next one is processed (batches are
@@ -149,8 +152,13 @@ class Runtime:
         """False between a revocation and the end of the next recovery."""
         self.assigned: frozenset[int] = frozenset()
         """Raw partitions whose state was rebuilt at the last recovery (this worker's share)."""
-        self.next_offset: dict[int, int] = {}
-        """Raw partition -> offset after the last record processed (for lag)."""
+        self.guard = OffsetGuard()
+        """Each raw partition's records in offset order, none skipped (:mod:`kvbus.streams.offset_guard`)."""
+        self.next_offset: dict[int, int] = self.guard.next
+        """Raw partition -> offset of the next record to process: where it was rewound to, then the
+        offset after the last record processed (for lag)."""
+        self._processing: set[int] = set()
+        """Raw partitions with a record processed since the last rebuild."""
         self._codec: Optional[Codec] = None
         self._producer: Optional[Producer] = None
         self.errors = DeliveryErrors(settings.kafka(), log)
@@ -271,15 +279,20 @@ class Runtime:
             dead: list[DeadLetter] = []
             touched: set[str] = set()
             now = time.time()
-            agg, codec = self.aggregator, self._codec
+            agg, codec, admit = self.aggregator, self._codec, self.guard.admit
+            held: list[Any] = []
             for event in events:
                 msg = event.message
                 if msg.tp not in assignment:
                     continue  # revoked while buffered: the new owner replays it
-                if msg.partition not in self.next_offset:
+                verdict = admit(msg.partition, msg.offset)
+                if verdict is not PROCESS and not self._admit_past_gap(msg, verdict):
+                    held.append(event)
+                    continue
+                if msg.partition not in self._processing:
+                    self._processing.add(msg.partition)
                     log.info("raw partition %s: first record processed at offset %s", msg.partition, msg.offset,
                              extra={"topic": msg.topic, "partition": msg.partition, "offset": msg.offset})
-                self.next_offset[msg.partition] = msg.offset + 1
                 value = msg.value
                 try:
                     batch = codec.decode(value, msg.topic)
@@ -292,12 +305,46 @@ class Runtime:
                     continue
                 agg.apply(batch, msg.partition, now, out)
                 touched.add(holder_key(batch.replica, batch.dp_rank))
+            if held:  # never acked: no commit may cover the records skipped before them
+                kept = {id(e) for e in held}
+                events = [e for e in events if id(e) not in kept]
             await self._enqueue(_Batch(events), out, dead, touched)
             self.metrics.sync(agg.stats)
         self.metrics.batch_seconds.observe(time.perf_counter() - t0)
         while len(self._inflight) > MAX_INFLIGHT:
             self._progress.clear()
             await self._progress.wait()
+
+    def _admit_past_gap(self, msg: Any, verdict: Admission) -> bool:
+        """Act on the ``verdict`` of :meth:`OffsetGuard.admit` on ``msg`` other than PROCESS (a record
+        past a gap in its partition's offsets), and say whether ``msg`` is processed now."""
+        partition, offset = msg.partition, msg.offset
+        if verdict is Admission.REREAD:
+            expected = self.guard.next[partition]
+            self.metrics.offset_gaps.labels("reread").inc()
+            log.warning("raw partition %s: record at offset %s delivered while %s was expected: %s records "
+                        "skipped by the consumer; reading the partition again from %s (its records past the "
+                        "gap are held back until then)", partition, offset, expected, offset - expected, expected,
+                        extra={"topic": msg.topic, "partition": partition, "offset": offset})
+            forget_gaps(self.app.consumer, msg.tp)  # the jump is not records absent from the log
+            asyncio.ensure_future(self._reread(msg.tp, expected))
+            return False
+        if verdict is Admission.GONE:
+            self.metrics.offset_gaps.labels("gone").inc()
+            log.warning("raw partition %s: read again, the log continues at offset %s: the records before it "
+                        "that were skipped are no longer in the log (retention)", partition, offset,
+                        extra={"topic": msg.topic, "partition": partition, "offset": offset})
+            return True
+        return False
+
+    async def _reread(self, tp: Any, offset: int) -> None:
+        """Seek ``tp`` back to ``offset`` (on the consumer's thread); a partition revoked meanwhile
+        is left to its next owner."""
+        try:
+            await rewind(self.app.consumer, {tp: offset})
+        except Exception as exc:
+            log.warning("reading raw partition %s again from %s failed (%s: %s); its next owner starts from "
+                        "the committed offset", tp.partition, offset, type(exc).__name__, exc)
 
     def _dead_letter(self, msg: Any, kind: str, error: Any) -> DeadLetter:
         reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
@@ -355,7 +402,7 @@ class Runtime:
             states = load(self.table.items(), actives)
             self.aggregator.holders.clear()
             self.aggregator.holders.update(states)
-            self.next_offset.clear()
+            self._processing.clear()
             self.assigned = frozenset(actives)
             self.ready = True
             log.info("state rebuilt for raw partitions %s: %d holders, %d pending aggregates in %.2f s "
@@ -364,7 +411,8 @@ class Runtime:
                      extra={"partitions": sorted(actives)})
 
     async def _rewind(self, tps: list[Any]) -> None:
-        """Seek each raw partition to its committed offset, or to its beginning if it has none.
+        """Seek each raw partition to its committed offset, or to its beginning if it has none;
+        the offset guard expects each partition's records from there.
 
         Faust drops records fetched while a rebalance is in progress (stale generation or flow
         paused) and then relies on aiokafka's ``seek_to_committed``, which does nothing for a
@@ -379,16 +427,14 @@ class Runtime:
             return
         self.start()
         committed = await asyncio.get_running_loop().run_in_executor(None, self._committed, tps)
-        consumer = self.app.consumer
-        missing = [tp for tp in tps if committed.get(tp.partition) is None]
-        earliest = await consumer.earliest_offsets(*missing) if missing else {}
-        offsets = {}
-        for tp in tps:
-            offset = committed.get(tp.partition)
-            if offset is None:
-                offset = earliest.get(tp, 0) or 0
-            offsets[tp] = offset
-        await rewind(consumer, offsets)
+        # offset 0 for a partition without a committed offset: past a log start above 0 (retention),
+        # the consumer resets to the earliest offset (auto_offset_reset), without a lookup here
+        offsets = {tp: committed.get(tp.partition) or 0 for tp in tps}
+        await rewind(self.app.consumer, offsets)
+        # the guard expects a partition's records from its committed offset; one without any takes
+        # whatever record comes first (the log's start)
+        self.guard.rewound({tp.partition: committed[tp.partition] for tp in tps
+                            if committed.get(tp.partition) is not None})
         log.info("raw partitions rewound to committed offsets %s", {tp.partition: committed.get(tp.partition)
                                                                       for tp in tps})
 
@@ -403,8 +449,8 @@ class Runtime:
 
     def revoke(self, partitions: Iterable[int]) -> None:
         """Partitions were revoked: stop sweeping until the next recovery. Logs, per revoked raw
-        partition, the offset after the last record processed (None: none since the last
-        recovery), to compare with the committed offset the next owner starts from."""
+        partition, the offset of the next record to process (after the last one processed, or where
+        it was rewound to), to compare with the committed offset the next owner starts from."""
         self.ready = False
         revoked = sorted(partitions)
         if revoked:
