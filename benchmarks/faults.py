@@ -1086,6 +1086,12 @@ def figures(ctx: Ctx) -> dict[str, Any]:
     seen_late, outstanding = late_probes(p, t_fault, end, late_s, until=end)
     fresh = [(p.seen[h] - tp) * 1000.0 for h, tp in p.published.items() if t_fault <= tp <= end and h in p.seen]
     out["late_probes"] = len(seen_late) + outstanding
+    # when a fault's tail comes after the restart, which probes it was (to set beside the services' logs)
+    out["late_after_restart"] = [
+        {"published_s": round(p.published[h] - t_fault, 2), "stale_ms": round((p.seen[h] - p.published[h]) * 1000.0),
+         "wall": time.strftime("%H:%M:%S", time.localtime(p.wall[h])) + f"{p.wall[h] % 1:.3f}"[1:],
+         "holder": p.holders[h]}
+        for h in sorted(seen_late, key=p.published.__getitem__) if p.published[h] >= t_restart][:40]
     out["max_stale_ms"] = round(max(fresh, default=0.0)) if not outstanding else None
     if outstanding:
         out["converge_from_fault_s"] = out["converge_from_restart_s"] = None
