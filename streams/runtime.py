@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
@@ -49,6 +49,7 @@ from kvbus.streams.record_values import Codec
 log = logging.getLogger("kvbus.streams")
 
 PROCESS = Admission.PROCESS
+"""The guard's verdict on a record in order (a module global: compared once per record in the hot loop)."""
 
 MAX_INFLIGHT = 32
 """Batches whose outputs may be awaiting delivery while the next one is processed (batches are
@@ -90,13 +91,6 @@ def tune_gc() -> None:
 TOPIC_GONE = frozenset({KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION})
 """Codes with which ``produce()`` refuses a record whose topic (or partition) the client no longer
 knows: a topic being deleted and recreated. Produced again after a backoff, not a crash."""
-
-
-class _Partition(NamedTuple):
-    """A topic partition as the committed-offset reader takes it (``.topic``, ``.partition``)."""
-
-    topic: str
-    partition: int
 
 
 def start_warm_up(runtime: "Runtime") -> threading.Thread:
@@ -154,9 +148,6 @@ class Runtime:
         """Raw partitions whose state was rebuilt at the last recovery (this worker's share)."""
         self.guard = OffsetGuard()
         """Each raw partition's records in offset order, none skipped (:mod:`kvbus.streams.offset_guard`)."""
-        self.next_offset: dict[int, int] = self.guard.next
-        """Raw partition -> offset of the next record to process: where it was rewound to, then the
-        offset after the last record processed (for lag)."""
         self._processing: set[int] = set()
         """Raw partitions with a record processed since the last rebuild."""
         self._codec: Optional[Codec] = None
@@ -194,7 +185,7 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             self.start()
-            self._committed([_Partition(self.topics.raw, 0)])
+            self._committed([0])
         except Exception as exc:  # the first rebuild does the same and raises what it meets
             log.warning("warming up the worker's Kafka clients failed (the first assignment connects them): %s", exc)
             return
@@ -382,7 +373,7 @@ class Runtime:
                 high = consumer.highwater(tp)
             except Exception:
                 continue
-            pos = self.next_offset.get(tp.partition)
+            pos = self.guard.next.get(tp.partition)
             if high is not None and pos is not None:
                 self.metrics.lag.labels(str(tp.partition)).set(max(0, high - pos))
 
@@ -426,7 +417,8 @@ class Runtime:
         if not tps:
             return
         self.start()
-        committed = await asyncio.get_running_loop().run_in_executor(None, self._committed, tps)
+        committed = await asyncio.get_running_loop().run_in_executor(
+            None, self._committed, [tp.partition for tp in tps])
         # offset 0 for a partition without a committed offset: past a log start above 0 (retention),
         # the consumer resets to the earliest offset (auto_offset_reset), without a lookup here
         offsets = {tp: committed.get(tp.partition) or 0 for tp in tps}
@@ -438,13 +430,13 @@ class Runtime:
         log.info("raw partitions rewound to committed offsets %s", {tp.partition: committed.get(tp.partition)
                                                                       for tp in tps})
 
-    def _committed(self, tps: list[Any]) -> dict[int, Optional[int]]:
+    def _committed(self, partitions: list[int]) -> dict[int, Optional[int]]:
         """Raw partition -> the group's committed offset there (None: none), read as
         :class:`~kvbus.schemas.kafka_clients.GroupOffsets` says (never through the admin client)."""
         with self._offsets_lock:  # the warm-up thread and the rebuild's executor thread
             if self._group_offsets is None:
                 self._group_offsets = GroupOffsets(self.settings.kafka(), self.options.app_id)
-            offsets = self._group_offsets.committed([(tp.topic, tp.partition) for tp in tps])
+            offsets = self._group_offsets.committed([(self.topics.raw, p) for p in partitions])
         return {partition: offset for (_topic, partition), offset in offsets.items()}
 
     def revoke(self, partitions: Iterable[int]) -> None:
@@ -455,7 +447,7 @@ class Runtime:
         revoked = sorted(partitions)
         if revoked:
             log.info("raw partitions revoked, next offsets to process %s",
-                     {p: self.next_offset.get(p) for p in revoked}, extra={"partitions": revoked})
+                     {p: self.guard.next.get(p) for p in revoked}, extra={"partitions": revoked})
 
     # -- publishing -----------------------------------------------------------
 
