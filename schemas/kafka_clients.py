@@ -121,6 +121,13 @@ class GroupOffsets:
         return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None)
                 for tp in self._consumer.committed(tps, timeout=timeout)}
 
+    def watermarks(self, topic_partitions: Iterable[tuple[str, int]], timeout: float = 30.0
+                   ) -> dict[tuple[str, int], tuple[int, int]]:
+        """``(topic, partition) -> (earliest offset, high watermark)``, asked of each partition's
+        leader now (not cached). Raises KafkaException when Kafka cannot say within ``timeout`` s."""
+        return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=timeout, cached=False)
+                for t, p in topic_partitions}
+
     def consumer(self) -> Consumer:
         """The underlying consumer, for metadata and watermarks (it must never subscribe)."""
         return self._consumer

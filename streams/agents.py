@@ -26,7 +26,7 @@ from faust.types import AppT, Message
 
 from kvbus.schemas.settings import Settings
 from kvbus.streams.app import create_app
-from kvbus.streams.faust_adapter import hold, take_batches
+from kvbus.streams.faust_adapter import hold, look_up_offsets_with, take_batches
 from kvbus.streams.options import StreamsOptions
 from kvbus.streams.runtime import Runtime, start_warm_up
 from kvbus.streams.unready_watch import UnreadyWatch, start_watch
@@ -108,7 +108,10 @@ def build(settings: Settings, options: StreamsOptions) -> faust.App:
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
-        """Forget the working state of partitions moving to another worker."""
+        """Forget the working state of partitions moving to another worker. Every rebalance starts
+        here, the consumer built: the table recovery that follows looks its offsets up through the
+        runtime's client, not behind the consumer's fetch."""
+        look_up_offsets_with(app, runtime.log_offsets)
         runtime.revoke(tp.partition for tp in revoked if tp.topic == settings.topics.raw)
 
     @app.on_before_shutdown.connect

@@ -1,6 +1,6 @@
 """The one module of kvbus that touches Faust's (faust-streaming's) private internals.
 
-The rest of the streams stage uses Faust's public API, and calls this module for five things the
+The rest of the streams stage uses Faust's public API, and calls this module for what the
 public API does not offer:
 
 * :class:`Transport` (broker scheme :data:`SCHEME`, ``kvbus://host:port;host2:port2``): Faust's
@@ -17,7 +17,9 @@ public API does not offer:
 * :func:`rewind`: seek partitions on the consumer's own thread; :func:`forget_gaps`: forget the gaps
   Faust noted in a partition's offsets;
 * :class:`TableManager`: Faust's table manager without the second it sleeps at start before it
-  registers the tables (below).
+  registers the tables (below);
+* :func:`look_up_offsets_with`: the offsets table recovery asks for (changelog high watermarks and
+  earliest offsets), looked up through a client of the runtime's own instead of the fetching one (below).
 
 :data:`INTERNALS` lists every private name (and every behaviour of a public one) this relies on, with
 its kind, its parameters and a fingerprint of the source reviewed. :func:`broken_internals` and
@@ -51,6 +53,16 @@ its group only once they are. kvbus declares its one table before the app starts
 delayed every worker's join: a restarted worker's partitions waited a second longer (part of the
 freshness of one of two workers killed and restarted, docs/benchmarks.md). :class:`TableManager`
 registers them at once.
+
+The offsets beside the fetch. At each rebalance Faust's table recovery asks the consumer for the
+changelog partitions' high watermarks, then for their earliest offsets (``Consumer.highwaters``,
+``Consumer.earliest_offsets``). Faust's driver sends both through aiokafka on the connection its
+fetches use, and a broker answers one connection's requests in order: each lookup waited behind a
+fetch that waits up to 1.5 s for records (the driver's ``fetch_max_wait_ms``), 0.9 s and 1.5 s of
+a surviving worker's takeover (docs/benchmarks.md, "One of two workers, where the time goes").
+:class:`Consumer` answers both with the lookup :func:`look_up_offsets_with` gave it (the runtime's
+confluent-kafka consumer, connections of its own), on an executor thread; without one, or when it
+fails, Faust's own lookup answers.
 
 The bounded flush. Faust flushes its producer before every offset commit (``Consumer._commit_offsets``)
 and before a recovery (``Recovery._restart_recovery``), and ``ProducerBuffer.flush`` returns only
@@ -184,6 +196,13 @@ INTERNALS: tuple[Internal, ...] = (
                  "thread races the fetcher and kills the consumer thread)"),
     Internal("faust.transport.consumer:Consumer._gap", "instance attribute", types=(Mapping,),
              why="forget_gaps: pops a partition's gaps (offsets taken for absent, so that commits pass them)"),
+    Internal("faust.tables.recovery:Recovery._build_highwaters", "coroutine function",
+             ("self", "consumer", "tps", "destination", "title"), reviewed="91b4cc0d3724ae7b",
+             why="recovery's high watermarks come from consumer.highwaters(*tps): Consumer.highwaters answers"),
+    Internal("faust.tables.recovery:Recovery._build_offsets", "coroutine function",
+             ("self", "consumer", "tps", "destination", "title"), reviewed="27eec86be06cb51f",
+             why="recovery's earliest offsets come from consumer.earliest_offsets(*tps): "
+                 "Consumer.earliest_offsets answers"),
     Internal("faust.tables.manager:TableManager.on_start", "coroutine function", ("self",),
              reviewed="365dd25fbc0e0684",
              why="overridden by TableManager.on_start: the same steps without the one-second sleep first"),
@@ -241,6 +260,37 @@ class Consumer(faust_aiokafka.Consumer):
         finally:
             self.diag.unset_flag(CONSUMER_FETCHING)
 
+    offset_lookup: Optional["OffsetLookup"] = None
+    """Where :meth:`highwaters` and :meth:`earliest_offsets` look offsets up (:func:`look_up_offsets_with`);
+    None: through Faust's fetching consumer."""
+
+    async def highwaters(self, *partitions: TP) -> Mapping[TP, int]:
+        """Each partition's high watermark (module doc, "The offsets beside the fetch")."""
+        marks = await self._offsets(partitions)
+        if marks is None:
+            return await super().highwaters(*partitions)
+        return {tp: high for tp, (_low, high) in marks.items()}
+
+    async def earliest_offsets(self, *partitions: TP) -> Mapping[TP, int]:
+        """Each partition's earliest offset (module doc, "The offsets beside the fetch")."""
+        marks = await self._offsets(partitions)
+        if marks is None:
+            return await super().earliest_offsets(*partitions)
+        return {tp: low for tp, (low, _high) in marks.items()}
+
+    async def _offsets(self, partitions: Sequence[TP]) -> Optional[Mapping[TP, tuple[int, int]]]:
+        """(earliest offset, high watermark) of each partition from :attr:`offset_lookup`; None
+        without a lookup or when it failed (logged: Faust's own lookup answers instead)."""
+        lookup = self.offset_lookup
+        if lookup is None or not partitions:
+            return None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, lookup, list(partitions))
+        except Exception as exc:  # noqa: BLE001 - Faust's lookup is the fallback
+            log.warning("looking up offsets of %s beside the fetch failed, asking Faust's consumer: %s",
+                        sorted(partitions), exc)
+            return None
+
     async def _deliver(self, first: tuple[TP, Message], rest: AsyncIterator[tuple[TP, Message]]) -> None:
         """Hand one fetch's records (``first``, then the ``rest`` of ``getmany``) to the conductor in
         order; per record exactly what Faust's loop does (skip offsets already read, note gaps of
@@ -297,6 +347,18 @@ class Producer(faust_aiokafka.Producer):
         if hasattr(stock, "threaded_producer"):  # producer_threaded: the driver's thread producer
             buffer.threaded_producer = stock.threaded_producer
         self.buffer = buffer
+
+
+OffsetLookup = Callable[[list[TP]], Mapping[TP, tuple[int, int]]]
+"""Blocking: each partition's (earliest offset, high watermark), asked of Kafka now; raises on failure."""
+
+
+def look_up_offsets_with(app: Any, lookup: OffsetLookup) -> None:
+    """Make ``app``'s consumer (a :class:`Consumer`) answer recovery's offset questions with ``lookup``
+    (module doc, "The offsets beside the fetch"); nothing for another transport's consumer."""
+    consumer = app.consumer
+    if isinstance(consumer, Consumer):
+        consumer.offset_lookup = lookup
 
 
 class Transport(faust_aiokafka.Transport):

@@ -88,6 +88,10 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
+OFFSETS_TIMEOUT = 10.0
+"""Seconds a look-up of log offsets for table recovery may take before it fails (Faust's own
+look-up is then asked instead)."""
+
 TOPIC_GONE = frozenset({KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION})
 """Codes with which ``produce()`` refuses a record whose topic (or partition) the client no longer
 knows: a topic being deleted and recreated. Produced again after a backoff, not a crash."""
@@ -434,10 +438,24 @@ class Runtime:
         """Raw partition -> the group's committed offset there (None: none), read as
         :class:`~kvbus.schemas.kafka_clients.GroupOffsets` says (never through the admin client)."""
         with self._offsets_lock:  # the warm-up thread and the rebuild's executor thread
-            if self._group_offsets is None:
-                self._group_offsets = GroupOffsets(self.settings.kafka(), self.options.app_id)
-            offsets = self._group_offsets.committed([(self.topics.raw, p) for p in partitions])
+            offsets = self._offsets_reader().committed([(self.topics.raw, p) for p in partitions])
         return {partition: offset for (_topic, partition), offset in offsets.items()}
+
+    def log_offsets(self, partitions: list[Any]) -> dict[Any, tuple[int, int]]:
+        """Each topic partition's (earliest offset, high watermark), asked of Kafka now through the
+        runtime's own consumer: what table recovery looks up (:func:`kvbus.streams.faust_adapter.look_up_offsets_with`).
+        Raises KafkaException when Kafka cannot say within :data:`OFFSETS_TIMEOUT` s."""
+        with self._offsets_lock:  # executor threads of recoveries and rebuilds
+            marks = self._offsets_reader().watermarks([(tp.topic, tp.partition) for tp in partitions],
+                                                      timeout=OFFSETS_TIMEOUT)
+        return {tp: marks[(tp.topic, tp.partition)] for tp in partitions}
+
+    def _offsets_reader(self) -> GroupOffsets:
+        """The consumer of the worker's group that reads offsets (created at first use; callers hold
+        ``_offsets_lock``)."""
+        if self._group_offsets is None:
+            self._group_offsets = GroupOffsets(self.settings.kafka(), self.options.app_id)
+        return self._group_offsets
 
     def revoke(self, partitions: Iterable[int]) -> None:
         """Partitions were revoked: stop sweeping until the next recovery. Logs, per revoked raw

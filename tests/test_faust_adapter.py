@@ -367,6 +367,50 @@ async def test_the_flush_before_a_commit_waits_for_what_was_buffered_not_for_an_
     assert len(at_return) < 1000 and left > 0, (len(at_return), left)  # long before the writes stopped
 
 
+# -- the offsets beside the fetch -------------------------------------------------------------------
+
+
+async def test_recovery_offsets_come_from_the_lookup_given_else_from_faust():
+    """Table recovery's questions (high watermarks, earliest offsets) go to the lookup the runtime
+    gave the consumer; without one, or when it fails, to Faust's own consumer thread."""
+    from types import SimpleNamespace
+
+    from faust.types import TP
+
+    app = faust.App("kvbus-offsets-beside", broker=f"{faust_adapter.SCHEME}://127.0.0.1:9", autodiscover=False)
+    consumer = app.consumer
+    tps = [TP("kvbus-offsets-beside-state-changelog", p) for p in (0, 1)]
+    faust_asked: list[str] = []
+
+    async def faust_highwaters(*partitions: TP) -> dict[TP, int]:
+        faust_asked.append("highwaters")
+        return {tp: 100 for tp in partitions}
+
+    async def faust_earliest(*partitions: TP) -> dict[TP, int]:
+        faust_asked.append("earliest")
+        return {tp: 1 for tp in partitions}
+
+    consumer._thread = SimpleNamespace(highwaters=faust_highwaters, earliest_offsets=faust_earliest)
+    assert await consumer.highwaters(*tps) == {tp: 100 for tp in tps} and faust_asked == ["highwaters"]
+
+    asked: list[list[TP]] = []
+
+    def lookup(partitions: list[TP]) -> dict[TP, tuple[int, int]]:
+        asked.append(partitions)
+        return {tp: (3 + tp.partition, 10 + tp.partition) for tp in partitions}
+
+    faust_adapter.look_up_offsets_with(app, lookup)
+    assert await consumer.highwaters(*tps) == {tps[0]: 10, tps[1]: 11}
+    assert await consumer.earliest_offsets(*tps) == {tps[0]: 3, tps[1]: 4}
+    assert asked == [tps, tps] and faust_asked == ["highwaters"]
+
+    def failing(partitions: list[TP]) -> dict[TP, tuple[int, int]]:
+        raise RuntimeError("no leader")
+
+    faust_adapter.look_up_offsets_with(app, failing)
+    assert await consumer.earliest_offsets(*tps) == {tp: 1 for tp in tps} and faust_asked[-1] == "earliest"
+
+
 # -- the checks catch a change --------------------------------------------------------------------
 
 

@@ -102,6 +102,29 @@ def test_topics_are_created_as_declared_once(stack: Settings) -> None:
 
 
 
+def test_group_offsets_read_each_partitions_log_start_and_end_now(stack: Settings) -> None:
+    """What table recovery asks for (kvbus.streams.faust_adapter, "The offsets beside the fetch"):
+    (earliest offset, high watermark) per partition, current after a write, not a cached value."""
+    from confluent_kafka import Producer
+
+    from tests.conftest import _delete_topics
+
+    prefix = f"w{uuid.uuid4().hex[:8]}."
+    topic = prefix + "marks"
+    ensure_topics(stack.bootstrap, [record_spec(topic, 2, 1)])
+    offsets = GroupOffsets(stack.kafka(), "marks-" + uuid.uuid4().hex[:8])
+    try:
+        assert offsets.watermarks([(topic, 0), (topic, 1)]) == {(topic, 0): (0, 0), (topic, 1): (0, 0)}
+        producer = Producer({"bootstrap.servers": stack.bootstrap})
+        for i in range(5):
+            producer.produce(topic, value=b"%d" % i, partition=0)
+        assert producer.flush(30) == 0
+        assert offsets.watermarks([(topic, 0), (topic, 1)]) == {(topic, 0): (0, 5), (topic, 1): (0, 0)}
+    finally:
+        offsets.close()
+        _delete_topics(stack, prefix)
+
+
 # -- GroupOffsets: a group's committed offsets, read while its coordinator is not ready ------
 
 COMMITTED_LOOP = """
