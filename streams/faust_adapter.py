@@ -19,14 +19,16 @@ public API does not offer:
 * :class:`TableManager`: Faust's table manager without the second it sleeps at start before it
   registers the tables (below);
 * :func:`look_up_offsets_with`: the offsets table recovery asks for (changelog high watermarks and
-  earliest offsets), looked up through a client of the runtime's own instead of the fetching one (below).
+  earliest offsets), looked up through a client of the runtime's own instead of the fetching one;
+  and fetches that wait at most :data:`FETCH_MAX_WAIT_MS` for records (below).
 
 :data:`INTERNALS` lists every private name (and every behaviour of a public one) this relies on, with
 its kind, its parameters and a fingerprint of the source reviewed. :func:`broken_internals` and
 :func:`revised_internals` compare them with the installed faust-streaming and mode-streaming: the
 worker refuses to start when a name is missing or has another kind or signature, and logs a warning
-when a reviewed source changed (``tests/test_faust_adapter.py`` fails on both). No aiokafka name is
-used directly: aiokafka is reached only through Faust's driver, whose ``seek_wait`` is reviewed here.
+when a reviewed source changed (``tests/test_faust_adapter.py`` fails on both). aiokafka is reached
+through Faust's driver (its ``seek_wait`` is reviewed here), except for one attribute of the consumer
+the driver builds, the fetch wait, set before the consumer starts (declared in :data:`INTERNALS` too).
 
 The fast hand-over. Faust's ``Consumer._drain_messages`` hands every fetched record to the conductor
 through ``Service.wait_first(callback(message), suspend_flow.wait())``: four tasks and an
@@ -62,7 +64,15 @@ fetch that waits up to 1.5 s for records (the driver's ``fetch_max_wait_ms``), 0
 a surviving worker's takeover (docs/benchmarks.md, "One of two workers, where the time goes").
 :class:`Consumer` answers both with the lookup :func:`look_up_offsets_with` gave it (the runtime's
 confluent-kafka consumer, connections of its own), on an executor thread; without one, or when it
-fails, Faust's own lookup answers.
+fails, Faust's own lookup answers. Two more waits held the raw partitions' records back after each
+recovery, each begun while recovery had the raw partitions paused and each asking only for the
+changelog partitions: the take of fetched records (1 s in Faust's loop; :data:`GETMANY_TIMEOUT`; and
+with no partition active at all, Faust's ``Consumer._wait_next_records`` sleeps 1 s: overridden by a
+copy that sleeps :data:`GETMANY_TIMEOUT`), and
+aiokafka's fetch, one in flight per broker, waiting at the broker up to the driver's 1.5 s for
+changelog records that do not come (1.5 s before a restarted worker's first record in its logs).
+The worker's fetches wait at most :data:`FETCH_MAX_WAIT_MS` (:class:`ConsumerThread`); a fetch
+still returns as soon as one record is there, so under load nothing changes.
 
 The bounded flush. Faust flushes its producer before every offset commit (``Consumer._commit_offsets``)
 and before a recovery (``Recovery._restart_recovery``), and ``ProducerBuffer.flush`` returns only
@@ -104,6 +114,13 @@ log = logging.getLogger("kvbus.streams")
 
 SCHEME = "kvbus"
 """Broker URL scheme of :class:`Transport` (``kvbus://host:port;host2:port2``)."""
+
+GETMANY_TIMEOUT = 0.1
+"""Seconds one take of fetched records waits for records before it returns empty (Faust's loop: 1 s).
+A take asks for the partitions active when it starts: one begun during table recovery asks only for
+changelog partitions (the raw ones paused), and the raw partitions resumed after recovery waited for
+it to run out, 1.0 s of every rebalance in a worker's logs. Idle, the shorter wait costs ten round
+trips to the consumer thread a second; under load a take returns with the first records anyway."""
 
 YIELD_EVERY = 100
 """Records delivered between two ``sleep(0)`` (as Faust does), so other tasks keep running."""
@@ -203,6 +220,32 @@ INTERNALS: tuple[Internal, ...] = (
              ("self", "consumer", "tps", "destination", "title"), reviewed="27eec86be06cb51f",
              why="recovery's earliest offsets come from consumer.earliest_offsets(*tps): "
                  "Consumer.earliest_offsets answers"),
+    Internal("faust.transport.consumer:Consumer._wait_next_records", "coroutine function", ("self", "timeout"),
+             reviewed="6218e1969a636b3f",
+             why="overridden by Consumer._wait_next_records, a copy that sleeps GETMANY_TIMEOUT instead of 1 s "
+                 "when no partition is active"),
+    Internal("faust.transport.consumer:Consumer._getmany", "coroutine function",
+             ("self", "active_partitions", "timeout"),
+             why="the copied _wait_next_records fetches the active partitions' records with it"),
+    Internal("faust.transport.consumer:Consumer._get_active_partitions", "function", ("self",),
+             why="the copied _wait_next_records: the partitions neither paused nor being recovered"),
+    Internal("faust.transport.consumer:Consumer.can_resume_flow", "instance attribute", types=(asyncio.Event,),
+             why="the copied _wait_next_records waits for it while the flow is suspended"),
+    Internal("faust.transport.consumer:Consumer.not_waiting_next_records", "instance attribute",
+             types=(asyncio.Event,), why="the copied _wait_next_records sets it, as Faust's does"),
+    Internal("faust.transport.drivers.aiokafka:Consumer._new_consumer_thread", "function", ("self",),
+             reviewed="0870ec53dea75083",
+             why="overridden by Consumer._new_consumer_thread: builds a ConsumerThread (the driver's, with "
+                 "its fetch wait)"),
+    Internal("faust.transport.drivers.aiokafka:AIOKafkaConsumerThread._create_worker_consumer", "function",
+             ("self", "transport"), reviewed="c2701bfc3e6f6cad",
+             why="builds the worker's aiokafka consumer with fetch_max_wait_ms=1500; ConsumerThread sets "
+                 "the consumer's wait after it"),
+    Internal("aiokafka.consumer.consumer:AIOKafkaConsumer._fetch_max_wait_ms", "instance attribute", types=(int,),
+             why="ConsumerThread sets it before the consumer starts: start() builds the fetcher with it"),
+    Internal("aiokafka.consumer.consumer:AIOKafkaConsumer.start", "coroutine function", ("self",),
+             reviewed="2f1ba70443327538",
+             why="builds the Fetcher with fetch_max_wait_ms=self._fetch_max_wait_ms"),
     Internal("faust.tables.manager:TableManager.on_start", "coroutine function", ("self",),
              reviewed="365dd25fbc0e0684",
              why="overridden by TableManager.on_start: the same steps without the one-second sleep first"),
@@ -236,7 +279,7 @@ class Consumer(faust_aiokafka.Consumer):
         try:
             while not (consumer_should_stop() or fetcher_should_stop()):
                 self.diag.set_flag(CONSUMER_FETCHING)
-                records = self.getmany(timeout=1.0)
+                records = self.getmany(timeout=GETMANY_TIMEOUT)
                 await self.sleep(0)  # getmany may return at once again and again (as Faust does)
                 if not self.should_stop:
                     # the fetch: never cancelled by a suspended flow (module doc, "The fast hand-over")
@@ -259,6 +302,27 @@ class Consumer(faust_aiokafka.Consumer):
             raise
         finally:
             self.diag.unset_flag(CONSUMER_FETCHING)
+
+    async def _wait_next_records(self, timeout: float) -> tuple[Optional[Mapping[TP, Any]], Optional[set[TP]]]:
+        """Faust's ``Consumer._wait_next_records`` with :data:`GETMANY_TIMEOUT` as the sleep while no
+        partition is active, instead of 1 s (module doc, "The offsets beside the fetch"): a worker whose
+        partitions were all paused for recovery slept on for up to a second after they resumed."""
+        if not self.flow_active:
+            await self.wait(self.can_resume_flow)
+        try:
+            self.not_waiting_next_records.set()
+            active_partitions: Optional[set[TP]] = None if self.app.client_only else self._get_active_partitions()
+            records: Mapping[TP, Any] = {}
+            if active_partitions is None or active_partitions:
+                records = await self._getmany(active_partitions=active_partitions, timeout=timeout)
+            else:
+                await self.sleep(GETMANY_TIMEOUT)  # Faust: 1 s
+            return records, active_partitions
+        finally:
+            self.not_waiting_next_records.set()
+
+    def _new_consumer_thread(self) -> "ConsumerThread":
+        return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
     offset_lookup: Optional["OffsetLookup"] = None
     """Where :meth:`highwaters` and :meth:`earliest_offsets` look offsets up (:func:`look_up_offsets_with`);
@@ -347,6 +411,24 @@ class Producer(faust_aiokafka.Producer):
         if hasattr(stock, "threaded_producer"):  # producer_threaded: the driver's thread producer
             buffer.threaded_producer = stock.threaded_producer
         self.buffer = buffer
+
+
+FETCH_MAX_WAIT_MS = 200
+"""Milliseconds a worker's fetch may wait at a broker for records before it returns empty (module
+doc, "The offsets beside the fetch"; Faust's driver sets 1,500, Kafka's consumers 500). Idle, a
+worker then sends about five fetches a second to each broker."""
+
+
+class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    """Faust's aiokafka consumer thread whose worker consumer's fetches wait at most :data:`FETCH_MAX_WAIT_MS`."""
+
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        broken = broken_internals(consumer)
+        if broken:
+            raise FaustInternalsChanged(broken)
+        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS
+        return consumer
 
 
 OffsetLookup = Callable[[list[TP]], Mapping[TP, tuple[int, int]]]

@@ -243,13 +243,26 @@ def stock_consumer() -> faust_aiokafka.Consumer:
 # -- the installed Faust ------------------------------------------------------------------------
 
 
-def test_installed_faust_has_every_internal_the_adapter_relies_on():
+async def test_installed_faust_has_every_internal_the_adapter_relies_on():
     consumer = stock_consumer()
+    fetching = consumer._thread._create_worker_consumer(consumer.transport)  # aiokafka's, not started
+    instances = (consumer, fetching)
     owners = [i for i in INTERNALS if i.kind == "instance attribute"]
     for internal in owners:  # every instance attribute is checked on an instance, not skipped
-        assert isinstance(consumer, faust_adapter.resolve(internal.where.rpartition(".")[0])), internal.where
-    broken = broken_internals(consumer)
+        owner = faust_adapter.resolve(internal.where.rpartition(".")[0])
+        assert any(isinstance(i, owner) for i in instances), internal.where
+    broken = broken_internals(*instances)
     assert not broken, f"{faust_adapter.installed_versions()}:\n" + "\n".join(broken)
+
+
+async def test_the_worker_consumers_fetches_wait_at_most_the_adapters_wait():
+    """Faust's driver builds its aiokafka consumer with a 1.5 s fetch wait; the adapter's thread sets
+    FETCH_MAX_WAIT_MS before the consumer starts (start() hands it to aiokafka's fetcher)."""
+    app = faust.App("kvbus-fetch-wait", broker=f"{faust_adapter.SCHEME}://127.0.0.1:9", autodiscover=False)
+    thread = app.consumer._thread
+    assert type(thread) is faust_adapter.ConsumerThread
+    assert stock_consumer()._thread._create_worker_consumer(app.transport)._fetch_max_wait_ms == 1500
+    assert thread._create_worker_consumer(app.transport)._fetch_max_wait_ms == faust_adapter.FETCH_MAX_WAIT_MS < 1500
 
 
 def test_installed_faust_has_the_sources_the_adapter_was_reviewed_against():
@@ -409,6 +422,33 @@ async def test_recovery_offsets_come_from_the_lookup_given_else_from_faust():
 
     faust_adapter.look_up_offsets_with(app, failing)
     assert await consumer.earliest_offsets(*tps) == {tp: 1 for tp in tps} and faust_asked[-1] == "earliest"
+
+
+async def test_with_no_partition_active_the_take_sleeps_briefly_not_a_second():
+    """While recovery has every raw partition paused, Faust's take sleeps 1 s and the resumed
+    partitions wait for it; the adapter's sleeps GETMANY_TIMEOUT. With active partitions it fetches those."""
+    from faust.types import TP
+
+    app = faust.App("kvbus-take-sleep", broker=f"{faust_adapter.SCHEME}://127.0.0.1:9", autodiscover=False)
+    consumer = app.consumer
+    slept: list[float] = []
+    fetched: list[Any] = []
+    active: set[TP] = set()
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async def getmany(active_partitions: Any, timeout: float) -> dict[TP, list[Any]]:
+        fetched.append((active_partitions, timeout))
+        return {tp: ["record"] for tp in active_partitions}
+
+    consumer.sleep, consumer._getmany, consumer._get_active_partitions = sleep, getmany, lambda: set(active)
+    consumer.resume_flow()
+    assert await consumer._wait_next_records(1.0) == ({}, set())
+    assert slept == [faust_adapter.GETMANY_TIMEOUT] and faust_adapter.GETMANY_TIMEOUT < 1 and not fetched
+    active.add(TP("kvbus-take-sleep-raw", 0))
+    assert await consumer._wait_next_records(1.0) == ({TP("kvbus-take-sleep-raw", 0): ["record"]}, active)
+    assert fetched == [(active, 1.0)] and len(slept) == 1
 
 
 # -- the checks catch a change --------------------------------------------------------------------
