@@ -153,6 +153,8 @@ class Sequencer:
         """Seq whose replayed copy must match the batch produced before the restart."""
         self._restart_on_end = False
         """The resume check failed: the engine restarted; handled when the replay ends."""
+        self._fresh_reasked = False
+        """The start's replay went unanswered while live batches arrived and was asked again (once)."""
         self.stats = SequencerStats()
 
     # -- state ------------------------------------------------------------
@@ -357,6 +359,11 @@ class Sequencer:
         covered = max(replayed_seqs) if complete and replayed_seqs else None
         self._late = replayed_seqs
         self._late_max = covered if covered is not None else max(replayed_seqs, default=-1)
+        # the start's replay, asked before anything was known of the engine, went unanswered while
+        # live batches came: the engine is up now (it may have come up as the request timed out),
+        # so the slow joiner's first batches are asked for once more before the past is declared unknown
+        reask = self._fresh and not complete and not replayed_seqs and bool(held) and not self._fresh_reasked
+        self._fresh_reasked = self._fresh_reasked or reask
         for seq, item in held:
             if replay_from is not None:
                 self._held.append((seq, item))
@@ -365,7 +372,7 @@ class Sequencer:
                 continue
             # a gap the finished replay covered cannot be filled by asking again (a
             # later one can); a restart detected here may still replay the new run from 0
-            replay_from = self._feed(seq, item, out, allow_replay=False, covered=covered)
+            replay_from = self._feed(seq, item, out, allow_replay=reask, covered=covered)
         return Actions(out, replay_from)
 
     def _place(self, seq: int, item: Any, out: list[Output], replayed: bool) -> None:

@@ -195,6 +195,30 @@ def test_fresh_replay_timeout_then_first_live_still_tries_replay():
     assert outputs_seqs(outs) == [0, 1, 2]
 
 
+def test_start_replay_unanswered_while_the_engine_came_up_is_asked_once_more():
+    """The bridge started before its engine: the start's replay timed out just as the engine came
+    up and its first live batches (past the slow joiner's loss) were held. They prove the engine is
+    up: the replay from 0 is asked again, and the stream starts at 0 with no bridge-start marker.
+    A second unanswered replay declares the past unknown."""
+    s = seq_of(replay=True)
+    assert s.start().replay_from == 0
+    assert s.on_live(2, "b2").out == [] and s.on_live(3, "b3").out == []  # held: replay pending
+    again = s.on_replay_end(complete=False)
+    assert again.out == [] and again.replay_from == 0
+    outs = s.on_replayed(0, "b0").out + s.on_replayed(1, "b1").out + s.on_replayed(2, "b2").out
+    outs += s.on_replay_end().out + s.on_live(4, "b4").out
+    assert outputs_seqs(outs) == [0, 1, 2, 3, 4] and s.stats.resets == 0
+
+    s = seq_of(replay=True)
+    s.start()
+    s.on_live(2, "b2")
+    assert s.on_replay_end(complete=False).replay_from == 0
+    s.on_live(3, "b3")
+    outs = s.on_replay_end(complete=False).out
+    assert isinstance(outs[0], ResetMarker) and outs[0].reason == REASON_BRIDGE_START
+    assert outputs_seqs(outs) == [-1, 2, 3]
+
+
 def test_fresh_replay_that_cannot_reach_zero_emits_bridge_start_marker():
     s = seq_of(replay=True)
     s.start()
