@@ -20,7 +20,9 @@ by 1 per batch (``shared/docs/kv-events-protocol.md`` §1). Rules:
 * First batch ever (no history recovered from Kafka): a new epoch; with a replay
   endpoint the batches the engine buffered before we connected are replayed from
   0 (ZMQ slow joiner). If the first batch produced is not seq 0 the engine's past
-  is unknown: ``Reset(bridge-start)`` precedes it.
+  is unknown: ``Reset(bridge-start)`` precedes it. A start-up replay that goes
+  unanswered while live batches arrive is asked once more (the request may have
+  timed out just as the engine came up; its live batches show it is up now).
 
 A reset marker has seq = -1 in its new epoch and comes before every batch of that
 epoch, so positions ``(epoch, seq, index)`` only grow.
