@@ -71,7 +71,9 @@ REDIS_WAIT = (*REDIS_DOWN, RedisFull, redis.exceptions.OutOfMemoryError)
 """Redis down, or full (OOM at ``maxmemory``): what a sink waits out where it reads or writes the
 view's bookkeeping (where to resume, readiness, staleness), rather than stopping."""
 FULL_LOG_EVERY = 60.0
-"""Seconds between two ERROR lines while Redis stays full (the first is logged at once)."""
+"""Seconds between two ERROR lines about a full Redis (the first is logged at once), also when Redis
+at its ``maxmemory`` takes a write now and then refuses the next (each refusal after an accepted
+write is a new incident for the metric and readiness, not for the log)."""
 SYNC_TIMEOUT = 120.0
 """Seconds a sink given partitions waits for Redis to find where to resume before it gives up."""
 LAG_EVERY = 1.0
@@ -330,7 +332,7 @@ class SinkConsumer:
         if self.full_since is not None:
             log.warning("Redis accepts the view's writes again after %.1f s full (%d batches refused): applying "
                         "from where the sink stopped", time.time() - self.full_since, self._full_refused)
-            self.full_since, self._full_logged = None, float("-inf")
+            self.full_since = None  # the ERROR's rate limit carries over: Redis may be refusing again at once
             self.metrics.redis_full.set(0)
 
     def _update_lag(self) -> None:

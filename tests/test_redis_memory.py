@@ -259,6 +259,37 @@ def test_a_sink_stops_on_a_full_redis_and_catches_up_exactly_once_memory_is_rais
         assert len(errors) <= 1 + full_for / FULL_LOG_EVERY, f"the ERROR is rate-limited: {errors}"
 
 
+def test_a_redis_refusing_and_taking_writes_in_turn_gets_one_error_per_interval(caplog):
+    """At ``maxmemory`` Redis may take a small write between two refusals: each refusal after an
+    accepted write is a new incident for the metric, but the ERROR keeps its rate limit (seen: two
+    ERROR lines 0.2 s apart on a loaded machine)."""
+    import logging
+    from types import SimpleNamespace
+
+    from kvbus.sinks.consumer import SinkConsumer
+
+    class Gauge:
+        value = 0.0
+
+        def set(self, v: float) -> None:
+            self.value = v
+
+        def inc(self) -> None:
+            self.value += 1
+
+    sink = object.__new__(SinkConsumer)  # only the two methods' state: no Kafka, no Redis
+    sink.metrics = SimpleNamespace(redis_full=Gauge(), redis_full_refusals=Gauge())
+    sink.full_since, sink._full_refused, sink._full_logged = None, 0, float("-inf")
+    with caplog.at_level(logging.WARNING, logger="kvbus.sinks"):
+        for _ in range(3):
+            sink._refused_for_memory(RedisFull("Redis is full"))
+            assert sink.metrics.redis_full.value == 1
+            sink._writes_accepted()
+            assert sink.metrics.redis_full.value == 0
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and sink.metrics.redis_full_refusals.value == 3, [r.getMessage() for r in errors]
+
+
 # ------------------------------------------------------------------ keys evicted under a running sink
 
 
