@@ -11,8 +11,10 @@ from typing import Any
 
 import faust
 from faust.sensors import Monitor
+from mode.utils.times import want_seconds
 
 from kvbus.schemas.settings import Settings
+from kvbus.schemas.topics import TopicSpec
 from kvbus.streams import faust_adapter
 from kvbus.streams.options import StreamsOptions
 
@@ -104,3 +106,26 @@ def create_app(settings: Settings, options: StreamsOptions) -> faust.App:
         Monitor=RecordQuietMonitor,
         TableManager=faust_adapter.TableManager,
     )
+
+
+def changelog_specs(app: faust.App) -> list[TopicSpec]:
+    """The changelog topics of ``app``'s tables, as Faust declares them when it starts: the table's
+    partitions and replicas (else the app's), ``cleanup.policy`` from compacting/deleting,
+    ``retention.ms`` from a retention, and the topic's own configuration.
+
+    ``kvbus worker`` creates them before Faust starts (:func:`kvbus.streams.cli.run_worker`). Left to
+    Faust, a changelog created at the worker's start may be missing from the consumer's first metadata
+    answer; Faust's check of the table's partitions at the first table write then compares the raw
+    topic's partitions with none and stops the worker (``PartitionsMismatch``)."""
+    specs = []
+    for table in app.tables.values():
+        topic = table.changelog_topic
+        cleanup = [policy for policy, on in (("compact", topic.compacting), ("delete", topic.deleting)) if on]
+        config: dict[str, str] = {"cleanup.policy": ",".join(cleanup)} if cleanup else {}
+        if topic.retention:
+            config["retention.ms"] = str(int(want_seconds(topic.retention) * 1000))
+        config.update({k: str(v) for k, v in (topic.config or {}).items()})
+        for name in topic.topics:
+            specs.append(TopicSpec(name, topic.partitions or app.conf.topic_partitions,
+                                   topic.replicas or app.conf.topic_replication_factor, config))
+    return specs

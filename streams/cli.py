@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvbus.schemas import logs
 from kvbus.schemas.env import Setting, add_flag, add_flags, from_flags, one_of
+from kvbus.schemas.kafka_clients import ensure_topics
 from kvbus.schemas.security import check_kafka_access
 from kvbus.schemas.settings import Settings
 from kvbus.streams.options import StreamsOptions
@@ -48,6 +49,7 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
     from faust.worker import Worker
 
     from kvbus.streams.agents import build
+    from kvbus.streams.app import changelog_specs
 
     options = options_from_args(args)
     app = build(settings, options)  # serves /metrics, /healthz and /readyz from now on
@@ -55,6 +57,7 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
     options.data_dir.mkdir(parents=True, exist_ok=True)
     level = "debug" if getattr(args, "verbose", False) else getattr(args, "loglevel", None) or "info"
     logging.getLogger().setLevel(level.upper())
+    ensure_topics(settings.kafka(), changelog_specs(app))  # in the consumer's first metadata answer
     log.info("starting streams worker app_id=%s datadir=%s", options.app_id, options.data_dir)
     # Faust logs through the handler kvbus configured (text or KVBUS_LOG_FORMAT=json) instead of
     # its own, without its terminal spinner; in JSON mode it prints no banner either (every line

@@ -6,6 +6,7 @@ changelog) and data directories, and kills its workers on teardown.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -258,6 +259,9 @@ def test_worker_consolidates_routes_expires_and_dead_letters(test_settings: Sett
         assert line in metrics, line
     assert "kvbus_streams_partition_lag{partition=" in metrics
     assert workers.procs["w1"].poll() is None, workers.log("w1")
+    # the worker created its table's changelog before Faust started (Faust's own creation logs no such line)
+    assert re.search(rf"created topic {app_id}-state-changelog \(partitions {s.partitions}, replication \d+, "
+                     r"cleanup.policy compact\)", workers.log("w1")), workers.log("w1")[-3000:]
 
 
 @pytest.mark.parametrize("store", ["memory://", "rocksdb://"])
