@@ -483,3 +483,19 @@ def test_a_struct_that_does_not_match_its_record_fails_at_build():
 
     with pytest.raises(LookupError, match="kvbus.BlockStored"):
         build(SCHEMA_DIR, {**default_structs(), "kvbus.BlockStored": Short})
+
+
+def test_the_long_cache_stays_within_its_size_and_encodes_the_same_after_emptying(monkeypatch):
+    from kvbus.schemas.codec_runtime import LONG, longs, varint
+
+    monkeypatch.setattr(LONG, "size", 1000)
+    monkeypatch.setattr(LONG, "big_limit", 10)
+    LONG.clear()
+    seen = []
+    for n in range(5000):  # growing sequence numbers, and a 64-bit value now and then
+        value = n if n % 7 else (n << 40) + 1
+        assert LONG[value] == varint(value)
+        seen.append(len(LONG))
+    assert max(seen) == 1000 and LONG.big <= 10
+    assert longs([1, 2**41, 70_000]) == b"\x06" + varint(1) + varint(2**41) + varint(70_000) + b"\x00"
+    LONG.clear()
