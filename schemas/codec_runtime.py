@@ -74,34 +74,40 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
-class _LongCache(dict):
-    """int -> encoded long, at most :attr:`size` entries: values with |n| < 2**20 (token ids, counts,
-    lengths, ranks, sequence numbers) and up to 4096 larger ones (epochs, which repeat: one per
-    publisher run). When full it is emptied, and fills again with the values in use: sequence
-    numbers only ever grow, so a cache keeping every value it meets would grow for as long as the
-    process runs (about 700 entries a minute in a worker under a 500 events/s fleet, from
-    tracemalloc snapshots of ``benchmarks/soak.py``)."""
+class LongCache(dict):
+    """int -> encoded long, for values with ``|n| < limit``, at most ``size`` entries; emptied when
+    full, it fills again with the values in use. Larger values are encoded on every call.
 
-    limit = 1 << 20
-    size = 1 << 17
-    """Most entries kept (about 13 MiB of ints, bytes and slots)."""
-    big_limit = 4096
-    big = 0
+    Why two instances (:data:`LONG`, :data:`COUNTER`): token ids, lengths, ranks and indexes come
+    from small domains that repeat for ever; epochs, sequence numbers, offsets and snapshot ids
+    only grow, and each value is met a few times in a row, then never again. Kept in one cache,
+    the second kind crowded out the first and made the cache grow for as long as the process ran
+    (about 700 entries a minute in a worker under a 500 events/s fleet, from tracemalloc snapshots
+    of ``benchmarks/soak.py``)."""
+
+    def __init__(self, limit: int, size: int):
+        super().__init__()
+        self.limit = limit
+        """Values with ``|n| < limit`` are kept."""
+        self.size = size
+        """Most entries kept (about 100 bytes each: the int, the bytes and the slot)."""
 
     def __missing__(self, n: int) -> bytes:
         enc = varint(n)
-        small = -self.limit < n < self.limit
-        if small or self.big < self.big_limit:
+        if -self.limit < n < self.limit:
             if len(self) >= self.size:
                 self.clear()
-                self.big = 0
-            self.big += not small
             self[n] = enc
         return enc
 
 
-LONG = _LongCache()
-"""``LONG[n]``: Avro encoding of the long ``n``."""
+LONG = LongCache(limit=1 << 20, size=1 << 17)
+"""``LONG[n]``: Avro encoding of the long ``n``, cached for values from small domains: ints, token
+ids (vocabularies up to 131,072 tokens stay cached whole), array lengths. At most ~13 MiB."""
+
+COUNTER = LongCache(limit=1 << 63, size=1 << 12)
+"""``COUNTER[n]``: Avro encoding of the long ``n``, cached for scalar ``long`` fields (epochs,
+sequence numbers, offsets, snapshot and LoRA ids): the values in use now. At most ~400 KiB."""
 
 
 class _StrCache(dict):

@@ -35,10 +35,12 @@ PRIMITIVES = ("null", "boolean", "int", "long", "float", "double", "bytes", "str
 
 
 SCALAR_ENC = {
-    "null": "NULL", "boolean": "(b'\\x01' if {v} else NULL)", "int": "LONG[{v}]", "long": "LONG[{v}]",
+    "null": "NULL", "boolean": "(b'\\x01' if {v} else NULL)", "int": "LONG[{v}]", "long": "COUNTER[{v}]",
     "float": "FLOAT({v})", "double": "DOUBLE({v})", "string": "STR[{v}]", "bytes": "LONG[len({v})] + {v}",
 }
-"""Expression encoding a local ``{v}`` of each primitive type (runtime names: kvbus.schemas.codec_runtime)."""
+"""Expression encoding a local ``{v}`` of each primitive type (runtime names: kvbus.schemas.codec_runtime).
+A scalar ``long`` (epoch, sequence number, offset) goes through the cache of values in use, an
+``int`` and the items of an array of longs (token ids) through the cache of small domains."""
 
 
 RESERVED = {n for n in dir(codec_runtime) if not n.startswith("__")} | {"e", "enc", "head"}

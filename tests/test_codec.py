@@ -485,17 +485,28 @@ def test_a_struct_that_does_not_match_its_record_fails_at_build():
         build(SCHEMA_DIR, {**default_structs(), "kvbus.BlockStored": Short})
 
 
-def test_the_long_cache_stays_within_its_size_and_encodes_the_same_after_emptying(monkeypatch):
-    from kvbus.schemas.codec_runtime import LONG, longs, varint
+def test_the_long_caches_stay_within_their_size_and_encode_the_same_after_emptying():
+    from kvbus.schemas.codec_runtime import LongCache, longs, varint
 
-    monkeypatch.setattr(LONG, "size", 1000)
-    monkeypatch.setattr(LONG, "big_limit", 10)
-    LONG.clear()
+    cache = LongCache(limit=1 << 20, size=1000)
     seen = []
     for n in range(5000):  # growing sequence numbers, and a 64-bit value now and then
         value = n if n % 7 else (n << 40) + 1
-        assert LONG[value] == varint(value)
-        seen.append(len(LONG))
-    assert max(seen) == 1000 and LONG.big <= 10
+        assert cache[value] == varint(value)
+        seen.append(len(cache))
+    assert max(seen) == 1000 and min(seen[1000:]) < 10  # emptied when full, refilled
+    assert all(abs(k) < 1 << 20 for k in cache)  # a value past the limit is never kept
     assert longs([1, 2**41, 70_000]) == b"\x06" + varint(1) + varint(2**41) + varint(70_000) + b"\x00"
+
+
+def test_scalar_longs_do_not_fill_the_token_cache():
+    """Epochs and sequence numbers only grow: encoding them must leave the cache of token ids alone."""
+    from kvbus.schemas.codec_runtime import COUNTER, LONG
+
     LONG.clear()
+    for seq in range(10_000, 12_000):
+        event = BlockEvent(replica="r", epoch=1_760_000_000_000, seq=seq, index=0, ts=1.0,
+                           event=BlockRemoved(block_hashes=[b"\x01" * 8]))
+        assert fast.decode("BlockEvent", fast.encode("BlockEvent", event)) == event
+    assert not any(10_000 <= k < 12_000 for k in LONG), "sequence numbers were cached with the token ids"
+    assert 11_999 in COUNTER and len(COUNTER) <= COUNTER.size
