@@ -23,11 +23,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.security import describe_kafka_error, kafka_error_report
 from kvbus.schemas.topics import TopicSpec
 
@@ -95,6 +96,36 @@ def reader_conf(kafka: str | Mapping[str, Any], group_prefix: str, role: Mapping
     return consumer_conf(kafka, f"{group_prefix}{uuid.uuid4().hex}", role, **callbacks)
 
 
+COORDINATOR_MOVING = frozenset({KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                                KafkaError.COORDINATOR_NOT_AVAILABLE})
+"""Error codes of a group's coordinator that moved (after a broker fault or pause) or is still
+loading (a fresh cluster): asked again a moment later, the new coordinator answers."""
+
+T = TypeVar("T")
+
+
+def until_coordinator_answers(call: Callable[[float], T], timeout: float, what: str,
+                              backoff: Backoff | None = None) -> T:
+    """``call(seconds left)``, asked again while it raises one of :data:`COORDINATOR_MOVING`, for up
+    to ``timeout`` seconds in all; then (or on any other error) the KafkaException propagates.
+    librdkafka's consumer re-queries the coordinator after such an answer, but hands the error of
+    that one request to the caller of ``committed`` (seen after SIGSTOP/SIGCONT of the broker that
+    coordinated a worker's group: the worker's rebuild died on NOT_COORDINATOR). ``what``: for the log."""
+    pauses = backoff or Backoff(first=0.1, cap=2.0)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call(max(0.1, deadline - time.monotonic()))
+        except KafkaException as exc:
+            code = exc.args[0].code() if exc.args and isinstance(exc.args[0], KafkaError) else None
+            pause = pauses.next()
+            if code not in COORDINATOR_MOVING or time.monotonic() + pause >= deadline:
+                raise
+            log.info("%s: the group's coordinator answered %s; asking again in %.2f s", what,
+                     exc.args[0].name(), pause)
+            time.sleep(pause)
+
+
 class GroupOffsets:
     """The committed offsets of consumer group ``group``, read through a consumer of that group that
     never subscribes (so it never joins the group nor takes partitions from its members).
@@ -114,12 +145,14 @@ class GroupOffsets:
     def committed(self, topic_partitions: Iterable[tuple[str, int]], timeout: float = 30.0
                   ) -> dict[tuple[str, int], int | None]:
         """``(topic, partition) -> the group's next offset there``, None where it committed none.
-        Raises KafkaException when Kafka cannot say within ``timeout`` seconds."""
+        A coordinator that moved is asked again (:func:`until_coordinator_answers`). Raises
+        KafkaException when Kafka cannot say within ``timeout`` seconds."""
         tps = [TopicPartition(t, p) for t, p in topic_partitions]
         if not tps:
             return {}
-        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None)
-                for tp in self._consumer.committed(tps, timeout=timeout)}
+        answer = until_coordinator_answers(lambda left: self._consumer.committed(tps, timeout=left), timeout,
+                                           f"committed offsets of {len(tps)} partitions")
+        return {(tp.topic, tp.partition): (tp.offset if tp.offset >= 0 else None) for tp in answer}
 
     def watermarks(self, topic_partitions: Iterable[tuple[str, int]], timeout: float = 30.0
                    ) -> dict[tuple[str, int], tuple[int, int]]:

@@ -18,6 +18,7 @@ from kvbus.schemas.kafka_clients import (
     ensure_topics,
     producer_conf,
     reader_conf,
+    until_coordinator_answers,
 )
 from kvbus.schemas.security import Security
 from kvbus.schemas.settings import Settings
@@ -188,3 +189,38 @@ def test_group_offsets_are_read_while_a_fresh_clusters_coordinators_load(stack: 
             offsets.close()
     finally:
         kafka.kill()
+
+
+# -- a coordinator that moved is asked again -------------------------------------------------
+
+def _answers_after(errors: list[int]):
+    """A call raising KafkaException with each code of ``errors`` in turn, then answering "ok";
+    it records the seconds left it was given."""
+    lefts: list[float] = []
+
+    def call(left: float) -> str:
+        lefts.append(left)
+        if len(lefts) <= len(errors):
+            raise KafkaException(KafkaError(errors[len(lefts) - 1]))
+        return "ok"
+
+    return call, lefts
+
+
+def test_a_moved_or_loading_coordinator_is_asked_again_until_it_answers():
+    call, lefts = _answers_after([KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                                  KafkaError.COORDINATOR_NOT_AVAILABLE])
+    assert until_coordinator_answers(call, timeout=10.0, what="test") == "ok"
+    assert len(lefts) == 4 and all(a > b for a, b in zip(lefts, lefts[1:])), lefts  # one deadline in all
+
+
+def test_other_errors_and_a_coordinator_that_never_answers_propagate():
+    call, lefts = _answers_after([KafkaError.GROUP_AUTHORIZATION_FAILED])
+    with pytest.raises(KafkaException) as refused:
+        until_coordinator_answers(call, timeout=10.0, what="test")
+    assert refused.value.args[0].code() == KafkaError.GROUP_AUTHORIZATION_FAILED and len(lefts) == 1
+
+    call, lefts = _answers_after([KafkaError.NOT_COORDINATOR] * 1000)
+    with pytest.raises(KafkaException) as moving:
+        until_coordinator_answers(call, timeout=0.5, what="test")
+    assert moving.value.args[0].code() == KafkaError.NOT_COORDINATOR and 2 <= len(lefts) < 20, lefts
