@@ -104,14 +104,13 @@ loading (a fresh cluster): asked again a moment later, the new coordinator answe
 T = TypeVar("T")
 
 
-def until_coordinator_answers(call: Callable[[float], T], timeout: float, what: str,
-                              backoff: Backoff | None = None) -> T:
+def until_coordinator_answers(call: Callable[[float], T], timeout: float, what: str) -> T:
     """``call(seconds left)``, asked again while it raises one of :data:`COORDINATOR_MOVING`, for up
     to ``timeout`` seconds in all; then (or on any other error) the KafkaException propagates.
     librdkafka's consumer re-queries the coordinator after such an answer, but hands the error of
     that one request to the caller of ``committed`` (seen after SIGSTOP/SIGCONT of the broker that
     coordinated a worker's group: the worker's rebuild died on NOT_COORDINATOR). ``what``: for the log."""
-    pauses = backoff or Backoff(first=0.1, cap=2.0)
+    pauses = Backoff(first=0.1, cap=2.0)
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -29,7 +29,7 @@ from kvbus.streams.app import create_app
 from kvbus.streams.faust_adapter import hold, look_up_offsets_with, take_batches
 from kvbus.streams.options import StreamsOptions
 from kvbus.streams.runtime import Runtime, start_warm_up
-from kvbus.streams.unready_watch import UnreadyWatch, start_watch
+from kvbus.streams.unready_watch import UnreadyWatch, exit_on_failure, start_watch
 
 log = logging.getLogger("kvbus.streams")
 
@@ -101,10 +101,8 @@ def build(settings: Settings, options: StreamsOptions) -> faust.App:
     if options.recovery_timeout:
         start_watch(UnreadyWatch(options.recovery_timeout), runtime.recovering, exit_with, WATCH_EVERY)
 
-    @state.on_recover
-    async def rebuild() -> None:
-        """Table recovered after a rebalance: rebuild the working state of our partitions."""
-        await runtime.rebuild()
+    # Table recovered after a rebalance: rebuild the working state of our partitions.
+    state.on_recover(exit_on_failure("rebuilding the state after a rebalance", runtime.rebuild, exit_with))
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:

@@ -9,6 +9,8 @@ consuming nothing and its ``/healthz`` answering ok. So does a worker whose grou
 good (``InconsistentGroupProtocolError``: another kind of consumer in its group). :class:`UnreadyWatch`
 turns either into an exit with an error once ``KVBUS_STREAMS_RECOVERY_TIMEOUT`` has passed, so that
 the worker's supervisor (Kubernetes, systemd) starts it again and the new process recovers afresh.
+A rebuild that fails with an error leaves the worker unready for good, so it exits at once
+(:func:`exit_on_failure`) rather than after the timeout.
 
 It runs on a thread of its own (:func:`start_watch`), not as a Faust timer: Faust starts an app's
 timers only once the table recovery has completed, which is exactly what may never happen.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 log = logging.getLogger("kvbus.streams")
 
@@ -65,3 +67,20 @@ def start_watch(watch: UnreadyWatch, why: Callable[[], Optional[str]], exit_with
     thread = threading.Thread(target=run, name="unready-watch", daemon=True)
     thread.start()
     return thread
+
+
+def exit_on_failure(what: str, step: Callable[[], Awaitable[None]], exit_with: Callable[[str], None]
+                    ) -> Callable[[], Awaitable[None]]:
+    """``step`` (a coroutine function that readies the worker, such as the rebuild after a table
+    recovery) that, when it raises, logs the error and calls ``exit_with(verdict)`` on a thread of
+    its own (``exit_with`` blocks until the process ends, and the event loop must go on to stop the
+    app). Faust runs recovery callbacks as tasks whose errors nobody reads: without this, a failed
+    rebuild left the worker unready and silent until its recovery timeout. ``what``: for the log."""
+    async def guarded() -> None:
+        try:
+            await step()
+        except Exception as exc:  # noqa: BLE001 - any error: the worker cannot become ready
+            verdict = f"{what} failed ({type(exc).__name__}: {exc}): exiting so that the worker is started again"
+            log.exception("%s", verdict)
+            threading.Thread(target=exit_with, args=(verdict,), name="exit-on-failure", daemon=True).start()
+    return guarded

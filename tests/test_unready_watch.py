@@ -1,11 +1,16 @@
 """The worker's unready watch: a spell of unreadiness is timed from its first look, ends when the
-worker is ready again, and is too long only past the limit (never with the limit 0); and a worker
-held unready exits with the error, on the real stack."""
+worker is ready again, and is too long only past the limit (never with the limit 0); a step that
+fails exits at once, naming the error; and a worker held unready exits with the error, on the real
+stack."""
 from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Callable
 
 import pytest
 
-from kvbus.streams.unready_watch import UnreadyWatch
+from kvbus.streams.unready_watch import UnreadyWatch, exit_on_failure
 
 
 def test_a_spell_is_too_long_only_past_the_limit():
@@ -31,6 +36,38 @@ def test_limit_zero_waits_for_ever(limit):
     w = UnreadyWatch(limit)
     w.check("recovering", 0.0)
     assert w.check("recovering", 10**9) is None
+
+
+def exit_recorder() -> tuple[list[str], threading.Event, Callable[[str], None]]:
+    """An ``exit_with`` that records its verdict (and the thread it ran on) instead of exiting."""
+    verdicts: list[str] = []
+    called = threading.Event()
+
+    def exit_with(verdict: str) -> None:
+        verdicts.append(f"{threading.current_thread().name}: {verdict}")
+        called.set()
+    return verdicts, called, exit_with
+
+
+def test_a_failed_step_exits_at_once_naming_the_error():
+    verdicts, called, exit_with = exit_recorder()
+
+    async def rebuild() -> None:
+        raise RuntimeError("NOT_COORDINATOR")
+    asyncio.run(exit_on_failure("rebuilding the state", rebuild, exit_with)())
+    assert called.wait(10), "exit_with was not called within 10 s of the failed step"
+    assert verdicts == ["exit-on-failure: rebuilding the state failed (RuntimeError: NOT_COORDINATOR): "
+                        "exiting so that the worker is started again"]
+
+
+def test_a_step_that_succeeds_does_not_exit():
+    verdicts, called, exit_with = exit_recorder()
+    done = []
+
+    async def rebuild() -> None:
+        done.append(True)
+    asyncio.run(exit_on_failure("rebuilding the state", rebuild, exit_with)())
+    assert done == [True] and not called.wait(0.2), verdicts
 
 
 @pytest.mark.integration
