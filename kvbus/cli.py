@@ -45,6 +45,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+SERVICES = frozenset({"bridge", "worker", "sink", "serve"})
+"""The subcommands that run until stopped: they give the C allocator's free pages back every
+``KVBUS_MALLOC_TRIM_INTERVAL`` seconds (:mod:`kvbus.schemas.allocator`)."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: a bad flag raises :class:`SettingError` (``kvbus`` prints the
     line and exits 2) instead of printing the usage text."""
@@ -85,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger().setLevel(logging.DEBUG)
         module, _add, run, _help = SUBCOMMANDS[args.command]
         settings = Settings.from_env()
+        if args.command in SERVICES:  # imported here: a client-only install has no prometheus_client
+            from kvbus.schemas import allocator
+            allocator.start(settings.malloc_trim_interval)
         return int(_load(module, run)(args, settings) or 0)
     except SettingError as e:
         _bad_setting(command, e)

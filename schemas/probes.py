@@ -4,7 +4,7 @@
 |---|---|
 | ``/healthz`` | ``200 ok`` while the process serves HTTP (liveness: restart the process when it does not answer) |
 | ``/readyz`` | ``200 {"ready": true}`` when every check of the stage passes, else ``503`` with the reasons |
-| anything else | the Prometheus exposition of the stage's registry (``/metrics``), as prometheus_client serves it |
+| anything else | the Prometheus exposition of the stage's registry (``/metrics``), as prometheus_client serves it, with the process's own metrics (``process_*``, ``kvbus_malloc_trim*``) |
 
 A check is a function returning None (fine) or the reason the stage is not ready, one sentence; a
 check that raises counts as not ready, with the error as its reason. What each stage checks is in
@@ -24,6 +24,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+
+from kvbus.schemas import allocator
 
 Check = Callable[[], "str | None"]
 """None when the condition holds, else why the stage is not ready."""
@@ -71,7 +73,10 @@ class _Quiet(WSGIRequestHandler):
 
 
 def probe_app(registry: CollectorRegistry, readiness: Readiness) -> Callable:
-    """The WSGI app: ``/healthz``, ``/readyz``, and prometheus_client's app for every other path."""
+    """The WSGI app: ``/healthz``, ``/readyz``, and prometheus_client's app for every other path,
+    serving ``registry`` with the process's own metrics added (:func:`kvbus.schemas.allocator.register`;
+    once per registry)."""
+    allocator.register(registry)
     metrics = make_wsgi_app(registry)
 
     def app(environ: dict, start_response: Callable) -> list[bytes]:

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvbus.schemas.env import COUNT, TEXT, load, setting, to_env as declared_env
+from kvbus.schemas.env import COUNT, SECONDS, TEXT, load, setting, to_env as declared_env
 from kvbus.schemas.security import Security
 from kvbus.schemas.topics import Topics
 
@@ -19,6 +19,9 @@ DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_REGISTRY_URL = "http://127.0.0.1:8081/apis/ccompat/v7"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PARTITIONS = 4
+DEFAULT_MALLOC_TRIM_INTERVAL = 60.0
+"""Seconds between two trims of the C allocator (:mod:`kvbus.schemas.allocator`): in a worker of the
+hour-long soak a trim took well under a millisecond, and the free pages a minute leaves behind are few."""
 DEFAULT_MAX_RECORD_BYTES = 900_000
 """Largest EventBatch value the producers write as one Kafka record: a little under librdkafka's
 ``message.max.bytes`` (1,000,000; not overridden by kvbus) and the broker's default
@@ -31,7 +34,7 @@ KAFKA_LOGGER = logging.getLogger("kvbus.kafka")
 
 @dataclass(frozen=True)
 class Settings:
-    """Where the services are and how topics are named."""
+    """Where the services are, how topics are named, and how a long-running process keeps its memory."""
 
     bootstrap: str = setting("KVBUS_BOOTSTRAP", TEXT, DEFAULT_BOOTSTRAP,
                              "Kafka bootstrap servers, comma-separated host:port")
@@ -49,6 +52,11 @@ class Settings:
         "largest raw EventBatch value (bytes, Confluent header included) the bridge and the in-process publisher "
         "produce as one record; a larger engine batch is produced as several records. Keep it under the "
         "producer's message.max.bytes and the topic's max.message.bytes")
+    malloc_trim_interval: float = setting(
+        "KVBUS_MALLOC_TRIM_INTERVAL", SECONDS, DEFAULT_MALLOC_TRIM_INTERVAL,
+        "seconds between two calls of glibc's malloc_trim in the bridge, worker, sink and serve processes, "
+        "giving the C allocator's free pages back to the system so that their memory stays level over days "
+        "(0: never)")
     security: Security = field(default_factory=Security)
     """How to authenticate to Kafka, Redis and the registry (``kvbus.schemas.security``; default: open)."""
 

@@ -26,14 +26,18 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_names() -> dict[str, set[str]]:
     """Sample names each kind of kvbus process serves, per role (``bridge``, ``worker``, ``sink``),
-    from the registries the processes serve (counters ``_total``, histograms ``_bucket``/``_sum``/``_count``)."""
+    from the registries the processes serve, as their probes app (:func:`kvbus.schemas.probes.probe_app`)
+    completes them (counters ``_total``, histograms ``_bucket``/``_sum``/``_count``; a labelled family
+    with no series yet counts too)."""
     from kvbus.producers.metrics import BridgeMetrics
+    from kvbus.schemas.probes import Readiness, probe_app
     from kvbus.sinks.metrics import SinkMetrics
     from kvbus.streams.metrics import StreamsMetrics
 
     out = {}
     for role, registry in (("bridge", BridgeMetrics().registry), ("worker", StreamsMetrics().registry),
                            ("sink", SinkMetrics().registry)):
+        probe_app(registry, Readiness())
         names: set[str] = set()
         for fam in registry.collect():
             names |= {s.name for s in fam.samples}

@@ -64,6 +64,14 @@ def wait_until(check, timeout: float, what: str, children: Children | None = Non
     return eventually(check, timeout, what=what, interval=interval, alive=alive)
 
 
+def sample(exposition: str, name: str) -> float:
+    """The value of the first sample called ``name`` in a Prometheus exposition; -1 when there is none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return next((s.value for fam in text_string_to_metric_families(exposition) for s in fam.samples
+                 if s.name == name), -1.0)
+
+
 def json_lines(path: Path) -> list[dict]:
     """Every line of a log, each parsed as one JSON object (fails on a line that is not one)."""
     out = []
@@ -297,11 +305,16 @@ def test_bridge_is_ready_only_while_its_engine_socket_is_connected(test_settings
     with the bridge's holder."""
     engine_port, port = free_port(), free_port()
     endpoint = f"tcp://127.0.0.1:{engine_port}"
-    children.env = {**os.environ, **test_settings.to_env(), "KVBUS_LOG_FORMAT": "json"}
+    children.env = {**os.environ, **test_settings.to_env(), "KVBUS_LOG_FORMAT": "json",
+                    "KVBUS_MALLOC_TRIM_INTERVAL": "0.2"}
     children.start("bridge", "bridge", "--endpoint", endpoint, "--replica", "probe-r", "--dp-rank", "2",
                    "--metrics-port", str(port), "--flush-timeout", "5")
     not_connected = (503, [f"the engine socket is not connected to {endpoint}"])
     wait_until(lambda: readyz(port) == not_connected, 90, "the bridge to run, without its engine", children)
+    # a long-running stage serves its process's metrics and trims its allocator every interval
+    wait_until(lambda: sample(get(port, "/metrics")[1], "kvbus_malloc_trims_total") >= 2, 30,
+               "the bridge's /metrics to count two trims of its allocator", children)
+    assert sample(get(port, "/metrics")[1], "process_resident_memory_bytes") > 10 * 2**20
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
     pub.bind(endpoint)

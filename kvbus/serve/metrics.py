@@ -1,4 +1,5 @@
-"""Prometheus metrics of ``kvbus serve`` (``kvbus_serve_*``), in a registry of their own.
+"""Prometheus metrics of ``kvbus serve`` (``kvbus_serve_*``), in a registry of their own, with the
+process's own (:func:`kvbus.schemas.allocator.register`).
 
 ``rate(kvbus_serve_requests_total{path="/query"}[1m])`` is queries/s;
 ``histogram_quantile(0.99, rate(kvbus_serve_request_seconds_bucket[5m]))`` the p99 latency.
@@ -6,6 +7,8 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvbus.schemas import allocator
 
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Seconds: a lookup takes a fraction of a millisecond inside Redis, a few over HTTP."""
@@ -23,6 +26,7 @@ class ServeMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        allocator.register(r)
         self.requests = Counter("kvbus_serve_requests", "HTTP requests answered, by path and status code",
                                 ["path", "code"], registry=r)
         self.seconds = Histogram("kvbus_serve_request_seconds",

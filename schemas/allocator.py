@@ -1,0 +1,129 @@
+"""Give the C allocator's free memory back to the operating system, now and then.
+
+A kvbus process that runs for days keeps glibc's malloc busy from many threads (librdkafka's
+broker threads, Faust's consumer thread, the probes' server). glibc keeps one arena per thread
+that contends, and frees a chunk into its arena's free lists without returning the pages to the
+system unless they sit at the arena's top. After rebalances and broker outages (buffers grown,
+then freed) those free lists hold pages no one uses again soon, and the process's RSS keeps
+rising in small steps. ``malloc_trim(0)`` returns every whole free page of every arena
+(glibc 2.8 and later).
+
+:class:`Trimmer` calls it every ``KVBUS_MALLOC_TRIM_INTERVAL`` seconds on a thread of its own
+(:func:`start`), from the long-running subcommands (bridge, worker, sink, serve); never in an
+engine's process, whose allocator is the engine's business. Its counters are served on the
+stage's ``/metrics`` (:func:`register`) beside the process's own metrics (``process_*``: RSS,
+CPU, open files) of ``prometheus_client``.
+
+Hand-written on purpose: it is one libc call through ``ctypes``; no maintained library wraps it.
+On a C library without ``malloc_trim`` (musl, macOS) :func:`start` logs that and does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+import time
+from typing import Callable, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("kvbus.allocator")
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now, in bytes (``/proc/self/statm``)."""
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def libc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is None:
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+class Trimmer:
+    """Calls ``trim(0)`` (ctypes releases the GIL meanwhile) and keeps count of what it gave back."""
+
+    def __init__(self, trim: Callable[[int], int], interval: float) -> None:
+        self._trim = trim
+        self.interval = interval
+        """Seconds between two trims (> 0)."""
+        self.trims = 0
+        """Calls so far."""
+        self.released_bytes = 0
+        """Resident bytes the calls gave back in all (the RSS drop across each call, when it dropped)."""
+        self.seconds = 0.0
+        """Wall seconds spent in the calls in all."""
+
+    def trim_once(self) -> int:
+        """Trim now; the resident bytes this call gave back (0 when the RSS did not drop)."""
+        before = resident_bytes()
+        t0 = time.perf_counter()
+        self._trim(0)
+        self.seconds += time.perf_counter() - t0
+        released = max(0, before - resident_bytes())
+        self.trims += 1
+        self.released_bytes += released
+        return released
+
+    def run(self, stop: threading.Event) -> None:
+        """Trim every :attr:`interval` seconds until ``stop`` is set."""
+        while not stop.wait(self.interval):
+            released = self.trim_once()
+            log.debug("malloc_trim gave back %.1f MiB", released / 2**20)
+
+
+class TrimmerCollector(Collector):
+    """The trimmer's counters as Prometheus metrics."""
+
+    def __init__(self, trimmer: Trimmer) -> None:
+        self.trimmer = trimmer
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        t = self.trimmer
+        yield CounterMetricFamily("kvbus_malloc_trims", "calls of glibc's malloc_trim(0) (KVBUS_MALLOC_TRIM_INTERVAL)",
+                                  value=t.trims)
+        yield CounterMetricFamily("kvbus_malloc_trim_released_bytes",
+                                  "resident bytes malloc_trim gave back to the system", value=t.released_bytes)
+        yield CounterMetricFamily("kvbus_malloc_trim_seconds", "wall seconds spent in malloc_trim", value=t.seconds)
+
+
+_running: Optional[Trimmer] = None
+"""The process's trimmer once :func:`start` has started one."""
+
+
+def start(interval: float) -> Optional[Trimmer]:
+    """Start trimming every ``interval`` seconds on a daemon thread (0: never); the trimmer, or None
+    when ``interval`` is 0, the C library has no ``malloc_trim``, or one already runs."""
+    global _running
+    if not interval or _running is not None:
+        return None
+    trim = libc_trim()
+    if trim is None:
+        log.info("the C library has no malloc_trim: KVBUS_MALLOC_TRIM_INTERVAL has no effect here")
+        return None
+    _running = Trimmer(trim, interval)
+    threading.Thread(target=_running.run, args=(threading.Event(),), name="malloc-trim", daemon=True).start()
+    return _running
+
+
+def register(registry: CollectorRegistry) -> None:
+    """Serve the process's metrics (``process_*``) and, once :func:`start` has started the trimmer,
+    its counters (``kvbus_malloc_trim*``) in ``registry``."""
+    ProcessCollector(registry=registry)
+    if _running is not None:
+        registry.register(TrimmerCollector(_running))
