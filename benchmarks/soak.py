@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -447,6 +448,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvbus.bench").setLevel(logging.WARNING)
     logging.getLogger("kvbus.faults").setLevel(logging.WARNING)
+
+    def interrupted(signum: int, _frame: Any) -> None:  # SIGTERM (SIGINT is ignored in a background job)
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupted)  # the run's processes stopped, the cluster as it was started
     from kvbus.infra import stack
 
     started = not stack.status().get("ready")
