@@ -4,7 +4,7 @@
 |---|---|
 | ``/healthz`` | ``200 ok`` while the process serves HTTP (liveness: restart the process when it does not answer) |
 | ``/readyz`` | ``200 {"ready": true}`` when every check of the stage passes, else ``503`` with the reasons |
-| anything else | the Prometheus exposition of the stage's registry (``/metrics``), as prometheus_client serves it, with the process's own metrics (``process_*``, ``kvbus_malloc_trim*``) |
+| anything else | the stage's registry (``/metrics``) and the process's own metrics, as prometheus_client serves them |
 
 A check is a function returning None (fine) or the reason the stage is not ready, one sentence; a
 check that raises counts as not ready, with the error as its reason. What each stage checks is in
