@@ -76,7 +76,7 @@ def broker_url(bootstrap: str, scheme: str = faust_adapter.SCHEME) -> str:
 def create_app(settings: Settings, options: StreamsOptions) -> faust.App:
     """The streams stage's Faust app for ``settings`` (Kafka, topics) and ``options``, without its
     agents (:func:`kvbus.streams.agents.build` declares them)."""
-    return faust.App(
+    return faust_adapter.App(
         options.app_id,
         broker=broker_url(settings.bootstrap),
         broker_credentials=settings.security.kafka.faust_credentials(),

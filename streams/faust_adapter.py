@@ -18,6 +18,8 @@ public API does not offer:
   Faust noted in a partition's offsets;
 * :class:`TableManager`: Faust's table manager without the second it sleeps at start before it
   registers the tables (below);
+* :class:`App`: Faust's app whose flow control empties the stream queues only when flow resumes
+  after a suspension, not when it is resumed again while running (below);
 * :func:`look_up_offsets_with`: the offsets table recovery asks for (changelog high watermarks and
   earliest offsets), looked up through a client of the runtime's own instead of the fetching one;
   and fetches that wait at most :data:`FETCH_MAX_WAIT_MS` for records (below).
@@ -55,6 +57,19 @@ its group only once they are. kvbus declares its one table before the app starts
 delayed every worker's join: a restarted worker's partitions waited a second longer (part of the
 freshness of one of two workers killed and restarted, docs/benchmarks.md). :class:`TableManager`
 registers them at once.
+
+The queues kept at the end of recovery. At a rebalance Faust suspends the flow into the agents'
+queues and empties them; table recovery resumes the flow while it reads the changelogs, and once
+it is done it resumes the raw partitions, seeks them to their committed offsets and resumes the flow
+*again* (``Recovery.on_recovery_completed``). mode's ``FlowControlEvent.resume`` empties every queue
+each time it is called. Records fetched between the seek of a partition and that second resume were
+in the queue and were thrown away: never processed nor acknowledged, while the consumer's position
+had moved past them. A partition whose input went on was read again from the gap (the runtime's
+offset guard sees the next record jump ahead and rewinds); one whose input had ended, as in a test
+that killed one of two workers after the last record, stayed stalled, its records lost for as long as
+none came. :class:`FlowControl` empties the queues only when it resumes a suspended flow; records of
+an earlier generation are still emptied, by the revocation that suspends the flow and by that first
+resume.
 
 The offsets beside the fetch. At each rebalance Faust's table recovery asks the consumer for the
 changelog partitions' high watermarks, then for their earliest offsets (``Consumer.highwaters``,
@@ -100,6 +115,7 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
+import faust
 from faust.streams import _current_event
 from faust.tables import TableManager as FaustTableManager
 from faust.transport import drivers
@@ -109,6 +125,8 @@ from faust.transport.producer import ProducerBuffer as FaustProducerBuffer
 from faust.types import TP, EventT, Message
 from mode.services import ServiceTask
 from mode.utils.locks import Event
+from mode.utils.objects import cached_property
+from mode.utils.queues import FlowControlEvent
 
 log = logging.getLogger("kvbus.streams")
 
@@ -246,6 +264,11 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("aiokafka.consumer.consumer:AIOKafkaConsumer.start", "coroutine function", ("self",),
              reviewed="2f1ba70443327538",
              why="builds the Fetcher with fetch_max_wait_ms=self._fetch_max_wait_ms"),
+    Internal("mode.utils.queues:FlowControlEvent.resume", "function", ("self",), reviewed="4dcdc1253fd0dcb4",
+             why="empties every managed queue on each call: FlowControl.resume calls it only on a suspended flow"),
+    Internal("faust.tables.recovery:Recovery.on_recovery_completed", "coroutine function",
+             ("self", "generation_id"), reviewed="6ef567acf072e46d",
+             why="resumes the raw partitions, seeks them, then resumes the already running flow (FlowControl)"),
     Internal("faust.tables.manager:TableManager.on_start", "coroutine function", ("self",),
              reviewed="365dd25fbc0e0684",
              why="overridden by TableManager.on_start: the same steps without the one-second sleep first"),
@@ -465,6 +488,28 @@ class TableManager(FaustTableManager):
         if not self.should_stop:
             await self._update_channels()
             await self.recovery.start()
+
+
+# -- the queues kept at the end of recovery -----------------------------------------------------------
+
+
+class FlowControl(FlowControlEvent):
+    """The flow into the agents' queues (module doc, "The queues kept at the end of recovery"):
+    resuming a suspended flow empties the queues, as in mode; resuming a running one does nothing."""
+
+    def resume(self) -> None:
+        """Resume a suspended flow and empty the queues; nothing while the flow runs."""
+        if not self.is_active():
+            super().resume()
+
+
+class App(faust.App):
+    """Faust's app with :class:`FlowControl` as its flow control."""
+
+    @cached_property
+    def flow_control(self) -> FlowControlEvent:
+        """Flow control of the streams' queues."""
+        return FlowControl(loop=self.loop)
 
 
 # -- table writes under a chosen changelog partition -----------------------------------------------

@@ -33,6 +33,7 @@ import faust.transport.consumer
 import faust.transport.producer
 import pytest
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from mode.utils.queues import FlowControlQueue
 
 from kvbus.streams import faust_adapter
 from kvbus.streams.faust_adapter import INTERNALS, FaustInternalsChanged, broken_internals, revised_internals
@@ -574,3 +575,39 @@ def test_arrival_rate_counts_recent_records_and_forgets_old_ones():
     assert rate.per_second(11.0 + 2.0) < 1.0  # two idle seconds later it is all but forgotten
     rate.add(1, 20.0)  # one record after a long pause: a quiet stream
     assert rate.per_second(20.0) == pytest.approx(5.0, rel=0.01)
+
+
+def test_resuming_a_running_flow_keeps_the_queued_records():
+    """The end of a table recovery resumes a flow already running: the records queued since the raw
+    partitions were sought stay (mode's resume would empty the queue); resuming a suspended flow
+    still empties it, as after a revocation."""
+    async def run() -> tuple[list[str], list[str]]:
+        flow = faust_adapter.FlowControl(initially_suspended=False)
+        queue = FlowControlQueue(maxsize=10, flow_control=flow, clear_on_resume=True)
+        queue.put_nowait("fetched after the seek")
+        flow.resume()  # running: Recovery.on_recovery_completed's resume
+        kept = [queue.get_nowait() for _ in range(queue.qsize())]
+        queue.put_nowait("of the old generation")
+        flow.suspend()
+        flow.resume()
+        return kept, [queue.get_nowait() for _ in range(queue.qsize())]
+    kept, after_suspension = asyncio.run(run())
+    assert kept == ["fetched after the seek"]
+    assert after_suspension == []
+
+
+def test_the_worker_apps_stream_queues_are_kept_when_its_running_flow_resumes():
+    """The worker's app (``create_app``) has :class:`FlowControl`: a record queued for an agent stays
+    when the running flow is resumed again."""
+    from kvbus.schemas.settings import Settings
+    from kvbus.streams.app import create_app
+    from kvbus.streams.options import StreamsOptions
+
+    async def run() -> list[str]:
+        app = create_app(Settings(), StreamsOptions.from_env({}))
+        queue = app.topic("kvbus-flow").queue
+        app.flow_control.resume()  # the flow starts suspended; the first resume empties the queues
+        queue.put_nowait("fetched after the seek")
+        app.flow_control.resume()
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+    assert asyncio.run(run()) == ["fetched after the seek"]
