@@ -20,8 +20,8 @@ DEFAULT_REGISTRY_URL = "http://127.0.0.1:8081/apis/ccompat/v7"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PARTITIONS = 4
 DEFAULT_MALLOC_TRIM_INTERVAL = 60.0
-"""Seconds between two trims of the C allocator (:mod:`kvbus.schemas.allocator`): in a worker of the
-hour-long soak a trim took well under a millisecond, and the free pages a minute leaves behind are few."""
+"""Seconds between two trims of the C allocator (:mod:`kvbus.schemas.allocator`): a trim takes 0.1-0.3 ms
+in a worker, sink or bridge at 500 events/s, and gives back what the minute freed (docs/benchmarks.md, "Soak")."""
 DEFAULT_MAX_RECORD_BYTES = 900_000
 """Largest EventBatch value the producers write as one Kafka record: a little under librdkafka's
 ``message.max.bytes`` (1,000,000; not overridden by kvbus) and the broker's default
