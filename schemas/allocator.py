@@ -4,9 +4,10 @@ A kvbus process that runs for days keeps glibc's malloc busy from many threads (
 broker threads, Faust's consumer thread, the probes' server). glibc keeps one arena per thread
 that contends, and frees a chunk into its arena's free lists without returning the pages to the
 system unless they sit at the arena's top. After rebalances and broker outages (buffers grown,
-then freed) those free lists hold pages no one uses again soon, and the process's RSS keeps
-rising in small steps. ``malloc_trim(0)`` returns every whole free page of every arena
-(glibc 2.8 and later).
+then freed) those free lists hold pages no one uses again soon, and the process's RSS rises in
+small steps. ``malloc_trim(0)`` returns every whole free page of every arena (glibc 2.8 and
+later); free chunks that share a page with live ones stay resident (what remains, measured:
+docs/benchmarks.md, "Soak").
 
 :class:`Trimmer` calls it every ``KVBUS_MALLOC_TRIM_INTERVAL`` seconds on a thread of its own
 (:func:`start`), from the long-running subcommands (bridge, worker, sink, serve); never in an

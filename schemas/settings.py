@@ -55,8 +55,8 @@ class Settings:
     malloc_trim_interval: float = setting(
         "KVBUS_MALLOC_TRIM_INTERVAL", SECONDS, DEFAULT_MALLOC_TRIM_INTERVAL,
         "seconds between two calls of glibc's malloc_trim in the bridge, worker, sink and serve processes, "
-        "giving the C allocator's free pages back to the system so that their memory stays level over days "
-        "(0: never)")
+        "giving the C allocator's whole free pages back to the system (those freed after rebalances and "
+        "broker outages would stay resident otherwise; 0: never)")
     security: Security = field(default_factory=Security)
     """How to authenticate to Kafka, Redis and the registry (``kvbus.schemas.security``; default: open)."""
 
