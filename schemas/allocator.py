@@ -15,8 +15,15 @@ engine's process, whose allocator is the engine's business. Its counters are ser
 stage's ``/metrics`` (:func:`register`) beside the process's own metrics (``process_*``: RSS,
 CPU, open files) of ``prometheus_client``.
 
-Hand-written on purpose: it is one libc call through ``ctypes``; no maintained library wraps it.
-On a C library without ``malloc_trim`` (musl, macOS) :func:`start` logs that and does nothing.
+glibc also raises its mmap threshold to the size of every large block freed (up to 32 MiB), so the
+large buffers of later fetches and rebalances come from the arenas instead of their own mappings, and
+their free space stays behind in the arenas' free lists between live chunks, where a trim cannot reach
+it. :func:`start` fixes the threshold at ``KVBUS_MALLOC_MMAP_THRESHOLD`` bytes (``mallopt``; default
+256 KiB): a block that large or larger is mapped on its own and unmapped when freed.
+
+Hand-written on purpose: two libc calls through ``ctypes``; no maintained library wraps them.
+On a C library without ``malloc_trim`` or ``mallopt`` (musl, macOS) :func:`start` logs that and does
+without.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
@@ -43,17 +50,31 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
+M_MMAP_THRESHOLD = -3
+"""``mallopt``'s parameter number for the mmap threshold (glibc's ``malloc.h``)."""
+
+
+def _libc_function(name: str, *argtypes: Any) -> Optional[Callable[..., int]]:
+    """The C library's function ``name`` returning an int, or None where the C library has none."""
+    library = ctypes.util.find_library("c")
+    function = getattr(ctypes.CDLL(library), name, None) if library is not None else None
+    if function is not None:
+        function.argtypes = list(argtypes)
+        function.restype = ctypes.c_int
+    return function
+
+
 def libc_trim() -> Optional[Callable[[int], int]]:
-    """glibc's ``malloc_trim``, or None where the C library has none."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
-    if trim is None:
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    """glibc's ``malloc_trim(pad)``, or None where the C library has none."""
+    return _libc_function("malloc_trim", ctypes.c_size_t)
+
+
+def fix_mmap_threshold(size: int) -> bool:
+    """Serve every malloc of ``size`` bytes or more from a mapping of its own, from now on (glibc's
+    ``mallopt(M_MMAP_THRESHOLD)``, which also stops the threshold's sliding). False where the C
+    library has no ``mallopt`` or refuses the size."""
+    mallopt = _libc_function("mallopt", ctypes.c_int, ctypes.c_int)
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, size) == 1
 
 
 class Trimmer:
@@ -81,9 +102,10 @@ class Trimmer:
         self.released_bytes += released
         return released
 
-    def run(self, stop: threading.Event) -> None:
-        """Trim every :attr:`interval` seconds until ``stop`` is set."""
-        while not stop.wait(self.interval):
+    def run(self) -> None:
+        """Trim every :attr:`interval` seconds, for ever (a daemon thread's target)."""
+        while True:
+            time.sleep(self.interval)
             released = self.trim_once()
             log.debug("malloc_trim gave back %.1f MiB", released / 2**20)
 
@@ -107,10 +129,14 @@ _running: Optional[Trimmer] = None
 """The process's trimmer once :func:`start` has started one."""
 
 
-def start(interval: float) -> Optional[Trimmer]:
-    """Start trimming every ``interval`` seconds on a daemon thread (0: never); the trimmer, or None
-    when ``interval`` is 0, the C library has no ``malloc_trim``, or one already runs."""
+def start(interval: float, mmap_threshold: int = 0) -> Optional[Trimmer]:
+    """Fix the mmap threshold at ``mmap_threshold`` bytes (0: leave glibc's sliding one), and start
+    trimming every ``interval`` seconds on a daemon thread (0: never). The trimmer, or None when
+    ``interval`` is 0, the C library has no ``malloc_trim``, or one already runs."""
     global _running
+    if mmap_threshold and not fix_mmap_threshold(mmap_threshold):
+        log.info("the C library refused mallopt(M_MMAP_THRESHOLD, %d): KVBUS_MALLOC_MMAP_THRESHOLD has no "
+                 "effect here", mmap_threshold)
     if not interval or _running is not None:
         return None
     trim = libc_trim()
@@ -118,7 +144,7 @@ def start(interval: float) -> Optional[Trimmer]:
         log.info("the C library has no malloc_trim: KVBUS_MALLOC_TRIM_INTERVAL has no effect here")
         return None
     _running = Trimmer(trim, interval)
-    threading.Thread(target=_running.run, args=(threading.Event(),), name="malloc-trim", daemon=True).start()
+    threading.Thread(target=_running.run, name="malloc-trim", daemon=True).start()
     return _running
 
 

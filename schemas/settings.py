@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvbus.schemas.env import COUNT, SECONDS, TEXT, load, setting, to_env as declared_env
+from kvbus.schemas.env import COUNT, NATURAL, SECONDS, TEXT, load, setting, to_env as declared_env
 from kvbus.schemas.security import Security
 from kvbus.schemas.topics import Topics
 
@@ -22,6 +22,10 @@ DEFAULT_PARTITIONS = 4
 DEFAULT_MALLOC_TRIM_INTERVAL = 60.0
 """Seconds between two trims of the C allocator (:mod:`kvbus.schemas.allocator`): a trim takes 0.1-0.3 ms
 in a worker, sink or bridge at 500 events/s, and gives back what the minute freed (docs/benchmarks.md, "Soak")."""
+DEFAULT_MALLOC_MMAP_THRESHOLD = 256 * 1024
+"""Bytes from which the C allocator maps a block on its own (:func:`kvbus.schemas.allocator.fix_mmap_threshold`):
+above librdkafka's and Faust's everyday buffers, below the fetch and rebalance buffers whose freed space
+would otherwise stay in the arenas (docs/benchmarks.md, "Soak")."""
 DEFAULT_MAX_RECORD_BYTES = 900_000
 """Largest EventBatch value the producers write as one Kafka record: a little under librdkafka's
 ``message.max.bytes`` (1,000,000; not overridden by kvbus) and the broker's default
@@ -57,6 +61,11 @@ class Settings:
         "seconds between two calls of glibc's malloc_trim in the bridge, worker, sink and serve processes, "
         "giving the C allocator's whole free pages back to the system (those freed after rebalances and "
         "broker outages would stay resident otherwise; 0: never)")
+    malloc_mmap_threshold: int = setting(
+        "KVBUS_MALLOC_MMAP_THRESHOLD", NATURAL, DEFAULT_MALLOC_MMAP_THRESHOLD,
+        "bytes from which glibc's malloc maps a block on its own and unmaps it when freed, in the bridge, worker, "
+        "sink and serve processes (a fixed threshold: glibc's own rises to the largest block freed, and the "
+        "space of large buffers freed later stays in its arenas; 0: glibc's own)")
     security: Security = field(default_factory=Security)
     """How to authenticate to Kafka, Redis and the registry (``kvbus.schemas.security``; default: open)."""
 

@@ -1,9 +1,12 @@
 """The C allocator's trimmer: a trim gives back the pages of memory freed in the middle of the heap
 (which glibc keeps otherwise), its counters are what it did, and it starts only once and never with
-the interval 0. A running stage serving the counters: tests/test_probes.py."""
+the interval 0. A fixed mmap threshold gives a freed large block back at once. A running stage
+serving the counters: tests/test_probes.py."""
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
 import threading
 
 from prometheus_client import CollectorRegistry
@@ -68,3 +71,46 @@ def test_the_counters_are_served_as_metrics():
 
 def test_an_interval_of_zero_starts_no_trimmer():
     assert allocator.start(0) is None
+
+
+BLOCK_MIB = 4
+"""Size of the large block of :data:`REUSE_A_LARGE_BLOCK`: above the fixed threshold, below the 32 MiB
+up to which glibc's own threshold slides."""
+
+REUSE_A_LARGE_BLOCK = f"""
+import ctypes, sys
+from kvbus.schemas import allocator
+if sys.argv[1] == "fixed":
+    assert allocator.fix_mmap_threshold(256 * 1024), "mallopt refused"
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = {BLOCK_MIB} * 2**20
+before = allocator.resident_bytes()
+for _ in range(2):  # a fetch buffer, freed; then the next one of the same size, freed
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+print(allocator.resident_bytes() - before)
+"""
+"""Allocates, touches and frees a large block twice in a fresh process (argument ``fixed``: with the
+threshold fixed first; else glibc's sliding one); prints the resident bytes it kept."""
+
+
+def resident_after_reusing_a_large_block(threshold: str) -> int:
+    """Resident bytes a fresh process kept after :data:`REUSE_A_LARGE_BLOCK`."""
+    done = subprocess.run([sys.executable, "-c", REUSE_A_LARGE_BLOCK, threshold], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
+def test_a_fixed_mmap_threshold_gives_a_freed_large_block_back_at_once():
+    """glibc's sliding threshold rises to the first large block freed, so the second one comes from the
+    heap and stays resident when freed; with the threshold fixed, each is unmapped when freed."""
+    sliding = resident_after_reusing_a_large_block("sliding")
+    fixed = resident_after_reusing_a_large_block("fixed")
+    assert sliding > (BLOCK_MIB - 1) * 2**20, f"glibc's own threshold kept {sliding} bytes of a freed block"
+    assert fixed < 2**20, f"with the threshold fixed, {fixed} bytes of a freed {BLOCK_MIB} MiB block stayed resident"
+
