@@ -141,6 +141,11 @@ class GroupOffsets:
         """``role``: more librdkafka properties of the consumer (e.g. a ``logger``)."""
         self._consumer = Consumer(consumer_conf(kafka, group, role))
 
+    def serve(self) -> None:
+        """Serve what librdkafka queued for the consumer (log lines for a ``logger``, errors): nothing
+        else polls a consumer that never subscribes, and its queue would keep them for its whole life."""
+        self._consumer.poll(0)
+
     def committed(self, topic_partitions: Iterable[tuple[str, int]], timeout: float = 30.0
                   ) -> dict[tuple[str, int], int | None]:
         """``(topic, partition) -> the group's next offset there``, None where it committed none.

@@ -288,6 +288,7 @@ class SinkConsumer:
                 time.sleep(pause)
                 return 0
         msgs = self._poll()
+        self.producer.poll(0)  # the dead-letter producer's log lines and errors: queued until served
         if not msgs:
             self._commit()  # quiet: what was applied is committed now
         self._update_lag()

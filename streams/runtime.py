@@ -355,7 +355,8 @@ class Runtime:
     # -- the timer ------------------------------------------------------------
 
     async def sweep(self) -> None:
-        """Expire partial aggregates older than the window; refresh gauges."""
+        """Serve the idle clients' queues; expire partial aggregates older than the window; refresh gauges."""
+        self._serve_clients()
         if not self.ready:
             return
         self.start()
@@ -367,6 +368,19 @@ class Runtime:
         self.metrics.pending.set(self.aggregator.pending_count())
         self.metrics.holders.set(len(self.aggregator.holders))
         self._update_lag()
+
+    def _serve_clients(self) -> None:
+        """Serve the queues of the Kafka clients that nothing else polls, the admin client and the
+        offsets reader: librdkafka queues their log lines and errors (at every broker fault) until
+        they are polled, for the worker's whole life otherwise. The offsets reader is skipped while a
+        rebuild reads through it (it is served at the next sweep)."""
+        if self._admin is not None:
+            self._admin.poll(0)
+        if self._group_offsets is not None and self._offsets_lock.acquire(blocking=False):
+            try:
+                self._group_offsets.serve()
+            finally:
+                self._offsets_lock.release()
 
     def _update_lag(self) -> None:
         consumer = self.app.consumer

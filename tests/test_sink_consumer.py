@@ -230,3 +230,20 @@ def test_a_sink_resuming_from_the_view_commits_its_positions_with_nothing_new_to
     finally:
         second.close()
     assert second.metrics.records._value.get() == 0  # it read nothing: the positions came from the view
+
+
+def test_the_sink_serves_its_dead_letter_producers_queue_with_no_dead_letter(settings, topics, redis_server):
+    """librdkafka queues the dead-letter producer's log lines and errors (at every broker fault) until
+    the producer is polled, and with no dead letter nothing else polls it: the sink's loop serves it.
+    Here the queued event is a delivery report of a record the test hands the producer."""
+    store = RedisStore(redis_server.client(), f"s{uuid.uuid4().hex[:8]}:")
+    sink = SinkConsumer(settings, store, SinkConfig(group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
+                                                  poll_timeout=0.2), topics=topics)
+    reports: list = []
+    try:
+        sink.producer.produce(topics.dlq, value=b"queued by the test", on_delivery=lambda err, msg: reports.append(err))
+        wait_for(lambda: reports, 30, "the sink's loop to serve the dead-letter producer's delivery report",
+                 step=sink.step)
+    finally:
+        sink.close()
+    assert reports == [None]
