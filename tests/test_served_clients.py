@@ -37,7 +37,7 @@ class Lines(logging.Handler):
 def queued_for(seconds: float, *lines: Lines) -> None:
     """Let the clients queue for ``seconds``; nothing reaches their loggers meanwhile (queued, not served)."""
     time.sleep(seconds)
-    assert [l.count for l in lines] == [0] * len(lines), "log lines were served without a poll"
+    assert [each.count for each in lines] == [0] * len(lines), "log lines were served without a poll"
 
 
 def test_an_offsets_reader_serves_its_queued_log_lines():
