@@ -370,12 +370,14 @@ class Runtime:
         self._update_lag()
 
     def _serve_clients(self) -> None:
-        """Serve the queues of the Kafka clients that nothing else polls, the admin client and the
-        offsets reader: librdkafka queues their log lines and errors (at every broker fault) until
-        they are polled, for the worker's whole life otherwise. The offsets reader is skipped while a
-        rebuild reads through it (it is served at the next sweep)."""
-        if self._admin is not None:
-            self._admin.poll(0)
+        """Serve the queues of the Kafka clients that nothing else polls all the time: the admin
+        client, the offsets reader, and the output producer (polled by the completion loop only while
+        batches are in flight). librdkafka queues their log lines and errors (at every broker fault)
+        until they are polled, for the worker's whole life otherwise. The offsets reader is skipped
+        while a rebuild reads through it (it is served at the next sweep)."""
+        for client in (self._admin, self._producer):
+            if client is not None:
+                client.poll(0)
         if self._group_offsets is not None and self._offsets_lock.acquire(blocking=False):
             try:
                 self._group_offsets.serve()
