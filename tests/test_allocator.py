@@ -12,6 +12,7 @@ import threading
 from prometheus_client import CollectorRegistry
 
 from kvbus.schemas import allocator
+from kvbus.schemas.settings import DEFAULT_MALLOC_MMAP_THRESHOLD
 
 CHUNK = 4096
 """Bytes per allocation: below glibc's mmap threshold, so they come from an arena."""
@@ -81,7 +82,7 @@ REUSE_A_LARGE_BLOCK = f"""
 import ctypes, sys
 from kvbus.schemas import allocator
 if sys.argv[1] == "fixed":
-    assert allocator.fix_mmap_threshold(256 * 1024), "mallopt refused"
+    assert allocator.fix_mmap_threshold({DEFAULT_MALLOC_MMAP_THRESHOLD}), "mallopt refused"
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
