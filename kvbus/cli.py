@@ -47,8 +47,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
 
 SERVICES = frozenset({"bridge", "worker", "sink", "serve"})
 """The subcommands that run until stopped: they fix the C allocator's mmap threshold
-(``KVBUS_MALLOC_MMAP_THRESHOLD``) and give its free pages back every ``KVBUS_MALLOC_TRIM_INTERVAL``
-seconds (:mod:`kvbus.schemas.allocator`)."""
+(``KVBUS_MALLOC_MMAP_THRESHOLD``), cap its arenas (``KVBUS_MALLOC_ARENA_MAX``) and give its free pages
+back every ``KVBUS_MALLOC_TRIM_INTERVAL`` seconds (:mod:`kvbus.schemas.allocator`)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings.from_env()
         if args.command in SERVICES:  # imported here: a client-only install has no prometheus_client
             from kvbus.schemas import allocator
-            allocator.start(settings.malloc_trim_interval, settings.malloc_mmap_threshold)
+            allocator.start(settings.malloc_trim_interval, settings.malloc_mmap_threshold, settings.malloc_arena_max)
         return int(_load(module, run)(args, settings) or 0)
     except SettingError as e:
         _bad_setting(command, e)

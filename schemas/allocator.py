@@ -21,6 +21,11 @@ their free space stays behind in the arenas' free lists between live chunks, whe
 it. :func:`start` fixes the threshold at ``KVBUS_MALLOC_MMAP_THRESHOLD`` bytes (``mallopt``; default
 256 KiB): a block that large or larger is mapped on its own and unmapped when freed.
 
+glibc gives each thread that allocates an arena of its own, up to eight per core; a sink or worker has
+a dozen librdkafka threads or more. Each arena keeps the free space of its own peaks (reconnects and
+metadata after a broker fault), which no other thread reuses. :func:`start` can cap the number of
+arenas at ``KVBUS_MALLOC_ARENA_MAX`` (``mallopt(M_ARENA_MAX)``, before the stage starts its threads).
+
 Hand-written on purpose: two libc calls through ``ctypes``; no maintained library wraps them.
 On a C library without ``malloc_trim`` or ``mallopt`` (musl, macOS) :func:`start` logs that and does
 without.
@@ -52,6 +57,8 @@ def resident_bytes() -> int:
 
 M_MMAP_THRESHOLD = -3
 """``mallopt``'s parameter number for the mmap threshold (glibc's ``malloc.h``)."""
+M_ARENA_MAX = -8
+"""``mallopt``'s parameter number for the largest number of arenas (glibc's ``malloc.h``)."""
 
 
 def _libc_function(name: str, *argtypes: Any) -> Optional[Callable[..., int]]:
@@ -69,12 +76,24 @@ def libc_trim() -> Optional[Callable[[int], int]]:
     return _libc_function("malloc_trim", ctypes.c_size_t)
 
 
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's ``mallopt(param, value)``: False where the C library has none or refuses the value."""
+    mallopt = _libc_function("mallopt", ctypes.c_int, ctypes.c_int)
+    return mallopt is not None and mallopt(param, value) == 1
+
+
 def fix_mmap_threshold(size: int) -> bool:
     """Serve every malloc of ``size`` bytes or more from a mapping of its own, from now on (glibc's
     ``mallopt(M_MMAP_THRESHOLD)``, which also stops the threshold's sliding). False where the C
     library has no ``mallopt`` or refuses the size."""
-    mallopt = _libc_function("mallopt", ctypes.c_int, ctypes.c_int)
-    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, size) == 1
+    return _mallopt(M_MMAP_THRESHOLD, size)
+
+
+def cap_arenas(count: int) -> bool:
+    """Let threads that start allocating from now on share at most ``count`` arenas (glibc's
+    ``mallopt(M_ARENA_MAX)``; arenas already made stay). False where the C library has no ``mallopt``
+    or refuses the count."""
+    return _mallopt(M_ARENA_MAX, count)
 
 
 class Trimmer:
@@ -129,14 +148,18 @@ _running: Optional[Trimmer] = None
 """The process's trimmer once :func:`start` has started one."""
 
 
-def start(interval: float, mmap_threshold: int = 0) -> Optional[Trimmer]:
-    """Fix the mmap threshold at ``mmap_threshold`` bytes (0: leave glibc's sliding one), and start
-    trimming every ``interval`` seconds on a daemon thread (0: never). The trimmer, or None when
-    ``interval`` is 0, the C library has no ``malloc_trim``, or one already runs."""
+def start(interval: float, mmap_threshold: int = 0, arena_max: int = 0) -> Optional[Trimmer]:
+    """Fix the mmap threshold at ``mmap_threshold`` bytes (0: leave glibc's sliding one), cap the arenas
+    at ``arena_max`` (0: glibc's own limit, eight per core), and start trimming every ``interval``
+    seconds on a daemon thread (0: never). The trimmer, or None when ``interval`` is 0, the C library
+    has no ``malloc_trim``, or one already runs."""
     global _running
     if mmap_threshold and not fix_mmap_threshold(mmap_threshold):
         log.info("the C library refused mallopt(M_MMAP_THRESHOLD, %d): KVBUS_MALLOC_MMAP_THRESHOLD has no "
                  "effect here", mmap_threshold)
+    if arena_max and not cap_arenas(arena_max):
+        log.info("the C library refused mallopt(M_ARENA_MAX, %d): KVBUS_MALLOC_ARENA_MAX has no effect here",
+                 arena_max)
     if not interval or _running is not None:
         return None
     trim = libc_trim()

@@ -26,6 +26,8 @@ DEFAULT_MALLOC_MMAP_THRESHOLD = 256 * 1024
 """Bytes from which the C allocator maps a block on its own (:func:`kvbus.schemas.allocator.fix_mmap_threshold`):
 above librdkafka's and Faust's everyday buffers, below the fetch and rebalance buffers whose freed space
 would otherwise stay in the arenas (docs/benchmarks.md, "Soak")."""
+DEFAULT_MALLOC_ARENA_MAX = 0
+"""Largest number of glibc malloc arenas (:func:`kvbus.schemas.allocator.cap_arenas`); 0: glibc's own limit."""
 DEFAULT_MAX_RECORD_BYTES = 900_000
 """Largest EventBatch value the producers write as one Kafka record: a little under librdkafka's
 ``message.max.bytes`` (1,000,000; not overridden by kvbus) and the broker's default
@@ -66,6 +68,11 @@ class Settings:
         "bytes from which glibc's malloc maps a block on its own and unmaps it when freed, in the bridge, worker, "
         "sink and serve processes (a fixed threshold: glibc's own rises to the largest block freed, and the "
         "space of large buffers freed later stays in its arenas; 0: glibc's own)")
+    malloc_arena_max: int = setting(
+        "KVBUS_MALLOC_ARENA_MAX", NATURAL, DEFAULT_MALLOC_ARENA_MAX,
+        "largest number of glibc malloc arenas in the bridge, worker, sink and serve processes: their threads "
+        "(a dozen of librdkafka's or more) share them and reuse each other's free space (0: glibc's own limit, "
+        "eight per core)")
     security: Security = field(default_factory=Security)
     """How to authenticate to Kafka, Redis and the registry (``kvbus.schemas.security``; default: open)."""
 

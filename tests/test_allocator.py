@@ -115,3 +115,41 @@ def test_a_fixed_mmap_threshold_gives_a_freed_large_block_back_at_once():
     assert sliding > (BLOCK_MIB - 1) * 2**20, f"glibc's own threshold kept {sliding} bytes of a freed block"
     assert fixed < 2**20, f"with the threshold fixed, {fixed} bytes of a freed {BLOCK_MIB} MiB block stayed resident"
 
+
+
+ARENAS_OF_FOUR_THREADS = """
+import ctypes, sys, threading
+from kvbus.schemas import allocator
+if sys.argv[1] != "0":
+    assert allocator.cap_arenas(int(sys.argv[1])), "mallopt refused"
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+held = []
+together = threading.Barrier(4)
+def allocate():
+    together.wait()
+    held.append(libc.malloc(1000))
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+libc.malloc_stats()
+"""
+"""Four threads of a fresh process allocate at once (argument: the arena cap, 0 for none); glibc's
+``malloc_stats`` then prints one ``Arena <n>:`` section per arena on stderr."""
+
+
+def arenas_of_four_threads(cap: int) -> int:
+    """Arenas a fresh process had after :data:`ARENAS_OF_FOUR_THREADS` with ``cap``."""
+    done = subprocess.run([sys.executable, "-c", ARENAS_OF_FOUR_THREADS, str(cap)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return sum(1 for line in done.stderr.splitlines() if line.startswith("Arena "))
+
+
+def test_capped_arenas_are_shared_by_the_threads():
+    assert arenas_of_four_threads(0) == 5, "glibc's own limit: the main arena and one per thread"
+    assert arenas_of_four_threads(2) == 2
+    assert arenas_of_four_threads(1) == 1
