@@ -116,6 +116,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
 import faust
+from aiokafka.errors import IllegalStateError
 from faust.streams import _current_event
 from faust.tables import TableManager as FaustTableManager
 from faust.transport import drivers
@@ -687,16 +688,26 @@ def release(events: Iterable[EventT]) -> None:
 # -- seeking ----------------------------------------------------------------------------------------
 
 
+class AssignmentChanged(RuntimeError):
+    """A partition to seek was revoked before the seek: a newer rebalance is under way, and the
+    recovery that follows it rebuilds the state for the new assignment."""
+
+
 async def rewind(consumer: Any, offsets: Mapping[TP, int]) -> None:
-    """Seek ``consumer`` (the app's) to ``offsets`` on its own thread and wait until done.
+    """Seek ``consumer`` (the app's) to ``offsets`` on its own thread and wait until done;
+    :class:`AssignmentChanged` when one of the partitions is no longer assigned.
 
     Faust runs aiokafka in a thread of its own; ``consumer.seek()`` would call aiokafka's ``seek``
     from the event loop's thread while the consumer thread may be in ``Fetcher.fetched_records``:
     both delete from the fetcher's records and the consumer thread dies with
     ``KeyError(TopicPartition(...))``. ``seek_wait`` runs the seeks on the consumer thread (as
-    Faust's own recovery does).
+    Faust's own recovery does). aiokafka refuses to seek a partition that a rebalance took away
+    meanwhile (``IllegalStateError``: "No current assignment for partition").
     """
-    await consumer.seek_wait(dict(offsets))
+    try:
+        await consumer.seek_wait(dict(offsets))
+    except IllegalStateError as exc:
+        raise AssignmentChanged(str(exc)) from exc
 
 
 def forget_gaps(consumer: Any, tp: TP) -> None:

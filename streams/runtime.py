@@ -40,7 +40,7 @@ from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import record_spec
 from kvbus.streams.aggregation import Aggregator, Output, check, is_meta_key, load
-from kvbus.streams.faust_adapter import ChangelogPartition, forget_gaps, release, rewind
+from kvbus.streams.faust_adapter import AssignmentChanged, ChangelogPartition, forget_gaps, release, rewind
 from kvbus.streams.metrics import StreamsMetrics
 from kvbus.streams.offset_guard import Admission, OffsetGuard
 from kvbus.streams.options import StreamsOptions
@@ -401,14 +401,22 @@ class Runtime:
 
     async def rebuild(self) -> None:
         """After table recovery: rebuild the working state of the assigned raw partitions and
-        rewind them to their committed offsets (see :meth:`_rewind`)."""
+        rewind them to their committed offsets (see :meth:`_rewind`). A partition revoked while it
+        is rebuilt (a broker or a worker paused, a member joining) leaves the worker unready: the
+        rebalance that took it away ends in a recovery of its own, and so in the next rebuild."""
         t0 = time.perf_counter()
         async with self.lock:
             await self._drain()
             t_drained = time.perf_counter()
             tps = [tp for tp in self.app.assignor.assigned_actives() if tp.topic == self.topics.raw]
             actives = {tp.partition for tp in tps}
-            await self._rewind(tps)
+            try:
+                await self._rewind(tps)
+            except AssignmentChanged as exc:
+                self.ready = False
+                log.warning("raw partitions were revoked while the state was rebuilt (%s): the next "
+                            "rebalance's recovery rebuilds it", exc)
+                return
             t_rewound = time.perf_counter()
             states = load(self.table.items(), actives)
             self.aggregator.holders.clear()

@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from aiokafka.errors import IllegalStateError
 from faust.types import TP
 
 from kvbus.schemas.settings import Settings
@@ -151,3 +152,27 @@ async def test_the_runtime_holds_back_records_past_a_gap_and_reads_the_partition
     assert acked == [(2, 349), (2, 350), (2, 351)] and runtime.guard.next == {2: 352}
     assert runtime.metrics.dead_letters.labels("decode")._value.get() == 3, "held-back records were processed"
     assert sought == [{tp: 349}], f"a second seek was made: {sought}"
+
+
+async def test_a_partition_revoked_during_the_rebuild_leaves_the_worker_unready_without_failing():
+    """The rebuild reads the committed offsets (slow while a broker is away), and a rebalance revokes a
+    partition meanwhile: aiokafka then refuses the seek. The worker waits, unready, for the rebuild of
+    the rebalance under way instead of failing (which made it exit)."""
+    settings = Settings.from_env({})
+    kept, revoked = TP(settings.topics.raw, 0), TP(settings.topics.raw, 3)
+
+    async def seek_wait(offsets: dict[TP, int]) -> None:
+        if revoked in offsets:
+            raise IllegalStateError(f"No current assignment for partition {revoked}")
+
+    app = SimpleNamespace(consumer=SimpleNamespace(seek_wait=seek_wait),
+                          assignor=SimpleNamespace(assigned_actives=lambda: {kept, revoked}))
+    runtime = Runtime(app, settings, StreamsOptions(), table={})
+    runtime._started = True  # no Kafka, registry or admin client: the offsets reader below stands for them
+    runtime._group_offsets = SimpleNamespace(committed=lambda tps: {tp: 100 for tp in tps})
+    runtime.ready = True
+
+    await runtime.rebuild()
+
+    assert not runtime.ready, "the worker was ready with partitions it no longer holds"
+    assert runtime.assigned == frozenset(), f"the stale assignment was taken: {runtime.assigned}"
