@@ -22,11 +22,11 @@ it. :func:`start` fixes the threshold at ``KVBUS_MALLOC_MMAP_THRESHOLD`` bytes (
 256 KiB): a block that large or larger is mapped on its own and unmapped when freed.
 
 glibc gives each thread that allocates an arena of its own, up to eight per core; a sink or worker has
-a dozen librdkafka threads or more. Each arena keeps the free space of its own peaks (reconnects and
-metadata after a broker fault), which no other thread reuses. :func:`start` can cap the number of
+a dozen librdkafka threads or more. Each arena keeps the free space of its own threads' peaks, which
+no other thread reuses. :func:`start` can cap the number of
 arenas at ``KVBUS_MALLOC_ARENA_MAX`` (``mallopt(M_ARENA_MAX)``, before the stage starts its threads).
 
-Hand-written on purpose: two libc calls through ``ctypes``; no maintained library wraps them.
+Hand-written on purpose: libc's ``malloc_trim`` and ``mallopt`` through ``ctypes``; no maintained library wraps them.
 On a C library without ``malloc_trim`` or ``mallopt`` (musl, macOS) :func:`start` logs that and does
 without.
 """

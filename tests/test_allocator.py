@@ -116,7 +116,6 @@ def test_a_fixed_mmap_threshold_gives_a_freed_large_block_back_at_once():
     assert fixed < 2**20, f"with the threshold fixed, {fixed} bytes of a freed {BLOCK_MIB} MiB block stayed resident"
 
 
-
 ARENAS_OF_FOUR_THREADS = """
 import ctypes, sys, threading
 from kvbus.schemas import allocator
