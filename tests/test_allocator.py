@@ -99,12 +99,17 @@ print(allocator.resident_bytes() - before)
 threshold fixed first; else glibc's sliding one); prints the resident bytes it kept."""
 
 
+def run_fresh(script: str, argument: str) -> subprocess.CompletedProcess:
+    """``script`` run with ``argument`` in a fresh Python process (the allocator's state of a new
+    process), which must succeed; its captured output."""
+    done = subprocess.run([sys.executable, "-c", script, argument], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def resident_after_reusing_a_large_block(threshold: str) -> int:
     """Resident bytes a fresh process kept after :data:`REUSE_A_LARGE_BLOCK`."""
-    done = subprocess.run([sys.executable, "-c", REUSE_A_LARGE_BLOCK, threshold], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout)
+    return int(run_fresh(REUSE_A_LARGE_BLOCK, threshold).stdout)
 
 
 def test_a_fixed_mmap_threshold_gives_a_freed_large_block_back_at_once():
@@ -142,10 +147,8 @@ libc.malloc_stats()
 
 def arenas_of_four_threads(cap: int) -> int:
     """Arenas a fresh process had after :data:`ARENAS_OF_FOUR_THREADS` with ``cap``."""
-    done = subprocess.run([sys.executable, "-c", ARENAS_OF_FOUR_THREADS, str(cap)], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    return sum(1 for line in done.stderr.splitlines() if line.startswith("Arena "))
+    stats = run_fresh(ARENAS_OF_FOUR_THREADS, str(cap)).stderr
+    return sum(1 for line in stats.splitlines() if line.startswith("Arena "))
 
 
 def test_capped_arenas_are_shared_by_the_threads():
