@@ -6,8 +6,10 @@ holds (with the registry's reasons when not); :func:`register` registers them.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -46,19 +48,47 @@ def subjects(topics: Topics, ownerships: list[str] | tuple[str, ...] = ()) -> di
     return out
 
 
+#: Tries of one registry request before its transport error is raised: Apicurio now and then closes a
+#: connection without an answer (docs/reading-topics.md), and answers its first writes after a start slowly.
+REQUEST_TRIES = 3
+#: Seconds one registry request may take before it is tried again.
+REQUEST_TIMEOUT_S = 10.0
+#: Seconds between tries of a registry request (doubling after each).
+RETRY_WAIT_S = 0.5
+
+_TRANSIENT = (http.client.RemoteDisconnected, ConnectionError, TimeoutError, urllib.error.URLError)
+"""Transport errors after which a request is tried again: closed unanswered, reset, refused, timed out."""
+
+
 def _request(url: str, method: str = "GET", body: dict | None = None,
              content_type: str = "application/vnd.schemaregistry.v1+json",
              security: RegistrySecurity | None = None) -> tuple[int, dict | list]:
     """One registry request, authenticated as ``security`` says (basic auth, TLS CA:
-    ``kvbus.schemas.security``; None: the process's ``KVBUS_REGISTRY_*`` settings); (status, JSON body)."""
+    ``kvbus.schemas.security``; None: the process's ``KVBUS_REGISTRY_*`` settings); (status, JSON body).
+
+    Tried up to :data:`REQUEST_TRIES` times when the connection fails or closes unanswered. Every
+    request this module makes may be repeated: reads, the compatibility setting, and registrations,
+    which return the same id for the same schema. Hand-written on urllib rather than confluent's
+    ``SchemaRegistryClient`` because :func:`check_schema` needs the reasons of the verbose
+    compatibility check (that client returns only the verdict) and Apicurio's native dry run."""
     sec = security if security is not None else RegistrySecurity.from_env(os.environ)
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(
         url, data=data, method=method,
         headers={"Content-Type": content_type, **sec.http_headers()},
     )
+    for attempt in range(1, REQUEST_TRIES):
+        try:
+            return _send(req, security=sec)
+        except _TRANSIENT:
+            time.sleep(RETRY_WAIT_S * 2 ** (attempt - 1))
+    return _send(req, security=sec)
+
+
+def _send(req: urllib.request.Request, security: RegistrySecurity) -> tuple[int, dict | list]:
+    """Send ``req`` once; (status, JSON body), the registry's error statuses included."""
     try:
-        with urllib.request.urlopen(req, timeout=10, context=sec.ssl_context()) as resp:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S, context=security.ssl_context()) as resp:
             return resp.status, json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as e:
         raw = e.read()
