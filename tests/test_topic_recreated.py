@@ -173,12 +173,14 @@ def test_a_worker_keeps_running_while_its_block_topic_is_deleted_and_recreated(t
     creates it again: records refused meanwhile (``_UNKNOWN_TOPIC``) are produced again once it
     exists, the worker does not crash, and a block stored after the recreation reaches the new topic."""
     import threading
+    from typing import Callable
 
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
     from kvbus.schemas.events import BlockStored, EventBatch, canonical_hash
     from kvbus.schemas.serde import RecordSerde, registry_client
     from tests.pipeline import Pipeline, RawProducer, eventually
+    from tests.waiting import Waiting
 
     run, topic = uuid.uuid4().hex[:8], test_settings.topics.blocks
     pipeline = Pipeline(test_settings, tmp_path)
@@ -222,6 +224,23 @@ def test_a_worker_keeps_running_while_its_block_topic_is_deleted_and_recreated(t
         finally:
             c.close()
 
+    #: what the cluster answers while a topic it has just created (or deleted) has no leader everywhere yet
+    not_yet = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+
+    def topic_holds(wanted: Callable[[list[bytes]], bool], what: str) -> Callable[[], object]:
+        """A check that the block topic's hashes satisfy ``wanted``; while the topic's partitions have
+        no leader yet (after its creation), it says so and waits."""
+        def check() -> object:
+            try:
+                hashes = stored_on_topic()
+            except KafkaException as e:
+                if e.args[0].code() not in not_yet:
+                    raise
+                return Waiting(kafka=str(e.args[0]))
+            return wanted(hashes) or Waiting(stored=len(hashes))
+        check.__doc__ = what
+        return check
+
     # librdkafka marks a topic gone at once (not after 30 s), looks at the cluster every second, and
     # does not have the broker create the deleted topic again (auto.create.topics.enable) when the
     # worker produces to it, which would race the deletion
@@ -233,14 +252,15 @@ def test_a_worker_keeps_running_while_its_block_topic_is_deleted_and_recreated(t
     feeder = threading.Thread(target=fleet, daemon=True)
     try:
         feeder.start()
-        eventually(lambda: len(stored_on_topic()) >= 5, 120, pipeline)
+        eventually(topic_holds(lambda h: len(h) >= 5, "five blocks on the topic"), 120, pipeline)
         recreate(test_settings, topic, test_settings.partitions, gone_for=5)  # the worker's producer learns it is gone
         time.sleep(2)  # the replica goes on publishing into the recreated topic
         stop.set()
         feeder.join(10)
         publish(10**6)
         raw.flush()
-        eventually(lambda: marker in stored_on_topic(), 120, pipeline)
+        eventually(topic_holds(lambda h: marker in h, "the block stored after the recreation on the topic"), 120,
+                   pipeline)
         pipeline.check_alive()
     finally:
         stop.set()
