@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -40,12 +41,25 @@ ENGINE_EVENTS = sum(len(b.events) for b in SCRIPT)  # 5
 VIEW = {"replica-0": {"GPU": 3}, "replica-1": {"CPU": 4, "CPU@kvcr": 4, "GPU": 2}}
 
 
-def top_once(settings, *args: str) -> dict:
-    """``kvbus top --once --json <args>`` as a process: its snapshot."""
+#: The live screen gets this many times as long as ``kvbus top --once`` took on the same sources
+#: (a start and a snapshot) to show what the test waits for, and at least SCREEN_MIN_S: its own start,
+#: a snapshot or two, and the pane's refreshes, on a machine as busy as that run found it.
+SCREEN_RUNS = 6
+SCREEN_MIN_S = 30.0
+
+
+def screen_budget(once_s: float) -> float:
+    """Seconds the live screen may take, from what ``kvbus top --once`` took (``once_s``)."""
+    return max(SCREEN_MIN_S, SCREEN_RUNS * once_s)
+
+
+def top_once(settings, *args: str) -> tuple[dict, float]:
+    """``kvbus top --once --json <args>`` as a process: its snapshot, and the seconds it took."""
+    t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "kvbus", "top", "--once", "--json", *args], env=env_for(settings),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return json.loads(out.stdout), time.monotonic() - t0
 
 
 class TopSampler:
@@ -119,7 +133,7 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
             eventually(settled, 120, pipeline, interval=0.5)
         finally:
             sampler.close()
-        snap = top_once(settings, *args)  # the command itself, on the settled pipeline
+        snap, once_s = top_once(settings, *args)  # the command itself, on the settled pipeline
 
         # flow: every engine event acknowledged by Kafka, consolidated (passed through: TP=1), applied
         assert snap["flow"]["in"]["total"] == ENGINE_EVENTS
@@ -163,21 +177,23 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
 
         partition_lags = " ".join(f"p{i} 0" for i in range(settings.partitions))
 
-        def screen_shows() -> str | None:
+        def screen_shows() -> str | Waiting:
+            """The screen shows the settled pipeline."""
             text = tmux.screen()
             assert not tmux.exited(), text
             rows = {line.strip("│ ").split()[0]: line.strip("│ ").split() for line in text.splitlines()
                     if line.strip("│ ").startswith(("replica-0 ", "replica-1 "))}
-            ok = (rows.get("replica-0") == ["replica-0", "0", "0", "3", "3"]
-                  and rows.get("replica-1") == ["replica-1", "4", "4", "2", "10"]
-                  and "bridges: 2 up, 1 down" in text
-                  and f"unreachable: 127.0.0.1:{dead_port} (connection refused)" in text
-                  and f"{settings.topics.dlq} holds 1 records" in text
-                  and f"raw -> worker ({worker_group}): lag 0" in text
-                  and f"{settings.topics.raw} lag by partition: {partition_lags}" in text)
-            return text if ok else None
+            wanted = {"replica-0 row": rows.get("replica-0") == ["replica-0", "0", "0", "3", "3"],
+                      "replica-1 row": rows.get("replica-1") == ["replica-1", "4", "4", "2", "10"],
+                      "bridges": "bridges: 2 up, 1 down" in text,
+                      "dead bridge": f"unreachable: 127.0.0.1:{dead_port} (connection refused)" in text,
+                      "dlq": f"{settings.topics.dlq} holds 1 records" in text,
+                      "worker lag": f"raw -> worker ({worker_group}): lag 0" in text,
+                      "partition lags": f"{settings.topics.raw} lag by partition: {partition_lags}" in text}
+            missing = [name for name, ok in wanted.items() if not ok]
+            return Waiting(missing=missing, rows=rows, screen=text) if missing else text
 
-        text = eventually(screen_shows, 30, interval=0.5)
+        text = eventually(screen_shows, screen_budget(once_s), interval=0.5)
         assert "state ready" in text and "unreachable: Kafka" not in text and "unreachable: Redis" not in text
         # the dead-letter row (in the right-hand column: the line also crosses the lag panel)
         assert any(" ".join(line.replace("│", " ").split()).find("worker decode 1 ") >= 0
@@ -198,8 +214,10 @@ def test_top_says_what_is_unreachable_and_keeps_running(tmp_path) -> None:
     env = {**env_for(Settings()), "KVBUS_BOOTSTRAP": f"127.0.0.1:{nothing}",
            "KVBUS_REDIS_URL": f"redis://127.0.0.1:{nothing}/0"}
     args = ["--bridges", str(nothing), "--workers", str(nothing), "--sinks", str(nothing), "--interval", "0.5"]
+    t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "kvbus", "top", "--once", "--json", *args], env=env,
                          capture_output=True, text=True, timeout=60)
+    once_s = time.monotonic() - t0
     assert out.returncode == 0, out.stderr
     snap = json.loads(out.stdout)
     assert snap["kafka"]["error"].startswith(f"unreachable: Kafka at 127.0.0.1:{nothing} (")
@@ -213,16 +231,24 @@ def test_top_says_what_is_unreachable_and_keeps_running(tmp_path) -> None:
     try:
         seen: set[str] = set()
 
-        def refreshed_twice() -> bool:
+        def refreshed_twice() -> bool | Waiting:
+            """Two snapshots (two header times) that each say what is unreachable."""
             text = tmux.screen()
             assert not tmux.exited(), text
-            if all(f"unreachable: {what}" in text for what in ("Kafka at", "Redis at", f"127.0.0.1:{nothing}")):
+            missing = [what for what in ("Kafka at", "Redis at", f"127.0.0.1:{nothing}")
+                       if f"unreachable: {what}" not in text]
+            if not missing:
                 seen.add(text.splitlines()[0])  # the header carries the time of the snapshot
-            return len(seen) >= 2
+            return len(seen) >= 2 or Waiting(headers=sorted(seen), missing=missing, screen=text)
 
-        eventually(refreshed_twice, 30, interval=0.3)
+        eventually(refreshed_twice, screen_budget(once_s), interval=0.3)
         tmux.send_keys("C-c")  # quits cleanly: the screen is given back and the exit code is 0
-        text = eventually(lambda: tmux.screen() if tmux.exited() else None, 15, interval=0.3)
+        def exited() -> str | Waiting:
+            """The console has ended."""
+            text = tmux.screen()
+            return text if tmux.exited() else Waiting(screen=text)
+
+        text = eventually(exited, screen_budget(once_s), interval=0.3)
         assert "[program exited with 0]" in text and "unreachable" not in text
     finally:
         tmux.close()
@@ -353,7 +379,7 @@ def test_top_shows_incompletes_of_tensor_parallel_workers(test_settings, tmp_pat
             eventually(settled, 120, interval=0.5)
         finally:
             sampler.close()
-        snap = top_once(settings, *args)  # the command itself, on the settled pipeline
+        snap, _ = top_once(settings, *args)  # the command itself, on the settled pipeline
         assert sum(v["total"] for v in snap["incomplete"]["reasons"].values()) > 0
         assert snap["flow"]["consolidated"]["total"] > 0
         (sink,) = snap["sinks"]  # no sink runs in this test
