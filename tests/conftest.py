@@ -8,13 +8,20 @@ is an error, never a skip: integration tests must run in CI.
 ports, for the ``secure`` tests; its :class:`kvbus.infra.secure.SecureLayout`.
 ``unique_topics``: topic names of one test (uuid suffix), created with explicit
 partition counts; ``sink_topics``: the same for a sink test (blocks, a tier topic, dlq).
+
+Under pytest-xdist (``./dev test`` runs two workers), each worker past the first runs a stack of its
+own (:func:`worker_stack_env`), and a module's tests stay on one worker (:func:`pytest_collection_modifyitems`).
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import uuid
+from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -23,6 +30,101 @@ from kvbus.schemas.topics import Topics
 
 if TYPE_CHECKING:
     from kvbus.infra.secure import SecureLayout
+
+
+#: A pytest-xdist worker ``gwN`` (N >= 1) shifts every port of the stack by ``N * WORKER_PORT_STEP``
+#: (gw1: Kafka on 9292, the registry on 8281, Redis on 6579 with the default settings).
+WORKER_PORT_STEP = 200
+
+
+def _worker_index() -> int:
+    """This process's pytest-xdist worker index (``gw3`` -> 3); 0 without xdist."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+
+
+def _shift_port(address: str, step: int) -> str:
+    """``address`` (``host:port`` or a URL with a port) with its port ``step`` higher."""
+    if "://" not in address:
+        host, _, port = address.rpartition(":")
+        return f"{host}:{int(port) + step}"
+    parts = urlsplit(address)
+    return parts._replace(netloc=f"{parts.hostname}:{parts.port + step}").geturl()
+
+
+def worker_stack_env(index: int, environ: dict[str, str]) -> dict[str, str]:
+    """The ``KVBUS_*`` settings that give pytest-xdist worker ``index`` a stack of its own: its own
+    state directory (``<state dir>/workers/gw<index>``, sharing the PyFlink venv) and every port
+    ``index * WORKER_PORT_STEP`` above the ones ``environ`` gives (a one-broker stack)."""
+    from kvbus.infra import stack_env
+
+    step = index * WORKER_PORT_STEP
+    settings = Settings.from_env(environ)
+    registry = stack_env.registry_settings()
+    return {
+        stack_env.STATE_DIR.variable: str(stack_env.state_dir() / "workers" / f"gw{index}"),
+        "KVBUS_BOOTSTRAP": _shift_port(settings.bootstrap.split(",")[0], step),
+        "KVBUS_REGISTRY_URL": _shift_port(settings.registry_url, step),
+        stack_env.REGISTRY_MANAGEMENT_PORT.variable: str(registry.management_port + step),
+        "KVBUS_REDIS_URL": _shift_port(settings.redis_url, step),
+        stack_env.VALKEY_URL.variable: _shift_port(stack_env.VALKEY_URL.read(environ), step),
+        stack_env.REDIS_CLUSTER_PORT.variable: str(stack_env.REDIS_CLUSTER_PORT.read(environ) + step),
+        stack_env.SECURE_PORT_BASE.variable: str(stack_env.SECURE_PORT_BASE.read(environ) + step),
+    }
+
+
+def _main_state_dir() -> Path:
+    """The state directory of the first worker (and of a run without xdist): the one the
+    ``KVBUS_STATE_DIR`` of ``./dev test``'s caller names."""
+    from kvbus.infra.stack_env import state_dir
+
+    own = state_dir()
+    return own.parents[1] if _worker_index() else own
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In pytest-xdist worker gw1, gw2, ...: point this process (and every process a test starts) at a
+    stack of the worker's own."""
+    index = _worker_index()
+    if index:
+        os.environ.update(worker_stack_env(index, dict(os.environ)))
+        _share_pyflink_venv()
+
+
+def _share_pyflink_venv() -> None:
+    """Link this worker's ``flink`` directory (PyFlink's venv: minutes to build) to the main state
+    directory's, so that no worker builds it where a run already has."""
+    from kvbus.infra.stack_env import state_dir
+
+    own = state_dir() / "flink"
+    main = _main_state_dir() / "flink"
+    if not own.exists() and not own.is_symlink():
+        main.mkdir(parents=True, exist_ok=True)
+        own.parent.mkdir(parents=True, exist_ok=True)
+        own.symlink_to(main)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group each test by its module (``--dist loadgroup``), so a module's tests and its module
+    fixtures stay on one worker; a module that shares a session resource with others (the secured
+    stack) names its group itself with ``pytest.mark.xdist_group``."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+@contextmanager
+def _one_stack_starting_at_a_time() -> Iterator[None]:
+    """Hold a lock (in the main state directory) while this worker starts its stack, so that two
+    workers do not fetch the same jars with Maven at once or start two JVMs' warm-up together."""
+    main = _main_state_dir()
+    main.mkdir(parents=True, exist_ok=True)
+    with open(main / "tests-stack-up.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _stack_ready() -> bool:
@@ -41,7 +143,8 @@ def stack() -> Iterator[Settings]:
 
     started_here = not _stack_ready()
     if started_here:
-        infra_stack.up()
+        with _one_stack_starting_at_a_time():
+            infra_stack.up()
     yield Settings.from_env()
     if started_here and os.environ.get("KVBUS_KEEP_STACK") != "1":
         infra_stack.down()

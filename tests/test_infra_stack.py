@@ -31,8 +31,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def stack_info() -> dict[str, Any]:
-    """The running stack's URLs (starts it if needed)."""
+def stack_info(stack: Settings) -> dict[str, Any]:
+    """The running stack's URLs (``up`` again on the session's stack, which the ``stack`` fixture
+    brings down at the end)."""
     return infra_stack.up()
 
 

@@ -18,7 +18,8 @@ from tests.pipeline import eventually
 from tests.secure_stack import StagePipeline
 from tests.test_end_to_end import HASHES, SCRIPT
 
-pytestmark = pytest.mark.secure
+# the secured stack is a session fixture: its tests share one worker under pytest-xdist
+pytestmark = [pytest.mark.secure, pytest.mark.xdist_group("secure")]
 
 EXPECTED = {
     "replica-0": {"matched": 3, "tiers": {"GPU": 3}},

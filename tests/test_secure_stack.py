@@ -31,7 +31,8 @@ from kvbus.sinks.redis_store import RedisStore
 from kvbus.streams.options import StreamsOptions
 from tests.secure_stack import Errors, first_message, kafka_conf, produce_one, wait_for
 
-pytestmark = pytest.mark.secure
+# the secured stack is a session fixture: its tests share one worker under pytest-xdist
+pytestmark = [pytest.mark.secure, pytest.mark.xdist_group("secure")]
 
 T = Topics()  # the secured stack runs with the default topic names
 DENIED = KafkaError.TOPIC_AUTHORIZATION_FAILED
