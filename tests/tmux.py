@@ -19,6 +19,8 @@ class TmuxPane:
         self.socket = f"kvbus-test-{uuid.uuid4().hex[:8]}"
         self.env = {**env, "TERM": "xterm-256color"}
         self.env.pop("TMUX", None)  # a test run inside tmux must not talk to the developer's server
+        for size in ("COLUMNS", "LINES"):  # the pane's size is the terminal's (pytest-xdist's workers set 80x24)
+            self.env.pop(size, None)
         cmd = " ".join(shlex.quote(a) for a in argv)
         # the pane outlives the program, so a crash stays readable (and says so)
         shell = f'{cmd}; echo "{EXITED} $?]"; exec sleep 3600'
