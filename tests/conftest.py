@@ -59,12 +59,11 @@ def worker_stack_env(index: int, environ: dict[str, str]) -> dict[str, str]:
 
     step = index * WORKER_PORT_STEP
     settings = Settings.from_env(environ)
-    registry = stack_env.registry_settings()
     return {
         stack_env.STATE_DIR.variable: str(stack_env.state_dir() / "workers" / f"gw{index}"),
         "KVBUS_BOOTSTRAP": _shift_port(settings.bootstrap.split(",")[0], step),
         "KVBUS_REGISTRY_URL": _shift_port(settings.registry_url, step),
-        stack_env.REGISTRY_MANAGEMENT_PORT.variable: str(registry.management_port + step),
+        stack_env.REGISTRY_MANAGEMENT_PORT.variable: str(stack_env.REGISTRY_MANAGEMENT_PORT.read(environ) + step),
         "KVBUS_REDIS_URL": _shift_port(settings.redis_url, step),
         stack_env.VALKEY_URL.variable: _shift_port(stack_env.VALKEY_URL.read(environ), step),
         stack_env.REDIS_CLUSTER_PORT.variable: str(stack_env.REDIS_CLUSTER_PORT.read(environ) + step),
