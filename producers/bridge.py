@@ -35,8 +35,9 @@ from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.recovery import Resume
 from kvbus.producers.replay import DEFAULT_TIMEOUT, ReplayBad, ReplayClient, Replayed, ReplayEnd
 from kvbus.producers.sequencer import Actions, Emit, ResetMarker, Sequencer, SequencerStats
-from kvbus.schemas.env import COUNT, NATURAL, SECONDS, TEXT, Form, one_of, setting
-from kvbus.schemas.events import DeadLetter, EventBatch, Reset, check_model, dead_letter
+from kvbus.schemas.env import COUNT, NATURAL, SECONDS, TEXT, Form, one_of, reuse, setting
+from kvbus.schemas.events import DeadLetter, EventBatch, Reset, check_model, dead_letter, without_tokens
+from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.producers.bridge")
 
@@ -88,6 +89,7 @@ class BridgeConfig:
                                 "their model (vLLM --served-model-name), written into every record so that "
                                 "lookups naming the model find this replica; unset: lookups naming a model "
                                 "skip this replica", flag="--model")
+    keep_token_ids: bool = reuse(Settings, "keep_token_ids", flag="--keep-token-ids")
 
     @property
     def engine_label(self) -> str:
@@ -170,12 +172,14 @@ class Bridge:
         before anything newer (:meth:`_on_reply`)."""
         assert self._resume is not None
         try:
-            d = decode_batch(item[1], self.cfg.engine, skip_unknown=True)
+            d = decode_batch(item[1], self.cfg.engine, skip_unknown=True, keep_tokens=self.cfg.keep_token_ids)
         except DecodeError:
             return True  # cannot tell: assume the engine kept running
         rec = self._resume.record
         end = rec.first_index + len(rec.events)
-        same = d.ts == rec.ts and d.events[rec.first_index:end] == rec.events
+        # compared without the prompt's tokens: a last record written by a bridge that kept them (or not)
+        same = d.ts == rec.ts and list(map(without_tokens, d.events[rec.first_index:end])) == list(
+            map(without_tokens, rec.events))
         if not same:
             log.warning("replayed seq %d differs from the last record produced (ts %s vs %s): the engine "
                         "restarted while the bridge was down", rec.seq, d.ts, rec.ts)
@@ -391,7 +395,8 @@ class Bridge:
     def _decode(self, e: Emit) -> EventBatch | None:
         topic, payload, frames, source = e.item
         try:
-            d = decode_batch(payload, self.cfg.engine, skip_unknown=True)
+            d = decode_batch(payload, self.cfg.engine, skip_unknown=True,
+                             keep_tokens=self.cfg.keep_token_ids)
         except DecodeError as exc:
             self._dead(frames, exc, source)
             return None

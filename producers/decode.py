@@ -59,6 +59,8 @@ from kvbus.producers.wire_structs import (
     REMOVED,
     STORED,
     STORED_PAIRS,
+    TOKENLESS_ENVELOPE_DECODERS,
+    TOKENLESS_STORED,
     NonNegInt32,
 )
 from kvbus.schemas.events import Event, MixedHashes
@@ -113,26 +115,31 @@ _CONVERT: dict[type, Any] = {
     cls: CONVERSION.converter(cls, tag)
     for lay in LAYOUTS
     for tag, cls in (("BlockStored", STORED[lay]), ("BlockStored", STORED_PAIRS[lay]),
+                     ("BlockStored", TOKENLESS_STORED[lay]),
                      ("BlockRemoved", REMOVED[lay]), ("AllBlocksCleared", CLEARED[lay]))
 }
 """Wire struct -> its conversion to the kvbus struct (:data:`kvbus.producers.engines.CONVERSION`)."""
-_DEFAULT_STORED = STORED[DEFAULT_ARRAY_LAYOUT]
+_DEFAULT_STORED = (STORED[DEFAULT_ARRAY_LAYOUT], TOKENLESS_STORED[DEFAULT_ARRAY_LAYOUT])
 _NIL_OR_ARRAY = frozenset([0xC0, 0xDC, 0xDD, *range(0x90, 0xA0)])
 
 
 # -- decode_batch --------------------------------------------------------------
 
-def decode_batch(payload: bytes, engine: str = "auto", *, skip_unknown: bool = False) -> DecodedBatch:
+def decode_batch(payload: bytes, engine: str = "auto", *, skip_unknown: bool = False,
+                 keep_tokens: bool = True) -> DecodedBatch:
     """Decode one engine batch (ZMQ frame 2) of any supported engine/version.
 
     ``engine``: "auto" (detect per event, see module doc), "vllm" or "sglang" (use that
     engine's array layout; maps decode by name either way). ``skip_unknown``: skip and
-    count events of unknown type instead of raising. Raises :class:`DecodeError`.
+    count events of unknown type instead of raising. ``keep_tokens=False``: the prompt's tokens
+    (:data:`kvbus.schemas.events.TOKEN_FIELDS`) are skipped by msgspec, never built as Python
+    ints, and the events carry the fields' defaults; nothing about them is validated then
+    (the bridges' default, ``KVBUS_KEEP_TOKEN_IDS``). Raises :class:`DecodeError`.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     try:
-        return _decode_batch(payload, engine, skip_unknown)
+        return _decode_batch(payload, engine, skip_unknown, keep_tokens)
     except RecursionError:
         # msgspec raises RecursionError (not a MsgspecError) for nesting deeper than the
         # interpreter's recursion limit, e.g. ``[[[[...]]]]`` 2,000 levels deep as an event or an
@@ -141,10 +148,11 @@ def decode_batch(payload: bytes, engine: str = "auto", *, skip_unknown: bool = F
         raise DecodeError("payload is nested too deeply to decode") from None
 
 
-def _decode_batch(payload: bytes, engine: str, skip_unknown: bool) -> DecodedBatch:
+def _decode_batch(payload: bytes, engine: str, skip_unknown: bool, keep_tokens: bool) -> DecodedBatch:
+    decoders = ENVELOPE_DECODERS if keep_tokens else TOKENLESS_ENVELOPE_DECODERS
     for layout in ("map", DEFAULT_ARRAY_LAYOUT if engine == "auto" else engine):
         try:
-            env = ENVELOPE_DECODERS[layout].decode(payload)
+            env = decoders[layout].decode(payload)
         except msgspec.MsgspecError:
             continue
         try:
@@ -152,11 +160,11 @@ def _decode_batch(payload: bytes, engine: str, skip_unknown: bool) -> DecodedBat
         except MixedHashes:
             break
         if engine == "auto" and layout == DEFAULT_ARRAY_LAYOUT and any(
-            type(w) is _DEFAULT_STORED and _maybe_other_layout(w) for w in env.events
+            type(w) in _DEFAULT_STORED and _maybe_other_layout(w) for w in env.events
         ):
             break
         return DecodedBatch(env.ts, events, env.dp_rank, 0)
-    return _decode_per_event(payload, engine, skip_unknown)
+    return _decode_per_event(payload, engine, skip_unknown, keep_tokens)
 
 
 def _maybe_other_layout(w: Any) -> bool:
@@ -175,8 +183,8 @@ def _maybe_other_layout(w: Any) -> bool:
             return False
     if w.lora_name is None:
         return False
-    head = ["BlockStored", w.block_hashes, w.parent_block_hash, w.token_ids, w.block_size, w.lora_id, w.medium,
-            w.lora_name]
+    tokens = getattr(w, "token_ids", [])  # a tokenless struct skipped them: any list reads alike here
+    head = ["BlockStored", w.block_hashes, w.parent_block_hash, tokens, w.block_size, w.lora_id, w.medium, w.lora_name]
     return array_layout(head) != DEFAULT_ARRAY_LAYOUT
 
 
@@ -203,7 +211,7 @@ def _part(decoder: msgspec.msgpack.Decoder, raw: Raw, what: str) -> Any:
         raise DecodeError(f"{what}: {e}") from None
 
 
-def _decode_per_event(payload: bytes, engine: str, skip_unknown: bool) -> DecodedBatch:
+def _decode_per_event(payload: bytes, engine: str, skip_unknown: bool, keep_tokens: bool = True) -> DecodedBatch:
     """Reference decoder: envelope element by element, then each event on its own."""
     try:
         parts = _PARTS.decode(payload)
@@ -219,7 +227,7 @@ def _decode_per_event(payload: bytes, engine: str, skip_unknown: bool) -> Decode
     events: list[Event] = []
     unknown = 0
     for i, raw in enumerate(raws):
-        ev = _decode_event(raw, engine, i, skip_unknown)
+        ev = _decode_event(raw, engine, i, skip_unknown, keep_tokens)
         if ev is None:
             unknown += 1
         else:
@@ -227,7 +235,7 @@ def _decode_per_event(payload: bytes, engine: str, skip_unknown: bool) -> Decode
     return DecodedBatch(ts, events, dp_rank, unknown)
 
 
-def _decode_event(raw: Raw, engine: str, i: int, skip_unknown: bool) -> Event | None:
+def _decode_event(raw: Raw, engine: str, i: int, skip_unknown: bool, keep_tokens: bool) -> Event | None:
     obj = _ANY.decode(raw)
     if isinstance(obj, dict):
         layout, tag, tokens = "map", obj.get("type"), obj.get("token_ids")
@@ -246,7 +254,7 @@ def _decode_event(raw: Raw, engine: str, i: int, skip_unknown: bool) -> Event | 
         raise DecodeError(f"event {i}: unknown event type {tag!r}")
     if tag == "BlockStored":
         pairs = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
-        cls = (STORED_PAIRS if pairs else STORED)[layout]
+        cls = (TOKENLESS_STORED if not keep_tokens else STORED_PAIRS if pairs else STORED)[layout]
     else:
         cls = _STRUCTS[(layout, tag)]
     try:

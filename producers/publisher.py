@@ -49,6 +49,7 @@ from kvbus.schemas.events import (
     canonical_parent,
     check_model,
     holder_key,
+    without_tokens,
 )
 from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client, value_schema_id
@@ -86,18 +87,23 @@ _STORED_COPIED = CONVERSION.copied("BlockStored")
 _REMOVED_COPIED = CONVERSION.copied("BlockRemoved")
 """(field, default) of the kvbus fields the conversion copies from an engine event as they are."""
 
-_PLANS: dict[type, Any] = {}
+_PLANS: dict[tuple[type, bool], Any] = {}
 _STORED_SHAPE = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx",
                  "kv_cache_spec_kind")
 _REMOVED_SHAPE = ("block_hashes", "medium", "group_idx")
 """The common event shapes: these fields set, every other field the conversion reads at its default."""
+_NO_TOKENS: list[int] = []
+"""``token_ids`` written when the prompt's tokens are not kept."""
 _WRITE_STORED = event_writer("BlockStored", _STORED_SHAPE)
 _WRITE_REMOVED = event_writer("BlockRemoved", _REMOVED_SHAPE)
 """The codec's positional writers of the common shapes."""
 
 
-def _plan(cls: type) -> Any:
-    """An encoder specialised to one engine event class. Events of the common shape of a msgspec struct
+def _plan(cls: type, keep_tokens: bool) -> Any:
+    """An encoder specialised to one engine event class, and to keeping the prompt's tokens or not
+    (``keep_tokens``, :attr:`kvbus.schemas.settings.Settings.keep_token_ids`; when not, the token fields
+    are encoded at their defaults, :func:`kvbus.schemas.events.without_tokens`). Events of the common
+    shape of a msgspec struct
     class go straight to the codec's positional writer of its fields
     (:func:`kvbus.schemas.codec.event_writer`), read with one ``astuple`` call at field positions found
     once, their values made by the conversion's rules (hashes, :data:`~kvbus.producers.engines.convert.MEDIUMS`);
@@ -105,12 +111,12 @@ def _plan(cls: type) -> Any:
     by :data:`kvbus.producers.engines.CONVERSION` and encoded as the struct. The bytes are the same either
     way. ValueError for a class that is no engine event type."""
     if cls in (BlockStored, BlockRemoved, AllBlocksCleared, Reset):
-        return encode_event
+        return encode_event if keep_tokens else lambda e: encode_event(without_tokens(e))
     name = cls.__name__
     convert = CONVERSION.converter(cls, name)
 
     def slow(e: Any) -> bytes:
-        return encode_event(convert(e))
+        return encode_event(convert(e) if keep_tokens else without_tokens(convert(e)))
 
     fields = getattr(cls, "__struct_fields__", None)
     if name == "AllBlocksCleared":
@@ -152,7 +158,7 @@ def _plan(cls: type) -> Any:
         v = astuple(e)
         if padded:
             v += (None,)
-        toks = v[i_t]
+        toks = v[i_t] if keep_tokens else _NO_TOKENS
         if others(v) != unset or type(toks) is not list or toks and type(toks[0]) is not int:
             return slow(e)  # e.g. SGLang's bigram pairs
         hashes, digests = hashes_of(v[i_h])
@@ -167,26 +173,29 @@ def _plan(cls: type) -> Any:
     return stored
 
 
-def encode_engine_event(e: Any) -> bytes:
-    """Avro encoding (event-union branch) of a vLLM/SGLang event object (or a kvbus struct).
+def encode_engine_event(e: Any, keep_tokens: bool = True) -> bytes:
+    """Avro encoding (event-union branch) of a vLLM/SGLang event object (or a kvbus struct), its
+    prompt tokens at their defaults unless ``keep_tokens``.
 
     msgspec-struct events of the common shape (integer hashes, no LoRA, no extra keys, no
     offload attribution) are encoded directly; anything else is converted by
     :data:`kvbus.producers.engines.CONVERSION` first. The bytes are the same either way."""
-    f = _PLANS.get(type(e))
+    key = (type(e), keep_tokens)
+    f = _PLANS.get(key)
     if f is None:
-        f = _PLANS[type(e)] = _plan(type(e))
+        f = _PLANS[key] = _plan(type(e), keep_tokens)
     return f(e)
 
 
-def encode_engine_events(events: list) -> bytes:
-    """The Avro ``events`` array of engine event objects."""
+def encode_engine_events(events: list, keep_tokens: bool = True) -> bytes:
+    """The Avro ``events`` array of engine event objects (:func:`encode_engine_event`)."""
     plans = _PLANS
     out = []
     for e in events:
-        f = plans.get(type(e))
+        key = (type(e), keep_tokens)
+        f = plans.get(key)
         if f is None:
-            f = plans[type(e)] = _plan(type(e))
+            f = plans[key] = _plan(type(e), keep_tokens)
         out.append(f(e))
     return event_array(out)
 
@@ -215,6 +224,8 @@ class KafkaEventPublisher:
     * **Start.** A new publisher is a new engine run: it first writes a
       ``Reset(engine-restart)`` marker (seq -1) in its epoch, so consumers drop what the
       previous run of this (replica, dp_rank) announced.
+    * **No prompt tokens.** The events' token ids (:data:`kvbus.schemas.events.TOKEN_FIELDS`) are
+      written at their defaults unless ``settings.keep_token_ids`` (``KVBUS_KEEP_TOKEN_IDS``).
     * ``shutdown()`` delivers what is queued (bounded wait) and closes; ``publish()``
       afterwards raises RuntimeError.
 
@@ -339,7 +350,7 @@ class KafkaEventPublisher:
             dp = getattr(batch, "dp_rank", None)
         if dp is None:
             dp = self.dp_rank
-        evs = encode_engine_events(batch.events)
+        evs = encode_engine_events(batch.events, self.settings.keep_token_ids)
         key, prefix = self._key_prefix(dp)
         records = self.records
         with self._lock:
@@ -370,7 +381,7 @@ class KafkaEventPublisher:
     def _produce_split(self, key: bytes, prefix: bytes, dp: int, seq: int, ts: float, events: Any,
                        value_size: int) -> None:
         """Queue one batch as parts under the record limit; dead-letter events that fit no record."""
-        encoded = [encode_engine_event(e) for e in events]
+        encoded = [encode_engine_event(e, self.settings.keep_token_ids) for e in events]
         epoch = self.epoch
 
         def part_value(start: int, end: int) -> bytes:

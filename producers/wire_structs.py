@@ -18,8 +18,9 @@ Three layouts exist (protocol doc §3, §4, §7):
 - **SGLang tagged arrays** (<= 0.5.19): same first seven elements as vLLM
   (``medium`` at index 6), then SGLang's own ``cache_salt, session_id, lora_name``.
 
-Each BlockStored layout exists twice: with ``token_ids: list[int]`` (the fast
-path) and with SGLang's EAGLE bigram ``token_ids: list[[a, b]]``.
+Each BlockStored layout exists three times: with ``token_ids: list[int]`` (the fast
+path), with SGLang's EAGLE bigram ``token_ids: list[[a, b]]``, and without the prompt's
+tokens (:data:`TOKENLESS_STORED`, what bridges decode unless ``KVBUS_KEEP_TOKEN_IDS`` is on).
 
 Integer fields carry the ranges the Avro schema can hold (``int`` = 32 bit,
 ``long`` = 64 bit) and lists carry the size limits below, so msgspec rejects
@@ -33,6 +34,8 @@ import msgspec
 from msgspec import Meta, Raw
 
 from kvbus.producers.engines import ADAPTERS, ENGINE_EVENTS, SENT
+from kvbus.producers.engines.convert import RULES
+from kvbus.schemas.events import TOKEN_FIELDS
 
 MAX_EVENTS_PER_BATCH = 1_000_000
 """More events than this in one batch is rejected as absurd (vLLM publishes one batch per engine step)."""
@@ -159,6 +162,33 @@ STORED_PAIRS: dict[str, type] = {
     lay: _struct(f"StoredPairs_{lay}", "BlockStored", lay, _stored_spec(lay, TokenLists)) for lay in LAYOUTS
 }
 """BlockStored per layout, token_ids as SGLang bigram pairs."""
+
+
+def carries_tokens(name: str) -> bool:
+    """Whether wire field ``name`` becomes only prompt-token fields of the kvbus event
+    (:data:`kvbus.schemas.events.TOKEN_FIELDS`): ``token_ids``, ``lookahead_token_ids``."""
+    outputs = RULES[name].outputs if name in RULES else (name,)
+    return set(outputs) <= set(TOKEN_FIELDS)
+
+
+def _tokenless_spec(layout: str) -> list[tuple[str, Any, Any]]:
+    """BlockStored's field list in ``layout`` without the token fields (:func:`carries_tokens`): a map
+    leaves them out, and msgspec skips unknown keys without building their values; an array keeps each
+    position as ``skipped_<field>``, a :class:`msgspec.Raw` (a view of the bytes), which no conversion reads."""
+    out = []
+    for n, t, d in _stored_spec(layout, Tokens):
+        if not carries_tokens(n):
+            out.append((n, t, d))
+        elif layout != "map":
+            out.append((f"skipped_{n}", Raw, d))
+    return out
+
+
+TOKENLESS_STORED: dict[str, type] = {
+    lay: _struct(f"Tokenless_{lay}", "BlockStored", lay, _tokenless_spec(lay)) for lay in LAYOUTS
+}
+"""BlockStored per layout, its prompt tokens skipped (``KVBUS_KEEP_TOKEN_IDS`` off): the kvbus event
+gets the token fields' defaults."""
 REMOVED: dict[str, type] = {
     lay: _struct(f"Removed_{lay}", "BlockRemoved", lay, _removed_spec(lay)) for lay in LAYOUTS
 }
@@ -175,14 +205,15 @@ EVENT_TAGS = tuple(ENGINE_EVENTS)
 """Event types the engines publish."""
 
 
-def envelope(layout: str) -> type:
-    """The batch envelope ``[ts, events, dp_rank?, ...]`` with events of one layout.
+def envelope(layout: str, stored: dict[str, type] = STORED) -> type:
+    """The batch envelope ``[ts, events, dp_rank?, ...]`` with events of one layout, BlockStored as
+    ``stored`` has it (:data:`STORED` or :data:`TOKENLESS_STORED`).
 
     Elements after dp_rank (the reserved ``publisher_id`` of open vLLM PRs) are ignored.
     """
-    union = Union[STORED[layout], REMOVED[layout], CLEARED[layout]]  # type: ignore[valid-type]
+    union = Union[stored[layout], REMOVED[layout], CLEARED[layout]]  # type: ignore[valid-type]
     return msgspec.defstruct(
-        f"Envelope_{layout}",
+        f"Envelope_{stored[layout].__name__}",
         [
             ("ts", float),
             ("events", Annotated[list[union], Meta(max_length=MAX_EVENTS_PER_BATCH)]),
@@ -197,3 +228,7 @@ ENVELOPE_DECODERS: dict[str, msgspec.msgpack.Decoder] = {
     lay: msgspec.msgpack.Decoder(envelope(lay)) for lay in LAYOUTS
 }
 """Fast-path decoders: a whole batch whose events all use one layout."""
+TOKENLESS_ENVELOPE_DECODERS: dict[str, msgspec.msgpack.Decoder] = {
+    lay: msgspec.msgpack.Decoder(envelope(lay, TOKENLESS_STORED)) for lay in LAYOUTS
+}
+"""The same, prompt tokens skipped (:data:`TOKENLESS_STORED`)."""

@@ -147,6 +147,26 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     """Full digest of the parent when the engine sent bytes; None otherwise."""
 
 
+TOKEN_FIELDS: tuple[str, ...] = ("token_ids", "lookahead_token_ids", "token_id_pairs")
+"""The BlockStored fields that hold the prompt's tokens. Producers leave them at their defaults unless
+``KVBUS_KEEP_TOKEN_IDS`` is on (:attr:`kvbus.schemas.settings.Settings.keep_token_ids`): the block hashes
+already commit to the tokens, no stage reads them, and they are the users' prompts."""
+
+
+_TOKENLESS: dict[str, Any] = {
+    f.name: f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+    for f in msgspec.structs.fields(BlockStored) if f.name in TOKEN_FIELDS
+}
+"""The defaults of :data:`TOKEN_FIELDS`."""
+
+
+def without_tokens(event: Event) -> Event:
+    """``event`` with its :data:`TOKEN_FIELDS` at their defaults (the same object when they are)."""
+    if type(event) is not BlockStored or all(getattr(event, f) == d for f, d in _TOKENLESS.items()):
+        return event
+    return msgspec.structs.replace(event, **_TOKENLESS)
+
+
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     """Blocks were evicted from the given medium. Fields: see ``kvbus.BlockRemoved.avsc``."""
 

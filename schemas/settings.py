@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvbus.schemas.env import COUNT, NATURAL, SECONDS, TEXT, load, setting, to_env as declared_env
+from kvbus.schemas.env import COUNT, NATURAL, SECONDS, SWITCH, TEXT, load, setting, to_env as declared_env
 from kvbus.schemas.security import Security
 from kvbus.schemas.topics import Topics
 
@@ -58,6 +58,12 @@ class Settings:
         "largest raw EventBatch value (bytes, Confluent header included) the bridge and the in-process publisher "
         "produce as one record; a larger engine batch is produced as several records. Keep it under the "
         "producer's message.max.bytes and the topic's max.message.bytes")
+    keep_token_ids: bool = setting(
+        "KVBUS_KEEP_TOKEN_IDS", SWITCH, False,
+        "keep the prompt's token ids (BlockStored token_ids, lookahead_token_ids, token_id_pairs) in the records "
+        "the bridges and the in-process publisher write to the raw topic, for analytics that need them; off: "
+        "they are dropped while the engine's batch is decoded (no stage reads them: the block hashes commit to "
+        "the tokens), so the bus holds no prompt text")
     malloc_trim_interval: float = setting(
         "KVBUS_MALLOC_TRIM_INTERVAL", SECONDS, DEFAULT_MALLOC_TRIM_INTERVAL,
         "seconds between two calls of glibc's malloc_trim in the bridge, worker, sink and serve processes, "

@@ -24,7 +24,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from kvbus.producers.recovery import partition_for
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART
-from kvbus.schemas.events import BlockStored, holder_key
+from kvbus.schemas.events import BlockStored, holder_key, without_tokens
 from kvbus.schemas.settings import Settings
 from kvbus.simulator.engine_wire import FORMATS, project
 from kvbus.simulator.fleet import Fleet, FleetConfig
@@ -161,7 +161,11 @@ def test_bridge_records_read_back_field_for_field(test_settings: Settings, fleet
             "replica": REPLICA, "dp_rank": 0, "worker_rank": 0, "workers": 1, "engine": "vllm", "epoch": epoch,
             "seq": i, "ts": 1_750_000_000.0 + i, "topic": ZMQ_TOPIC,
         }
-        assert v["events"] == [msgspec.structs.asdict(project(FMT, e)) for e in evs]
+        assert v["events"] == [msgspec.structs.asdict(without_tokens(project(FMT, e))) for e in evs]
+    # the engine's batches carried the prompts' tokens; by default none reaches the topic
+    assert any(e.token_ids for evs in sent for e in evs if type(e).__name__ == "BlockStored")
+    assert not [e for v in values for e in v["events"] if e.get("token_ids") or e.get("lookahead_token_ids")
+                or e.get("token_id_pairs")]
     # every record sits in the partition the Java/murmur2 partitioner picks for its key
     key = holder_key(REPLICA, 0).encode()
     assert {(p, k) for p, _, k, _ in reader.records} == {(partition_for(key, test_settings.partitions), key)}
@@ -370,7 +374,8 @@ def test_every_engine_format_read_back_field_for_field(test_settings: Settings, 
     fleet = Fleet(FleetConfig(replicas=1, base_port=0, format=fmt, topic=ZMQ_TOPIC, seed=5)).start()
     stream = fleet.streams()[0]
     model, pub = fleet.models[(REPLICA, 0)], fleet.publisher(REPLICA)
-    bridge = BridgeProcess(test_settings, stream.endpoint, stream.replay_endpoint, "--engine", engine)
+    bridge = BridgeProcess(test_settings, stream.endpoint, stream.replay_endpoint, "--engine", engine,
+                           "--keep-token-ids")  # every field as the engine sent it
     reader = RawReader(test_settings, test_settings.topics.raw)
     sent = []
     try:

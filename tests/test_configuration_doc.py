@@ -151,7 +151,7 @@ def sample(form) -> str:
     """A value of ``form`` other than any default here."""
     if form.choices:
         return form.choices[-1]
-    for text in ("7", "7.5", "127.0.0.1:7777", "x7", "x7=/y7"):
+    for text in ("7", "7.5", "127.0.0.1:7777", "x7", "x7=/y7", "on"):
         try:
             form.parse(text)
             return text

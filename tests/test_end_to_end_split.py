@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
@@ -55,8 +56,10 @@ def test_split_batches_reach_blocks_exactly_once_in_order(test_settings, tmp_pat
         for s in fleet.streams():
             pipeline.start(f"bridge-{s.worker_rank}", "bridge", "--endpoint", s.endpoint, "--replay-endpoint",
                            s.replay_endpoint, "--replica", s.replica, "--worker-rank", str(s.worker_rank),
-                           "--workers", "2", "--max-record-bytes", str(LIMITS[s.worker_rank]))
-        pub = KafkaEventPublisher(replica=PUB_REPLICA, settings=test_settings, max_record_bytes=2000)
+                           "--workers", "2", "--max-record-bytes", str(LIMITS[s.worker_rank]),
+                           "--keep-token-ids")  # the prompts' tokens make the batches this large
+        pub = KafkaEventPublisher(replica=PUB_REPLICA, settings=replace(test_settings, keep_token_ids=True),
+                                  max_record_bytes=2000)
 
         expected: dict[str, list[tuple[int, int, object]]] = defaultdict(list)  # holder -> (seq, index, event)
         oversized = None

@@ -16,7 +16,7 @@ import pytest
 
 from kvbus.producers import decode, engines, wire_structs
 from kvbus.producers.engines import ADAPTERS, Adapter, detect_engine, new_adapter, release, resolve_format, row, vllm
-from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, without_tokens
 from kvbus.simulator import engine_wire
 from tests.vllm_shapes import VllmBlockRemoved as _VllmRemoved, VllmBlockStored as _VllmStored
 
@@ -143,6 +143,10 @@ def test_the_bridge_and_the_publisher_convert_an_engine_event_alike(ev):
     assert bridged == to_kvbus_event(ev)
     assert decode_event(encode_engine_event(ev)) == bridged and encode_engine_event(ev) == encode_event(bridged)
     assert bridged.medium == (None if ev.medium is None else ev.medium.upper())
+    # without the prompt's tokens (KVBUS_KEEP_TOKEN_IDS off), alike too
+    (tokenless,) = decode.decode_batch(msgspec.msgpack.encode([1.0, [ev], 0]), keep_tokens=False).events
+    assert tokenless == without_tokens(bridged)
+    assert encode_engine_event(ev, keep_tokens=False) == encode_event(tokenless)
 
 
 def test_sglang_bigram_pairs_become_token_id_pairs_in_the_bridge_and_the_publisher():
@@ -163,6 +167,9 @@ def test_sglang_bigram_pairs_become_token_id_pairs_in_the_bridge_and_the_publish
                        token_id_pairs=[[1, 2], [2, 3]])
     assert decode.decode_batch(msgspec.msgpack.encode([1.0, [ev], 0])).events == [want]
     assert decode_event(encode_engine_event(ev)) == want
+    tokenless = msgspec.structs.replace(want, token_id_pairs=None)
+    assert decode.decode_batch(msgspec.msgpack.encode([1.0, [ev], 0]), keep_tokens=False).events == [tokenless]
+    assert decode_event(encode_engine_event(ev, keep_tokens=False)) == tokenless
 
 
 def _array(*tail, lora_id=None, hashes=(1,), medium="GPU"):

@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 
 from kvbus.producers.decode import DecodeError, decode_batch, parse_frames
-from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, EventBatch, Reset
+from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, EventBatch, Reset, without_tokens
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
 from kvbus.simulator.fleet import Fleet, FleetConfig
@@ -79,10 +79,17 @@ def test_decoder_classifies_every_hostile_payload():
         if x.kind == REJECT:
             with pytest.raises(DecodeError):
                 decode_batch(x.payload, "auto", skip_unknown=True)
+            try:  # without the tokens, a payload whose only fault is in them is read; nothing else escapes
+                decode_batch(x.payload, "auto", skip_unknown=True, keep_tokens=False)
+            except DecodeError:
+                pass
             continue
         d = decode_batch(x.payload, "auto", skip_unknown=True)
         assert [e.block_hashes for e in d.events] == [[marker_hash(x.good)]], x.case
         assert d.unknown_events == (1 if x.kind == PARTIAL else 0), x.case
+        tokenless = decode_batch(x.payload, "auto", skip_unknown=True, keep_tokens=False)
+        assert tokenless.events == [without_tokens(e) for e in d.events], x.case
+        assert tokenless.unknown_events == d.unknown_events, x.case
     assert sum(seen.values()) == N and all(seen[k] > 100 for k in (REJECT, FRAMES, PARTIAL, ACCEPT, BACKWARD))
 
 
@@ -98,7 +105,8 @@ def test_bridge_survives_10000_hostile_messages(test_settings: Settings, tmp_pat
     log_path = tmp_path / "bridge.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "kvbus.producers.cli", "bridge", "--endpoint", stream.endpoint,
-                             "--replica", REPLICA, "--no-recover", "--flush-timeout", "20"],
+                             "--replica", REPLICA, "--no-recover", "--flush-timeout", "20",
+                             "--keep-token-ids"],  # the strictest decoding: bad token ids are rejected
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     reg = registry_client(s.registry_url)
     serdes = {t.raw: RecordSerde(reg, "EventBatch"), t.dlq: RecordSerde(reg, "DeadLetter")}

@@ -16,7 +16,15 @@ import msgspec
 from hypothesis import given, settings, strategies as st
 
 from kvbus.producers import decode as dec
-from kvbus.schemas.events import KNOWN_MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, canonical_hash
+from kvbus.schemas.events import (
+    KNOWN_MEDIUMS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    canonical_hash,
+    without_tokens,
+)
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.simulator.engine_wire import FORMATS, encode_batch, project, wire_format
 
@@ -117,6 +125,10 @@ def test_encode_decode_equals_projection_and_avro_roundtrip(case):
     assert dec._decode_per_event(payload, "auto", False) == decoded
     engine = "sglang" if fmt.startswith("sglang") else "vllm"
     assert dec.decode_batch(payload, engine) == decoded
+    # without the prompt's tokens: the same events with the token fields at their defaults, on both paths
+    tokenless = dec.decode_batch(payload, keep_tokens=False)
+    assert tokenless.events == [without_tokens(e) for e in expected]
+    assert dec._decode_per_event(payload, "auto", False, keep_tokens=False) == tokenless
 
     batch = EventBatch(replica="r-1", seq=7, ts=decoded.ts, events=decoded.events, dp_rank=decoded.dp_rank or 0,
                        engine=engine, topic="kv-events")
