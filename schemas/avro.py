@@ -19,12 +19,14 @@ from fastavro.schema import load_schema
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
+    BlockEvents,
     BlockRemoved,
     BlockStored,
     DeadLetter,
     Event,
     EventBatch,
     Incomplete,
+    PositionedEvent,
     Reset,
     ViewSnapshot,
 )
@@ -32,7 +34,7 @@ from kvbus.schemas.events import (
 SCHEMA_DIR = Path(__file__).parent / "avro"
 
 #: Top-level record schemas, one per topic family.
-RECORDS = ("EventBatch", "BlockEvent", "Incomplete", "DeadLetter", "ViewSnapshot")
+RECORDS = ("EventBatch", "BlockEvent", "BlockEvents", "Incomplete", "DeadLetter", "ViewSnapshot")
 
 _EVENT_BY_NAME: dict[str, type] = {
     "kvbus.BlockStored": BlockStored,
@@ -124,6 +126,22 @@ block_event_to_avro = _with_event_to_avro
 """BlockEvent -> Avro dict."""
 block_event_from_avro = _with_event_from_avro(BlockEvent)
 """Avro dict -> BlockEvent."""
+
+
+def block_events_to_avro(obj: BlockEvents, ctx: Any = None) -> dict:
+    """BlockEvents -> Avro dict."""
+    d = msgspec.structs.asdict(obj)
+    d["events"] = [{"index": p.index, "event": event_to_avro(p.event)} for p in obj.events]
+    return d
+
+
+def block_events_from_avro(d: dict, ctx: Any = None) -> BlockEvents:
+    """Avro dict -> BlockEvents."""
+    d = dict(d)
+    d["events"] = [PositionedEvent(index=p["index"], event=event_from_avro(p["event"])) for p in d["events"]]
+    return BlockEvents(**d)
+
+
 incomplete_to_avro = _with_event_to_avro
 """Incomplete -> Avro dict."""
 incomplete_from_avro = _with_event_from_avro(Incomplete)
@@ -153,6 +171,7 @@ def view_snapshot_from_avro(d: dict, ctx: Any = None) -> ViewSnapshot:
 TO_AVRO: dict[str, Callable[[Any, Any], dict]] = {
     "EventBatch": batch_to_avro,
     "BlockEvent": block_event_to_avro,
+    "BlockEvents": block_events_to_avro,
     "Incomplete": incomplete_to_avro,
     "DeadLetter": dead_letter_to_avro,
     "ViewSnapshot": view_snapshot_to_avro,
@@ -160,6 +179,7 @@ TO_AVRO: dict[str, Callable[[Any, Any], dict]] = {
 FROM_AVRO: dict[str, Callable[[dict, Any], Any]] = {
     "EventBatch": batch_from_avro,
     "BlockEvent": block_event_from_avro,
+    "BlockEvents": block_events_from_avro,
     "Incomplete": incomplete_from_avro,
     "DeadLetter": dead_letter_from_avro,
     "ViewSnapshot": view_snapshot_from_avro,

@@ -270,6 +270,42 @@ class BlockEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
         return (self.epoch, self.seq, self.index)
 
 
+class PositionedEvent(msgspec.Struct, kw_only=True):
+    """One event of a :class:`BlockEvents` record and the index that completes its position."""
+
+    index: int
+    """Index of the event in its engine batch."""
+    event: Event
+    """The event."""
+
+
+class BlockEvents(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The consolidated events of one engine batch, one holder and one topic, in order (topics
+    ``kvbus.packed`` and ``kvbus.packed.<ownership>``): what a :class:`BlockEvent` per event carried,
+    the fields the events share written once. Event ``i``'s position is ``(epoch, seq, events[i].index)``."""
+
+    replica: str
+    """Engine replica id."""
+    epoch: int
+    """Publisher run id."""
+    seq: int
+    """Sequence number of the batch that carried the events."""
+    ts: float
+    """Engine wall-clock time of the batch, epoch seconds."""
+    events: list[PositionedEvent]
+    """The events, in order of position."""
+    dp_rank: int = 0
+    """Data-parallel rank."""
+    model: str | None = None
+    """The model the replica serves (``EventBatch.model``); None when unknown."""
+
+    def unpacked(self) -> list[BlockEvent]:
+        """The events as one :class:`BlockEvent` each, in order."""
+        replica, epoch, seq, ts, dp_rank, model = self.replica, self.epoch, self.seq, self.ts, self.dp_rank, self.model
+        return [BlockEvent(replica=replica, epoch=epoch, seq=seq, index=p.index, ts=ts, event=p.event,
+                           dp_rank=dp_rank, model=model) for p in self.events]
+
+
 class Incomplete(msgspec.Struct, omit_defaults=True, kw_only=True):
     """An event not every worker reported within the window (topic ``kvbus.incomplete``)."""
 

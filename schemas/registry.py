@@ -27,7 +27,7 @@ class CheckResult:
     subject: str
     """Registry subject, ``<topic>-value``."""
     record: str
-    """kvbus record kind whose schema was checked (EventBatch, BlockEvent, Incomplete, DeadLetter)."""
+    """kvbus record kind whose schema was checked (EventBatch, BlockEvent, BlockEvents, Incomplete, DeadLetter)."""
     status: str
     """compatible, incompatible, new (subject not registered yet), or error."""
     messages: list[str] = field(default_factory=list)
@@ -39,12 +39,14 @@ def subjects(topics: Topics, ownerships: list[str] | tuple[str, ...] = ()) -> di
     out = {
         f"{topics.raw}-value": "EventBatch",
         f"{topics.blocks}-value": "BlockEvent",
+        f"{topics.packed}-value": "BlockEvents",
         f"{topics.incomplete}-value": "Incomplete",
         f"{topics.dlq}-value": "DeadLetter",
         f"{topics.snapshots}-value": "ViewSnapshot",
     }
     for o in ownerships:
         out[f"{topics.for_ownership(o)}-value"] = "BlockEvent"
+        out[f"{topics.for_ownership(o, packed=True)}-value"] = "BlockEvents"
     return out
 
 

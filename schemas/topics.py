@@ -3,13 +3,21 @@
 | topic | content | key |
 |---|---|---|
 | ``kvbus.raw`` | EventBatch as bridges produce them | ``<replica>#<dp_rank>`` |
-| ``kvbus.blocks`` | consolidated BlockEvent, framework-owned (ownership null) | same |
-| ``kvbus.blocks.<ownership>`` | consolidated BlockEvent of one secondary tier | same |
+| ``kvbus.blocks`` | consolidated BlockEvent, framework-owned (ownership null): block layout 1 | same |
+| ``kvbus.blocks.<ownership>`` | consolidated BlockEvent of one secondary tier: block layout 1 | same |
+| ``kvbus.packed`` | consolidated BlockEvents: one engine batch's events of one holder, framework-owned | same |
+| ``kvbus.packed.<ownership>`` | the same for one secondary tier | same |
 | ``kvbus.incomplete`` | Incomplete: events not all workers reported in time | same |
 | ``kvbus.dlq`` | DeadLetter: input a stage rejected | source |
 | ``kvbus.snapshots`` | ViewSnapshot: the view saved by the sinks (compacted) | holder, ``""`` for a manifest |
 
 Each name can be overridden by its ``KVBUS_TOPIC_*`` variable (:class:`Topics`).
+
+**Block layouts.** The consolidated events come in two layouts, each with its own topics: layout 1, a
+``BlockEvent`` record per event (``kvbus.blocks*``, what kvbus 0.2 and older write), and layout 2, a
+``BlockEvents`` record per engine batch, holder and topic (``kvbus.packed*``, the default). A holder's
+events have one position order per tier whichever layout carries them: :meth:`Topics.track` names it
+by the layout 1 topic.
 
 How each topic must be configured on the cluster (partitions, replicas, ``cleanup.policy``,
 ``retention.ms``, ``max.message.bytes``, ``min.insync.replicas``) is declared here too
@@ -92,6 +100,9 @@ class Topics:
     raw: str = setting("KVBUS_TOPIC_RAW", TEXT, "kvbus.raw", "topic of the engine batches as bridges produce them")
     blocks: str = setting("KVBUS_TOPIC_BLOCKS", TEXT, "kvbus.blocks",
                           "topic of the consolidated framework-owned events; tier topics are <blocks>.<ownership>")
+    packed: str = setting("KVBUS_TOPIC_PACKED", TEXT, "kvbus.packed",
+                          "topic of the consolidated framework-owned events, a BlockEvents record per engine batch "
+                          "and holder (block layout 2); tier topics are <packed>.<ownership>")
     incomplete: str = setting("KVBUS_TOPIC_INCOMPLETE", TEXT, "kvbus.incomplete",
                               "topic of the events that not every worker reported within the window")
     dlq: str = setting("KVBUS_TOPIC_DLQ", TEXT, "kvbus.dlq", "dead-letter topic of every stage")
@@ -104,16 +115,33 @@ class Topics:
         blank: the default)."""
         return load(cls, environ)
 
-    def for_ownership(self, ownership: str | None) -> str:
+    def for_ownership(self, ownership: str | None, packed: bool = False) -> str:
         """Topic of consolidated events of a tier: ``blocks`` for None, else ``blocks.<ownership>``
-        with characters Kafka does not allow replaced by ``_``."""
+        with characters Kafka does not allow replaced by ``_``; ``packed``: the same under ``packed``."""
+        base = self.packed if packed else self.blocks
         if ownership is None:
-            return self.blocks
-        return f"{self.blocks}.{_ILLEGAL.sub('_', ownership)}"
+            return base
+        return f"{base}.{_ILLEGAL.sub('_', ownership)}"
 
     def blocks_pattern(self) -> str:
-        """Regex subscription (librdkafka ``^`` form) matching the framework and all tier topics."""
-        return "^" + re.escape(self.blocks) + r"(\..+)?$"
+        """Regex subscription (librdkafka ``^`` form) matching the framework and all tier topics of both
+        block layouts."""
+        return "^(" + re.escape(self.blocks) + "|" + re.escape(self.packed) + r")(\..+)?$"
+
+    def is_packed(self, topic: str) -> bool:
+        """Whether ``topic`` is a block topic of layout 2 (``packed`` or ``packed.<ownership>``)."""
+        return topic == self.packed or topic.startswith(self.packed + ".")
+
+    def packed_of(self, topic: str) -> str:
+        """The layout 2 topic of a layout 1 block topic (``blocks.<ownership>`` -> ``packed.<ownership>``)."""
+        return self.packed + topic[len(self.blocks):]
+
+    def track(self, topic: str) -> str:
+        """The name of the position order a block topic's events follow: the layout 1 topic of its tier
+        (``packed.<ownership>`` -> ``blocks.<ownership>``; a layout 1 topic is its own)."""
+        if self.is_packed(topic):
+            return self.blocks + topic[len(self.packed):]
+        return topic
 
 
 def record_spec(name: str, partitions: int, replicas: int) -> TopicSpec:
@@ -128,9 +156,10 @@ def snapshot_spec(name: str, replicas: int) -> TopicSpec:
 
 def topic_specs(topics: Topics, partitions: int, replicas: int) -> tuple[TopicSpec, ...]:
     """Every topic a deployment declares up front, with ``partitions`` (``KVBUS_PARTITIONS``) and
-    ``replicas`` (``KVBUS_REPLICATION``): raw, blocks, incomplete, dlq, snapshots. Tier topics
-    (``<blocks>.<ownership>``) are created by the worker on a tier's first event (:func:`record_spec`).
+    ``replicas`` (``KVBUS_REPLICATION``): raw, blocks, packed, incomplete, dlq, snapshots. Tier topics
+    (``<blocks>.<ownership>``, ``<packed>.<ownership>``) are created by the worker on a tier's first event
+    (:func:`record_spec`).
     They are created by :func:`kvbus.schemas.kafka_clients.ensure_topics`."""
-    return (*(record_spec(name, partitions, replicas) for name in (topics.raw, topics.blocks, topics.incomplete,
-                                                                   topics.dlq)),
+    return (*(record_spec(name, partitions, replicas) for name in (topics.raw, topics.blocks, topics.packed,
+                                                                   topics.incomplete, topics.dlq)),
             snapshot_spec(topics.snapshots, replicas))

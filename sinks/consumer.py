@@ -48,12 +48,13 @@ from kvbus.schemas.serde import registry_client
 from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
+from kvbus.sinks.layout_gate import LayoutGate, in_position_order
 from kvbus.sinks.metrics import SinkMetrics
 from kvbus.sinks.rebuild import READY, ensure_view, mark_ready_if_caught_up
 from kvbus.sinks.redis_memory import NO_EVICTION, POLICY_SETTING, EvictionWatch, RedisFull, memory_policy
 from kvbus.sinks.snapshot import SnapshotReader
 from kvbus.sinks.store import ResidencyStore, ViewChanged
-from kvbus.sinks.validate import problem
+from kvbus.sinks.validate import packed_problem, problem
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -148,6 +149,7 @@ class SinkConsumer:
         # Avro decoding generated from the .avsc files for records of the current schema (figures:
         # docs/benchmarks.md, sink decode); other schema versions decode through RecordSerde
         self.serde = FastSerde(registry, "BlockEvent", auto_register=False)
+        self.packed_serde = FastSerde(registry, "BlockEvents", auto_register=False)
         self.dlq_serde = FastSerde(registry, "DeadLetter")
         kafka = settings.kafka()
         self.errors = DeliveryErrors(kafka, log)
@@ -177,6 +179,9 @@ class SinkConsumer:
         self._expected: Any = {}
         """What this sink last read or wrote of the view's offsets for its partitions, in the
         store's form (:data:`kvbus.sinks.store.Checkpoint`, made by ``store.checkpoint``)."""
+        self.gate = LayoutGate(self.consumer, self.topics, lambda: self._positions)
+        """Orders a holder's events across the two block layouts (:mod:`kvbus.sinks.layout_gate`)."""
+        self._tracks: dict[str, str] = {}
         self.consumer.subscribe([self.topics.blocks_pattern()], on_assign=self._on_assign)
         self._last_expire = 0.0
         self._caught_up = False
@@ -217,6 +222,7 @@ class SinkConsumer:
             tp.offset = off.get((tp.topic, tp.partition), OFFSET_BEGINNING)
         consumer.assign(partitions)
         self._hold_positions(off, partitions)
+        self.gate.forget()
         self.metrics.lag.clear()  # partitions given to another sink are not this sink's lag any more
         self.lag, self.assigned = 0, True
         log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in partitions),
@@ -267,6 +273,7 @@ class SinkConsumer:
                     for t in self.consumer.assignment()])
                 break
         self._hold_positions(off, self.consumer.assignment())
+        self.gate.forget()
         self._resync = False
         self.metrics.resyncs.inc()
         log.warning("resynchronised with view %s: reading again from its stored offsets", self.view_id)
@@ -388,6 +395,13 @@ class SinkConsumer:
             return []
         return [first, *self.consumer.consume(num_messages=self.batch - 1, timeout=0)] if self.batch > 1 else [first]
 
+    def _track(self, topic: str) -> str:
+        """The track of a block topic (:meth:`Topics.track`), remembered."""
+        track = self._tracks.get(topic)
+        if track is None:
+            track = self._tracks[topic] = self.topics.track(topic)
+        return track
+
     def _rewind(self, msgs: list) -> None:
         first: dict[tuple[str, int], int] = {}
         for m in msgs:
@@ -398,9 +412,16 @@ class SinkConsumer:
             self.consumer.seek(TopicPartition(topic, partition, offset))
 
     def _handle(self, msgs: list) -> int:
+        held = self.gate.held(msgs)
+        if held:  # the other block layout first: these are read again later
+            waiting = [m for m in msgs if m.error() is None and (m.topic(), m.partition()) in held]
+            self._rewind(waiting)
+            msgs = [m for m in msgs if m.error() is not None or (m.topic(), m.partition()) not in held]
         records: list[tuple[str, BlockEvent]] = []
+        """(track, event): the events to apply, each under its track's name (:meth:`Topics.track`)."""
         sources: list[tuple[Any, str]] = []
         dead = 0
+        topics = self.topics
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -411,28 +432,44 @@ class SinkConsumer:
                 elif err.code() != KafkaError._PARTITION_EOF:
                     log.warning("consumer error: %s", describe_kafka_error(err, self.settings.security.kafka))
                 continue
-            source = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+            topic = msg.topic()
+            source = f"{topic}[{msg.partition()}]@{msg.offset()}"
+            packed = topics.is_packed(topic)
             try:
-                ev = self.serde.loads(msg.value(), msg.topic())
+                value = (self.packed_serde if packed else self.serde).loads(msg.value(), topic)
             except Exception as e:  # undecodable: anything the deserializer raises
                 if is_transient(e):
                     raise TransientError(f"schema registry unavailable ({type(e).__name__}: {e})") from e
                 self._dead(msg, source, f"decode: {type(e).__name__}: {e}", "decode")
                 dead += 1
                 continue
-            why = problem(msg.topic(), msg.key(), ev, self.topics)
-            if why is not None:
-                self._dead(msg, source, why, "invalid")
-                dead += 1
-                continue
-            ev.ts = arrival_time(msg)  # the view's clock (staleness); Kafka keeps the engine's ts
-            records.append((msg.topic(), ev))
-            sources.append((msg, source))
+            if packed:
+                why = packed_problem(msg.key(), value)
+                if why is not None:
+                    self._dead(msg, source, why, "invalid")
+                    dead += 1
+                    continue
+                events = value.unpacked()
+            else:
+                events = [value]
+            track = self._track(topic)
+            arrival = arrival_time(msg)  # the view's clock (staleness); Kafka keeps the engine's ts
+            for ev in events:
+                why = problem(topic, msg.key(), ev, topics)
+                if why is not None:
+                    self._dead(msg, f"{source}#{ev.index}" if packed else source, why, "invalid")
+                    dead += 1
+                    continue
+                ev.ts = arrival
+                records.append((track, ev))
+                sources.append((msg, source))
         self.metrics.records.inc(len(msgs))
         offsets = {}
         for msg in msgs:
             if msg.error() is None:
                 offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
+        if records and self.gate.switching and self.gate.both_layouts(msgs):
+            records, sources = in_position_order(records, sources)
         if records:
             t0 = time.perf_counter()
             try:

@@ -58,6 +58,7 @@ from kvbus.schemas.codec import encode_event
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
+    BlockEvents,
     BlockRemoved,
     BlockStored,
     Event,
@@ -171,12 +172,13 @@ class HolderState:
 
 @dataclass(slots=True)
 class Output:
-    """A record to produce: value is a BlockEvent (consolidated or Reset) or an Incomplete."""
+    """A record to produce: value is a BlockEvent (consolidated or Reset) or an Incomplete; a BlockEvents
+    once packed (:mod:`kvbus.streams.packing`)."""
 
     topic: str
     key: bytes
     partition: int
-    value: Union[BlockEvent, Incomplete]
+    value: Union[BlockEvent, BlockEvents, Incomplete]
     kind: str
     """consolidated, passthrough, reset, incomplete (window), cleared (obsoleted by
     AllBlocksCleared) or disordered (completed out of order)."""

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, TEXT, load, setting
+from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, TEXT, load, one_of, setting
+
+BLOCK_LAYOUTS = ("packed", "events")
+"""Values of ``KVBUS_STREAMS_BLOCK_LAYOUT`` (:mod:`kvbus.schemas.topics`, "Block layouts")."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ class StreamsOptions:
         "KVBUS_STREAMS_RECOVERY_TIMEOUT", SECONDS, 300.0,
         "seconds a worker may stay unready (its group rebalancing, its table recovering) before it exits "
         "with an error for its supervisor to start it again; 0 = wait for ever")
+    block_layout: str = setting(
+        "KVBUS_STREAMS_BLOCK_LAYOUT", one_of(*BLOCK_LAYOUTS), "packed",
+        "the block topics the worker writes: packed (block layout 2: a BlockEvents record per engine batch, "
+        "holder and tier on kvbus.packed*) or events (layout 1: a BlockEvent record per event on kvbus.blocks*, "
+        "what kvbus 0.2 and older write: for sinks not upgraded yet)", flag="--block-layout")
     commit_interval: float = setting("KVBUS_STREAMS_COMMIT_INTERVAL", SECONDS, 1.0,
                                      "seconds between offset commits (replay after a crash is at most about this long)")
 

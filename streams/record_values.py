@@ -12,8 +12,9 @@ schemas (:class:`kvbus.schemas.codec.FastSerde`):
   once and hand the later records the same event objects (only their other fields are read);
   anything else (other schema ids, non-canonical encodings, garbage) goes through
   ``RecordSerde.loads``, whose errors are the errors that send a record to the DLQ;
-* encoding: outputs are written by the generated encoders (a RawEvent is spliced in as its
-  bytes) behind the schema id of ``<topic>-value``, registered once per topic.
+* encoding: outputs (BlockEvent, BlockEvents, Incomplete, DeadLetter) are written by the generated
+  encoders (a RawEvent is spliced in as its bytes) behind the schema id of ``<topic>-value``, registered
+  once per topic.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import msgspec
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
 from kvbus.schemas.codec import FastSerde, batch_scanner, decode_event
-from kvbus.schemas.events import BlockEvent, DeadLetter, Event, EventBatch, Incomplete
+from kvbus.schemas.events import BlockEvent, BlockEvents, DeadLetter, Event, EventBatch, Incomplete
 from kvbus.streams.raw_event import RawEvent
 
 SHARED_EVENTS = 4096
@@ -74,7 +75,7 @@ class Codec:
         self.registry = registry
         self.fast = fast
         self._batch = FastSerde(registry, "EventBatch", reader=batch_scanner(RawEvent, SharedEvents()))
-        self._outputs = {k: FastSerde(registry, k) for k in ("BlockEvent", "Incomplete", "DeadLetter")}
+        self._outputs = {k: FastSerde(registry, k) for k in ("BlockEvent", "BlockEvents", "Incomplete", "DeadLetter")}
 
     def decode(self, data: bytes, topic: str) -> EventBatch:
         """An EventBatch from a raw value; raises what RecordSerde.loads raises on bad input."""
@@ -82,13 +83,17 @@ class Codec:
             return self._batch.loads(data, topic)
         return self._batch.slow.loads(data, topic)
 
-    def encode(self, value: Union[BlockEvent, Incomplete, DeadLetter], topic: str) -> bytes:
-        """Confluent-wire-format value of a BlockEvent, Incomplete or DeadLetter for ``topic``."""
+    def encode(self, value: Union[BlockEvent, BlockEvents, Incomplete, DeadLetter], topic: str) -> bytes:
+        """Confluent-wire-format value of a BlockEvent, BlockEvents, Incomplete or DeadLetter for ``topic``."""
         serde = self._outputs[type(value).__name__]
         if self.fast:
             return serde.dumps(value, topic)
         if isinstance(getattr(value, "event", None), RawEvent):
             value = msgspec.structs.replace(value, event=materialize(value.event))
+        if isinstance(value, BlockEvents):
+            value = msgspec.structs.replace(value, events=[
+                msgspec.structs.replace(p, event=materialize(p.event)) if isinstance(p.event, RawEvent) else p
+                for p in value.events])
         return serde.slow.dumps(value, topic)
 
 

@@ -44,6 +44,7 @@ from kvbus.streams.faust_adapter import AssignmentChanged, ChangelogPartition, f
 from kvbus.streams.metrics import StreamsMetrics
 from kvbus.streams.offset_guard import Admission, OffsetGuard
 from kvbus.streams.options import StreamsOptions
+from kvbus.streams.packing import Packer
 from kvbus.streams.record_values import Codec
 
 log = logging.getLogger("kvbus.streams")
@@ -143,6 +144,8 @@ class Runtime:
         self.table = table
         self.topics = settings.topics
         self.aggregator = Aggregator(settings.topics, options.window)
+        self._packer = Packer(settings.topics) if options.block_layout == "packed" else None
+        """Lays the outputs out in block layout 2 (:mod:`kvbus.streams.packing`); None: layout 1."""
         self.metrics = StreamsMetrics()
         self.lock = asyncio.Lock()
         """Serialises changes of the aggregation state (agent, timer, rebuild)."""
@@ -218,16 +221,17 @@ class Runtime:
         for name, t in md.topics.items():
             if t.error is None:
                 self._partitions[name] = len(t.partitions)
-        for name in (self.topics.blocks, self.topics.incomplete, self.topics.dlq):
+        blocks = self.topics.packed if self._packer is not None else self.topics.blocks
+        for name in (blocks, self.topics.incomplete, self.topics.dlq):
             self._ensure_topic(name)
         raw_n = self._partitions.get(self.topics.raw)
-        for name in (self.topics.blocks, self.topics.incomplete):
+        for name in (blocks, self.topics.incomplete):
             if raw_n and self._partitions.get(name, 0) < raw_n:
                 log.error("topic %s has %s partitions, fewer than %s of %s: outputs there are "
                           "partitioned by key instead of by raw partition",
                           name, self._partitions.get(name), raw_n, self.topics.raw)
-        log.info("streams runtime started: window=%.1fs raw=%s blocks=%s metrics_port=%s",
-                 self.options.window, self.topics.raw, self.topics.blocks, self.options.metrics_port)
+        log.info("streams runtime started: window=%.1fs raw=%s blocks=%s (layout %s) metrics_port=%s",
+                 self.options.window, self.topics.raw, blocks, self.options.block_layout, self.options.metrics_port)
 
     def not_ready(self) -> str | None:
         """Why this worker is not ready (its ``/readyz``), None when it is: a rebalance is under way,
@@ -496,6 +500,8 @@ class Runtime:
     async def _enqueue(self, batch: _Batch, out: list[Output], dead: list[DeadLetter],
                        holders: Optional[set[str]]) -> None:
         """Produce a batch's records, snapshot its state changes, and queue it for completion."""
+        if self._packer is not None:
+            out = self._packer.pack(out)
         missing = {o.topic for o in out if o.topic not in self._partitions}
         if missing:
             await asyncio.get_running_loop().run_in_executor(None, self._ensure_topics, missing)

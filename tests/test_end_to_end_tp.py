@@ -46,23 +46,35 @@ def worker_views(rng: random.Random, events: list[Event]) -> list[list[Event]]:
 def read_topics(settings: Settings, pattern: str, record: str, count: int, timeout: float) -> list:
     """Every record on the topics matching ``pattern`` (in partition order), once ``count`` arrived.
     Records are keyed by (topic, partition, offset): a regex subscription rebalances when a new
-    matching topic appears and, with nothing committed, reads the old ones again."""
+    matching topic appears and, with nothing committed, reads the old ones again. ``record``
+    "BlockEvent" reads the block topics of both layouts, each event of a BlockEvents record as a
+    BlockEvent of its own (``count`` counts events)."""
     c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"t-{uuid.uuid4().hex}",
                   "auto.offset.reset": "earliest", "enable.auto.commit": False,
                   "topic.metadata.refresh.interval.ms": 1000})
-    serde = RecordSerde(registry_client(settings.registry_url), record, auto_register=False)
+    registry = registry_client(settings.registry_url)
+    serde = RecordSerde(registry, record, auto_register=False)
+    packed = RecordSerde(registry, "BlockEvents", auto_register=False)
     c.subscribe([pattern])
-    out: dict[tuple[str, int, int], object] = {}
+    out: dict[tuple[str, int, int, int], object] = {}
+
+    def take(m) -> None:
+        if record == "BlockEvent" and settings.topics.is_packed(m.topic()):
+            for i, ev in enumerate(packed.loads(m.value(), m.topic()).unpacked()):
+                out[(m.topic(), m.partition(), m.offset(), i)] = ev
+        else:
+            out[(m.topic(), m.partition(), m.offset(), 0)] = serde.loads(m.value(), m.topic())
+
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline and len(out) < count:
             for m in c.consume(500, timeout=0.5):
                 assert m.error() is None, m.error()
-                out[(m.topic(), m.partition(), m.offset())] = serde.loads(m.value(), m.topic())
+                take(m)
         time.sleep(1.0)  # anything beyond the expected count would be a defect: read it too
         for m in c.consume(500, timeout=1.0):
             if m.error() is None:
-                out[(m.topic(), m.partition(), m.offset())] = serde.loads(m.value(), m.topic())
+                take(m)
     finally:
         c.close()
     return [out[k] for k in sorted(out)]

@@ -99,14 +99,15 @@ def workers(tmp_path: Path):
 
 
 class Collector:
-    """Consumes every block topic (regex, so tier topics created later are seen), incomplete and dlq."""
+    """Consumes every block topic (regex, so tier topics created later are seen), incomplete and dlq.
+    Each event of a BlockEvents record (block layout 2) is recorded as a BlockEvent of its own under its
+    track's name (the layout 1 topic: ``Topics.track``)."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
         t = settings.topics
         reg = registry_client(settings.registry_url)
-        self.serdes = {"BlockEvent": RecordSerde(reg, "BlockEvent"), "Incomplete": RecordSerde(reg, "Incomplete"),
-                       "DeadLetter": RecordSerde(reg, "DeadLetter")}
+        self.serdes = {k: RecordSerde(reg, k) for k in ("BlockEvent", "BlockEvents", "Incomplete", "DeadLetter")}
         self.records: list[tuple[str, int, int, bytes, Any, float]] = []
         self._seen: set[tuple[str, int, int]] = set()  # a rebalance of the collector re-reads
         self._lock = threading.Lock()
@@ -122,7 +123,8 @@ class Collector:
 
     def _kind(self, topic: str) -> str:
         t = self.settings.topics
-        return "Incomplete" if topic == t.incomplete else "DeadLetter" if topic == t.dlq else "BlockEvent"
+        return ("Incomplete" if topic == t.incomplete else "DeadLetter" if topic == t.dlq
+                else "BlockEvents" if t.is_packed(topic) else "BlockEvent")
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -130,9 +132,12 @@ class Collector:
                 if m.error() or (m.topic(), m.partition(), m.offset()) in self._seen:
                     continue
                 self._seen.add((m.topic(), m.partition(), m.offset()))
-                v = self.serdes[self._kind(m.topic())].loads(m.value(), m.topic())
+                kind = self._kind(m.topic())
+                v = self.serdes[kind].loads(m.value(), m.topic())
+                values = v.unpacked() if kind == "BlockEvents" else [v]
+                topic = self.settings.topics.track(m.topic())
                 with self._lock:
-                    self.records.append((m.topic(), m.partition(), m.offset(), m.key(), v, time.time()))
+                    self.records += [(topic, m.partition(), m.offset(), m.key(), v, time.time()) for v in values]
         self._consumer.close()
 
     def of(self, topic: str) -> list[tuple[str, int, int, bytes, Any, float]]:
