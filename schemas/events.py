@@ -281,7 +281,7 @@ class PositionedEvent(msgspec.Struct, kw_only=True):
 
 class BlockEvents(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The consolidated events of one engine batch, one holder and one topic, in order (topics
-    ``kvbus.packed`` and ``kvbus.packed.<ownership>``): what a :class:`BlockEvent` per event carried,
+    ``kvbus.blocks-packed`` and ``kvbus.blocks-packed.<ownership>``): what a :class:`BlockEvent` per event carried,
     the fields the events share written once. Event ``i``'s position is ``(epoch, seq, events[i].index)``."""
 
     replica: str

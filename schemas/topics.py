@@ -5,8 +5,8 @@
 | ``kvbus.raw`` | EventBatch as bridges produce them | ``<replica>#<dp_rank>`` |
 | ``kvbus.blocks`` | consolidated BlockEvent, framework-owned (ownership null): block layout 1 | same |
 | ``kvbus.blocks.<ownership>`` | consolidated BlockEvent of one secondary tier: block layout 1 | same |
-| ``kvbus.packed`` | consolidated BlockEvents: one engine batch's events of one holder, framework-owned | same |
-| ``kvbus.packed.<ownership>`` | the same for one secondary tier | same |
+| ``kvbus.blocks-packed`` | consolidated BlockEvents: one engine batch's events of one holder, framework-owned | same |
+| ``kvbus.blocks-packed.<ownership>`` | the same for one secondary tier | same |
 | ``kvbus.incomplete`` | Incomplete: events not all workers reported in time | same |
 | ``kvbus.dlq`` | DeadLetter: input a stage rejected | source |
 | ``kvbus.snapshots`` | ViewSnapshot: the view saved by the sinks (compacted) | holder, ``""`` for a manifest |
@@ -15,7 +15,7 @@ Each name can be overridden by its ``KVBUS_TOPIC_*`` variable (:class:`Topics`).
 
 **Block layouts.** The consolidated events come in two layouts, each with its own topics: layout 1, a
 ``BlockEvent`` record per event (``kvbus.blocks*``, what kvbus 0.2 and older write), and layout 2, a
-``BlockEvents`` record per engine batch, holder and topic (``kvbus.packed*``, the default). A holder's
+``BlockEvents`` record per engine batch, holder and topic (``kvbus.blocks-packed*``, the default). A holder's
 events have one position order per tier whichever layout carries them: :meth:`Topics.track` names it
 by the layout 1 topic.
 
@@ -100,14 +100,19 @@ class Topics:
     raw: str = setting("KVBUS_TOPIC_RAW", TEXT, "kvbus.raw", "topic of the engine batches as bridges produce them")
     blocks: str = setting("KVBUS_TOPIC_BLOCKS", TEXT, "kvbus.blocks",
                           "topic of the consolidated framework-owned events; tier topics are <blocks>.<ownership>")
-    packed: str = setting("KVBUS_TOPIC_PACKED", TEXT, "kvbus.packed",
+    packed: str = setting("KVBUS_TOPIC_PACKED", TEXT, None,
                           "topic of the consolidated framework-owned events, a BlockEvents record per engine batch "
-                          "and holder (block layout 2); tier topics are <packed>.<ownership>")
+                          "and holder (block layout 2); tier topics are <packed>.<ownership>",
+                          shown="<blocks>-packed")
     incomplete: str = setting("KVBUS_TOPIC_INCOMPLETE", TEXT, "kvbus.incomplete",
                               "topic of the events that not every worker reported within the window")
     dlq: str = setting("KVBUS_TOPIC_DLQ", TEXT, "kvbus.dlq", "dead-letter topic of every stage")
     snapshots: str = setting("KVBUS_TOPIC_SNAPSHOTS", TEXT, "kvbus.snapshots",
                              "topic of the snapshots of the residency view (compacted; the sinks write and read it)")
+
+    def __post_init__(self) -> None:
+        if self.packed is None:  # derived from blocks: a deployment (or a test) naming its blocks names both
+            object.__setattr__(self, "packed", f"{self.blocks}-packed")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Topics":
