@@ -11,10 +11,14 @@ same sink (librdkafka's range assignor gives equal partition numbers of equal-si
 The rule, per (track, partition): records of the layout last applied there pass. Records of the other
 layout pass only once the partition of the layout applied before is read to its end (its high watermark,
 asked of the broker: a switch is rare, and the cached watermark may predate the switch); until then they
-are held, read again later (the sink seeks back to them). The old layout's records that arrive after
-that are duplicates of what the new layout carries from the same raw offsets (a worker re-produces what
-it did not commit), and the view's positions skip them. When a batch holds both layouts of a partition
-and the gate lets both pass, their events are applied in position order (:func:`in_position_order`).
+are held, read again later (the sink seeks back to them). Where this sink has applied nothing yet (it
+started, or was given the partition), layout 1 counts as applied before: the upgrade goes from layout 1
+to layout 2. The old layout's records that arrive after that are duplicates of what the new layout
+carries from the same raw offsets (a worker re-produces what it did not commit), and the view's positions
+skip them. When a batch holds both layouts of a partition and the gate lets both pass, their events are
+applied in position order (:func:`in_position_order`). Going back to layout 1 is ordered the same way
+while the sinks run; a sink started meanwhile takes layout 1 first, so let the sinks read the packed
+topics to their end before starting workers of layout 1 (docs/operating.md).
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ class LayoutGate:
         self._last: dict[tuple[str, int], bool] = {}
         """(track, partition) -> whether the layout last applied there is layout 2 (packed)."""
         self._track: dict[str, str] = {}
+        self._holding: set[Partition] = set()
+        """What the last :meth:`held` held (logged when it starts waiting)."""
         self.switching = False
         """Whether the last :meth:`held` checked a partition (a layout other than the last one applied came)."""
 
@@ -65,8 +71,7 @@ class LayoutGate:
         checks = []
         for (topic, p) in firsts:
             packed = self.topics.is_packed(topic)
-            last = self._last.get((self._track_of(topic), p))
-            if last is None or last != packed:
+            if self._last.get((self._track_of(topic), p), False) != packed:
                 checks.append((topic, p))
         self.switching = bool(checks)
         if not checks:
@@ -77,17 +82,12 @@ class LayoutGate:
             other = self._counterpart(topic)
             if (other, p) in assigned and self._behind(other, p, ends):
                 held.add((topic, p))
-        for topic, p in list(held):  # both layouts of a partition wait for each other: the earlier goes first
-            other = (self._counterpart(topic), p)
-            if other in held and other in firsts:
-                first = min((topic, p), other, key=lambda tp: firsts[tp].timestamp()[1])
-                held.discard(first)
-        for topic, p in checks:
-            if (topic, p) not in held:
+            else:
                 self._last[(self._track_of(topic), p)] = self.topics.is_packed(topic)
-        for topic, p in held:
+        for topic, p in held - self._holding:
             log.info("%s[%d]: held until %s[%d] is read to its end (the workers switched block layouts)",
                      topic, p, self._counterpart(topic), p)
+        self._holding = held
         return held
 
     def both_layouts(self, msgs: list) -> bool:

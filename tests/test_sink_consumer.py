@@ -47,9 +47,9 @@ def topics(sink_topics) -> Topics:
     return sink_topics
 
 
-def produce(settings: Settings, records, extra=()) -> None:
+def produce(settings: Settings, records, extra=(), conf: dict | None = None) -> None:
     serde = RecordSerde(registry_client(settings.registry_url), "BlockEvent")
-    p = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True})
+    p = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True, **(conf or {})})
     for topic, ev in records:
         p.produce(topic, key=holder_key(ev.replica, ev.dp_rank), value=serde.dumps(ev, topic))
     for topic, key, value in extra:

@@ -170,9 +170,9 @@ def model_of(records) -> InMemoryStore:
     return m
 
 
-def sink_for(stack, topics, store) -> SinkConsumer:
+def sink_for(stack, topics, store, consumer_conf: dict | None = None) -> SinkConsumer:
     return SinkConsumer(stack, store, SinkConfig(group=f"g-{uuid.uuid4().hex}", batch=50, stale_after=0,
-                                             poll_timeout=0.2), topics=topics)
+                                             poll_timeout=0.2), topics=topics, consumer_conf=consumer_conf)
 
 
 def catch_up(sink: SinkConsumer, store: RedisStore, records, what: str, each=None) -> None:
