@@ -174,7 +174,7 @@ def unique_topics(stack: Settings) -> Iterator[Topics]:
         dlq=f"t{suffix}.dlq",
         snapshots=f"t{suffix}.snapshots",
     )
-    ensure_topics(stack.bootstrap, [t.raw, t.blocks, t.incomplete, t.dlq], stack.partitions, 1)
+    ensure_topics(stack.bootstrap, [t.raw, t.blocks, t.packed, t.incomplete, t.dlq], stack.partitions, 1)
     yield t
     _delete_topics(stack, f"t{suffix}.")
 

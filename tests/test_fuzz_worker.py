@@ -106,8 +106,13 @@ def test_worker_survives_10000_hostile_records(test_settings: Settings, tmp_path
     app_id = f"fuzz-{uuid.uuid4().hex[:8]}"
     proc = workers.start("w1", worker_env(s, app_id, tmp_path / "w1", 5.0))
     dl_serde = RecordSerde(reg, "DeadLetter")
-    reader = TopicReader(s.bootstrap, [t.blocks, t.dlq],
-                         lambda v, topic: (dl_serde if topic == t.dlq else block_serde).loads(v, topic))
+    packed_serde = RecordSerde(reg, "BlockEvents")
+    reader = TopicReader(s.bootstrap, [t.packed, t.dlq],  # the worker's block layout 2: events unpacked
+                         lambda v, topic: dl_serde.loads(v, topic) if topic == t.dlq
+                         else packed_serde.loads(v, topic).unpacked())
+
+    def block_events() -> list[BlockEvent]:
+        return [e for record in reader.values(t.packed) for e in record]
 
     def alive() -> str | None:
         return None if proc.poll() is None else f"worker exited {proc.returncode}:\n{workers.log('w1')[-4000:]}"
@@ -119,7 +124,7 @@ def test_worker_survives_10000_hostile_records(test_settings: Settings, tmp_path
         warm = EventBatch(replica="warm", seq=0, ts=1.0, events=[good_stored(999_999)], epoch=1)
         producer.produce(t.raw, serde.dumps(warm, t.raw), holder_key("warm", 0).encode())
         assert producer.flush(30) == 0
-        reader.until(lambda: len(reader.values(t.blocks)) >= 1, 120, "the warm-up record", alive)
+        reader.until(lambda: len(block_events()) >= 1, 120, "the warm-up record", alive)
         rss_before = rss_mib(proc.pid)
         t0 = time.monotonic()
         kinds: collections.Counter = collections.Counter()
@@ -135,7 +140,7 @@ def test_worker_survives_10000_hostile_records(test_settings: Settings, tmp_path
                 good[marker_hash(g)] += 1
         assert producer.flush(60) == 0
         n_dead = sum(rejected.values())
-        reader.until(lambda: len(reader.values(t.dlq)) >= n_dead and len(reader.values(t.blocks)) >= 1 + len(good),
+        reader.until(lambda: len(reader.values(t.dlq)) >= n_dead and len(block_events()) >= 1 + len(good),
                      150, f"{n_dead} dead letters and {len(good)} good events", alive)
         elapsed = time.monotonic() - t0
         rss_after = rss_mib(proc.pid)
@@ -153,7 +158,7 @@ def test_worker_survives_10000_hostile_records(test_settings: Settings, tmp_path
     assert {d.stage for d in letters} == {"streams"}
     big = [d for d in letters if "payload truncated" in d.reason]
     assert len(big) == 1 and len(big[0].payload[0]) == 64 * 1024  # the 1 MB value, cut (the fix)
-    blocks: list[BlockEvent] = reader.values(t.blocks)
+    blocks = block_events()
     got = collections.Counter(h for b in blocks for h in b.event.block_hashes if h != marker_hash(999_999))
     assert got == good
     assert rss_after - rss_before < 150, (rss_before, rss_after)

@@ -81,8 +81,8 @@ def test_packed_outputs_carry_the_same_events_in_the_same_order(batches):
 def test_one_record_per_engine_batch_holder_and_topic():
     agg = Aggregator(TOPICS, 5.0)
     out: list[Output] = []
-    agg.apply(EventBatch(replica="a", seq=0, ts=1.0, epoch=7,
-                         events=[stored(1), removed(2), stored(3, "kvcr"), removed(4), removed(5, "kvcr")]), 0, 1.0, out)
+    events = [stored(1), removed(2), stored(3, "kvcr"), removed(4), removed(5, "kvcr")]
+    agg.apply(EventBatch(replica="a", seq=0, ts=1.0, epoch=7, events=events), 0, 1.0, out)
     agg.apply(EventBatch(replica="a", seq=1, ts=2.0, epoch=7, events=[removed(1)]), 0, 1.0, out)
     packed = Packer(TOPICS).pack(out)
     assert [(o.topic, o.value.seq, [p.index for p in o.value.events]) for o in packed] == [
