@@ -14,7 +14,7 @@
 Each name can be overridden by its ``KVBUS_TOPIC_*`` variable (:class:`Topics`).
 
 **Block layouts.** The consolidated events come in two layouts, each with its own topics: layout 1, a
-``BlockEvent`` record per event (``kvbus.blocks*``, what kvbus 0.2 and older write), and layout 2, a
+``BlockEvent`` record per event (``kvbus.blocks*``, what kvbus 0.1 write), and layout 2, a
 ``BlockEvents`` record per engine batch, holder and topic (``kvbus.blocks-packed*``, the default). A holder's
 events have one position order per tier whichever layout carries them: :meth:`Topics.track` names it
 by the layout 1 topic.

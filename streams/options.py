@@ -67,7 +67,7 @@ class StreamsOptions:
         "KVBUS_STREAMS_BLOCK_LAYOUT", one_of(*BLOCK_LAYOUTS), "packed",
         "the block topics the worker writes: packed (block layout 2: a BlockEvents record per engine batch, "
         "holder and tier on kvbus.blocks-packed*) or events (layout 1: a BlockEvent record per event on kvbus.blocks*, "
-        "what kvbus 0.2 and older write: for sinks not upgraded yet)", flag="--block-layout")
+        "what kvbus 0.1 write: for sinks not upgraded yet)", flag="--block-layout")
     commit_interval: float = setting("KVBUS_STREAMS_COMMIT_INTERVAL", SECONDS, 1.0,
                                      "seconds between offset commits (replay after a crash is at most about this long)")
 
