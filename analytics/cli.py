@@ -1,6 +1,7 @@
 """``kvbus report``: analytics over the block topics for a time range.
 
-Reads ``kvbus.blocks`` and its tier topics, ``kvbus.incomplete`` and ``kvbus.dlq`` (``--raw``: also
+Reads the block topics of both layouts (``kvbus.blocks``, ``kvbus.blocks-packed`` and their tier topics;
+each event of a packed record counts as one), ``kvbus.incomplete`` and ``kvbus.dlq`` (``--raw``: also
 ``kvbus.raw``) from ``--since`` to ``--until`` (default: everything), prints a summary, writes
 ``report.html`` (charts, one file, offline) and Parquet files (``events``, ``series``, ``lives``,
 ``sharing``, ``tiers``, ``holders``, ``prefixes``, ``offload``, ``incomplete``, ``dead_letters``,
@@ -49,7 +50,8 @@ def add_report_args(p: argparse.ArgumentParser) -> None:
 
 
 def topics_to_read(settings: Settings, raw: bool) -> list[str]:
-    """The block topics that exist, the incomplete and dead-letter topics, and (``raw``) the raw topic."""
+    """The block topics of both layouts that exist, the incomplete and dead-letter topics, and (``raw``) the
+    raw topic."""
     t = settings.topics
     return block_topics(settings) + [t.incomplete, t.dlq] + ([t.raw] if raw else [])
 
@@ -63,7 +65,7 @@ def build_report(settings: Settings, records: list[Record], raw: bool, top: int 
         by_topic.setdefault(r.topic, []).append(r)
     block_recs = [r for name, rs in by_topic.items() if name not in (t.incomplete, t.dlq, t.raw) for r in rs]
     return compute(
-        block_events(block_recs), t.blocks, incomplete_table(by_topic.get(t.incomplete, [])),
+        block_events(block_recs, t), t.blocks, incomplete_table(by_topic.get(t.incomplete, [])),
         dead_letter_table(by_topic.get(t.dlq, [])),
         raw_table(by_topic.get(t.raw, [])) if raw else None, top_prefixes=top, clock_skew_s=clock_skew_s,
     )

@@ -10,8 +10,9 @@ The rules are the residency view's (sinks/store.py, docs/sinks-layout.md), on se
   counts such stores as re-announcements and ends the life at the first remove);
 * a remove of a held block ends its life; a remove of a block not held (stored before the range, or
   removed twice) is **unmatched**;
-* ``AllBlocksCleared`` (on ``kvbus.blocks``) ends every life of the holder on the tiers of that topic
-  (the framework's own cache); a ``Reset`` marker ends every life of the holder on every tier.
+* ``AllBlocksCleared`` (on ``kvbus.blocks`` or ``kvbus.blocks-packed``: the framework's track) ends every
+  life of the holder on the tiers of that track (the framework's own cache); a ``Reset`` marker ends
+  every life of the holder on every tier.
 
 Times are Kafka record times (:data:`kvbus.analytics.tables.TIME`), not the engine's ``ts``: a life
 of a holder whose engine clock is off is as long as the records say, and lives of different holders
@@ -27,14 +28,14 @@ import polars as pl
 
 from kvbus.analytics.tables import TIME
 
-ORDER = ["holder", "epoch", "seq", "index", "block_idx", "topic"]
+ORDER = ["holder", "epoch", "seq", "index", "block_idx", "track"]
 """Sort order of a holder's rows: position, then block within the event."""
 
 LIFE_KEY = ["holder", "tier", "block", "gen"]
 """One block on one holder's tier between two clears/resets that apply to it."""
 
 
-def annotate(blocks: pl.DataFrame, framework_topic: str) -> pl.DataFrame:
+def annotate(blocks: pl.DataFrame, framework_track: str) -> pl.DataFrame:
     """The store and remove rows of ``blocks`` (:func:`kvbus.analytics.tables.block_events`), in holder
     order, with:
 
@@ -43,10 +44,13 @@ def annotate(blocks: pl.DataFrame, framework_topic: str) -> pl.DataFrame:
     ``unmatched`` (a remove of a block not held), ``open_ts`` (record time the current life began),
     ``lifetime_s`` (closing removes: seconds since the life began), ``end_ts`` / ``ended`` (the
     last row of a life still open at its last event: time and kind of the clear or reset that ended
-    it, null while it is live at the end of the range)."""
+    it, null while it is live at the end of the range).
+
+    ``framework_track`` is the track (``Topics.track``) of the framework-owned topics: the layout 1 name
+    ``kvbus.blocks``, which names the events of ``kvbus.blocks-packed`` too."""
     df = blocks.sort(ORDER)
-    fw = pl.col("topic") == framework_topic
-    is_reset = (pl.col("kind") == "reset") & fw  # a Reset comes on every topic the holder uses: count it once
+    fw = pl.col("track") == framework_track
+    is_reset = (pl.col("kind") == "reset") & fw  # a Reset comes on every track the holder uses: count it once
     is_clear = pl.col("kind") == "clear"
     df = df.with_columns(
         resets_before=is_reset.cast(pl.Int32).cum_sum().over("holder"),

@@ -261,7 +261,7 @@ def clocks(blocks: pl.DataFrame, skew_s: float = CLOCK_SKEW_S) -> pl.DataFrame:
     ``clock_skew_s`` of the events off: how far off the clock was, null when none), and the
     ``median_skew_s``, ``min_skew_s``, ``max_skew_s`` of all its events (seconds, engine time minus
     record time). Holders with events off first."""
-    ev = blocks.filter(pl.col("kind") != "reset").unique(["topic", "partition", "offset"])
+    ev = blocks.filter(pl.col("kind") != "reset").unique(["topic", "partition", "offset", "index"])  # one per event
     skew = pl.col("clock_skew_s")
     return ev.group_by("holder").agg(
         events=pl.len().cast(pl.Int64), off=(skew.abs() > skew_s).sum().cast(pl.Int64),
@@ -271,10 +271,11 @@ def clocks(blocks: pl.DataFrame, skew_s: float = CLOCK_SKEW_S) -> pl.DataFrame:
     ).sort(["off", "holder"], descending=[True, False])
 
 
-def compute(blocks: pl.DataFrame, framework_topic: str, incomplete: pl.DataFrame, dead_letters: pl.DataFrame,
+def compute(blocks: pl.DataFrame, framework_track: str, incomplete: pl.DataFrame, dead_letters: pl.DataFrame,
             raw: pl.DataFrame | None = None, top_prefixes: int = 10, clock_skew_s: float = CLOCK_SKEW_S) -> Report:
-    """Every table of the report from the block-events table and the other topics' tables."""
-    ann = annotate(blocks, framework_topic)
+    """Every table of the report from the block-events table and the other topics' tables;
+    ``framework_track``: the track of the framework-owned block topics (``Topics.blocks``)."""
+    ann = annotate(blocks, framework_track)
     life = lives(ann)
     ser = series(ann, life)
     per_block, opens = sharing(life, ann)

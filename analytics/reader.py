@@ -76,7 +76,8 @@ def plain_deserializer(settings: Settings) -> AvroDeserializer:
 
 
 def block_topics(settings: Settings, consumer: Consumer | None = None) -> list[str]:
-    """``kvbus.blocks`` and every ``kvbus.blocks.<ownership>`` tier topic that exists, sorted."""
+    """The block topics of both layouts that exist (``Topics.blocks_pattern``: ``kvbus.blocks``,
+    ``kvbus.blocks-packed`` and their ``.<ownership>`` tier topics), sorted."""
     own = consumer or Consumer(consumer_conf(settings.kafka(), f"{REPORT_GROUP_PREFIX}meta"))
     try:
         rx = re.compile(settings.topics.blocks_pattern())

@@ -32,29 +32,33 @@ SCAN = 2000
 """Records of a topic looked at, at most, for kinds of record not seen yet."""
 
 
-def kind_of(value: Any) -> str:
-    """The record's event kind: the ``event`` union's branch, or the first of ``events`` (raw), else ''."""
-    if isinstance(value, dict):
-        if isinstance(value.get("event"), tuple):
-            return value["event"][0]
-        if value.get("events") and isinstance(value["events"][0], tuple):
-            return value["events"][0][0]
-    return ""
+def kinds_of(value: Any) -> list[str]:
+    """The record's event kinds, in order: the ``event`` union's branch (one event), or the branch of each
+    of its ``events`` (kvbus.raw's EventBatch: unions; a BlockEvents of block layout 2: entries whose
+    ``event`` is the union); empty when the value holds no event."""
+    if not isinstance(value, dict):
+        return []
+    if isinstance(value.get("event"), tuple):
+        return [value["event"][0]]
+    unions = [e.get("event") if isinstance(e, dict) else e for e in value.get("events") or ()]
+    return [u[0] for u in unions if isinstance(u, tuple)]
 
 
 def pick(records: Iterable[Record], per_kind: int, wanted: Callable[[], set[str]],
          scan: int = SCAN) -> dict[str, list[Record]]:
-    """The first ``per_kind`` records of each event kind (:func:`kind_of`) of each topic; stops once
-    ``scan`` records of each topic of ``wanted()`` (the topics with records in the range) were seen,
-    or the range ends."""
+    """Records of each topic until each event kind of the topic is in ``per_kind`` of them (a record of
+    several events, :func:`kinds_of`, is taken when one of its kinds is still short, and counts for each
+    kind it holds; a record of no event counts as kind ``''``); stops once ``scan`` records of each topic
+    of ``wanted()`` (the topics with records in the range) were seen, or the range ends."""
     out: dict[str, list[Record]] = {}
     seen: dict[str, int] = {}
     taken: dict[tuple[str, str], int] = {}
     for r in records:
         seen[r.topic] = seen.get(r.topic, 0) + 1
-        key = (r.topic, kind_of(r.value))
-        if taken.get(key, 0) < per_kind:
-            taken[key] = taken.get(key, 0) + 1
+        keys = {(r.topic, k) for k in kinds_of(r.value) or [""]}
+        if any(taken.get(key, 0) < per_kind for key in keys):
+            for key in keys:
+                taken[key] = taken.get(key, 0) + 1
             out.setdefault(r.topic, []).append(r)
         if all(seen.get(t, 0) >= scan for t in wanted()):
             break

@@ -1,11 +1,14 @@
 """Decoded records -> the report's tables (polars DataFrames, Arrow underneath).
 
 ``block events`` (:func:`block_events`, written as ``events.parquet``): one row per block of every
-consolidated event, plus one row per ``AllBlocksCleared`` / ``Reset`` (``block`` null):
+consolidated event, plus one row per ``AllBlocksCleared`` / ``Reset`` (``block`` null). Both block layouts
+(:mod:`kvbus.schemas.topics`) are read: a ``BlockEvent`` record (layout 1) is one event, a ``BlockEvents``
+record (layout 2, ``kvbus.blocks-packed*``) is one event per entry of its ``events`` (:func:`event_values`):
 
 | column | meaning |
 |---|---|
-| ``topic``, ``partition``, ``offset`` | where the record was read |
+| ``topic``, ``partition``, ``offset`` | where the record was read (the events of a layout 2 record share them) |
+| ``track`` | the position order the event belongs to: the layout 1 topic of its tier (``Topics.track``) |
 | ``record_time`` | Kafka record timestamp (UTC), ``record_ts`` the same in epoch seconds (the report's clock) |
 | ``holder`` | ``<replica>#<dp_rank>``; also ``replica``, ``dp_rank`` |
 | ``epoch``, ``seq``, ``index`` | the event's position (docs/architecture.md) |
@@ -38,6 +41,7 @@ import polars as pl
 
 from kvbus.analytics.reader import Record
 from kvbus.schemas import tiers
+from kvbus.schemas.topics import Topics
 
 TIME = "record_ts"
 """The column the report times events by: the Kafka record time, seconds since the Unix epoch."""
@@ -49,7 +53,7 @@ _KIND = {"kvbus.BlockStored": "store", "kvbus.BlockRemoved": "remove", "kvbus.Al
          "kvbus.Reset": "reset"}
 
 _EVENT_SCHEMA = {
-    "topic": pl.String, "partition": pl.Int32, "offset": pl.Int64, "record_ts": pl.Float64,
+    "topic": pl.String, "partition": pl.Int32, "offset": pl.Int64, "track": pl.String, "record_ts": pl.Float64,
     "replica": pl.String, "dp_rank": pl.Int32, "epoch": pl.Int64, "seq": pl.Int64, "index": pl.Int32,
     "ts": pl.Float64, "kind": pl.String, "medium": pl.String, "ownership": pl.String, "group_idx": pl.Int32,
     "hashes": pl.List(pl.Binary), "parent_hash": pl.Binary, "block_size": pl.Int32, "reason": pl.String,
@@ -80,11 +84,29 @@ def _plain(v: Any) -> Any:
     return v[1] if isinstance(v, tuple) else v
 
 
-def _event_row(rec: Record, value: dict) -> dict[str, Any]:
+def event_values(rec: Record, topics: Topics) -> list[dict[str, Any]]:
+    """The consolidated events a decoded block-topic record holds, each as the value of a ``kvbus.BlockEvent``
+    (the dict a plain Avro reader returns for one): on a layout 1 topic the value itself; on a layout 2
+    topic (:meth:`Topics.is_packed`) one per entry of its ``BlockEvents`` value, in order: the record's
+    fields (``replica``, ``dp_rank``, ``epoch``, ``seq``, ``ts``, ``model``) with the entry's ``index`` and
+    ``event`` (what :meth:`kvbus.schemas.events.BlockEvents.unpacked` does with decoded structs). Empty for
+    a record that was not decoded or is not a block record."""
+    v = rec.value
+    if not isinstance(v, dict):
+        return []
+    if topics.is_packed(rec.topic):
+        shared = {k: x for k, x in v.items() if k != "events"}
+        return [{**shared, **entry} for entry in v.get("events") or ()]
+    return [v] if "event" in v else []
+
+
+def _event_row(rec: Record, value: dict, track: str) -> dict[str, Any]:
+    """The row of one event (``value``: a BlockEvent value, :func:`event_values`) of ``rec``."""
     name, ev = value["event"]
     kind = _KIND[name]
     return {
-        "topic": rec.topic, "partition": rec.partition, "offset": rec.offset, "record_ts": rec.timestamp,
+        "topic": rec.topic, "partition": rec.partition, "offset": rec.offset, "track": track,
+        "record_ts": rec.timestamp,
         "replica": value["replica"], "dp_rank": value.get("dp_rank", 0), "epoch": value["epoch"],
         "seq": value["seq"], "index": value["index"], "ts": value["ts"], "kind": kind,
         "medium": ev.get("medium"), "ownership": ev.get("ownership"), "group_idx": ev.get("group_idx"),
@@ -94,10 +116,10 @@ def _event_row(rec: Record, value: dict) -> dict[str, Any]:
     }
 
 
-def block_events(records: Iterable[Record]) -> pl.DataFrame:
-    """The block-events table (module doc) of BlockEvent records; records that are not a decoded
-    BlockEvent are left out."""
-    rows = [_event_row(r, r.value) for r in records if isinstance(r.value, dict) and "event" in r.value]
+def block_events(records: Iterable[Record], topics: Topics) -> pl.DataFrame:
+    """The block-events table (module doc) of the records of ``topics``' block topics, both layouts;
+    records that are not decoded block records are left out."""
+    rows = [_event_row(r, v, topics.track(r.topic)) for r in records for v in event_values(r, topics)]
     ev = pl.DataFrame(rows, schema=_EVENT_SCHEMA, orient="row")
     return explode_blocks(ev)
 
@@ -114,7 +136,7 @@ def explode_blocks(ev: pl.DataFrame) -> pl.DataFrame:
     out = ev.explode(["hashes", "block_idx", "parents"])
     u64 = lambda c: pl.col(c).bin.reinterpret(dtype=pl.UInt64, endianness="big")  # noqa: E731
     return out.select(
-        "topic", "partition", "offset",
+        "topic", "partition", "offset", "track",
         utc(pl.col("record_ts")).alias("record_time"), "record_ts",
         pl.concat_str([pl.col("replica"), pl.lit("#"), pl.col("dp_rank").cast(pl.String)]).alias("holder"),
         "replica", "dp_rank", "epoch", "seq", "index",

@@ -1,14 +1,16 @@
 """``kvbus report`` on the real stack.
 
 A fleet of three replicas sharing their system prompts publishes a known history through bridges and
-the Faust worker into a test's own topics; one replica's engine clock is right, one's is a year
+the Faust worker (its default block layout 2: a BlockEvents record per engine batch, holder and tier on
+the ``-packed`` topics) into a test's own topics; one replica's engine clock is right, one's is a year
 behind, one's a year ahead. ``kvbus report`` (a process, as a user runs it) must then give the
 figures an independent replay of the published events gives on the Kafka record times the worker
 stamped: every block life, lifetimes, live blocks at the end (equal to the fleet's manifest on the
 framework's tiers), per-minute stores and removes, sharing, what the CPU and kvcr tiers kept of what
 GPU dropped, and the shared system prompts; the engines' ``ts`` as sent, the events of the two
 clocks a year off counted, and files as small as a run of a few seconds makes; plus the incomplete
-and dead-letter summaries and the time range.
+and dead-letter summaries and the time range. Records of both block layouts on one holder's tracks
+count as the events they hold.
 """
 from __future__ import annotations
 
@@ -26,16 +28,20 @@ import polars as pl
 import pytest
 from confluent_kafka import Producer
 
-from kvbus.analytics.cli import build_report
-from kvbus.analytics.reader import Record, read
+from kvbus.analytics.cli import build_report, topics_to_read
+from kvbus.analytics.reader import read
+from kvbus.analytics.tables import event_values
 from kvbus.analytics.timerange import TimeRange
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
+    BlockEvents,
     BlockRemoved,
     BlockStored,
     DeadLetter,
     Incomplete,
+    PositionedEvent,
+    Reset,
     normalize_medium,
 )
 from kvbus.schemas.serde import RecordSerde, registry_client
@@ -189,12 +195,13 @@ def fleet_run(stack: Settings, unique_topics, tmp_path):
                     ts = time.time() + ENGINE_CLOCK[name]
                     fleet.publish_events(name, events, d, ts)
                     batches.append((f"{name}#{d}", ts, events))
-        topics = [unique_topics.blocks, unique_topics.for_ownership("kvcr")]
+        # the worker's default layout: packed records only (its layout 1 topics stay empty)
+        topics = [unique_topics.packed, unique_topics.for_ownership("kvcr", packed=True)]
         published = sum(len(events) for _, _, events in batches)
         seen: list[int] = []
 
         def all_consolidated() -> bool:
-            seen.append(sum(len(rs) for rs in consolidated(settings, topics).values()))
+            seen.append(sum(len(es) for es in consolidated(settings, topics).values()))
             return seen[-1] == published
 
         try:
@@ -204,11 +211,16 @@ def fleet_run(stack: Settings, unique_topics, tmp_path):
                                  f"saw {seen[-1:]}") from None
         # each published event at the record time the worker gave its consolidated record
         records = consolidated(settings, topics)
+        per_record = defaultdict(int)
+        for es in records.values():
+            for offset, _, _ in es:
+                per_record[offset] += 1
+        assert max(per_record.values()) > 1, "some packed record should hold several events (change the seed)"
         for holder, ts, events in batches:
             mine = records[holder][:len(events)]
             del records[holder][:len(events)]
-            assert [r.value["ts"] for r in mine] == [ts] * len(events), holder
-            oracle.apply(holder, [r.timestamp for r in mine], events)
+            assert [v["ts"] for _, _, v in mine] == [ts] * len(events), holder
+            oracle.apply(holder, [record_ts for _, record_ts, _ in mine], events)
             oracle.engine_ts[holder].add(ts)
         assert oracle.clears, "the run should hold at least one AllBlocksCleared (change the seed)"
         yield settings, fleet, oracle
@@ -217,15 +229,17 @@ def fleet_run(stack: Settings, unique_topics, tmp_path):
         fleet.stop()
 
 
-def consolidated(settings: Settings, topics: list[str]) -> dict[str, list[Record]]:
+def consolidated(settings: Settings, topics: list[str]) -> dict[str, list[tuple[tuple[str, int, int], float, dict]]]:
     """Per holder, the consolidated engine events in ``topics`` so far in position order (Reset
-    markers the bridges add left out)."""
-    out: dict[str, list[Record]] = defaultdict(list)
+    markers the bridges add left out): (topic, partition and offset of the record that held the event,
+    its record time, the event as a BlockEvent value)."""
+    out: dict[str, list[tuple[tuple[str, int, int], float, dict]]] = defaultdict(list)
     for r in read(settings, topics, TimeRange()):
-        if isinstance(r.value, dict) and r.value["event"][0] != "kvbus.Reset":
-            out[f"{r.value['replica']}#{r.value['dp_rank']}"].append(r)
-    for rs in out.values():
-        rs.sort(key=lambda r: (r.value["epoch"], r.value["seq"], r.value["index"]))
+        for v in event_values(r, settings.topics):
+            if v["event"][0] != "kvbus.Reset":
+                out[f"{v['replica']}#{v['dp_rank']}"].append(((r.topic, r.partition, r.offset), r.timestamp, v))
+    for es in out.values():
+        es.sort(key=lambda e: (e[2]["epoch"], e[2]["seq"], e[2]["index"]))
     return out
 
 
@@ -357,13 +371,18 @@ def test_sample_prints_records_of_every_topic(fleet_run, tmp_path) -> None:
     done = run_report(settings, tmp_path, "--sample", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     sections = [line[2:] for line in done.stdout.splitlines() if line.startswith("# ")]
-    assert sections == sorted([settings.topics.blocks, settings.topics.for_ownership("kvcr")])
+    t = settings.topics
+    assert sections == sorted([t.packed, t.for_ownership("kvcr", packed=True)])
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert all(set(r["value"]) >= {"replica", "epoch", "seq", "index", "ts", "event"} for r in rows)
-    kinds = [next(iter(r["value"]["event"])) for r in rows]
-    # one record of each kind per topic: the run stored, removed and cleared on kvbus.blocks
-    assert len(kinds) == len(set(zip(sections_of(done.stdout), kinds)))
-    assert {"kvbus.BlockStored", "kvbus.BlockRemoved", "kvbus.AllBlocksCleared"} <= set(kinds)
+    assert all(set(r["value"]) >= {"replica", "epoch", "seq", "ts", "events"} for r in rows)
+    # packed records (their events shown up to the first six), each taken for an event kind of its topic
+    # that no record before it had: at most one per kind (store, remove, clear, reset)
+    kinds: dict[str, set[str]] = defaultdict(set)
+    for section, r in zip(sections_of(done.stdout), rows, strict=True):
+        kinds[section] |= {next(iter(e["event"])) for e in r["value"]["events"] if isinstance(e, dict)}
+    assert all(sections_of(done.stdout).count(section) <= 4 for section in sections)
+    # the run stored, removed and cleared on the framework's topic (a clear starts its engine batch)
+    assert {"kvbus.BlockStored", "kvbus.BlockRemoved", "kvbus.AllBlocksCleared"} <= kinds[t.packed]
 
 
 def sections_of(text: str) -> list[str]:
@@ -402,3 +421,59 @@ def test_time_range_and_series_follow_the_kafka_record_time(stack: Settings, uni
     minutes = sorted(m.timestamp() for m in report.series["minute"])
     assert minutes == sorted((T0 + at) // 60 * 60 for at in offsets_s)
     assert report.clocks.select("holder", "events", "behind").rows() == [("r#0", 4, 4)]
+
+
+def test_packed_records_count_as_the_events_they_hold(stack: Settings, unique_topics) -> None:
+    """One holder's history in both block layouts, its engine clock a year behind: a BlockEvent on
+    ``blocks``, then BlockEvents records of several events on ``blocks-packed`` and its kvcr tier topic,
+    an AllBlocksCleared and Reset markers packed too. The report counts events (not records), takes each
+    event's position from its record and entry, its tier from the event, and applies the packed clear to
+    the lives the layout 1 record opened (one track per tier, whichever layout carried its events)."""
+    from kvbus.infra.dev_topics import ensure_topics
+
+    settings = replace(stack, topics=unique_topics)
+    t = unique_topics
+    kvcr = t.for_ownership("kvcr", packed=True)
+    ensure_topics(settings.bootstrap, [t.packed, kvcr], settings.partitions, 1)
+    reg = registry_client(settings.registry_url)
+    one, many = RecordSerde(reg, "BlockEvent"), RecordSerde(reg, "BlockEvents")
+    p = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True})
+
+    def gpu(*blocks: int, parent: int | None = None) -> BlockStored:
+        return BlockStored(block_hashes=[b.to_bytes(8, "big") for b in blocks], block_size=16, medium="GPU",
+                           parent_block_hash=parent.to_bytes(8, "big") if parent is not None else None)
+
+    def packed(topic: str, at: float, epoch: int, seq: int, events: list[tuple[int, object]]) -> None:
+        value = BlockEvents(replica="r", epoch=epoch, seq=seq, ts=T0 + at - YEAR, model="m",
+                            events=[PositionedEvent(index=i, event=e) for i, e in events])
+        p.produce(topic, many.dumps(value, topic), b"r#0", timestamp=int((T0 + at) * 1000))
+
+    first = BlockEvent(replica="r", epoch=1, seq=0, index=0, ts=T0 - YEAR, event=gpu(1, 2))
+    p.produce(t.blocks, one.dumps(first, t.blocks), b"r#0", timestamp=int(T0 * 1000))
+    packed(t.packed, 10, 1, 1, [(0, gpu(3, parent=2)), (1, BlockRemoved(block_hashes=[(1).to_bytes(8, "big")],
+                                                                         medium="GPU")), (2, gpu(4, 5))])
+    packed(kvcr, 10, 1, 1, [(3, BlockStored(block_hashes=[(1).to_bytes(8, "big")], block_size=16, medium="CPU",
+                                            ownership="kvcr"))])
+    packed(t.packed, 20, 1, 2, [(0, AllBlocksCleared())])
+    for topic in (t.packed, kvcr):
+        packed(topic, 30, 2, -1, [(0, Reset(reason="engine-restart"))])
+    assert p.flush(30) == 0
+
+    records = list(read(settings, topics_to_read(settings, raw=False), TimeRange()))
+    assert len(records) == 6
+    report = build_report(settings, records, raw=False)
+    ev = report.blocks
+    # one row per block of each event: 2 + (1 + 1 + 2) + 1 + 1 clear + 2 resets
+    assert ev.height == 10
+    kvcr_row = ev.filter(pl.col("tier") == "CPU@kvcr").row(0, named=True)
+    assert (kvcr_row["topic"], kvcr_row["track"], kvcr_row["epoch"], kvcr_row["seq"], kvcr_row["index"],
+            kvcr_row["holder"], kvcr_row["ts"]) == (kvcr, t.for_ownership("kvcr"), 1, 1, 3, "r#0", T0 + 10 - YEAR)
+    assert ev.filter(pl.col("topic") == t.packed, pl.col("seq") == 1)["index"].to_list() == [0, 1, 2, 2]
+    # six engine events in four records, all a year behind
+    assert report.clocks.select("holder", "events", "behind").rows() == [("r#0", 6, 6)]
+    tiers = {r["tier"]: (r["stores"], r["removes"], r["live_end"]) for r in report.tiers.iter_rows(named=True)}
+    assert tiers == {"GPU": (5, 1, 0), "CPU@kvcr": (1, 0, 0)}
+    lives = sorted((r["tier"], r["block"], r["start"] - T0, r["end"] - T0, r["ended"])
+                   for r in report.lives.iter_rows(named=True))
+    assert lives == [("CPU@kvcr", 1, 10, 30, "reset"), ("GPU", 1, 0, 10, "remove"), ("GPU", 2, 0, 20, "clear"),
+                     ("GPU", 3, 10, 20, "clear"), ("GPU", 4, 10, 20, "clear"), ("GPU", 5, 10, 20, "clear")]

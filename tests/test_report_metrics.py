@@ -30,10 +30,10 @@ def h(n: int) -> bytes:
 
 def ev(replica: str, seq: int, t: float, kind: str, hashes: list[int] | None = None, parent: int | None = None,
        topic: str = FW, medium: str | None = "GPU", ownership: str | None = None) -> dict:
-    return {"topic": topic, "partition": 0, "offset": next(OFFSETS), "record_ts": T0 + t, "replica": replica,
-            "dp_rank": 0, "epoch": 1, "seq": seq, "index": 0, "ts": T0 + t + ENGINE_CLOCK[replica], "kind": kind,
-            "medium": medium, "ownership": ownership,
-            "group_idx": None, "hashes": [h(x) for x in hashes] if hashes is not None else None,
+    return {"topic": topic, "partition": 0, "offset": next(OFFSETS), "track": topic, "record_ts": T0 + t,
+            "replica": replica, "dp_rank": 0, "epoch": 1, "seq": seq, "index": 0, "ts": T0 + t + ENGINE_CLOCK[replica],
+            "kind": kind, "medium": medium, "ownership": ownership, "group_idx": None,
+            "hashes": [h(x) for x in hashes] if hashes is not None else None,
             "parent_hash": h(parent) if parent is not None else None, "block_size": 16 if kind == "store" else None,
             "reason": None}
 
