@@ -94,30 +94,29 @@ def _flatten_union(branches: list[Any], defs: dict[str, dict], fields: Iterable[
 
 
 def reader_schema(record: str, fields: Iterable[str] = EVENT_FIELDS) -> str:
-    """The reader schema of ``kvbus.<record>`` (module doc): every union of several records, also
-    as array items, becomes one record of ``fields``; docs dropped. JSON text."""
+    """The reader schema of ``kvbus.<record>`` (module doc): every union of several records, wherever it
+    is (a field, array items, a field of a nested record such as ``BlockEvents.events[].event``), becomes
+    one record of ``fields``; docs dropped. JSON text."""
     full = json.loads(schema_str(record))
     defs = _named_types(full, {})
     fields = tuple(fields)
+    flat: dict | None = None
 
     def is_record_union(t: Any) -> bool:
         return isinstance(t, list) and sum(1 for b in t if b != "null") > 1
 
-    flat = None
-    top = []
-    for f in full["fields"]:
-        f = dict(f)
-        t = f["type"]
+    def resolve(t: Any) -> Any:
+        nonlocal flat
         if is_record_union(t):
             flat = flat or _flatten_union(t, defs, fields)
-            f["type"] = flat
-        elif isinstance(t, dict) and t.get("type") == "array" and is_record_union(t["items"]):
-            flat = flat or _flatten_union(t["items"], defs, fields)
-            f["type"] = {"type": "array", "items": flat}
-        top.append(f)
-    schema = {k: v for k, v in full.items() if k != "fields"}
-    schema["fields"] = top
-    return json.dumps(_strip_docs(_define_first_use(schema, defs, set())), separators=(",", ":"))
+            return flat
+        if isinstance(t, dict) and t.get("type") == "array":
+            return {**t, "items": resolve(t["items"])}
+        if isinstance(t, dict) and t.get("type") == "record":
+            return {**t, "fields": [{**f, "type": resolve(f["type"])} for f in t["fields"]]}
+        return t
+
+    return json.dumps(_strip_docs(_define_first_use(resolve(full), defs, set())), separators=(",", ":"))
 
 
 def render(sql: str, settings: Settings, group: str) -> str:
@@ -125,8 +124,9 @@ def render(sql: str, settings: Settings, group: str) -> str:
     t = settings.topics
     values = {
         "bootstrap": settings.bootstrap, "registry_url": settings.registry_url, "group": group,
-        "blocks_topic_regex": re.escape(t.blocks) + r"(\..+)?", "raw_topic": t.raw,
-        "blocks_reader_schema": reader_schema("BlockEvent"), "raw_reader_schema": reader_schema("EventBatch"),
+        "blocks_topic_regex": t.layout_pattern(packed=False), "packed_topic_regex": t.layout_pattern(packed=True),
+        "raw_topic": t.raw, "blocks_reader_schema": reader_schema("BlockEvent"),
+        "packed_reader_schema": reader_schema("BlockEvents"), "raw_reader_schema": reader_schema("EventBatch"),
     }
 
     def fill(m: re.Match) -> str:

@@ -133,6 +133,11 @@ class Topics:
         block layouts."""
         return "^(" + re.escape(self.blocks) + "|" + re.escape(self.packed) + r")(\..+)?$"
 
+    def layout_pattern(self, packed: bool) -> str:
+        """Regex matching, as a whole (Java's ``matches``, Python's ``fullmatch``: no anchors), the framework
+        and all tier topics of one block layout (``packed``: layout 2), e.g. a Flink table's ``topic-pattern``."""
+        return re.escape(self.for_ownership(None, packed)) + r"(\..+)?"
+
     def is_packed(self, topic: str) -> bool:
         """Whether ``topic`` is a block topic of layout 2 (``packed`` or ``packed.<ownership>``)."""
         return topic == self.packed or topic.startswith(self.packed + ".")

@@ -1,8 +1,10 @@
 """Apache Flink SQL (PyFlink from PyPI, the Kafka SQL connector and the avro-confluent format from
-Maven Central) reads kvbus.blocks, its tier topics and kvbus.raw through the registry's
-Confluent-compatible API, and analytics/flink/stores_per_minute.sql gives the per-replica counts
-the records hold per minute of Kafka record time (the engines' clocks, here a year behind, do not
-place them); they also equal ``kvbus report``'s per-minute series of the same topics.
+Maven Central) reads the block topics of both layouts (kvbus.blocks and its tier topics: a BlockEvent
+per event; kvbus.blocks-packed and its tier topics: BlockEvents records of several events, unnested)
+and kvbus.raw through the registry's Confluent-compatible API, and analytics/flink/stores_per_minute.sql
+gives the per-replica counts of events and blocks the records hold per minute of Kafka record time (the
+engines' clocks, here a year behind, do not place them); they also equal ``kvbus report``'s per-minute
+series of the same topics.
 
 First run on a machine: PyFlink's venv (~300 MB from PyPI) and the two jars are made in
 ``$KVBUS_STATE_DIR/flink`` (infra/flink.py); later runs reuse them.
@@ -18,11 +20,21 @@ import polars as pl
 import pytest
 from confluent_kafka import Producer
 
-from kvbus.analytics.cli import build_report
+from kvbus.analytics.cli import build_report, topics_to_read
 from kvbus.analytics.flink_job import DEFAULT_SQL, JOB_TIMEOUT_S, run
 from kvbus.analytics.reader import read
 from kvbus.analytics.timerange import TimeRange
-from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, holder_key
+from kvbus.schemas.events import (
+    AllBlocksCleared,
+    BlockEvent,
+    BlockEvents,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    PositionedEvent,
+    Reset,
+    holder_key,
+)
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.settings import Settings
 
@@ -59,9 +71,27 @@ HISTORY = [
 ]
 
 
+# (replica, minute, second, topic suffix, events): BlockEvents records (block layout 2), several events each;
+# replica-0's minute 1 has events of both layouts
+PACKED = [
+    ("replica-2", 0, 4, "", [BlockStored(block_hashes=hashes(1, 4), block_size=16, medium="GPU"),
+                             BlockStored(block_hashes=hashes(20, 2), block_size=16, medium="GPU"),
+                             BlockRemoved(block_hashes=hashes(1, 1), medium="GPU")]),
+    ("replica-2", 0, 4, "kvcr", [BlockStored(block_hashes=hashes(1, 2), block_size=16, medium="CPU",
+                                             ownership="kvcr")]),
+    ("replica-2", 1, 7, "", [AllBlocksCleared(), BlockStored(block_hashes=hashes(30, 3), block_size=16, medium="GPU"),
+                             BlockRemoved(block_hashes=hashes(30, 2), medium="GPU")]),
+    ("replica-0", 1, 30, "", [BlockStored(block_hashes=hashes(40, 2), block_size=16, medium="GPU"),
+                              BlockRemoved(block_hashes=hashes(40, 1), medium="GPU")]),
+    ("replica-2", 2, 8, "kvcr", [Reset(reason="engine-restart")]),
+]
+
+
 def expected_blocks() -> dict[tuple[str, str], dict[str, int]]:
     out: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for replica, m, _, _, e in HISTORY:
+    events = [(replica, m, e) for replica, m, _, _, e in HISTORY]
+    events += [(replica, m, e) for replica, m, _, _, es in PACKED for e in es]
+    for replica, m, e in events:
         row = out[(replica, minute(m))]
         row.setdefault("stored_blocks", 0), row.setdefault("removed_blocks", 0)
         if isinstance(e, BlockStored):
@@ -91,7 +121,8 @@ def topics_with_history(stack: Settings, unique_topics):
 
     settings = replace(stack, topics=unique_topics)
     tier = unique_topics.for_ownership("kvcr")
-    ensure_topics(settings.bootstrap, [tier], settings.partitions, 1)
+    packed_tier = unique_topics.for_ownership("kvcr", packed=True)
+    ensure_topics(settings.bootstrap, [tier, unique_topics.packed, packed_tier], settings.partitions, 1)
     serde = RecordSerde(registry_client(settings.registry_url), "BlockEvent")
     p = Producer({"bootstrap.servers": settings.bootstrap, "enable.idempotence": True})
     for seq, (replica, m, s, suffix, e) in enumerate(HISTORY):
@@ -99,6 +130,13 @@ def topics_with_history(stack: Settings, unique_topics):
         at = T0 + 60 * m + s
         value = BlockEvent(replica=replica, epoch=1, seq=seq, index=0, ts=at + ENGINE_CLOCK, event=e)
         p.produce(topic, serde.dumps(value, topic), holder_key(replica, 0).encode(), timestamp=int(at * 1000))
+    packed_serde = RecordSerde(registry_client(settings.registry_url), "BlockEvents")
+    for seq, (replica, m, s, suffix, events) in enumerate(PACKED, start=len(HISTORY)):
+        topic = packed_tier if suffix else unique_topics.packed
+        at = T0 + 60 * m + s
+        packed = BlockEvents(replica=replica, epoch=1, seq=seq, ts=at + ENGINE_CLOCK,
+                             events=[PositionedEvent(index=i, event=e) for i, e in enumerate(events)])
+        p.produce(topic, packed_serde.dumps(packed, topic), holder_key(replica, 0).encode(), timestamp=int(at * 1000))
     raw_serde = RecordSerde(registry_client(settings.registry_url), "EventBatch")
     for seq, (replica, worker, m, s, events) in enumerate(RAW):
         at = T0 + 60 * m + s
@@ -131,8 +169,8 @@ def test_flink_sql_counts_stores_and_removes_per_replica_and_minute(topics_with_
                    ("replica-0", 0, minute(1)): (2, 3), ("replica-0", 1, minute(1)): (1, 2)}
 
     # the same figures from kvbus report's per-minute series (summed over tiers)
-    t = settings.topics
-    records = list(read(settings, [t.blocks, t.for_ownership("kvcr"), t.incomplete, t.dlq], TimeRange()))
+    assert {("replica-2", minute(0)), ("replica-2", minute(1))} <= set(blocks)  # packed records were read
+    records = list(read(settings, topics_to_read(settings, raw=False), TimeRange()))
     series = build_report(settings, records, raw=False).series.group_by("holder", "minute").agg(
         pl.col("stores", "removes").sum())
     from_report = {(r["holder"].removesuffix("#0"), r["minute"].replace(tzinfo=None).isoformat()):
