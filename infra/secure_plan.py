@@ -72,7 +72,8 @@ class Grant:
     """What the stage does with it."""
 
     def describe(self) -> str:
-        """``READ topic kvbus.raw`` / ``WRITE, CREATE topic kvbus.blocks.*`` (the table form of docs/security.md)."""
+        """``READ topic kvbus.raw`` / ``WRITE, CREATE topic kvbus.blocks-packed.*`` (the table form of
+        docs/security.md)."""
         return f"{', '.join(self.operations)} {self.resource} {self.name}{'*' if self.prefixed else ''}"
 
 
@@ -84,11 +85,23 @@ def _group(name: str, *ops: str, why: str, prefixed: bool = False) -> Grant:
     return Grant("group", name, prefixed, ops, why)
 
 
+BLOCK_LAYOUTS: tuple[tuple[bool, str], ...] = ((True, "block layout 2"), (False, "block layout 1"))
+"""(``packed``, name) of each block layout (schemas/topics.py, "Block layouts"): the worker writes layout 2
+by default and layout 1 when run with ``--block-layout events``; the sink and readers read both."""
+
+
+def _block_grants(topics: Topics, ops: tuple[str, ...], tier_ops: tuple[str, ...], why: str,
+                  tier_why: str) -> list[Grant]:
+    """``ops`` on each block layout's framework topic and ``tier_ops`` on its tier topics (a prefixed ACL:
+    :meth:`Topics.tier_prefix`)."""
+    return [g for packed, layout in BLOCK_LAYOUTS for g in (
+        _topic(topics.for_ownership(None, packed=packed), *ops, why=f"{why} ({layout})"),
+        _topic(topics.tier_prefix(packed), *tier_ops, prefixed=True, why=f"{tier_why} ({layout})"))]
+
+
 def kafka_grants(topics: Topics, streams: StreamsOptions, sink: SinkConfig) -> dict[str, list[Grant]]:
     """The ACLs of each principal (``admin`` is a super user and has none; the router none)."""
-    tiers = topics.blocks + "."  # kvbus.blocks.<ownership>: topics.for_ownership
     app = streams.app_id
-    every = [topics.raw, topics.blocks, topics.incomplete, topics.dlq, topics.snapshots]
     return {
         BRIDGE: [
             _topic(topics.raw, "WRITE", why="produce engine batches"),
@@ -99,18 +112,17 @@ def kafka_grants(topics: Topics, streams: StreamsOptions, sink: SinkConfig) -> d
         STREAMS: [
             _topic(topics.raw, "READ", why="consume engine batches"),
             _group(app, "READ", why="the Faust consumer group (app id)"),
-            _topic(topics.blocks, "WRITE", why="consolidated framework-owned events"),
-            _topic(tiers, "WRITE", "CREATE", prefixed=True, why="tier topics, created on first event of a tier"),
+            *_block_grants(topics, ("WRITE",), ("WRITE", "CREATE"), why="consolidated framework-owned events",
+                           tier_why="tier topics, created on first event of a tier"),
             _topic(topics.incomplete, "WRITE", why="incomplete events"),
             _topic(topics.dlq, "WRITE", why="dead letters"),
             _topic(app + "-", "READ", "WRITE", "CREATE", "DESCRIBE_CONFIGS", prefixed=True,
                    why="Faust's own topics: the table changelog, the assignor's leader topic"),
         ],
         SINK: [
-            _topic(topics.blocks, "READ", "DESCRIBE_CONFIGS",
-                   why="consume consolidated events; its retention is checked against the snapshot interval"),
-            _topic(tiers, "READ", "DESCRIBE_CONFIGS", prefixed=True,
-                   why="consume the tier topics (regex subscription); their retention is checked too"),
+            *_block_grants(topics, ("READ", "DESCRIBE_CONFIGS"), ("READ", "DESCRIBE_CONFIGS"),
+                           why="consume consolidated events; its retention is checked against the snapshot interval",
+                           tier_why="consume the tier topics (regex subscription); their retention is checked too"),
             _group(sink.group, "READ", why="the sinks' consumer group"),
             _topic(topics.dlq, "WRITE", why="dead letters"),
             _topic(topics.snapshots, "READ", "WRITE", "CREATE",
@@ -118,8 +130,9 @@ def kafka_grants(topics: Topics, streams: StreamsOptions, sink: SinkConfig) -> d
             _group(SINK_REBUILD_GROUPS, "READ", prefixed=True, why="the snapshot reader's throw-away group"),
         ],
         ANALYTICS: [
-            *[_topic(t, "READ", why="read records") for t in every],
-            _topic(tiers, "READ", prefixed=True, why="read the tier topics"),
+            _topic(topics.raw, "READ", why="read records"),
+            *_block_grants(topics, ("READ",), ("READ",), why="read records", tier_why="read the tier topics"),
+            *[_topic(t, "READ", why="read records") for t in (topics.incomplete, topics.dlq, topics.snapshots)],
             _group(ANALYTICS_GROUPS, "READ", prefixed=True, why="kvbus report's throw-away groups"),
         ],
     }

@@ -123,10 +123,14 @@ class Topics:
     def for_ownership(self, ownership: str | None, packed: bool = False) -> str:
         """Topic of consolidated events of a tier: ``blocks`` for None, else ``blocks.<ownership>``
         with characters Kafka does not allow replaced by ``_``; ``packed``: the same under ``packed``."""
-        base = self.packed if packed else self.blocks
         if ownership is None:
-            return base
-        return f"{base}.{_ILLEGAL.sub('_', ownership)}"
+            return self.packed if packed else self.blocks
+        return self.tier_prefix(packed) + _ILLEGAL.sub("_", ownership)
+
+    def tier_prefix(self, packed: bool = False) -> str:
+        """What every tier topic of a block layout starts with: ``blocks.`` (layout 1), ``packed.`` (layout 2,
+        ``packed``); what a prefixed ACL on the tier topics names."""
+        return (self.packed if packed else self.blocks) + "."
 
     def blocks_pattern(self) -> str:
         """Regex subscription (librdkafka ``^`` form) matching the framework and all tier topics of both
@@ -140,7 +144,7 @@ class Topics:
 
     def is_packed(self, topic: str) -> bool:
         """Whether ``topic`` is a block topic of layout 2 (``packed`` or ``packed.<ownership>``)."""
-        return topic == self.packed or topic.startswith(self.packed + ".")
+        return topic == self.packed or topic.startswith(self.tier_prefix(packed=True))
 
     def packed_of(self, topic: str) -> str:
         """The layout 2 topic of a layout 1 block topic (``blocks.<ownership>`` -> ``packed.<ownership>``)."""

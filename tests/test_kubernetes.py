@@ -428,7 +428,7 @@ def test_kafka_topics_equal_the_topic_declarations(rendered: list[dict[str, Any]
     topics = Topics.from_env(env)
     assert found[topics.snapshots]["config"]["cleanup.policy"] == "compact"
     snapshot_every = SinkConfig.from_env(env).snapshot_every
-    for name in (topics.raw, topics.blocks):
+    for name in (topics.raw, topics.packed, topics.blocks):
         assert int(found[name]["config"]["retention.ms"]) > 1000 * snapshot_every, \
             f"{name} must retain more than the snapshot period ({snapshot_every} s)"
 

@@ -22,14 +22,19 @@ def test_acls_follow_the_topic_names_app_id_and_sink_group():
     g = kafka_grants(t, replace(StreamsOptions(), app_id="wk"), replace(SinkConfig(), group="sg"))
     assert names(g[BRIDGE], "topic", "WRITE") == {"a.raw", "a.dlq"}
     assert names(g[STREAMS], "topic", "READ") == {"a.raw", "wk-*"}
-    assert names(g[STREAMS], "topic", "WRITE") == {"a.blocks", "a.blocks.*", "a.inc", "a.dlq", "wk-*"}
+    blocks = {"a.blocks-packed", "a.blocks-packed.*", "a.blocks", "a.blocks.*"}  # both block layouts
+    assert names(g[STREAMS], "topic", "WRITE") == {*blocks, "a.inc", "a.dlq", "wk-*"}
+    assert names(g[STREAMS], "topic", "CREATE") == {"a.blocks-packed.*", "a.blocks.*", "wk-*"}
     assert names(g[STREAMS], "group", "READ") == {"wk"}
-    assert names(g[SINK], "topic", "READ") == {"a.blocks", "a.blocks.*", "a.snap"}
+    assert names(g[SINK], "topic", "READ") == {*blocks, "a.snap"}
+    assert names(g[SINK], "topic", "DESCRIBE_CONFIGS") == blocks  # retention checks
     assert names(g[SINK], "topic", "WRITE") == {"a.dlq", "a.snap"}
     assert "sg" in names(g[SINK], "group", "READ")
     assert names(g[ANALYTICS], "topic", "WRITE") == set()
-    assert names(g[ANALYTICS], "topic", "READ") == {"a.raw", "a.blocks", "a.blocks.*", "a.inc", "a.dlq", "a.snap"}
-    assert t.for_ownership("kvcr").startswith("a.blocks.")  # the prefixed grant covers tier topics
+    assert names(g[ANALYTICS], "topic", "READ") == {"a.raw", *blocks, "a.inc", "a.dlq", "a.snap"}
+    for packed in (True, False):  # the prefixed grants cover the tier topics of both layouts
+        assert t.for_ownership("kvcr", packed=packed).startswith(t.tier_prefix(packed))
+    assert t.for_ownership("kvcr", packed=True) == "a.blocks-packed.kvcr"
 
 
 def test_redis_rules_confine_both_users_to_the_views_prefix():

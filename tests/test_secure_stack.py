@@ -51,7 +51,8 @@ def test_bridge_produces_raw_and_dead_letters_but_not_consolidated_topics(secure
     conf = kafka_conf(secure_stack, BRIDGE, **{"enable.idempotence": True})
     assert produce_one(conf, T.raw) is None
     assert produce_one(conf, T.dlq) is None
-    for topic in (T.blocks, T.for_ownership("kvcr"), T.incomplete, T.snapshots):
+    for topic in (T.packed, T.for_ownership("kvcr", packed=True), T.blocks, T.for_ownership("kvcr"), T.incomplete,
+                  T.snapshots):
         err = produce_one(conf, topic)
         assert err is not None and err.code() == DENIED, (topic, err)
 
@@ -72,29 +73,35 @@ def test_analytics_reads_every_topic_and_produces_nothing(secure_stack):
         assert seen, "analytics did not read the bridge's record"
     finally:
         c.close()
-    for topic in (T.raw, T.blocks, T.incomplete, T.dlq):  # (the snapshot topic exists once a sink made it)
+    for topic in (T.raw, T.packed, T.blocks, T.incomplete, T.dlq):  # (the snapshot topic exists once a sink made it)
         err = produce_one(kafka_conf(secure_stack, ANALYTICS), topic)
         assert err is not None and err.code() == DENIED, (topic, err)
 
 
 def test_sink_reads_block_topics_in_its_group_but_not_raw(secure_stack):
     group = SinkConfig().group
-    tier = T.for_ownership("lmcache")
     value = uuid.uuid4().bytes
+    tiers = [T.for_ownership("lmcache", packed=packed) for packed in (True, False)]  # both block layouts
     admin = secure.dev_topics.admin_client(secure_stack.bootstrap, **secure.admin_conf(secure_stack))
-    admin.create_topics([NewTopic(tier, 1, 1)])[tier].result(PROMPT)
-    assert produce_one(kafka_conf(secure_stack, STREAMS), tier, value) is None
+    for tier, fut in admin.create_topics([NewTopic(tier, 1, 1) for tier in tiers]).items():
+        try:
+            fut.result(PROMPT)
+        except KafkaException as e:  # made by an earlier run: fine
+            assert e.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS, (tier, e)
+    for tier in tiers:
+        assert produce_one(kafka_conf(secure_stack, STREAMS), tier, value) is None, tier
     c = Consumer(group_conf(secure_stack, SINK, group))
     try:
         c.subscribe([T.blocks_pattern()])
         deadline = time.monotonic() + 60
-        got = None
-        while got is None and time.monotonic() < deadline:
+        got = {}
+        while set(got) != set(tiers) and time.monotonic() < deadline:
             msg = c.poll(0.5)
             if msg is not None and msg.error() is None and msg.value() == value:
-                got = msg
-        assert got is not None and got.topic() == tier
-        c.commit(got, asynchronous=False)  # its group: READ allowed
+                got[msg.topic()] = msg
+        assert set(got) == set(tiers), got
+        for msg in got.values():
+            c.commit(msg, asynchronous=False)  # its group: READ allowed
     finally:
         c.close()
     c = Consumer(group_conf(secure_stack, SINK, group))
@@ -117,7 +124,7 @@ def test_sink_writes_dead_letters_and_snapshots_only(secure_stack):
         assert e.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS, e
     # compacted: records need a key; this one is no view's (snapshot readers skip other prefixes)
     assert produce_one(conf, T.snapshots, key=b"test-probe") is None
-    for topic in (T.raw, T.blocks, T.incomplete):
+    for topic in (T.raw, T.packed, T.blocks, T.incomplete):
         err = produce_one(conf, topic)
         assert err is not None and err.code() == DENIED, (topic, err)
 
@@ -125,16 +132,17 @@ def test_sink_writes_dead_letters_and_snapshots_only(secure_stack):
 def test_streams_reads_raw_writes_outputs_and_creates_tier_and_own_topics_only(secure_stack):
     app = StreamsOptions().app_id
     conf = kafka_conf(secure_stack, STREAMS)
-    for topic in (T.blocks, T.incomplete, T.dlq):
+    for topic in (T.packed, T.blocks, T.incomplete, T.dlq):
         assert produce_one(conf, topic) is None, topic
     err = produce_one(conf, T.raw)
     assert err is not None and err.code() == DENIED
     admin = secure.dev_topics.admin_client(secure_stack.bootstrap, **conf)
-    tier = T.for_ownership(f"t{uuid.uuid4().hex[:6]}")
+    ownership = f"t{uuid.uuid4().hex[:6]}"
+    tiers = [T.for_ownership(ownership, packed=packed) for packed in (True, False)]  # both block layouts
     changelog, other = f"{app}-x{uuid.uuid4().hex[:6]}-changelog", f"x{uuid.uuid4().hex[:6]}"
-    futs = admin.create_topics([NewTopic(t, 1, 1) for t in (tier, changelog, other)], operation_timeout=PROMPT)
-    futs[tier].result(PROMPT)
-    futs[changelog].result(PROMPT)
+    futs = admin.create_topics([NewTopic(t, 1, 1) for t in (*tiers, changelog, other)], operation_timeout=PROMPT)
+    for name in (*tiers, changelog):
+        futs[name].result(PROMPT)
     with pytest.raises(KafkaException) as refused:
         futs[other].result(PROMPT)
     assert refused.value.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
@@ -365,6 +373,6 @@ def test_up_again_changes_nothing_and_a_restart_keeps_keys_users_and_schemas(sec
     assert secure.status(secure_stack)["ready"]
     assert secure_stack.ca.read_bytes() == ca  # same CA: clients' trust survives a restart
     assert produce_one(kafka_conf(secure_stack, BRIDGE), T.raw) is None  # SCRAM users are in the metadata log
-    err = produce_one(kafka_conf(secure_stack, BRIDGE), T.blocks)
+    err = produce_one(kafka_conf(secure_stack, BRIDGE), T.packed)
     assert err is not None and err.code() == DENIED  # and so are the ACLs
     assert registry(secure_stack).get_schema(sid).schema_str  # KafkaSQL replayed the journal
