@@ -408,7 +408,8 @@ def redis_evict(ctx: "Ctx") -> None:
 
 @fault("topic-recreated", sink_args=("--snapshot-every", "4"), exact=False)
 def topic_recreated(ctx: "Ctx") -> None:
-    """Delete the block topic and create it again empty while the sink (snapshotting every 4 s) and
+    """Delete the block topic the worker writes (``Run.block_topic``: layout 2's unless the run's environment
+    says otherwise) and create it again empty while the sink (snapshotting every 4 s) and
     the worker run: the sink finds its stored offsets past the new log's end and rebuilds the view
     from the latest snapshot, the recreated partitions replayed from their start.
 
@@ -421,7 +422,7 @@ def topic_recreated(ctx: "Ctx") -> None:
     from kvbus.infra.dev_topics import ensure_topics
 
     settings = ctx.run.settings
-    topic, port = settings.topics.blocks, ctx.ports["sink-0"]
+    topic, port = ctx.run.block_topic(), ctx.ports["sink-0"]
     ctx.follow(30, until=lambda: scrape(port, "kvbus_sink_snapshots_total") >= 1)
     ctx.notes["snapshots_before"] = scrape(port, "kvbus_sink_snapshots_total")
     admin = AdminClient({"bootstrap.servers": settings.bootstrap})
@@ -725,13 +726,12 @@ class Ctx:
 
     # Kafka
     def partition_leaders(self) -> dict[int, list[str]]:
-        """Broker id -> the run's raw and blocks partitions it leads."""
+        """Broker id -> the run's raw and (framework-owned) block partitions it leads."""
         from kvbus.infra.dev_topics import admin_client
 
-        t = self.run.settings.topics
         md = admin_client(self.run.settings.bootstrap).list_topics(timeout=10)
         out: dict[int, list[str]] = {}
-        for topic in (t.raw, t.blocks):
+        for topic in (self.run.settings.topics.raw, self.run.block_topic()):
             for p, pm in md.topics[topic].partitions.items():
                 out.setdefault(pm.leader, []).append(f"{topic.split('.', 1)[1]}-{p}")
         return out

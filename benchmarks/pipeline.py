@@ -9,7 +9,8 @@ Path, every part a real process: ``kvbus fleet`` (synthetic vLLM 0.33 replicas, 
 -> ``kvbus bridge`` processes, each serving ``--streams-per-bridge`` engine streams (default 1: one
 per stream, as sidecars; more: ``kvbus bridge --streams``, as node-level bridges) -> ``<run>.raw``
 -> W ``kvbus worker`` processes (Faust)
--> ``<run>.blocks*`` -> S ``kvbus sink`` processes -> Redis, under fresh topics, consumer groups and
+-> ``<run>.blocks-packed*`` (block layout 2; ``<run>.blocks*`` with ``KVBUS_STREAMS_BLOCK_LAYOUT=events``)
+-> S ``kvbus sink`` processes -> Redis, under fresh topics, consumer groups and
 Redis prefix per run (all deleted at the end; ``--keep`` leaves them).
 
 **Generator.** The fleet generates and encodes its whole schedule before the ladder starts
@@ -71,6 +72,7 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
+from block_topics import block_events, record_schema, written_topic  # noqa: E402  (benchmarks/block_topics.py)
 from kvbus.children import Children, cpu_seconds, free_port, free_port_block, wait_for  # noqa: E402
 from kvbus.demo_progress import GroupLag, scrape  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
@@ -150,6 +152,11 @@ class Run:
     def sink_group(self) -> str:
         return f"{self.run_id}.sink"
 
+    def block_topic(self, ownership: Optional[str] = None) -> str:
+        """The block topic the run's workers write tier ``ownership``'s events to (None: the framework-owned
+        one): layout 2's unless the run's environment says ``KVBUS_STREAMS_BLOCK_LAYOUT=events``."""
+        return written_topic(self.settings.topics, ownership, self.children.env)
+
 
 def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
     """Fresh names for topics, groups and the Redis prefix; topics created."""
@@ -160,11 +167,11 @@ def new_run(args: argparse.Namespace, base: Settings, log_dir: Path) -> Run:
                     dlq=f"{run_id}.dlq")
     settings = replace(base, topics=topics, partitions=args.partitions or base.partitions)
     replication = cluster_replication(settings.bootstrap)
-    ensure_topics(settings.bootstrap,
-                  [topics.raw, topics.blocks, topics.for_ownership("kvcr"), topics.incomplete, topics.dlq],
-                  settings.partitions, replication)
     # the worker creates its changelog and tier topics with KVBUS_REPLICATION
     env = {**os.environ, **settings.to_env(), "KVBUS_REPLICATION": str(replication)}
+    blocks = [written_topic(topics, tier, env) for tier in (None, "kvcr")]  # the block layout the workers write
+    ensure_topics(settings.bootstrap, [topics.raw, *blocks, topics.incomplete, topics.dlq], settings.partitions,
+                  replication)
     children = Children(log_dir=log_dir, env=env, log_prefix=f"{run_id}-")
     return Run(run_id, settings, f"{run_id}:", children)
 
@@ -327,7 +334,12 @@ class Sample:
     per_proc: dict[str, tuple[float, float]]
     """``worker-i`` -> (worker reports applied, CPU seconds); ``sink-i`` -> (records read, CPU seconds)."""
     lag_raw: Optional[int] = None
+    """Raw records the workers' group has not committed."""
     lag_blocks: Optional[int] = None
+    """Records of the block topics (both layouts) the sinks' group has not committed."""
+    block_records: Optional[int] = None
+    """Records written to the run's block topics so far (their end offsets: fresh topics); a layout 2
+    record holds an engine batch's events of one holder and tier."""
 
 
 class Sampler(threading.Thread):
@@ -375,7 +387,7 @@ class Sampler(threading.Thread):
         raw_records = scraped(run.bridge_ports, r"kvbus_bridge_batches_acked_total")
         consolidated = scraped(run.worker_ports, r"kvbus_streams_(consolidated|passthrough)_total")
         applied = scraped(run.sink_ports, r"kvbus_sink_events_applied_total")
-        lags = [pool.submit(self.raw_lag.lag), pool.submit(self.blocks_lag.lag)]
+        lags = [pool.submit(self.raw_lag.lag), pool.submit(self.blocks_lag.partitions)]
         per_proc = {}
         for i, (f, c) in enumerate(zip(reports, worker_cpu)):
             per_proc[f"worker-{i}"] = (f.result(), c)
@@ -390,7 +402,9 @@ class Sampler(threading.Thread):
             cpu=cpu, per_proc=per_proc,
         )
         try:
-            s.lag_raw, s.lag_blocks = (f.result() for f in lags)
+            s.lag_raw, blocks = (f.result() for f in lags)
+            s.lag_blocks = sum(max(0, end - done) for _t, _p, done, end in blocks)
+            s.block_records = sum(end for _t, _p, _done, end in blocks)
         except Exception:  # noqa: BLE001 - coordinator moving: this sample has no lag
             pass
         return s
@@ -538,7 +552,9 @@ def rung_figures(samples: list[Sample], fresh: dict[str, Any], tp: int, lag_grow
         "freshness": fresh,
     }
     bounded = True
-    for hop, written in (("raw", b.raw_records - a.raw_records), ("blocks", b.consolidated - a.consolidated)):
+    blocks_written = [s.block_records for s in samples if s.block_records is not None]  # records, as the lag
+    for hop, written in (("raw", b.raw_records - a.raw_records),
+                         ("blocks", blocks_written[-1] - blocks_written[0] if blocks_written else 0.0)):
         lags = [getattr(s, f"lag_{hop}") for s in samples if getattr(s, f"lag_{hop}") is not None]
         if len(lags) < 3:
             out[f"lag_{hop}"] = None
@@ -591,14 +607,17 @@ the producer is called): engine -> raw record produced (bridge: ZMQ, decode, enc
 consolidated produced -> visible (linger, Kafka, the sink's poll, decode and apply, the lookup)."""
 
 
-def probe_timestamps(settings: Settings, topic: str, kind: str, probes: set[bytes]) -> dict[bytes, float]:
-    """Probe hash -> Kafka timestamp (s) of the first record of ``topic`` (``kind``: EventBatch or
-    BlockEvent) that carries it as a one-block BlockStored."""
+def probe_timestamps(settings: Settings, topic: str, probes: set[bytes]) -> dict[bytes, float]:
+    """Probe hash -> Kafka timestamp (s) of the first record of ``topic`` (the raw topic: EventBatch
+    records; a block topic of either layout: BlockEvent or BlockEvents records) that carries it as a
+    one-block BlockStored."""
     from confluent_kafka import Consumer, TopicPartition
 
     from kvbus.schemas.codec import FastSerde
     from kvbus.schemas.serde import registry_client
 
+    raw = topic == settings.topics.raw
+    kind = "EventBatch" if raw else record_schema(settings.topics, topic)
     serde = FastSerde(registry_client(settings), kind, auto_register=False)
     c = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"hops-{uuid.uuid4().hex}",
                   "enable.auto.commit": False})
@@ -616,7 +635,7 @@ def probe_timestamps(settings: Settings, topic: str, kind: str, probes: set[byte
                 if m.offset() + 1 >= ends[m.partition()]:
                     done.add(m.partition())
                 v = serde.loads(m.value(), topic)
-                for e in (v.events if kind == "EventBatch" else [v.event]):
+                for e in (v.events if raw else [ev.event for ev in block_events(v)]):
                     hs = getattr(e, "block_hashes", None)
                     if hs is not None and len(hs) == 1 and hs[0] in probes and hs[0] not in out:
                         out[hs[0]] = m.timestamp()[1] / 1000.0
@@ -628,8 +647,8 @@ def probe_timestamps(settings: Settings, topic: str, kind: str, probes: set[byte
 def hop_figures(run: Run, prober: Prober, windows: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """Per rung: p50 / p90 / p99 ms of each hop (HOPS) over the probes published in its window."""
     probes = set(prober.seen)
-    raw = probe_timestamps(run.settings, run.settings.topics.raw, "EventBatch", probes)
-    blocks = probe_timestamps(run.settings, run.settings.topics.blocks, "BlockEvent", probes)
+    raw = probe_timestamps(run.settings, run.settings.topics.raw, probes)
+    blocks = probe_timestamps(run.settings, run.block_topic(), probes)
     out: dict[str, Any] = {}
     for name, (t0, t1) in windows.items():
         parts: dict[str, list[float]] = {h: [] for h in HOPS}

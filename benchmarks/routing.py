@@ -436,7 +436,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.window = args.window or 4 * args.replicas
     args.block_size = d.block_size
-    args.tp, args.workers_procs, args.sinks = 1, 1, 1  # what pipeline.start_stages reads
+    # what pipeline.start_stages reads: one bridge per engine stream (sidecars)
+    args.tp, args.workers_procs, args.sinks, args.streams_per_bridge = 1, 1, 1, 1
     return args
 
 

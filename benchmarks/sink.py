@@ -24,7 +24,9 @@ no per-pod index). Both timed end to end from the same Python client. Also repor
 (replica, block, tier) entry after the run (``used_memory`` delta; the view has seen removes and
 re-adds, unlike benchmarks/lookup.py's bulk load), and Avro decoding cost per record
 (``kvbus.schemas.codec``, and confluent's ``kvbus.schemas.serde`` path), the other half of the sink's
-per-record work.
+per-record work: of block layout 1 (a ``BlockEvent`` record per event) and of layout 2, what the worker
+writes (a ``BlockEvents`` record per engine batch and holder: ``--packed-events`` events each), per
+record and per event.
 
 The last line printed is one JSON object with the figures.
 """
@@ -41,13 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvbus.schemas.codec import FastSerde  # noqa: E402
-from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored  # noqa: E402
+from kvbus.schemas.events import BlockEvent, BlockEvents, BlockRemoved, BlockStored, PositionedEvent  # noqa: E402
 from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from lookup import pod_entry  # noqa: E402  (the llm-d layout lives in benchmarks/lookup.py)
 from tests.redis_server import RedisServer, main_thread_cpu, wait_replica_synced  # noqa: E402
 
 TOPIC = "kvbus.blocks"
+"""The track the events are applied under (:meth:`kvbus.schemas.topics.Topics.track`), and the topic of
+the layout 1 records decoded."""
+PACKED_TOPIC = "kvbus.blocks-packed"
+"""The topic of the layout 2 records decoded (the registry subject is named after it)."""
 LLMD_EVICT = """
 if redis.call('HLEN', KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -190,12 +196,53 @@ def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards:
     return out
 
 
+def packed(sample: list[tuple[str, BlockEvent]], per_record: int) -> list[BlockEvents]:
+    """``sample`` as block layout 2 records of ``per_record`` events of one replica each (the events of a
+    record take the position ``(epoch, seq, i)`` of its first event's seq)."""
+    by_replica: dict[str, list[BlockEvent]] = {}
+    for _, ev in sample:
+        by_replica.setdefault(ev.replica, []).append(ev)
+    out = []
+    for evs in by_replica.values():
+        for i in range(0, len(evs), per_record):
+            chunk, first = evs[i:i + per_record], evs[i]
+            out.append(BlockEvents(replica=first.replica, epoch=first.epoch, seq=first.seq, ts=first.ts,
+                                   events=[PositionedEvent(index=j, event=e.event) for j, e in enumerate(chunk)]))
+    return out
+
+
+def decode_figures(sample: list[tuple[str, BlockEvent]], per_record: int) -> dict[str, float]:
+    """Avro decoding cost of ``sample``'s events, per record and per event, in both block layouts:
+    FastSerde (schemas/codec.py, what the sink decodes with) and RecordSerde (confluent's path)."""
+    registry = registry_client("mock://bench-sink")
+    layouts = {"BlockEvent": (TOPIC, [ev for _, ev in sample]),
+               "BlockEvents": (PACKED_TOPIC, packed(sample, per_record))}
+    result: dict[str, float] = {}
+    for kind, (topic, values) in layouts.items():
+        blobs = [RecordSerde(registry, kind).dumps(v, topic) for v in values]
+        label = "" if kind == "BlockEvent" else "packed_"
+        for name, serde in ((f"{label}avro_decode_us_per_record", FastSerde(registry, kind, auto_register=False)),
+                            (f"{label}confluent_avro_decode_us_per_record", RecordSerde(registry, kind))):
+            t = time.perf_counter()
+            for blob in blobs:
+                serde.loads(blob, topic)
+            secs = time.perf_counter() - t
+            per = secs / len(blobs)
+            result[name] = round(per * 1e6, 2)
+            result[name.replace("per_record", "per_event")] = round(secs / len(sample) * 1e6, 2)
+            print(f"{name}: {per * 1e6:.1f} us/record ({1 / per:,.0f} records/s on one core), "
+                  f"{secs / len(sample) * 1e6:.2f} us/event")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=400_000)
     ap.add_argument("--replicas", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2000, help="records per apply (the sink's poll batch)")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--packed-events", type=int, default=20,
+                    help="events per block layout 2 record in the decode figures (default 20: ~a vLLM step)")
     ap.add_argument("--cluster", type=int, default=0, metavar="MASTERS",
                     help="also apply the same events to the sharded view on a Redis Cluster of this many masters "
                          "(each with a replica; all on this machine): events/s and the apply work per master")
@@ -247,18 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cluster:
         result["cluster"] = apply_cluster(batches, len(events), hashes, args.cluster, args.shards)
 
-    registry = registry_client("mock://bench-sink")
-    sample = events[:20000]
-    blobs = [RecordSerde(registry, "BlockEvent").dumps(ev, TOPIC) for _, ev in sample]
-    # the sink decodes with FastSerde (schemas/codec.py); RecordSerde is confluent's path
-    for name, serde in (("avro_decode_us_per_record", FastSerde(registry, "BlockEvent", auto_register=False)),
-                        ("confluent_avro_decode_us_per_record", RecordSerde(registry, "BlockEvent"))):
-        t = time.perf_counter()
-        for blob in blobs:
-            serde.loads(blob, TOPIC)
-        per = (time.perf_counter() - t) / len(blobs)
-        result[name] = round(per * 1e6, 2)
-        print(f"{name}: {per * 1e6:.1f} us/record ({1 / per:,.0f} records/s on one core)")
+    result.update(decode_figures(events[:20000], args.packed_events))
     print(json.dumps(result))
     return 0
 

@@ -16,7 +16,8 @@ Needs the stack (``infra/stack status``). For each tensor-parallel degree it
 With ``--latency N`` it then measures freshness at low load: a fresh worker, one engine step
 (every worker's record) every 50 ms for N steps, each produced at once (no linger); the latency
 of a step is from producing its last worker record to consuming its first consolidated event
-from ``kvbus.blocks`` (worker batch wait, aggregation, output linger and delivery included).
+from the block topic the worker writes (``kvbus.blocks-packed``; ``kvbus.blocks`` with
+``KVBUS_STREAMS_BLOCK_LAYOUT=events``; worker batch wait, aggregation, output linger and delivery included).
 
 With ``--paced R1,R2,...`` it measures instead what one worker costs at a steady load, as in the
 pipeline but without the fleet, bridges and sink: for each rate (events/s) a fresh worker on fresh
@@ -50,6 +51,7 @@ sys.path.insert(0, str(REPO))
 
 from confluent_kafka import Producer  # noqa: E402
 
+from block_topics import record_schema, written_topic  # noqa: E402  (benchmarks/block_topics.py)
 from kvbus.children import free_port  # noqa: E402
 from kvbus.schemas.events import BlockRemoved, BlockStored, holder_key  # noqa: E402
 from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
@@ -126,11 +128,19 @@ def ensure_topics(settings: Settings, names: list[str]) -> None:
     create(settings.bootstrap, names, settings.partitions, 1)
 
 
+def fresh_topics(settings: Settings, prefix: str) -> tuple[Topics, str]:
+    """A run's topics (``<prefix>.raw``, ...), created, and the block topic its worker writes (the
+    framework-owned one of the block layout ``KVBUS_STREAMS_BLOCK_LAYOUT`` says)."""
+    topics = Topics(raw=f"{prefix}.raw", blocks=f"{prefix}.blocks", incomplete=f"{prefix}.incomplete",
+                    dlq=f"{prefix}.dlq")
+    blocks = written_topic(topics)
+    ensure_topics(settings, [topics.raw, blocks, topics.incomplete, topics.dlq])
+    return topics, blocks
+
+
 def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path) -> dict:
     suffix = uuid.uuid4().hex[:8]
-    topics = Topics(raw=f"bench{suffix}.raw", blocks=f"bench{suffix}.blocks",
-                    incomplete=f"bench{suffix}.incomplete", dlq=f"bench{suffix}.dlq")
-    ensure_topics(settings, [topics.raw, topics.blocks, topics.incomplete, topics.dlq])
+    topics, _ = fresh_topics(settings, f"bench{suffix}")
     serde = RecordSerde(registry_client(settings), "EventBatch")
     # idempotent like every kvbus producer: a retried request must not land after a later one, or the
     # worker reads a worker's seq 1 before its seq 0, ignores seq 0 as a redelivery, and its
@@ -204,20 +214,18 @@ def latency(settings: Settings, steps: int, workers: int, workdir: Path) -> dict
     from confluent_kafka import Consumer
 
     suffix = uuid.uuid4().hex[:8]
-    topics = Topics(raw=f"lat{suffix}.raw", blocks=f"lat{suffix}.blocks",
-                    incomplete=f"lat{suffix}.incomplete", dlq=f"lat{suffix}.dlq")
-    ensure_topics(settings, [topics.raw, topics.blocks, topics.incomplete, topics.dlq])
+    topics, blocks = fresh_topics(settings, f"lat{suffix}")
     spec = TraceSpec(replicas=1, workers=workers, steps=steps + 20, events_per_batch=8, tier=None,
                      prefix=f"lat{suffix}", seed=1)
     by_step: dict[int, list] = defaultdict(list)
     for b in batches(spec):
         by_step[b.seq].append(b)
     registry = registry_client(settings)
-    serde, out_serde = RecordSerde(registry, "EventBatch"), RecordSerde(registry, "BlockEvent")
+    serde, out_serde = RecordSerde(registry, "EventBatch"), RecordSerde(registry, record_schema(topics, blocks))
     producer = Producer({"bootstrap.servers": settings.bootstrap, "linger.ms": 0, "enable.idempotence": True})
     consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"lat-{suffix}",
                          "auto.offset.reset": "earliest", "fetch.wait.max.ms": 5})
-    consumer.subscribe([topics.blocks])
+    consumer.subscribe([blocks])
     port = free_port()
     proc = start_worker(settings, topics, workdir, suffix, port)
     sent: dict[int, float] = {}
@@ -280,14 +288,12 @@ def paced(settings: Settings, rate: float, events: int, replicas: int, warmup: f
     from kvbus.schemas.kafka_clients import producer_conf
 
     suffix = uuid.uuid4().hex[:8]
-    topics = Topics(raw=f"paced{suffix}.raw", blocks=f"paced{suffix}.blocks",
-                    incomplete=f"paced{suffix}.incomplete", dlq=f"paced{suffix}.dlq")
-    ensure_topics(settings, [topics.raw, topics.blocks, topics.incomplete, topics.dlq])
+    topics, blocks = fresh_topics(settings, f"paced{suffix}")
     steps = int(rate * (warmup + window + 2) / (events * replicas)) + 20
     spec = TraceSpec(replicas=replicas, workers=1, steps=steps, events_per_batch=events, tier=None,
                      prefix=f"paced{suffix}", seed=3)
     registry = registry_client(settings)
-    serde, out_serde = RecordSerde(registry, "EventBatch"), RecordSerde(registry, "BlockEvent")
+    serde, out_serde = RecordSerde(registry, "EventBatch"), RecordSerde(registry, record_schema(topics, blocks))
     records = [(serde.dumps(b, topics.raw), holder_key(b.replica, b.dp_rank).encode(), b.seq) for b in batches(spec)]
     producer = Producer(producer_conf(settings.kafka(), {"client.id": "paced-bridge"}))
     measure_fresh = rate <= 5000
@@ -295,7 +301,7 @@ def paced(settings: Settings, rate: float, events: int, replicas: int, warmup: f
     if measure_fresh:
         consumer = Consumer({"bootstrap.servers": settings.bootstrap, "group.id": f"paced-{suffix}",
                              "auto.offset.reset": "earliest", "fetch.wait.max.ms": 5})
-        consumer.subscribe([topics.blocks])
+        consumer.subscribe([blocks])
     port = free_port()
     proc = start_worker(settings, topics, workdir, suffix, port)
     kafka = broker_pids()
