@@ -182,7 +182,7 @@ def test_a_worker_keeps_running_while_its_block_topic_is_deleted_and_recreated(t
     from tests.pipeline import Pipeline, RawProducer, eventually
     from tests.waiting import Waiting
 
-    run, topic = uuid.uuid4().hex[:8], test_settings.topics.blocks
+    run, topic = uuid.uuid4().hex[:8], test_settings.topics.packed  # what the worker writes: block layout 2
     pipeline = Pipeline(test_settings, tmp_path)
     raw = RawProducer(test_settings)
     seq, stop = [0], threading.Event()
@@ -197,7 +197,7 @@ def test_a_worker_keeps_running_while_its_block_topic_is_deleted_and_recreated(t
         while not stop.wait(0.05):
             publish(seq[0] + 1)
 
-    serde = RecordSerde(registry_client(test_settings.registry_url), "BlockEvent", auto_register=False)
+    serde = RecordSerde(registry_client(test_settings.registry_url), "BlockEvents", auto_register=False)
     marker = canonical_hash(10**6)
 
     def stored_on_topic() -> list[bytes]:
@@ -216,7 +216,8 @@ def test_a_worker_keeps_running_while_its_block_topic_is_deleted_and_recreated(t
                 for m in c.consume(500, timeout=1.0):
                     if m.error() is not None:
                         continue
-                    hashes += getattr(serde.loads(m.value(), topic).event, "block_hashes", [])
+                    for ev in serde.loads(m.value(), topic).unpacked():
+                        hashes += getattr(ev.event, "block_hashes", [])
                     if m.partition() in left and m.offset() + 1 >= left[m.partition()]:
                         del left[m.partition()]
             assert not left, f"partitions of {topic} not read to their end {ends} in 30 s: {sorted(left)}"
