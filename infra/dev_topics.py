@@ -76,7 +76,7 @@ def ensure_topics(
 
 
 def kvbus_topics() -> list[str]:
-    """The four kvbus record topic names (``KVBUS_TOPIC_*`` or defaults)."""
+    """The kvbus record topic names (``KVBUS_TOPIC_*`` or defaults; :func:`~kvbus.infra.stack_env.topic_names`)."""
     return list(topic_names().values())
 
 

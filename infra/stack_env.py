@@ -126,10 +126,12 @@ def kvbus_settings() -> Settings:
 
 
 def topic_names() -> dict[str, str]:
-    """Logical name -> Kafka topic name of the record topics (``KVBUS_TOPIC_*`` or defaults; the stack
-    also creates the compacted snapshot topic, :attr:`Topics.snapshots`)."""
+    """Logical name -> Kafka topic name of the record topics (``KVBUS_TOPIC_*`` or defaults): the raw topic,
+    the framework-owned block topic of each block layout (``packed``: layout 2, what the worker writes;
+    ``blocks``: layout 1), incomplete, dlq. The stack also creates the compacted snapshot topic
+    (:attr:`Topics.snapshots`)."""
     t = kvbus_settings().topics
-    return {"raw": t.raw, "blocks": t.blocks, "incomplete": t.incomplete, "dlq": t.dlq}
+    return {"raw": t.raw, "packed": t.packed, "blocks": t.blocks, "incomplete": t.incomplete, "dlq": t.dlq}
 
 
 @dataclass(frozen=True)
