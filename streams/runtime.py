@@ -272,6 +272,7 @@ class Runtime:
         """
         self.start()
         t0 = time.perf_counter()
+        self._pace_fetches(len(events))
         async with self.lock:
             assignment = self.app.consumer.assignment()
             out: list[Output] = []
@@ -361,6 +362,7 @@ class Runtime:
     async def sweep(self) -> None:
         """Serve the idle clients' queues; expire partial aggregates older than the window; refresh gauges."""
         self._serve_clients()
+        self._pace_fetches(0)
         if not self.ready:
             return
         self.start()
@@ -372,6 +374,13 @@ class Runtime:
         self.metrics.pending.set(self.aggregator.pending_count())
         self.metrics.holders.set(len(self.aggregator.holders))
         self._update_lag()
+
+    def _pace_fetches(self, records: int) -> None:
+        """Fetches that follow the load (:class:`kvbus.streams.faust_adapter.FetchPacing`; another transport's
+        consumer: nothing)."""
+        pace = getattr(self.app.consumer, "pace_fetches", None)
+        if pace is not None:
+            pace(records)
 
     def _serve_clients(self) -> None:
         """Serve the queues of the Kafka clients that nothing else polls all the time: the admin

@@ -611,3 +611,34 @@ def test_the_worker_apps_stream_queues_are_kept_when_its_running_flow_resumes():
         app.flow_control.resume()
         return [queue.get_nowait() for _ in range(queue.qsize())]
     assert asyncio.run(run()) == ["fetched after the seek"]
+
+
+def test_fetches_wait_for_more_only_while_the_worker_is_busy(monkeypatch):
+    """FetchPacing: a busy worker's fetches wait a few ms at the broker for more; light or idle, they
+    return with the first record; the rate is measured over PACING_EVERY s, with hysteresis."""
+    from types import SimpleNamespace
+
+    clock = [100.0]
+    monkeypatch.setattr(faust_adapter.time, "monotonic", lambda: clock[0])
+    fetcher = SimpleNamespace(_fetch_min_bytes=1, _fetch_max_wait_ms=faust_adapter.FETCH_MAX_WAIT_MS)
+    consumer = SimpleNamespace(_fetcher=fetcher)
+    pacing = faust_adapter.FetchPacing()
+    busy = (faust_adapter.BUSY_FETCH_MIN_BYTES, faust_adapter.BUSY_FETCH_WAIT_MS)
+    idle = (1, faust_adapter.FETCH_MAX_WAIT_MS)
+    every, rate = faust_adapter.PACING_EVERY, faust_adapter.BUSY_RECORDS_PER_S
+
+    def after(records_per_s: float) -> tuple[int, int]:
+        clock[0] += every
+        pacing.count(int(records_per_s * every), consumer)
+        return fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms
+
+    assert after(rate * 0.9) == idle
+    assert after(rate * 1.1) == busy and pacing.busy
+    assert after(rate * 0.6) == busy  # hysteresis: idle again below half the rate
+    assert after(rate * 0.4) == idle and not pacing.busy
+    assert after(rate * 2) == busy
+    assert after(0) == idle  # the sweep's count(0): an idle worker adds no wait
+    clock[0] += every / 10
+    pacing.count(10_000, consumer)  # within PACING_EVERY: not measured yet
+    assert (fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms) == idle
+    assert faust_adapter.FetchPacing().count(10_000, SimpleNamespace(_fetcher=None)) is None  # not started yet
