@@ -135,7 +135,7 @@ class Topics:
     def blocks_pattern(self) -> str:
         """Regex subscription (librdkafka ``^`` form) matching the framework and all tier topics of both
         block layouts."""
-        return "^(" + re.escape(self.blocks) + "|" + re.escape(self.packed) + r")(\..+)?$"
+        return f"^({self.layout_pattern(False)}|{self.layout_pattern(True)})$"
 
     def layout_pattern(self, packed: bool) -> str:
         """Regex matching, as a whole (Java's ``matches``, Python's ``fullmatch``: no anchors), the framework

@@ -181,7 +181,6 @@ class SinkConsumer:
         store's form (:data:`kvbus.sinks.store.Checkpoint`, made by ``store.checkpoint``)."""
         self.gate = LayoutGate(self.consumer, self.topics, lambda: self._positions)
         """Orders a holder's events across the two block layouts (:mod:`kvbus.sinks.layout_gate`)."""
-        self._tracks: dict[str, str] = {}
         self.consumer.subscribe([self.topics.blocks_pattern()], on_assign=self._on_assign)
         self._last_expire = 0.0
         self._caught_up = False
@@ -395,13 +394,6 @@ class SinkConsumer:
             return []
         return [first, *self.consumer.consume(num_messages=self.batch - 1, timeout=0)] if self.batch > 1 else [first]
 
-    def _track(self, topic: str) -> str:
-        """The track of a block topic (:meth:`Topics.track`), remembered."""
-        track = self._tracks.get(topic)
-        if track is None:
-            track = self._tracks[topic] = self.topics.track(topic)
-        return track
-
     def _rewind(self, msgs: list) -> None:
         first: dict[tuple[str, int], int] = {}
         for m in msgs:
@@ -452,7 +444,7 @@ class SinkConsumer:
                 events = value.unpacked()
             else:
                 events = [value]
-            track = self._track(topic)
+            track = self.gate.track_of(topic)
             arrival = arrival_time(msg)  # the view's clock (staleness); Kafka keeps the engine's ts
             for ev in events:
                 why = problem(topic, msg.key(), ev, topics)

@@ -71,7 +71,7 @@ class LayoutGate:
         checks = []
         for (topic, p) in firsts:
             packed = self.topics.is_packed(topic)
-            if self._last.get((self._track_of(topic), p), False) != packed:
+            if self._last.get((self.track_of(topic), p), False) != packed:
                 checks.append((topic, p))
         self.switching = bool(checks)
         if not checks:
@@ -83,7 +83,7 @@ class LayoutGate:
             if (other, p) in assigned and self._behind(other, p, ends):
                 held.add((topic, p))
             else:
-                self._last[(self._track_of(topic), p)] = self.topics.is_packed(topic)
+                self._last[(self.track_of(topic), p)] = self.topics.is_packed(topic)
         for topic, p in held - self._holding:
             log.info("%s[%d]: held until %s[%d] is read to its end (the workers switched block layouts)",
                      topic, p, self._counterpart(topic), p)
@@ -106,7 +106,8 @@ class LayoutGate:
         done = max(self.applied().get((topic, partition), low), ends.get((topic, partition), low))
         return high > done
 
-    def _track_of(self, topic: str) -> str:
+    def track_of(self, topic: str) -> str:
+        """The track of a block topic (:meth:`Topics.track`), remembered."""
         track = self._track.get(topic)
         if track is None:
             track = self._track[topic] = self.topics.track(topic)
@@ -114,7 +115,7 @@ class LayoutGate:
 
     def _counterpart(self, topic: str) -> str:
         """The topic of the same track in the other layout."""
-        return self._track_of(topic) if self.topics.is_packed(topic) else self.topics.packed_of(topic)
+        return self.track_of(topic) if self.topics.is_packed(topic) else self.topics.packed_of(topic)
 
 
 def in_position_order(records: list[tuple[str, BlockEvent]], sources: list) -> tuple[list, list]:
