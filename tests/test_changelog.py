@@ -41,7 +41,8 @@ def test_the_stable_names_are_the_code_s():
     assert cli[0].split()[0] == "kvbus" and sorted(cli[0].split()[1:]) == sorted(SUBCOMMANDS)
     assert cli[1:] == ["kvbus --version", "-V"]
     t = Topics()
-    assert today("topic names and keys") == [t.raw, t.blocks, f"{t.blocks}.<ownership>", t.incomplete, t.dlq,
-                                             t.snapshots, "<replica>#<dp_rank>"]
+    assert today("topic names and keys") == [t.raw, t.packed, f"{t.packed}.<ownership>", t.blocks,
+                                             f"{t.blocks}.<ownership>", t.incomplete, t.dlq, t.snapshots,
+                                             "<replica>#<dp_rank>"]
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert sorted(today("install extras")[0].split()) == sorted(extras)

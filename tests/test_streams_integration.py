@@ -232,9 +232,10 @@ def test_worker_consolidates_routes_expires_and_dead_letters(test_settings: Sett
     assert all(d[2] == "streams" and d[1].startswith(f"{t.raw}[") and "]@" in d[1] for d in dlq)
     assert any("worker_rank" in r[4].reason for r in collector.of(t.dlq))
     assert collector.of(t.dlq)[0][4].payload != []
-    # tier topic created with the stage's partition count
-    md = AdminClient({"bootstrap.servers": s.bootstrap}).list_topics(t.blocks + ".kvcr", timeout=10)
-    assert len(md.topics[t.blocks + ".kvcr"].partitions) == s.partitions
+    # tier topic (of the block layout the worker writes) created with the stage's partition count
+    tier = t.for_ownership("kvcr", packed=True)
+    md = AdminClient({"bootstrap.servers": s.bootstrap}).list_topics(tier, timeout=10)
+    assert len(md.topics[tier].partitions) == s.partitions
 
     # Reset: both bridges of A restart; one marker to blocks and the tier topic A used
     raw.send(eb(A, 1, 2, -1, [Reset(reason="engine-restart")], epoch=9001))
