@@ -54,7 +54,7 @@ from kvbus.sinks.rebuild import READY, ensure_view, mark_ready_if_caught_up
 from kvbus.sinks.redis_memory import NO_EVICTION, POLICY_SETTING, EvictionWatch, RedisFull, memory_policy
 from kvbus.sinks.snapshot import SnapshotReader
 from kvbus.sinks.store import ResidencyStore, ViewChanged
-from kvbus.sinks.validate import packed_problem, problem
+from kvbus.sinks.validate import event_problem, packed_problem, problem
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -446,8 +446,8 @@ class SinkConsumer:
                 events = [value]
             track = self.gate.track_of(topic)
             arrival = arrival_time(msg)  # the view's clock (staleness); Kafka keeps the engine's ts
-            for ev in events:
-                why = problem(topic, msg.key(), ev, topics)
+            for ev in events:  # a packed record's holder is checked above, once
+                why = event_problem(topic, ev, topics) if packed else problem(topic, msg.key(), ev, topics)
                 if why is not None:
                     self._dead(msg, f"{source}#{ev.index}" if packed else source, why, "invalid")
                     dead += 1

@@ -29,7 +29,7 @@ def _holder_problem(key: bytes | None, replica: str, dp_rank: int) -> str | None
 
 def packed_problem(key: bytes | None, value: BlockEvents) -> str | None:
     """Why a BlockEvents record with Kafka key ``key`` cannot be applied at all, or None (its events are
-    checked one by one, :func:`problem`)."""
+    checked one by one, :func:`event_problem`)."""
     if not isinstance(value, BlockEvents):
         return f"not a BlockEvents: {type(value).__name__}"
     return _holder_problem(key, value.replica, value.dp_rank)
@@ -40,9 +40,12 @@ def problem(topic: str, key: bytes | None, ev: BlockEvent, topics: Topics) -> st
     or None if it can."""
     if not isinstance(ev, BlockEvent):
         return f"not a BlockEvent: {type(ev).__name__}"
-    why = _holder_problem(key, ev.replica, ev.dp_rank)
-    if why is not None:
-        return why
+    return _holder_problem(key, ev.replica, ev.dp_rank) or event_problem(topic, ev, topics)
+
+
+def event_problem(topic: str, ev: BlockEvent, topics: Topics) -> str | None:
+    """Why ``ev`` read from ``topic`` cannot be applied, its holder aside (checked once per record:
+    :func:`problem`, :func:`packed_problem`), or None if it can."""
     if ev.epoch < 0 or ev.seq < -1 or ev.index < 0:
         return f"impossible position {ev.position}"
     e = ev.event

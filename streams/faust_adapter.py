@@ -483,7 +483,7 @@ class FetchPacing:
     wait. Busy (:data:`BUSY_RECORDS_PER_S`), a fetch waits at the broker up to :data:`BUSY_FETCH_WAIT_MS`
     for more: fewer, larger fetches carry the load, which cuts the worker's fetch requests, their
     responses and the hand-overs between its fetching thread and its event loop (docs/performance.md:
-    0.72x the worker's CPU per event at 15,000 events/s, 5 ms more freshness at most). Set on the running
+    0.72-0.81x the worker's CPU per event at 15,000 events/s, 5 ms more freshness at most). Set on the running
     aiokafka fetcher, read by the next fetch request it builds."""
 
     def __init__(self) -> None:

@@ -20,6 +20,7 @@ from confluent_kafka import Producer
 
 from kvbus.infra.dev_topics import ensure_topics
 from kvbus.schemas.events import (
+    BlockEvent,
     BlockRemoved,
     BlockStored,
     EventBatch,
@@ -35,7 +36,7 @@ from kvbus.streams.packing import Packer
 from tests.histories import random_streams
 from tests.pipeline import Pipeline, RawProducer, Waiting, eventually
 from tests.redis_server import RedisServer
-from tests.test_sink_consumer import produce
+from tests.test_sink_consumer import produce, read_dead_letters
 from tests.test_view_recovery import catch_up, model_of, sink_for
 
 pytestmark = pytest.mark.integration
@@ -188,3 +189,27 @@ def test_a_worker_restarted_in_the_packed_layout_mid_stream_leaves_the_exact_vie
         assert store.size() == want.size()
     finally:
         pipeline.stop()
+
+
+def test_a_bad_event_of_a_packed_record_is_dead_lettered_alone(stack, topics):
+    """One event of a BlockEvents record that cannot be applied (a tier's event on the framework topic)
+    goes to the dead-letter topic on its own, its index in the source; the record's other events apply."""
+    def ev(index: int, event) -> BlockEvent:
+        return BlockEvent(replica="bad", epoch=3, seq=0, index=index, ts=1.0, event=event)
+
+    good = [ev(0, BlockStored(block_hashes=[canonical_hash(1)], medium="GPU")),
+            ev(2, BlockRemoved(block_hashes=[canonical_hash(1)], medium="GPU"))]
+    stray = ev(1, BlockStored(block_hashes=[canonical_hash(2)], medium="CPU", ownership="kvcr"))
+    assert produce_packed(stack, topics, [(topics.blocks, e) for e in (good[0], stray, good[1])]) == 1
+    with RedisServer() as srv:
+        store = RedisStore(srv.client(), "kvbus:")
+        sink = sink_for(stack, topics, store)
+        try:
+            catch_up(sink, store, [(topics.blocks, e) for e in good], "the record's good events")
+            (letter,) = read_dead_letters(stack, topics.dlq, 1)
+            assert letter.source.startswith(f"{topics.packed}[") and letter.source.endswith("]@0#1")
+            assert "ownership 'kvcr'" in letter.reason and letter.stage == "sink"
+            assert sink.metrics.dead_letters.labels("invalid")._value.get() == 1
+            assert store.snapshot() == model_of([(topics.blocks, e) for e in good]).snapshot()
+        finally:
+            sink.close()
