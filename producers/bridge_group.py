@@ -8,11 +8,13 @@ costs per process and per wake-up: the sockets are polled together, the producer
 connection, one queue, so one produce request carries every stream's records) is served once per
 pass, and the metrics are one set, summed over the streams.
 
-**Adaptive batching** (:class:`Batching`): after a pass that read many engine batches the loop
-pauses a little before reading again, so that under load each pass reads (and the producer
-queues) more batches at once and the process wakes up less often; after a pass that read few it
-goes straight back to waiting on the sockets, so that a lone batch is produced as soon as it
-arrives. Batches grow with load: the pause is fixed, the batches that arrive during it are not.
+**Adaptive batching** (:class:`Batching`): while the streams are busy (many engine batches a
+second), or after a pass that read many at once, the loop pauses a little before reading again, so
+that under load each pass reads (and the producer queues) more batches at once: the process wakes
+up less often and Kafka gets fewer, larger produce requests (librdkafka sends one per partition
+whose records are ready, so the pause is what batches them: the producer's own linger stays short).
+Idle or light, it goes straight back to waiting on the sockets, so that a lone batch is produced as
+soon as it arrives. Batches grow with load: the pause is fixed, the batches that arrive during it are not.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import zmq
@@ -32,38 +34,77 @@ log = logging.getLogger("kvbus.producers.bridge")
 
 DEFAULT_BATCH_WAIT = 0.002
 """Seconds :class:`Batching` pauses after a large pass."""
+DEFAULT_BUSY_WAIT = 0.01
+"""Seconds :class:`Batching` pauses after every pass while busy. With 8 engine streams at 15,000
+events/s (~700 engine batches/s) a pass then reads ~7 batches, and Kafka gets at most ~100 produce
+requests a second per partition (docs/performance.md)."""
 DEFAULT_BATCH_LARGE = 8
 """Engine batches read in one pass that make it large."""
+DEFAULT_BATCH_BUSY = 400.0
+"""Engine batches a second (over the last :data:`RATE_EVERY` s) from which the loop counts as busy
+and pauses after every pass; it counts as idle again below half of it. The pipeline benchmark's
+node-level bridge reads ~260 batches/s at 2,000 events/s (no pause: freshness first) and ~700 at 15,000."""
+RATE_EVERY = 0.5
+"""Seconds over which :class:`Batching` measures the rate of engine batches."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Batching:
     """When the loop waits for more engine batches before reading again.
 
-    ``wait``: seconds paused after a pass that read at least ``large`` engine batches (0: never
-    pause, read as soon as the sockets have something). A pass that read fewer never pauses, so the
-    pause costs freshness only when the batches come so fast that they would share a pass anyway."""
+    ``wait``: seconds paused after a pass that read at least ``large`` engine batches (0: never).
+    ``busy``: engine batches a second from which the loop counts as busy (0: never); while busy, it
+    pauses ``busy_wait`` seconds after every pass. A pass that is neither large nor busy never
+    pauses, so the pause costs freshness only when the batches come so fast that they would share a
+    pass anyway. ``clock``: seconds, monotonic (tests pass their own)."""
 
     wait: float = DEFAULT_BATCH_WAIT
     large: int = DEFAULT_BATCH_LARGE
+    busy: float = DEFAULT_BATCH_BUSY
+    busy_wait: float = DEFAULT_BUSY_WAIT
+    clock: Callable[[], float] = time.monotonic
+    is_busy: bool = field(default=False, init=False)
+    """Whether every pass pauses now (the rate of the last :data:`RATE_EVERY` s)."""
+    _read: int = field(default=0, init=False)
+    _since: float | None = field(default=None, init=False)
 
     def pause(self, read: int) -> float:
         """Seconds to pause after a pass that read ``read`` engine batches."""
+        self._count(read)
+        if self.is_busy and self.busy_wait > 0:
+            return self.busy_wait
         return self.wait if self.wait > 0 and read >= self.large else 0.0
+
+    def _count(self, read: int) -> None:
+        """Add ``read`` to the current span; at its end, decide busy or idle from its rate."""
+        now = self.clock()
+        if self._since is None:
+            self._since = now
+        self._read += read
+        span = now - self._since
+        if span < RATE_EVERY:
+            return
+        rate = self._read / span
+        self._read, self._since = 0, now
+        busy = self.busy > 0 and rate >= (self.busy / 2 if self.is_busy else self.busy)
+        if busy != self.is_busy:
+            self.is_busy = busy
+            log.info("%.0f engine batches/s: the loop %s", rate,
+                     f"pauses {self.busy_wait * 1000:.0f} ms after every pass" if busy else "reads as batches arrive")
 
 
 class BridgeGroup:
     """Runs ``bridges`` (built with the shared ``sink``, ``metrics`` and ``poller``) in one loop."""
 
     def __init__(self, bridges: Sequence[Bridge], sink: Sink, metrics: BridgeMetrics, poller: zmq.Poller,
-                 batching: Batching = Batching()) -> None:
+                 batching: Batching | None = None) -> None:
         if not bridges:
             raise ValueError("a bridge group needs at least one stream")
         self.bridges = list(bridges)
         self.sink = sink
         self.metrics = metrics
         self.poller = poller
-        self.batching = batching
+        self.batching = batching if batching is not None else Batching()
         self.passes: Counter[int] = Counter()
         """Engine batches read in one pass -> passes that read so many (passes that read none are
         not counted): how batches grow with load."""

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from kvbus.producers.bridge import Bridge, BridgeConfig
-from kvbus.producers.bridge_group import DEFAULT_BATCH_LARGE, DEFAULT_BATCH_WAIT, Batching, BridgeGroup
+from kvbus.producers.bridge_group import DEFAULT_BATCH_BUSY, DEFAULT_BATCH_LARGE, DEFAULT_BATCH_WAIT, DEFAULT_BUSY_WAIT, Batching, BridgeGroup
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.raw_producer import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, RawProducer
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
@@ -43,6 +43,7 @@ from kvbus.schemas.env import (
     FILE,
     NATURAL,
     PORT,
+    RATE,
     SECONDS,
     SWITCH,
     Form,
@@ -108,6 +109,12 @@ class BridgeOptions:
                                 flag="--batch-wait")
     batch_large: int = setting(None, NATURAL, DEFAULT_BATCH_LARGE, "engine batches read at once that make the "
                                "loop pause (--batch-wait)", flag="--batch-large")
+    batch_busy: float = setting(None, RATE, DEFAULT_BATCH_BUSY, "engine batches a second (all streams) "
+                                "from which the loop pauses after every pass (--batch-busy-wait), until they "
+                                "fall below half of it; 0: never", flag="--batch-busy")
+    batch_busy_wait: float = setting(None, SECONDS, DEFAULT_BUSY_WAIT, "seconds the loop pauses after every pass "
+                                     "while busy (--batch-busy), for more engine batches to gather",
+                                     flag="--batch-busy-wait")
 
 
 def add_bridge_args(p: argparse.ArgumentParser) -> None:
@@ -231,7 +238,8 @@ def build_bridge(args: argparse.Namespace, settings: Settings, stop: Callable[[]
     )
     poller = zmq.Poller()
     bridges = [Bridge(cfg, sink, metrics, resume=resume, poller=poller) for cfg, resume in zip(cfgs, resumes)]
-    group = BridgeGroup(bridges, sink, metrics, poller, Batching(args.batch_wait, args.batch_large))
+    batching = Batching(args.batch_wait, args.batch_large, args.batch_busy, args.batch_busy_wait)
+    group = BridgeGroup(bridges, sink, metrics, poller, batching)
     readiness.add(group.not_ready)
     readiness.starting = None
     return group

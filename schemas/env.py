@@ -67,7 +67,7 @@ def _whole(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _seconds(text: str) -> float:
+def _non_negative(text: str) -> float:
     value = float(text)
     if not math.isfinite(value) or value < 0:
         raise ValueError(text)
@@ -92,8 +92,10 @@ NATURAL: Form[int] = Form("a whole number >= 0", _whole(0))
 """A count that may be zero (standby replicas, rank numbers)."""
 PORT: Form[int] = Form("a port number 0-65535", _whole(0, 65535))
 """A TCP port; 0 turns an endpoint off where the setting says so."""
-SECONDS: Form[float] = Form("a number of seconds >= 0, e.g. 2.5", _seconds)
+SECONDS: Form[float] = Form("a number of seconds >= 0, e.g. 2.5", _non_negative)
 """A duration in seconds; 0 means what the setting says (never, none, no wait)."""
+RATE: Form[float] = Form("a number per second >= 0, e.g. 400", _non_negative)
+"""Things a second; 0 means what the setting says (never)."""
 TEXT: Form[str] = Form("text", str)
 """Anything (names, URLs, paths)."""
 

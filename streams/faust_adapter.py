@@ -468,7 +468,7 @@ BUSY_RECORDS_PER_S = 500.0
 """Raw records a second (over the last :data:`PACING_EVERY` s) from which a worker counts as busy
 (:class:`FetchPacing`); it counts as idle again below half of it. The pipeline benchmark's 8 replicas
 send ~260 raw records/s at 2,000 events/s (a wait there cost 2-3 ms of freshness) and ~700 at 15,000."""
-BUSY_FETCH_WAIT_MS = 5
+BUSY_FETCH_WAIT_MS = 15
 """Milliseconds a busy worker's fetch waits at the broker for :data:`BUSY_FETCH_MIN_BYTES`."""
 BUSY_FETCH_MIN_BYTES = 1 << 20
 """Bytes a busy worker's fetch waits for (:data:`BUSY_FETCH_WAIT_MS` ends the wait first at the rates

@@ -96,6 +96,29 @@ def test_batching_pauses_only_after_a_large_pass():
     assert Batching(wait=0.0, large=1).pause(1000) == 0.0
 
 
+def test_batching_pauses_after_every_pass_while_busy_and_stops_below_half_the_rate():
+    now = [0.0]
+    b = Batching(wait=0.002, large=8, busy=400.0, busy_wait=0.01, clock=lambda: now[0])
+
+    def passes(per_second: float, seconds: float, per_pass: int = 2) -> list[float]:
+        """Pauses of the passes of ``seconds`` at ``per_second`` engine batches, ``per_pass`` at a time."""
+        pauses = []
+        for _ in range(int(per_second * seconds / per_pass)):
+            now[0] += per_pass / per_second
+            pauses.append(b.pause(per_pass))
+        return pauses
+
+    assert set(passes(300, 2.0)) == {0.0} and not b.is_busy  # light: a batch goes out as it arrives
+    assert passes(700, 2.0)[-10:] == [0.01] * 10 and b.is_busy  # busy: every pass pauses
+    assert passes(250, 2.0)[-10:] == [0.01] * 10  # above half the rate: still busy (no flapping)
+    assert set(passes(150, 2.0)[-10:]) == {0.0} and not b.is_busy  # below half: idle again
+    assert b.pause(8) == 0.002  # a large pass still pauses the short wait
+    never = Batching(busy=0.0, clock=lambda: now[0])
+    for _ in range(2000):
+        now[0] += 0.001
+        assert never.pause(2) == 0.0  # 2,000 batches/s, never busy
+
+
 def test_each_stream_keeps_its_own_sequence_epoch_and_gap_replay(groups):
     g = groups(3)
     g.subscribed()
