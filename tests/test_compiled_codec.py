@@ -86,6 +86,15 @@ def test_the_compiled_module_is_a_build_of_the_generated_source_named_by_its_dig
     assert COMPILED.generated == REFERENCE.generated
     assert type(COMPILED.readers["BlockEvents"]).__name__ == "cython_function_or_method"
     assert type(REFERENCE.readers["BlockEvents"]).__name__ == "function"
+    assert path.with_name(f"{codec_build.module_name(COMPILED.generated)}.py").read_text() == COMPILED.generated
+
+
+def test_the_declarations_type_the_readers_and_skippers_from_the_source():
+    pxd = codec_build.declarations(CODEC.generated)
+    for name in ("r_kvbus_BlockEvents", "k_kvbus_BlockStored", "ru_0", "ku_0"):
+        assert f"cpdef {name}(bytes data, Py_ssize_t pos)" in pxd
+    assert "d_kvbus_BlockEvents" not in pxd and "w_kvbus_EventBatch" not in pxd  # entry points and writers: as written
+    assert codec_build.digest(CODEC.generated) != codec_build.digest(CODEC.generated + "\n")
 
 
 @needs_build
