@@ -88,7 +88,7 @@ class Codec:
         ns.update({f"S_{mangle(name)}": cls for name, cls in structs.items()})
         self.ns = ns
         """The functions' globals: the compiled module's, or those ``exec`` gave the source."""
-        built, self.path = codec_build.load(self.generated, ns) if compiled else (None, "disabled")
+        built, self.path = codec_build.load(self.generated, ns) if compiled else (None, "compiled codec off")
         if built is not None:
             self.ns = built
         else:
@@ -212,8 +212,10 @@ def announce(codec: Codec) -> None:
     global _announced
     if not _announced:
         _announced = True
-        how = "the compiled build" if codec.compiled else "the generated Python (reference path)"
-        log.info("Avro codec: %s (%s)", how, codec.path)
+        if codec.compiled:
+            log.info("Avro codec: %s", codec.path)
+        else:
+            log.info("Avro codec: generated Python, the reference path (%s)", codec.path)
 
 
 CODEC = build()

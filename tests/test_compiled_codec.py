@@ -246,11 +246,11 @@ def test_the_setting_turns_the_compiled_codec_off():
     assert compiled_codec_setting({}) is True
     assert compiled_codec_setting({"KVBUS_COMPILED_CODEC": "0"}) is False
     off = build(compiled=False)
-    assert not off.compiled and off.path == "disabled"
+    assert not off.compiled and off.path == "compiled codec off"
     code = "from kvbus.schemas.codec import CODEC; print(CODEC.compiled, CODEC.path)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "KVBUS_COMPILED_CODEC": "0"}).stdout
-    assert out.strip() == "False disabled"
+    assert out.strip() == "False compiled codec off"
 
 
 def test_the_build_writes_its_module_under_the_digest_and_removes_other_builds(tmp_path: Path):
