@@ -57,7 +57,12 @@ def sink_decode(n_events: int, per_record: int, repeats: int) -> float:
     events = sum(len(r.events) for r in records)
     assert [serde.loads(b, TOPIC) for b in blobs[:100]] == records[:100]
     loads = serde.loads
-    return best_pass(lambda: [loads(b, TOPIC) for b in blobs], repeats) / events * 1e6
+
+    def run() -> None:  # each value dropped once decoded, as the sink does after applying it
+        for b in blobs:
+            loads(b, TOPIC)
+
+    return best_pass(run, repeats) / events * 1e6
 
 
 def engine_batches(n_events: int) -> list:
@@ -85,7 +90,12 @@ def bridge_encode(n_events: int, repeats: int) -> float:
                                   model="Qwen/Qwen3-8B"))
     events = sum(len(b.events) for b in batches)
     dumps = FastSerde(registry_client("mock://bench-codec"), "EventBatch").dumps
-    return best_pass(lambda: [dumps(b, TOPIC) for b in batches], repeats) / events * 1e6
+
+    def run() -> None:
+        for b in batches:
+            dumps(b, TOPIC)
+
+    return best_pass(run, repeats) / events * 1e6
 
 
 def publisher_encode(n_events: int, repeats: int) -> float:
