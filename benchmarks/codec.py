@@ -9,7 +9,9 @@ Per event, best of ``--repeats`` timed passes over the same records:
 * **bridge encode**: ``FastSerde(registry, "EventBatch").dumps`` of the EventBatch the bridge makes from a
   vLLM batch (benchmarks/producer.py's engine steps, msgpack decoded by ``decode_batch`` beforehand, not timed);
 * **publisher encode**: ``encode_engine_events`` + ``batch_from_head`` of the in-process publisher (engine
-  event objects to an EventBatch value, through the codec's positional writers).
+  event objects to an EventBatch value, through the codec's positional writers);
+* **worker scan**: the worker's reading of those EventBatch values (``batch_scanner``: block events kept
+  as their bytes, kvbus.streams.record_values).
 
 Each path runs in a child process (``KVBUS_COMPILED_CODEC=0`` / ``1``), as a kvbus process would run it.
 Prints the figures and the compiled-over-reference ratios, and as the last line one JSON object.
@@ -32,7 +34,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 TOPIC = "bench.codec"
-FIGURES = ("sink_decode_us_per_event", "bridge_encode_us_per_event", "publisher_encode_us_per_event")
+FIGURES = ("sink_decode_us_per_event", "bridge_encode_us_per_event", "publisher_encode_us_per_event",
+           "worker_scan_us_per_event")
 
 
 def best_pass(run: Callable[[], None], repeats: int) -> float:
@@ -65,6 +68,26 @@ def sink_decode(n_events: int, per_record: int, repeats: int) -> float:
     return best_pass(run, repeats) / events * 1e6
 
 
+def worker_scan(n_events: int, repeats: int) -> float:
+    """µs per event of the worker's reading of the bridge's EventBatch values (block events kept as bytes)."""
+    from kvbus.schemas.codec import FastSerde, batch_scanner
+    from kvbus.schemas.serde import registry_client
+    from kvbus.streams.raw_event import RawEvent
+    from kvbus.streams.record_values import SharedEvents
+
+    registry = registry_client("mock://bench-codec")
+    batches = bridge_batches(n_events)
+    blobs = [FastSerde(registry, "EventBatch").dumps(b, TOPIC) for b in batches]
+    events = sum(len(b.events) for b in batches)
+    loads = FastSerde(registry, "EventBatch", reader=batch_scanner(RawEvent, SharedEvents())).loads
+
+    def run() -> None:
+        for b in blobs:
+            loads(b, TOPIC)
+
+    return best_pass(run, repeats) / events * 1e6
+
+
 def engine_batches(n_events: int) -> list:
     """vLLM batches of ~40 events (benchmarks/producer.py's engine steps)."""
     from producer import make_batches
@@ -72,14 +95,12 @@ def engine_batches(n_events: int) -> list:
     return make_batches(max(1, n_events // 40))
 
 
-def bridge_encode(n_events: int, repeats: int) -> float:
-    """µs per event of the bridge's encoding of the EventBatch made from a vLLM batch."""
+def bridge_batches(n_events: int) -> list:
+    """The EventBatch structs a bridge makes of vLLM batches (msgpack decoded by ``decode_batch``)."""
     import msgspec
 
     from kvbus.producers.decode import decode_batch
-    from kvbus.schemas.codec import FastSerde
     from kvbus.schemas.events import EventBatch
-    from kvbus.schemas.serde import registry_client
 
     enc = msgspec.msgpack.Encoder()
     batches = []
@@ -88,6 +109,15 @@ def bridge_encode(n_events: int, repeats: int) -> float:
         batches.append(EventBatch(replica="pod-a", seq=seq, ts=d.ts, events=d.events, dp_rank=0, worker_rank=0,
                                   workers=1, engine="vllm", epoch=1_765_000_000_000, topic="kv-events",
                                   model="Qwen/Qwen3-8B"))
+    return batches
+
+
+def bridge_encode(n_events: int, repeats: int) -> float:
+    """µs per event of the bridge's encoding of the EventBatch made from a vLLM batch."""
+    from kvbus.schemas.codec import FastSerde
+    from kvbus.schemas.serde import registry_client
+
+    batches = bridge_batches(n_events)
     events = sum(len(b.events) for b in batches)
     dumps = FastSerde(registry_client("mock://bench-codec"), "EventBatch").dumps
 
@@ -121,7 +151,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return {"compiled": CODEC.compiled, "path": CODEC.path,
             "sink_decode_us_per_event": round(sink_decode(args.events, args.packed_events, args.repeats), 3),
             "bridge_encode_us_per_event": round(bridge_encode(args.events, args.repeats), 3),
-            "publisher_encode_us_per_event": round(publisher_encode(args.events, args.repeats), 3)}
+            "publisher_encode_us_per_event": round(publisher_encode(args.events, args.repeats), 3),
+            "worker_scan_us_per_event": round(worker_scan(args.events, args.repeats), 3)}
 
 
 def run_path(compiled: bool, argv: list[str]) -> dict[str, Any]:

@@ -48,24 +48,33 @@ _LOADED: dict[str, ModuleType] = {}
 """Module name -> the compiled module loaded in this process (an extension module is made once)."""
 
 
-TYPED = re.compile(r"^def ((?:r|k|ru|ku)_\w+)\(data, pos\):$", re.M)
-"""The generated readers and skippers of a value at an offset (``r_R``, ``k_R``, ``ru_N``, ``ku_N``:
-:mod:`kvbus.schemas.codegen`), which :func:`declarations` types."""
+TYPED = {
+    re.compile(r"^def ((?:r|k|ru|ku)_\w+)\(data, pos\):$", re.M):
+        "(bytes data, Py_ssize_t pos)",
+    re.compile(r"^def (s_\w+)\(data, start, pos, raw\):$", re.M):
+        "(bytes data, Py_ssize_t start, Py_ssize_t pos, raw)",
+    re.compile(r"^def (scan_\w+)\(data, pos, raw, shared=None\):$", re.M):
+        "(bytes data, Py_ssize_t pos, raw, shared=*)",
+}
+"""The generated functions that read at an offset (:mod:`kvbus.schemas.codegen`: readers ``r_R`` and
+``ru_N``, skippers ``k_R`` and ``ku_N``, the scanner ``scan_R`` and its members ``s_R``), found by their
+``def`` line, -> their signature in :func:`declarations`."""
 
 
 def declarations(source: str) -> str:
     """Cython declarations for the compiled build of ``source`` (an augmenting ``.pxd``: the source
-    itself is compiled unchanged), derived from its ``def`` lines: each reader and skipper of
-    :data:`TYPED` is a ``cpdef`` function of ``bytes data`` and a ``Py_ssize_t pos``, its local ``b``
-    (the byte at ``pos``) a C int. Calls between them are C calls, and ``data[pos]`` reads the byte.
+    itself is compiled unchanged), derived from its ``def`` lines: each function of :data:`TYPED` is a
+    ``cpdef`` function of ``bytes data`` and ``Py_ssize_t`` offsets, its local ``b`` (the byte at
+    ``pos``) a C int. Calls between them are C calls, and ``data[pos]`` reads the byte.
 
-    Why it is safe: the codec reads ``bytes`` (Kafka values, slices of them), and every ``pos`` it
-    passes is an offset within ``data`` or one past it (each read checks its bounds); the values
-    and the exceptions on bad bytes stay those of the reference path (tests/test_compiled_codec.py).
-    A caller passing another buffer type (a bytearray) gets a TypeError from the compiled build."""
+    Why it is safe: the codec reads ``bytes`` (Kafka values, slices of them), and every offset it
+    passes is within ``data`` or one past it (each read checks its bounds); the values and the
+    exceptions on bad bytes stay those of the reference path (tests/test_compiled_codec.py). A caller
+    passing another buffer type (a bytearray) gets a TypeError from the compiled build."""
     lines = ["cimport cython", ""]
-    for name in TYPED.findall(source):
-        lines += ["@cython.locals(b=cython.int)", f"cpdef {name}(bytes data, Py_ssize_t pos)", ""]
+    for pattern, signature in TYPED.items():
+        for name in pattern.findall(source):
+            lines += ["@cython.locals(b=cython.int)", f"cpdef {name}{signature}", ""]
     return "\n".join(lines)
 
 

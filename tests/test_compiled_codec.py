@@ -93,6 +93,8 @@ def test_the_declarations_type_the_readers_and_skippers_from_the_source():
     pxd = codec_build.declarations(CODEC.generated)
     for name in ("r_kvbus_BlockEvents", "k_kvbus_BlockStored", "ru_0", "ku_0"):
         assert f"cpdef {name}(bytes data, Py_ssize_t pos)" in pxd
+    assert "cpdef s_kvbus_BlockStored(bytes data, Py_ssize_t start, Py_ssize_t pos, raw)" in pxd
+    assert "cpdef scan_kvbus_EventBatch(bytes data, Py_ssize_t pos, raw, shared=*)" in pxd
     assert "d_kvbus_BlockEvents" not in pxd and "w_kvbus_EventBatch" not in pxd  # entry points and writers: as written
     assert codec_build.digest(CODEC.generated) != codec_build.digest(CODEC.generated + "\n")
 
