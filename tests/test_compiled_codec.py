@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import msgspec
-import msgspec.msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -46,13 +45,13 @@ HYPO = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 
 def outcome(call: Callable[..., Any], *args: Any) -> tuple[str, Any]:
-    """("ok", the value as msgpack: a NaN read from mangled bytes equals itself) or ("raised", the
-    exception's type)."""
+    """("ok", the value's repr: a NaN read from mangled bytes equals itself, -0.0 differs from 0.0, ints
+    past 64 bits from a 10-byte varint are kept) or ("raised", the exception's type)."""
     try:
         value = call(*args)
     except Exception as exc:
         return "raised", type(exc)
-    return "ok", msgspec.msgpack.encode(value)
+    return "ok", repr(value)
 
 
 def raw(avro: bytes, kept: Any, without: Any) -> tuple:
