@@ -10,6 +10,11 @@ The output is byte for byte what fastavro and confluent's ``AvroSerializer``
 returns, reading the canonical encoding only and raising
 :class:`~kvbus.schemas.codec_runtime.WireError` for anything else.
 
+The generated source runs one of two ways, with the same results: its compiled build
+(:mod:`kvbus.schemas.codec_build`, made by ``./dev setup``) when there is one of exactly this
+source, else ``exec`` of the source, the reference path (also with ``KVBUS_COMPILED_CODEC=0``).
+:attr:`Codec.compiled` says which; the first :class:`FastSerde` of a process logs it.
+
 Module-level names are those of the codec of ``schemas/avro``:
 
 * ``encode(record, obj)`` / ``decode(record, data, pos=0)``: bodies of the top-level records;
@@ -32,20 +37,23 @@ from __future__ import annotations
 import json
 import linecache
 import logging
+import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from fastavro import parse_schema
 from fastavro.schema import load_schema, to_parsing_canonical_form
 
-from kvbus.schemas import codec_runtime, events as _events
+from kvbus.schemas import codec_build, codec_runtime, events as _events
 from kvbus.schemas.avro import RECORDS, SCHEMA_DIR
 from kvbus.schemas.codec_runtime import HEADER_SIZE, READ_ERRORS, WireError, confluent_header
 from kvbus.schemas.codegen import HEADER, generator, mangle
+from kvbus.schemas.env import declared
 from kvbus.schemas.serde import RecordSerde, value_schema_id
+from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.schemas")
 
@@ -69,14 +77,26 @@ class Codec:
     """The generated functions for one set of schemas (see the module doc); ``source`` is the
     generated Python source."""
 
-    def __init__(self, records: dict[str, dict], structs: dict[str, type]):
+    def __init__(self, records: dict[str, dict], structs: dict[str, type], compiled: bool = False):
         self.records = records
         self._gen = generator(records, structs, scan=SCAN, split=SPLIT)
-        self.source = HEADER + "\n\n\n".join(self._gen.out) + "\n"
+        self.generated = HEADER + "\n\n\n".join(self._gen.out) + "\n"
+        """The generated source of the codec's functions (what the compiled build is a build of)."""
+        self.source = self.generated
+        """:attr:`generated`, then the positional writers generated since (:meth:`event_writer`)."""
         ns: dict[str, Any] = {k: getattr(codec_runtime, k) for k in dir(codec_runtime) if not k.startswith("__")}
         ns.update({f"S_{mangle(name)}": cls for name, cls in structs.items()})
         self.ns = ns
-        self._exec(self.source, "generated")
+        """The functions' globals: the compiled module's, or those ``exec`` gave the source."""
+        built, self.path = codec_build.load(self.generated, ns) if compiled else (None, "compiled codec off")
+        if built is not None:
+            self.ns = built
+        else:
+            self._exec(self.generated, "generated")
+        self.compiled = built is not None
+        """Whether the functions are the compiled build's (:mod:`kvbus.schemas.codec_build`); else the
+        source's, run by ``exec``. :attr:`path` says which build, or why not."""
+        ns = self.ns
         self._positional: dict[tuple[str, tuple[str, ...]], Callable[..., bytes]] = {}
         self.writers: dict[str, Callable[[Any], bytes]] = {r: ns[f"w_kvbus_{r}"] for r in records}
         """Record short name -> writer of its Avro body."""
@@ -166,13 +186,40 @@ def load_records(schema_dir: Path | str = SCHEMA_DIR, records: tuple[str, ...] =
     return {r: load_schema(str(Path(schema_dir) / f"kvbus.{r}.avsc")) for r in records}
 
 
-def build(schema_dir: Path | str = SCHEMA_DIR, structs: Optional[dict[str, type]] = None) -> Codec:
-    """The codec of the schemas in ``schema_dir`` for ``structs`` (default: :mod:`kvbus.schemas.events`)."""
-    return Codec(load_records(schema_dir), structs or default_structs())
+def build(schema_dir: Path | str = SCHEMA_DIR, structs: Optional[dict[str, type]] = None,
+          compiled: Optional[bool] = None) -> Codec:
+    """The codec of the schemas in ``schema_dir`` for ``structs`` (default: :mod:`kvbus.schemas.events`).
+    ``compiled``: use the compiled build of its generated source when there is one of exactly that
+    source (:mod:`kvbus.schemas.codec_build`), else ``exec`` the source; None: as
+    ``KVBUS_COMPILED_CODEC`` says (:attr:`kvbus.schemas.settings.Settings.compiled_codec`)."""
+    if compiled is None:
+        compiled = compiled_codec_setting()
+    return Codec(load_records(schema_dir), structs or default_structs(), compiled)
+
+
+def compiled_codec_setting(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """``KVBUS_COMPILED_CODEC`` of ``environ`` (default: the process's), as Settings declares it."""
+    declared_as = dict(declared(Settings))["compiled_codec"]
+    return declared_as.read(os.environ if environ is None else environ)
+
+
+_announced = False
+
+
+def announce(codec: Codec) -> None:
+    """Log once per process which path ``codec`` runs (compiled build or generated Python), when
+    the first serde is made (the process has set up its logging by then)."""
+    global _announced
+    if not _announced:
+        _announced = True
+        if codec.compiled:
+            log.info("Avro codec: %s", codec.path)
+        else:
+            log.info("Avro codec: generated Python, the reference path (%s)", codec.path)
 
 
 CODEC = build()
-"""The codec of ``schemas/avro``."""
+"""The codec of ``schemas/avro`` (compiled unless ``KVBUS_COMPILED_CODEC`` is off or there is no build of it)."""
 encode = CODEC.encode
 decode = CODEC.decode
 encode_event = CODEC.encode_event
@@ -214,6 +261,7 @@ class FastSerde:
 
     def __init__(self, registry: SchemaRegistryClient, record: str, auto_register: bool = True,
                  reader: Optional[Callable[[bytes, int], Any]] = None, codec: Codec = CODEC):
+        announce(codec)
         self.registry = registry
         self.record = record
         self.auto_register = auto_register

@@ -79,6 +79,11 @@ class Settings:
         "largest number of glibc malloc arenas in the bridge, worker, sink and serve processes: their threads "
         "(a dozen of librdkafka's or more) share them and reuse each other's free space (0: glibc's own limit, "
         "eight per core)")
+    compiled_codec: bool = setting(
+        "KVBUS_COMPILED_CODEC", SWITCH, True,
+        "run the Avro codec's compiled build (Cython, made by ./dev setup in the checkout's build/codec) when it is "
+        "a build of exactly the codec the schemas make now; off, or without such a build: the generated Python, "
+        "which encodes and decodes the same bytes")
     security: Security = field(default_factory=Security)
     """How to authenticate to Kafka, Redis and the registry (``kvbus.schemas.security``; default: open)."""
 
