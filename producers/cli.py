@@ -31,7 +31,14 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from kvbus.producers.bridge import Bridge, BridgeConfig
-from kvbus.producers.bridge_group import DEFAULT_BATCH_BUSY, DEFAULT_BATCH_LARGE, DEFAULT_BATCH_WAIT, DEFAULT_BUSY_WAIT, Batching, BridgeGroup
+from kvbus.producers.bridge_group import (
+    DEFAULT_BATCH_BUSY,
+    DEFAULT_BATCH_LARGE,
+    DEFAULT_BATCH_WAIT,
+    DEFAULT_BUSY_WAIT,
+    Batching,
+    BridgeGroup,
+)
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.raw_producer import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, RawProducer
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
