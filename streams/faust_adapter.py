@@ -468,8 +468,12 @@ BUSY_RECORDS_PER_S = 500.0
 """Raw records a second (over the last :data:`PACING_EVERY` s) from which a worker counts as busy
 (:class:`FetchPacing`); it counts as idle again below half of it. The pipeline benchmark's 8 replicas
 send ~260 raw records/s at 2,000 events/s (a wait there cost 2-3 ms of freshness) and ~700 at 15,000."""
-BUSY_FETCH_WAIT_MS = 15
-"""Milliseconds a busy worker's fetch waits at the broker for :data:`BUSY_FETCH_MIN_BYTES`."""
+BUSY_FETCH_WAIT_MS = 20
+"""Milliseconds a busy worker's fetch waits at the broker for :data:`BUSY_FETCH_MIN_BYTES`. Measured
+side by side with 5 (docs/performance.md, "Tuning values"): 0.8-0.85x the CPU of all kvbus processes per
+event at 15,000-20,000 events/s, ~15 ms more freshness p50 and p99 still under 100 ms at 20,000. The
+worker's own batch wait (``KVBUS_STREAMS_BATCH_WITHIN``) stays: without it a batch is the few records
+the stream handed over before the agent ran, and TP=2 at 25,000 events/s was not sustained."""
 BUSY_FETCH_MIN_BYTES = 1 << 20
 """Bytes a busy worker's fetch waits for (:data:`BUSY_FETCH_WAIT_MS` ends the wait first at the rates
 measured: the fetch then carries what arrived in that time)."""
@@ -482,9 +486,8 @@ class FetchPacing:
     record is there (``fetch_min_bytes`` 1, waiting up to :data:`FETCH_MAX_WAIT_MS` for it): no added
     wait. Busy (:data:`BUSY_RECORDS_PER_S`), a fetch waits at the broker up to :data:`BUSY_FETCH_WAIT_MS`
     for more: fewer, larger fetches carry the load, which cuts the worker's fetch requests, their
-    responses and the hand-overs between its fetching thread and its event loop (docs/performance.md:
-    0.72-0.81x the worker's CPU per event at 15,000 events/s, 5 ms more freshness at most). Set on the running
-    aiokafka fetcher, read by the next fetch request it builds."""
+    responses and the hand-overs between its fetching thread and its event loop (docs/performance.md,
+    "Cost per event"). Set on the running aiokafka fetcher, read by the next fetch request it builds."""
 
     def __init__(self) -> None:
         self.busy = False

@@ -51,10 +51,10 @@ class StreamsOptions:
                                      "move (at least the brokers' group.min.session.timeout.ms, Kafka's default 6)")
     batch: int = setting("KVBUS_STREAMS_BATCH", COUNT, 2000, "most raw records taken per processing batch")
     batch_within: float = setting(
-        "KVBUS_STREAMS_BATCH_WITHIN", SECONDS, 0.0,
+        "KVBUS_STREAMS_BATCH_WITHIN", SECONDS, 0.01,
         "seconds a busy worker waits for a batch to fill before processing what arrived (a worker that "
-        "expects fewer than KVBUS_STREAMS_BATCH_FROM records in that time waits for nothing); 0: never, a "
-        "busy worker's fetches wait at the broker instead (docs/performance.md, \"Tuning values\")")
+        "expects fewer than KVBUS_STREAMS_BATCH_FROM records in that time waits for nothing): longer waits "
+        "cost less CPU per record under load (docs/performance.md, \"Tuning values\")")
     batch_from: int = setting(
         "KVBUS_STREAMS_BATCH_FROM", COUNT, 4,
         "raw records a worker must expect within KVBUS_STREAMS_BATCH_WITHIN (at the rate they arrived over "
