@@ -287,14 +287,20 @@ def service_pids(redis_url: str) -> dict[str, list[int]]:
     return pids
 
 
+SCRAPE_TIMEOUT = 1.0
+"""Seconds a sample waits for a Redis server's counters (a paused or restarting Redis, as in
+benchmarks/faults.py, must not stall the sampler)."""
+
+
 def redis_clients(redis_url: str) -> list[redis.Redis]:
     """A client of every Redis server of the view: the one server, or every node of a Redis Cluster."""
     if "+cluster://" in redis_url:
         from kvbus.schemas.redis_view import cluster_client
 
         cluster = cluster_client(redis_url)
-        return [cluster.get_redis_connection(node) for node in cluster.get_nodes()]
-    return [redis.Redis.from_url(redis_url)]
+        return [redis.Redis(host=node.host, port=node.port, socket_timeout=SCRAPE_TIMEOUT,
+                            socket_connect_timeout=SCRAPE_TIMEOUT) for node in cluster.get_nodes()]
+    return [redis.Redis.from_url(redis_url, socket_timeout=SCRAPE_TIMEOUT, socket_connect_timeout=SCRAPE_TIMEOUT)]
 
 
 def lookup_seconds(clients: list[redis.Redis]) -> float:
@@ -376,6 +382,7 @@ class Sampler(threading.Thread):
         self.blocks_lag = GroupLag(run.settings.kafka(), run.sink_group, t.blocks_pattern()[1:])
         self._pool = ThreadPoolExecutor(32, thread_name_prefix="scrape")
         self._redis = redis_clients(run.settings.redis_url)
+        self._lookups = 0.0
         self._counters: dict[tuple[int, str], float] = {}
         """(port, pattern) -> the counter's highest value read so far."""
 
@@ -386,6 +393,15 @@ class Sampler(threading.Thread):
         value = max(self._counters.get((port, pattern), 0.0), scrape(port, pattern))
         self._counters[(port, pattern)] = value
         return value
+
+    def _lookup_seconds(self) -> float:
+        """:func:`lookup_seconds` now, or the last value read when Redis did not answer (a counter
+        that only grows; a restarted Redis starts it again from 0, and its CPU time with it)."""
+        try:
+            self._lookups = lookup_seconds(self._redis)
+        except redis.RedisError:
+            pass
+        return self._lookups
 
     def take(self) -> Sample:
         """One sample: CPU first (at ``t``), then every metrics endpoint and both lags at once, each in
@@ -400,7 +416,7 @@ class Sampler(threading.Thread):
         t = time.monotonic()
         cpu = {kind: sum(cpu_seconds(p) for p in run.pids.get(kind, [])) for kind in KINDS if kind != "bench"}
         cpu["bench"] = cpu_seconds(os.getpid())
-        cpu["lookups"] = lookup_seconds(self._redis)
+        cpu["lookups"] = self._lookup_seconds()
         cpu["redis"] -= cpu["lookups"]
         worker_cpu = [cpu_seconds(pid) for pid in run.pids.get("worker", [])]
         sink_cpu = [cpu_seconds(pid) for pid in run.pids.get("sink", [])]
