@@ -53,11 +53,17 @@ def test_consumers_commit_only_explicitly_and_readers_get_a_group_of_their_own()
 
 
 def test_the_stages_clients_are_built_from_the_factory() -> None:
-    from kvbus.producers.record_producer import DEFAULT_PRODUCER_CONF, producer_conf as bridge_conf
+    from kvbus.producers.record_producer import (
+        BRIDGE_PRODUCER_CONF,
+        DEFAULT_PRODUCER_CONF,
+        producer_conf as bridge_conf,
+    )
 
-    conf = bridge_conf(secured_kafka(), {"linger.ms": 1})
-    assert conf["message.timeout.ms"] == 0 and conf["linger.ms"] == 1 and conf["sasl.username"] == "sink"
-    assert {k: DEFAULT_PRODUCER_CONF[k] for k in PRODUCER_CONF} == dict(PRODUCER_CONF)
+    conf = bridge_conf(secured_kafka(), {"linger.ms": 7})  # an operator's override wins over the role's
+    assert conf["message.timeout.ms"] == 0 and conf["linger.ms"] == 7 and conf["sasl.username"] == "sink"
+    assert bridge_conf("h:1")["linger.ms"] == BRIDGE_PRODUCER_CONF["linger.ms"] == 1  # the role's over the common 5
+    assert {k: DEFAULT_PRODUCER_CONF[k] for k in PRODUCER_CONF if k not in BRIDGE_PRODUCER_CONF} == \
+        {k: v for k, v in PRODUCER_CONF.items() if k not in BRIDGE_PRODUCER_CONF}
 
 
 def test_a_refusal_is_described_counted_logged_once_per_interval_and_raised_by_policy(caplog) -> None:
