@@ -23,12 +23,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import zmq
 
 from kvbus.producers.bridge import Bridge, Sink
 from kvbus.producers.metrics import BridgeMetrics
+from kvbus.schemas.load_rate import BusyRate
 
 log = logging.getLogger("kvbus.producers.bridge")
 
@@ -56,41 +57,35 @@ class Batching:
     ``busy``: engine batches a second from which the loop counts as busy (0: never); while busy, it
     pauses ``busy_wait`` seconds after every pass. A pass that is neither large nor busy never
     pauses, so the pause costs freshness only when the batches come so fast that they would share a
-    pass anyway. ``clock``: seconds, monotonic (tests pass their own)."""
+    pass anyway (the rule: :class:`kvbus.schemas.load_rate.BusyRate`). ``clock``: seconds, monotonic
+    (tests pass their own)."""
 
     wait: float = DEFAULT_BATCH_WAIT
     large: int = DEFAULT_BATCH_LARGE
     busy: float = DEFAULT_BATCH_BUSY
     busy_wait: float = DEFAULT_BUSY_WAIT
-    clock: Callable[[], float] = time.monotonic
-    is_busy: bool = field(default=False, init=False)
-    """Whether every pass pauses now (the rate of the last :data:`RATE_EVERY` s)."""
-    _read: int = field(default=0, init=False)
-    _since: float | None = field(default=None, init=False)
+    clock: Optional[Callable[[], float]] = None
+    load: BusyRate = field(init=False)
+    """The rate of engine batches over the last :data:`RATE_EVERY` s, and whether every pass pauses now."""
+
+    def __post_init__(self) -> None:
+        self.load = BusyRate(self.busy, RATE_EVERY, self.clock)
+
+    @property
+    def is_busy(self) -> bool:
+        """Whether every pass pauses now."""
+        return self.load.is_busy
 
     def pause(self, read: int) -> float:
         """Seconds to pause after a pass that read ``read`` engine batches."""
-        self._count(read)
-        if self.is_busy and self.busy_wait > 0:
+        span = self.load.count(read)
+        if span is not None and span[1] != self.load.is_busy:
+            rate, self.load.is_busy = span
+            log.info("%.0f engine batches/s: the loop %s", rate, f"pauses {self.busy_wait * 1000:.0f} ms after "
+                     "every pass" if self.load.is_busy else "reads as batches arrive")
+        if self.load.is_busy and self.busy_wait > 0:
             return self.busy_wait
         return self.wait if self.wait > 0 and read >= self.large else 0.0
-
-    def _count(self, read: int) -> None:
-        """Add ``read`` to the current span; at its end, decide busy or idle from its rate."""
-        now = self.clock()
-        if self._since is None:
-            self._since = now
-        self._read += read
-        span = now - self._since
-        if span < RATE_EVERY:
-            return
-        rate = self._read / span
-        self._read, self._since = 0, now
-        busy = self.busy > 0 and rate >= (self.busy / 2 if self.is_busy else self.busy)
-        if busy != self.is_busy:
-            self.is_busy = busy
-            log.info("%.0f engine batches/s: the loop %s", rate,
-                     f"pauses {self.busy_wait * 1000:.0f} ms after every pass" if busy else "reads as batches arrive")
 
 
 class BridgeGroup:

@@ -110,7 +110,6 @@ import importlib.metadata
 import inspect
 import logging
 import math
-import time
 import weakref
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
@@ -129,6 +128,8 @@ from mode.services import ServiceTask
 from mode.utils.locks import Event
 from mode.utils.objects import cached_property
 from mode.utils.queues import FlowControlEvent
+
+from kvbus.schemas.load_rate import BusyRate
 
 log = logging.getLogger("kvbus.streams")
 
@@ -490,31 +491,28 @@ class FetchPacing:
     "Cost per event"). Set on the running aiokafka fetcher, read by the next fetch request it builds."""
 
     def __init__(self) -> None:
-        self.busy = False
+        self.load = BusyRate(BUSY_RECORDS_PER_S, PACING_EVERY)
+        """The rate of raw records over the last :data:`PACING_EVERY` s, and whether fetches wait for more now."""
+
+    @property
+    def busy(self) -> bool:
         """Whether fetches wait for more now."""
-        self._records = 0
-        self._since = time.monotonic()
+        return self.load.is_busy
 
     def count(self, records: int, consumer: Any) -> None:
         """Note ``records`` raw records taken (0 from a timer, so that an idle worker is seen idle) and pace
         the fetches of ``consumer`` (the worker's aiokafka consumer; its fetcher exists once it started)."""
-        self._records += records
-        now = time.monotonic()
-        span = now - self._since
-        if span < PACING_EVERY:
-            return
-        rate = self._records / span
-        self._records, self._since = 0, now
-        busy = rate >= (BUSY_RECORDS_PER_S / 2 if self.busy else BUSY_RECORDS_PER_S)
+        span = self.load.count(records)
         fetcher = getattr(consumer, "_fetcher", None)
-        if busy == self.busy or fetcher is None:
+        if span is None or span[1] == self.load.is_busy or fetcher is None:
             return
+        rate, busy = span
         broken = broken_internals(fetcher)
         if broken:
             raise FaustInternalsChanged(broken)
         fetcher._fetch_min_bytes = BUSY_FETCH_MIN_BYTES if busy else 1
         fetcher._fetch_max_wait_ms = BUSY_FETCH_WAIT_MS if busy else FETCH_MAX_WAIT_MS
-        self.busy = busy
+        self.load.is_busy = busy
         log.info("%.0f raw records/s: fetches %s", rate, f"wait up to {BUSY_FETCH_WAIT_MS} ms for more" if busy
                  else "return with the first record")
 

@@ -618,8 +618,10 @@ def test_fetches_wait_for_more_only_while_the_worker_is_busy(monkeypatch):
     return with the first record; the rate is measured over PACING_EVERY s, with hysteresis."""
     from types import SimpleNamespace
 
+    from kvbus.schemas import load_rate
+
     clock = [100.0]
-    monkeypatch.setattr(faust_adapter.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(load_rate.time, "monotonic", lambda: clock[0])  # FetchPacing's clock (BusyRate's)
     fetcher = SimpleNamespace(_fetch_min_bytes=1, _fetch_max_wait_ms=faust_adapter.FETCH_MAX_WAIT_MS)
     consumer = SimpleNamespace(_fetcher=fetcher)
     pacing = faust_adapter.FetchPacing()
