@@ -78,7 +78,7 @@ import redis  # noqa: E402
 
 from block_topics import block_events, record_schema, written_topic  # noqa: E402  (benchmarks/block_topics.py)
 from kvbus.children import Children, cpu_seconds, free_port, free_port_block, wait_for  # noqa: E402
-from kvbus.demo_progress import GroupLag, scrape  # noqa: E402
+from kvbus.demo_progress import GroupLag, scrape_all  # noqa: E402
 from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
@@ -386,13 +386,16 @@ class Sampler(threading.Thread):
         self._counters: dict[tuple[int, str], float] = {}
         """(port, pattern) -> the counter's highest value read so far."""
 
-    def _counter(self, port: int, pattern: str) -> float:
-        """The counter ``pattern`` at ``port``: what it reads now, or the last value read when the
-        scrape failed (``scrape`` gives 0 when an endpoint does not answer within its timeout, as a
-        process starved of CPU may not; counters only grow)."""
-        value = max(self._counters.get((port, pattern), 0.0), scrape(port, pattern))
-        self._counters[(port, pattern)] = value
-        return value
+    def _counters_at(self, port: int, patterns: tuple[str, ...]) -> list[float]:
+        """The counters ``patterns`` at ``port``, from one scrape: each what it reads now, or the last
+        value read when the scrape failed (``scrape_all`` gives 0 when an endpoint does not answer
+        within its timeout, as a process starved of CPU may not; counters only grow)."""
+        out = []
+        for pattern, value in zip(patterns, scrape_all(port, patterns)):
+            value = max(self._counters.get((port, pattern), 0.0), value)
+            self._counters[(port, pattern)] = value
+            out.append(value)
+        return out
 
     def _lookup_seconds(self) -> float:
         """:func:`lookup_seconds` now, or the last value read when Redis did not answer (a counter
@@ -410,8 +413,9 @@ class Sampler(threading.Thread):
         run = self.run_
         pool = self._pool
 
-        def scraped(ports: list[int], pattern: str) -> list[Any]:
-            return [pool.submit(self._counter, port, pattern) for port in ports]
+        def scraped(ports: list[int], *patterns: str) -> list[Any]:
+            """Per port, a future of its counters ``patterns`` (one scrape each)."""
+            return [pool.submit(self._counters_at, port, patterns) for port in ports]
 
         t = time.monotonic()
         cpu = {kind: sum(cpu_seconds(p) for p in run.pids.get(kind, [])) for kind in KINDS if kind != "bench"}
@@ -420,24 +424,23 @@ class Sampler(threading.Thread):
         cpu["redis"] -= cpu["lookups"]
         worker_cpu = [cpu_seconds(pid) for pid in run.pids.get("worker", [])]
         sink_cpu = [cpu_seconds(pid) for pid in run.pids.get("sink", [])]
-        reports = scraped(run.worker_ports, r"kvbus_streams_reports_total")
-        records = scraped(run.sink_ports, r"kvbus_sink_records_total")
-        acked = scraped(run.bridge_ports, r"kvbus_bridge_events_acked_total")
-        raw_records = scraped(run.bridge_ports, r"kvbus_bridge_batches_acked_total")
-        consolidated = scraped(run.worker_ports, r"kvbus_streams_(consolidated|passthrough)_total")
-        applied = scraped(run.sink_ports, r"kvbus_sink_events_applied_total")
+        workers = scraped(run.worker_ports, r"kvbus_streams_reports_total",
+                          r"kvbus_streams_(consolidated|passthrough)_total")
+        sinks = scraped(run.sink_ports, r"kvbus_sink_records_total", r"kvbus_sink_events_applied_total")
+        bridges = scraped(run.bridge_ports, r"kvbus_bridge_events_acked_total", r"kvbus_bridge_batches_acked_total")
         lags = [pool.submit(self.raw_lag.lag), pool.submit(self.blocks_lag.partitions)]
         per_proc = {}
-        for i, (f, c) in enumerate(zip(reports, worker_cpu)):
-            per_proc[f"worker-{i}"] = (f.result(), c)
-        for i, (f, c) in enumerate(zip(records, sink_cpu)):
-            per_proc[f"sink-{i}"] = (f.result(), c)
+        workers_read, sinks_read, bridges_read = ([f.result() for f in fs] for fs in (workers, sinks, bridges))
+        for i, (w, c) in enumerate(zip(workers_read, worker_cpu)):
+            per_proc[f"worker-{i}"] = (w[0], c)
+        for i, (k, c) in enumerate(zip(sinks_read, sink_cpu)):
+            per_proc[f"sink-{i}"] = (k[0], c)
         s = Sample(
             t=t,
-            acked=sum(f.result() for f in acked),
-            raw_records=sum(f.result() for f in raw_records),
-            consolidated=sum(f.result() for f in consolidated),
-            applied=sum(f.result() for f in applied),
+            acked=sum(b[0] for b in bridges_read),
+            raw_records=sum(b[1] for b in bridges_read),
+            consolidated=sum(w[1] for w in workers_read),
+            applied=sum(k[1] for k in sinks_read),
             cpu=cpu, per_proc=per_proc,
         )
         try:

@@ -7,7 +7,7 @@ import http.client
 import re
 import time
 import urllib.request
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from confluent_kafka import KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,18 +17,28 @@ from kvbus.schemas.settings import Settings
 
 
 def scrape(port: int, pattern: str) -> float:
-    """Sum of the samples whose name matches ``pattern`` at ``127.0.0.1:<port>/metrics`` (0 if down,
-    or if the process died while answering: a cut response is ``http.client.IncompleteRead``, which
-    once killed the fault suite's sampler thread)."""
+    """Sum of the samples whose name matches ``pattern`` at ``127.0.0.1:<port>/metrics`` (0 if down)."""
+    return scrape_all(port, (pattern,))[0]
+
+
+def scrape_all(port: int, patterns: Sequence[str]) -> list[float]:
+    """Per pattern, the sum of the samples whose name matches it at ``127.0.0.1:<port>/metrics``, from
+    one request (a scrape costs the process a few ms of CPU: asking once per counter doubled what a
+    benchmark's sampler charged the stages); 0 each if down, or if the process died while answering: a
+    cut response is ``http.client.IncompleteRead``, which once killed the fault suite's sampler thread."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
             text = r.read().decode()
     except (OSError, http.client.HTTPException):
-        return 0.0
-    rx = re.compile(pattern)
-    return sum(
-        s.value for fam in text_string_to_metric_families(text) for s in fam.samples if rx.fullmatch(s.name)
-    )
+        return [0.0] * len(patterns)
+    rxs = [re.compile(p) for p in patterns]
+    sums = [0.0] * len(patterns)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            for j, rx in enumerate(rxs):
+                if rx.fullmatch(s.name):
+                    sums[j] += s.value
+    return sums
 
 
 class GroupLag:
