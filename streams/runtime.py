@@ -22,7 +22,6 @@ high-water marks, and everything else is applied again and re-emitted with its o
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any, Iterable, Optional, Sequence
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
+from kvbus.schemas.allocator import tune_gc
 from kvbus.schemas.backoff import Backoff
 from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
 from kvbus.schemas.kafka_clients import DeliveryErrors, GroupOffsets, RateLimitedLog, ensure_topics, producer_conf
@@ -74,20 +74,6 @@ RETRY_FIRST = 0.2
 """Seconds before output records Kafka refused are produced again (doubling, jittered: kvbus.schemas.backoff)."""
 RETRY_CAP = 5.0
 """Seconds no pause between two such tries exceeds."""
-
-GC_THRESHOLD = (50_000, 20, 100)
-"""``gc.set_threshold`` of a worker: the hot path allocates ~10 tracked objects per event, almost
-all freed by reference counting, so Python's default (700, 10, 10) ran a young collection every ~80
-events and full ones over Faust's whole heap (GC off halved the aggregation time in a micro-benchmark)."""
-
-
-def tune_gc() -> None:
-    """Move what start-up allocated (Faust, aiokafka, modules) out of the collector's sight
-    (``gc.freeze``) and collect less often (:data:`GC_THRESHOLD`); cycles are still collected."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLD)
-
 
 OFFSETS_TIMEOUT = 10.0
 """Seconds a look-up of log offsets for table recovery may take before it fails (Faust's own
