@@ -1,7 +1,7 @@
 """The confluent-kafka clients of every kvbus stage: one place for their configurations, for what a
 delivery error does, and for creating topics.
 
-* :func:`producer_conf`: every producer is idempotent (``acks=all``, ordered retries), uncompressed
+* :func:`producer_conf`: every producer is idempotent (``acks=all``, ordered retries), lz4-compressed
   and partitions keys with murmur2 as the Java client and aiokafka do (:data:`PRODUCER_CONF`); a
   role lays its own properties over that (the bridge's queue bounds, the snapshot writer's record size).
 * :func:`consumer_conf` / :func:`reader_conf`: every consumer commits only explicitly and starts at the
@@ -48,11 +48,7 @@ PRODUCER_CONF: Mapping[str, Any] = {
     **RECOVERY_CONF,
     "enable.idempotence": True,  # acks=all, ordered retries, no duplicates from retries
     "acks": "all",
-    # records of the hot path are small (~15 bytes per event) and batches short: lz4 cost the bridge,
-    # the worker, the sink and the broker (which decompresses to validate) ~10 % of their CPU per
-    # event for no bandwidth that matters (docs/performance.md, "Compression"). A role that writes
-    # bulk (snapshots) compresses; an operator may too (KVBUS_KAFKA_PROPERTIES)
-    "compression.type": "none",
+    "compression.type": "lz4",
     # same key -> partition mapping as the Java client and aiokafka (the worker reads with aiokafka)
     "partitioner": "murmur2_random",
     # a record waits at most this long for others to share its request: the view's freshness

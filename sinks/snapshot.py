@@ -122,7 +122,7 @@ class SnapshotWriter:
         self.serde = RecordSerde(registry_client(settings), "ViewSnapshot")
         kafka = settings.kafka()
         self.errors = DeliveryErrors(kafka, log, "snapshot: ")
-        role = {"linger.ms": 20, "message.max.bytes": SNAPSHOT_MAX_MESSAGE_BYTES, "compression.type": "lz4"}
+        role = {"linger.ms": 20, "message.max.bytes": SNAPSHOT_MAX_MESSAGE_BYTES}
         self.producer = Producer(producer_conf(kafka, role, error_cb=self.errors.error_cb))
         self._previous: set[str] = set()
 
