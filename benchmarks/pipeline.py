@@ -287,6 +287,26 @@ def service_pids(redis_url: str) -> dict[str, list[int]]:
     return pids
 
 
+FRESH_BROKER_S = 300.0
+"""A broker younger than this is still compiling its hot paths (C2): its CPU per event is 1.5-1.8x a warm
+one's in the first run after ``infra/stack up`` (docs/performance.md, "The collector, lz4 weighed, and
+where the rest goes"), so a comparison across runs must not start with a fresh one."""
+
+
+def fresh_broker_warning(kafka_pids: list[int]) -> tuple[Optional[float], Optional[str]]:
+    """(seconds the youngest broker of ``kafka_pids`` has run, a warning if under :data:`FRESH_BROKER_S`)."""
+    from kvbus.infra.procs import proc_age
+
+    ages = [a for a in (proc_age(p) for p in kafka_pids) if a is not None]
+    if not ages:
+        return None, None
+    age = min(ages)
+    if age >= FRESH_BROKER_S:
+        return age, None
+    return age, (f"warning: a Kafka broker started {age:.0f} s ago and is still compiling: its CPU figures run "
+                 "high for minutes; discard this run when comparing runs")
+
+
 SCRAPE_TIMEOUT = 1.0
 """Seconds a sample waits for a Redis server's counters (a paused or restarting Redis, as in
 benchmarks/faults.py, must not stall the sampler)."""
@@ -769,6 +789,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         register(run.settings.registry_url, run.settings.topics, ("kvcr",), run.settings.security.registry)
         start_stages(run, args)
         run.pids.update(service_pids(run.settings.redis_url))
+        result["kafka_age_s"], warning = fresh_broker_warning(run.pids["kafka"])
+        if warning:
+            print(warning, flush=True)
         time.sleep(2.0)  # bridges connected before the first batch (replay would cover the rest)
         store = open_store(run.settings.redis_url, run.prefix, load=False)  # sharded on a redis+cluster:// URL
         prober = Prober(probe_log, store)

@@ -61,6 +61,15 @@ def proc_starttime(pid: int) -> int | None:
     return int(fields[19])  # field 22 overall; index 19 after state
 
 
+def proc_age(pid: int) -> float | None:
+    """Seconds since a live, non-zombie ``pid`` started (None otherwise)."""
+    start = proc_starttime(pid)
+    if start is None:
+        return None
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return max(0.0, uptime - start / os.sysconf("SC_CLK_TCK"))
+
+
 def proc_cmdline(pid: int) -> str:
     """Command line of ``pid`` with NULs replaced by spaces ('' if unreadable)."""
     try:

@@ -70,3 +70,20 @@ def test_the_fault_functions_find_their_options_in_both_benchmarks() -> None:
     faults, soak = import_benchmark("faults"), import_benchmark("soak")
     assert read - set(vars(faults.parse_args([]))) == set()
     assert read - set(vars(soak.parse_args(["--minutes", "1"]))) == set()
+
+
+def test_a_broker_younger_than_its_warm_up_is_named_and_an_older_one_is_not() -> None:
+    """pipeline.py names a broker still compiling its hot paths (its first run after a start costs
+    1.5-1.8x), and says nothing of one past its warm-up or gone."""
+    pipeline = import_benchmark("pipeline")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        age, warning = pipeline.fresh_broker_warning([child.pid])
+        assert age is not None and age < pipeline.FRESH_BROKER_S
+        assert warning and "discard this run" in warning, warning
+    finally:
+        child.kill()
+        child.wait()
+    age, warning = pipeline.fresh_broker_warning([1])  # init: up since the machine started
+    assert warning is None or age < pipeline.FRESH_BROKER_S, (age, warning)
+    assert pipeline.fresh_broker_warning([child.pid]) == (None, None)  # gone: nothing to say
