@@ -43,9 +43,9 @@ from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.raw_producer import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, RawProducer
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
 from kvbus.schemas import logs
-from kvbus.schemas.allocator import tune_gc
 from kvbus.schemas.backoff import Backoff, sleep
 from kvbus.schemas.codec import FastSerde
+from kvbus.schemas.collector import tune_gc
 from kvbus.schemas.env import (
     COUNT,
     FILE,

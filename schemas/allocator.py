@@ -26,12 +26,6 @@ a dozen librdkafka threads or more. Each arena keeps the free space of its own t
 no other thread reuses. :func:`start` can cap the number of
 arenas at ``KVBUS_MALLOC_ARENA_MAX`` (``mallopt(M_ARENA_MAX)``, before the stage starts its threads).
 
-The hot paths of the bridge, the worker and the sink allocate ~10 tracked Python objects per event,
-almost all freed by reference counting; Python's default collector thresholds (700, 10, 10) still
-ran a young collection every ~80 events and full ones over the whole heap. :func:`tune_gc`, called
-by each stage once it has started, freezes what start-up allocated and collects less often
-(:data:`GC_THRESHOLD`).
-
 Hand-written on purpose: libc's ``malloc_trim`` and ``mallopt`` through ``ctypes``; no maintained library wraps them.
 On a C library without ``malloc_trim`` or ``mallopt`` (musl, macOS) :func:`start` logs that and does
 without.
@@ -40,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import logging
 import os
 import threading
@@ -153,20 +146,6 @@ class TrimmerCollector(Collector):
 
 _running: Optional[Trimmer] = None
 """The process's trimmer once :func:`start` has started one."""
-
-
-GC_THRESHOLD = (50_000, 20, 100)
-"""``gc.set_threshold`` of a stage: GC off halved the worker's aggregation time in a micro-benchmark; the
-sink's decoding, checking and packing fell from 4.3 to 3.1 µs per event (docs/performance.md, "The
-collector, lz4 weighed, and where the rest goes")."""
-
-
-def tune_gc() -> None:
-    """Move what start-up allocated (modules, clients, Faust) out of the collector's sight
-    (``gc.freeze``) and collect less often (:data:`GC_THRESHOLD`); cycles are still collected."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLD)
 
 
 def start(interval: float, mmap_threshold: int = 0, arena_max: int = 0) -> Optional[Trimmer]:

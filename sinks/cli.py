@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 
+from kvbus.schemas.collector import tune_gc
 from kvbus.schemas.env import add_flags, from_flags
 from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, first_release
 from kvbus.schemas.lookup import DEFAULT_PREFIX
@@ -92,8 +93,6 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
         reader = open_store(settings.redis_url, config.prefix, load=False, client_kwargs=settings.redis_kwargs())
         snapshotter = Snapshotter(settings, reader, config.snapshot_every, metrics)
         snapshotter.start()
-    from kvbus.schemas.allocator import tune_gc  # here: `kvbus lookup` (this module) runs without prometheus_client
-
     tune_gc()
     try:
         sink.run(stop)

@@ -31,8 +31,8 @@ from typing import Any, Iterable, Optional, Sequence
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from kvbus.schemas.allocator import tune_gc
 from kvbus.schemas.backoff import Backoff
+from kvbus.schemas.collector import tune_gc
 from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
 from kvbus.schemas.kafka_clients import DeliveryErrors, GroupOffsets, RateLimitedLog, ensure_topics, producer_conf
 from kvbus.schemas.probes import Readiness
