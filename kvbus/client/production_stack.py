@@ -29,19 +29,26 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-import redis
-from redis.exceptions import RedisClusterException
-
-from kvbus.client.ties import ByLoad, Shuffle
-from kvbus.client.view import FunctionsMissing, ViewClient, WeightsLike, as_weights, chain_of
+from kvbus.client.routing import (  # noqa: F401  (the reasons and VIEW_ERRORS: this module's API since it had them)
+    COLD,
+    NO_TOKENS,
+    NOT_READY,
+    PREFIX,
+    UNHASHABLE,
+    VIEW_ERROR,
+    VIEW_ERRORS,
+    PrefixRule,
+    prompt_tokens,
+    token_list,
+)
+from kvbus.client.ties import ByLoad
+from kvbus.client.view import ViewClient, WeightsLike
 from kvbus.schemas.hashing import LoRA
-from kvbus.schemas.lookup import LayoutMismatch, ViewStatus
 
 try:  # production-stack's router, when installed (not PyPI's vllm-router, which has no vllm_router.routers)
     from vllm_router.routers.routing_logic import RoutingInterface as _RoutingBase
@@ -57,18 +64,6 @@ log = logging.getLogger("kvbus.client.production_stack")
 
 PRODUCTION_STACK = _RoutingBase is not object
 """Whether production-stack's router is installed (then :class:`KvbusRouter` is its ``RoutingInterface``)."""
-
-PREFIX, COLD, NO_TOKENS, UNHASHABLE, NOT_READY, VIEW_ERROR = (
-    "prefix", "cold", "no_tokens", "unhashable", "not_ready", "view_error")
-"""Why a request went where it went (:attr:`Decision.reason`): ``prefix``, to the holder of the
-longest prefix; else to the least-loaded endpoint because ``cold``, no endpoint holds
-``min_matched_blocks`` blocks; ``no_tokens``, the request has no token ids and no tokenizer gave
-any; ``unhashable``, its token ids cannot be hashed as the engines do (a LoRA adapter whose path is
-unknown, a malformed cache salt); ``not_ready``, the view is rebuilding or missing; ``view_error``,
-the view could not be read (Redis unreachable or timing out, functions not loaded, another layout)."""
-
-VIEW_ERRORS = (redis.RedisError, RedisClusterException, FunctionsMissing, LayoutMismatch)
-"""What a failed read of the view raises; the router routes by load instead."""
 
 Load = Callable[[str, Mapping[str, Any], Mapping[str, Any]], Any]
 """A load function: ``(endpoint url, engine_stats, request_stats)`` -> a sortable value, less is
@@ -141,22 +136,6 @@ def json_body(request: Any) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def _token_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
-    return None
-
-
-def prompt_tokens(body: Mapping[str, Any]) -> list[int] | None:
-    """The token ids a request names itself: its ``prompt`` when that is a list of token ids (the
-    OpenAI completions API's token form), or a list holding one such list. None otherwise (text
-    prompts, chat messages: a tokenizer's job)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    return _token_list(prompt)
-
-
 def request_lora(body: Mapping[str, Any], endpoints: Sequence[Any], paths: Mapping[str, str]) -> LoRA | None:
     """The LoRA adapter a request asks for, or None for a base model. ``body["model"]`` names an
     adapter when ``paths`` has it (adapter name -> the path the engines loaded it from), or when an
@@ -226,27 +205,42 @@ class KvbusRouter(_RoutingBase):
                  min_matched_blocks: int = 1, weights: WeightsLike | None = None, load: Load | None = None,
                  status_every: float = 1.0, tie_seed: int | str | None = None,
                  max_instance_failover_reroute_attempts: int = 0):
-        if block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {block_size}")
-        if min_matched_blocks < 1:
-            raise ValueError(f"min_matched_blocks must be at least 1, got {min_matched_blocks}")
-        chain_of([0] * block_size, None, block_size, algo, hash_seed, engine_version=engine_version)
         self._owns_view = isinstance(view, str)
-        self.view = ViewClient(view) if isinstance(view, str) else view
-        self.block_size, self.algo, self.hash_seed, self.engine_version = block_size, algo, hash_seed, engine_version
+        self.rule = PrefixRule(ViewClient(view) if isinstance(view, str) else view, block_size=block_size, algo=algo,
+                               hash_seed=hash_seed, engine_version=engine_version,
+                               min_matched_blocks=min_matched_blocks, weights=weights, status_every=status_every,
+                               tie_seed=tie_seed, logger=log)
+        """The longest-prefix rule (:class:`~kvbus.client.routing.PrefixRule`): hashing, lookup, readiness."""
+        self.view = self.rule.view
+        self.block_size, self.algo = block_size, algo
         self.tokenizer = tokenizer
         self._names = {url.rstrip("/"): name for name, url in (replica_urls or {}).items()}
         self.lora_paths = dict(lora_paths or {})
-        self.min_matched_blocks = min_matched_blocks
-        self.weights = as_weights(weights)
         self.load = load or endpoint_load
-        self.status_every = status_every
-        self._shuffle = Shuffle(tie_seed)
         self.max_instance_failover_reroute_attempts = max_instance_failover_reroute_attempts
-        self.decisions: Counter[str] = Counter()
-        self._status: ViewStatus | None = None
-        self._status_at = float("-inf")
-        self._degraded: str | None = None
+
+    @property
+    def decisions(self) -> Counter[str]:
+        """Requests routed per reason (:data:`PREFIX`, ...)."""
+        return self.rule.decisions
+
+    @property
+    def min_matched_blocks(self) -> int:
+        """The fewest leading blocks a holder must hold to be routed to by prefix (settable)."""
+        return self.rule.min_matched_blocks
+
+    @min_matched_blocks.setter
+    def min_matched_blocks(self, value: int) -> None:
+        self.rule.min_matched_blocks = value
+
+    @property
+    def status_every(self) -> float:
+        """Seconds a read of the view's status is trusted (settable)."""
+        return self.rule.status_every
+
+    @status_every.setter
+    def status_every(self, value: float) -> None:
+        self.rule.status_every = value
 
     # -- production-stack's interface --------------------------------------------
 
@@ -287,62 +281,16 @@ class KvbusRouter(_RoutingBase):
         loads = {url: self.load(url, engine_stats, request_stats) for url in urls.values()}
         tokens = prompt_tokens(body)
         if tokens is None and self.tokenizer is not None:
-            tokens = _token_list(list(self.tokenizer(dict(body)) or []))
-        if tokens is None:
-            return self._by_load(urls, loads, NO_TOKENS)
-        try:
-            salt = body.get("cache_salt")
-            chain = chain_of(tokens, None, self.block_size, self.algo, self.hash_seed,
-                             lora=request_lora(body, endpoints, self.lora_paths),
-                             cache_salt=salt if salt != "" else None, engine_version=self.engine_version)
-        except ValueError as e:
-            log.debug("request not hashable as the engines hash it (%s): routing by load", e)
-            return self._by_load(urls, loads, UNHASHABLE)
-        if len(chain) < self.min_matched_blocks:
-            return self._by_load(urls, loads, COLD)
-        try:
-            if not self._ready():
-                return self._by_load(urls, loads, NOT_READY)
-            matches = self.view.lookup(hashes=chain, weights=self.weights, candidates=list(urls),
-                                       tie_break=ByLoad(lambda m: loads[urls[m.replica]], then=self._shuffle))
-        except VIEW_ERRORS as e:
-            self._degrade(VIEW_ERROR, f"the view could not be read ({type(e).__name__}: {e})")
-            return self._by_load(urls, loads, VIEW_ERROR)
-        self._recover()
-        if matches and matches[0].matched >= self.min_matched_blocks:
-            best = matches[0]
-            return self._note(Decision(urls[best.replica], PREFIX, best.replica, best.matched))
-        return self._by_load(urls, loads, COLD)
-
-    def _by_load(self, urls: Mapping[str, str], loads: Mapping[str, Any], reason: str) -> Decision:
-        """The least-loaded endpoint; among equal loads a random one."""
+            tokens = token_list(list(self.tokenizer(dict(body)) or []))
+        lora = request_lora(body, endpoints, self.lora_paths) if tokens is not None else None
+        verdict = self.rule.judge(tokens, list(urls), lora=lora, cache_salt=body.get("cache_salt"),
+                                  tie_break=ByLoad(lambda m: loads[urls[m.replica]], then=self.rule.shuffle))
+        if verdict.reason == PREFIX:
+            best = verdict.matches[0]
+            return Decision(urls[best.replica], PREFIX, best.replica, best.matched)
         least = min(loads.values())
-        name = self._shuffle.rng.choice([n for n, u in urls.items() if loads[u] == least])
-        return self._note(Decision(urls[name], reason, name))
-
-    def _note(self, d: Decision) -> Decision:
-        self.decisions[d.reason] += 1
-        return d
-
-    def _ready(self) -> bool:
-        """Whether the view's answers are complete, from a status read at most ``status_every`` s ago."""
-        now = time.monotonic()
-        if self._status is None or now - self._status_at >= self.status_every:
-            self._status, self._status_at = self.view.status(), now
-        if not self._status.ready:
-            self._degrade(NOT_READY, f"the view is {self._status.state}")
-        return self._status.ready
-
-    def _degrade(self, reason: str, why: str) -> None:
-        """Log once when routing by prefix stops, and why."""
-        if self._degraded != reason:
-            log.warning("%s: routing by load until it is back", why)
-            self._degraded = reason
-
-    def _recover(self) -> None:
-        if self._degraded is not None:
-            log.info("the view answers again: routing by prefix")
-            self._degraded = None
+        name = self.rule.shuffle.rng.choice([n for n, u in urls.items() if loads[u] == least])
+        return Decision(urls[name], verdict.reason, name)
 
     def __repr__(self) -> str:
         return f"KvbusRouter({self.view!r}, block_size={self.block_size}, algo={self.algo!r})"
