@@ -86,20 +86,26 @@ def pytest_configure(config: pytest.Config) -> None:
     index = _worker_index()
     if index:
         os.environ.update(worker_stack_env(index, dict(os.environ)))
-        _share_pyflink_venv()
+        _share_venvs()
 
 
-def _share_pyflink_venv() -> None:
-    """Link this worker's ``flink`` directory (PyFlink's venv: minutes to build) to the main state
-    directory's, so that no worker builds it where a run already has."""
+SHARED_VENVS = ("flink", "vllm")
+"""State subdirectories holding venvs that take minutes to build: PyFlink's (kvbus.infra.flink) and vLLM's
+for CPUs (kvbus.infra.vllm_engine, ~6 GB)."""
+
+
+def _share_venvs() -> None:
+    """Link this worker's :data:`SHARED_VENVS` directories to the main state directory's, so that no
+    worker builds one where a run already has."""
     from kvbus.infra.stack_env import state_dir
 
-    own = state_dir() / "flink"
-    main = _main_state_dir() / "flink"
-    if not own.exists() and not own.is_symlink():
-        main.mkdir(parents=True, exist_ok=True)
-        own.parent.mkdir(parents=True, exist_ok=True)
-        own.symlink_to(main)
+    for name in SHARED_VENVS:
+        own = state_dir() / name
+        main = _main_state_dir() / name
+        if not own.exists() and not own.is_symlink():
+            main.mkdir(parents=True, exist_ok=True)
+            own.parent.mkdir(parents=True, exist_ok=True)
+            own.symlink_to(main)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -9,6 +9,7 @@ real pipeline (Kafka, worker, sink, Redis), and the deployment's router reads th
 """
 from __future__ import annotations
 
+import os
 import uuid
 from collections import Counter
 
@@ -113,3 +114,50 @@ def test_the_router_is_the_class_ray_loads() -> None:
     from ray.serve.request_router import RequestRouter
 
     assert issubclass(KvbusRequestRouter, RequestRouter)
+
+
+@pytest.mark.skipif(os.environ.get("KVBUS_ENGINE_TESTS") == "0", reason="KVBUS_ENGINE_TESTS=0")
+def test_two_real_vllm_engines_behind_the_router_hit_their_caches(test_settings, tmp_path, ray_local) -> None:
+    """examples/ray_serve_vllm.py with two vLLM engines (vLLM for CPUs, the tiny model): requests sharing
+    a prefix go to the engine that cached it, and that engine's cached_tokens show the hits."""
+    from examples.ray_serve_vllm import deployment
+    from kvbus.infra import vllm_engine
+    from kvbus.infra.vllm_engine import EngineSpec
+    from tests.vllm_server import MODEL_DIR
+
+    python = vllm_engine.ensure()
+    run = uuid.uuid4().hex[:8]
+    prefix = f"rayv{run}:"
+    block = 32
+    spec = EngineSpec(MODEL_DIR, 0, 0, 0, seed=SEED, block_size=block)
+    pipeline = Pipeline(test_settings, tmp_path)
+    try:
+        pipeline.start("sink", "sink", "--group", f"sink-{run}", "--prefix", prefix)
+        pipeline.start("worker", "worker", "--app-id", f"rayv-{run}", "--workdir", str(tmp_path))
+        router = {"view_url": test_settings.redis_url, "prefix": prefix, "block_size": block, "algo": "sha256",
+                  "hash_seed": SEED, "status_every": 0.0}
+        engines = deployment(router, 2, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=8)
+        handle = serve.run(engines.bind(spec.engine_args(), str(python), spec.environment(), test_settings.to_env()),
+                           name=f"rayv{run}", route_prefix=None)
+        view = ViewClient(test_settings.redis_url, prefix)
+        system = [300 + i for i in range(3 * block)]
+
+        def ask(tokens: list[int]) -> tuple[str, int]:
+            answer = handle.remote({"model": spec.served_name, "prompt": tokens, "max_tokens": 2}).result(timeout_s=120)
+            return answer["replica"], (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+        holder, cached = ask(system + [1, 2])
+        assert cached == 0
+
+        def held():
+            """the view lists the first engine as holding the system prompt's three blocks"""
+            found = {m.replica: m.matched for m in view.lookup(tokens=system, block_size=block, seed=SEED)}
+            return found.get(holder) == 3 or None
+
+        eventually(held, 120, pipeline)
+        answers = [ask(system + [7, i]) for i in range(6)]
+        assert answers == [(holder, 3 * block)] * 6, answers
+        print(f"two vLLM engines behind Ray Serve: 6 of 6 requests to {holder}, {3 * block} cached tokens each")
+    finally:
+        serve.delete(f"rayv{run}")
+        pipeline.stop()
