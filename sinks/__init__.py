@@ -13,12 +13,14 @@ Modules:
   redis_memory.py  the eviction policy the view needs, a full Redis (``RedisFull``), evicted keys
   retention.py     the block topics' retention against the snapshot interval (checked at start)
   rebuild.py       rebuilding a lost view; snapshot.py: snapshots of the view to Kafka
-  tiers.py         ref-counting policy (tier names and lookup weights: kvbus.schemas.tiers)
+  refcounts.py     ref-counting policy (tier names and lookup weights: kvbus.schemas.tiers)
+  layout_gate.py   the order of a holder's events across the two block layouts while workers move
   hashes.py        hash strings and token -> vLLM block hash chains for lookups
   validate.py      checks a record must pass (else: dead-letter topic)
   metrics.py       Prometheus metrics
-  view.py          ``summary()`` for the demo
+  demo_summary.py  ``summary()``: blocks per holder and tier, for the demo and the tests
   cli.py           ``kvbus sink`` / ``kvbus lookup`` (through kvbus.client)
+  lua/             the function library (kvbus.lua) the view is written and read through
 Layout and semantics: docs/sinks-layout.md.
 """
 
