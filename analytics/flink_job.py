@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.avro import schema_str
-from kvbus.schemas.settings import Settings
 
 FLINK_DIR = Path(__file__).parent / "flink"
 DEFAULT_SQL = FLINK_DIR / "stores_per_minute.sql"

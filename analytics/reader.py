@@ -26,9 +26,9 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from kvbus.analytics.timerange import TimeRange
-from kvbus.schemas.kafka_clients import consumer_conf, reader_conf
+from kvbus.runtime.kafka_clients import consumer_conf, reader_conf
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.serde import registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import REPORT_GROUP_PREFIX
 
 log = logging.getLogger("kvbus.report")

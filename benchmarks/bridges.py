@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from kvbus.children import cpu_seconds, free_port, free_port_block, wait_for  # noqa: E402
 from kvbus.demo_progress import scrape  # noqa: E402
-from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
 from kvbus.simulator.fleet import Fleet, FleetConfig, ModelConfig  # noqa: E402
 

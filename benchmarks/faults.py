@@ -62,7 +62,7 @@ both refresh at once after a failed connection) and the group members the new co
 whose session ran out meanwhile rejoins under a new member id, which costs a rebalance (~20 s);
 the sink heartbeats every tenth of its session so that it reaches the new coordinator first. When
 the broker comes back, librdkafka clients reconnect within ``reconnect.backoff.max.ms`` (1 s,
-``kvbus.schemas.kafka_clients.RECOVERY_CONF``); its partitions' leadership returns to it at the
+``kvbus.runtime.kafka_clients.RECOVERY_CONF``); its partitions' leadership returns to it at the
 controller's next preferred-leader check (``leader.imbalance.check.interval.seconds``, 300 s), a
 short move of its own, usually after the fault's figures. Killing the active controller (a broker
 too) takes longer: the quorum elects a new controller first (~5 s), whose session timer for the
@@ -135,7 +135,7 @@ import redis  # noqa: E402
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, probes, lag, the truth check)
 from kvbus.children import Child, free_port, free_port_block  # noqa: E402
 from kvbus.demo_progress import scrape  # noqa: E402
-from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.sinks.store import ResidencyStore  # noqa: E402
 from kvbus.sinks.store_url import open_store  # noqa: E402
 

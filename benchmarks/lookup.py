@@ -63,8 +63,8 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fleet_view import load_kvbus, pct, queries as query_set, used_memory  # noqa: E402
+from kvbus.runtime.redis_view import cluster_client  # noqa: E402
 from kvbus.schemas.lookup import LAYOUT, lookup_args, parse_reply  # noqa: E402
-from kvbus.schemas.redis_view import cluster_client  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from kvbus.sinks.refcounts import Weights  # noqa: E402
 from kvbus.sinks.sharded_store import ShardedRedisStore  # noqa: E402

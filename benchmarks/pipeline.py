@@ -79,7 +79,7 @@ import redis  # noqa: E402
 from block_topics import block_events, record_schema, written_topic  # noqa: E402  (benchmarks/block_topics.py)
 from kvbus.children import Children, cpu_seconds, free_port, free_port_block, wait_for  # noqa: E402
 from kvbus.demo_progress import GroupLag, scrape_all  # noqa: E402
-from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from kvbus.sinks.store_url import open_store  # noqa: E402
@@ -278,7 +278,7 @@ def service_pids(redis_url: str) -> dict[str, list[int]]:
         elif pf.name.startswith("registry"):
             pids["registry"].append(rec.pid)
     if "+cluster://" in redis_url:  # a Redis Cluster: every node's server
-        from kvbus.schemas.redis_view import cluster_client
+        from kvbus.runtime.redis_view import cluster_client
 
         pids["redis"] = sorted(int(info["process_id"]) for info in
                                cluster_client(redis_url).info("server", target_nodes="all").values())
@@ -315,7 +315,7 @@ benchmarks/faults.py, must not stall the sampler)."""
 def redis_clients(redis_url: str) -> list[redis.Redis]:
     """A client of every Redis server of the view: the one server, or every node of a Redis Cluster."""
     if "+cluster://" in redis_url:
-        from kvbus.schemas.redis_view import cluster_client
+        from kvbus.runtime.redis_view import cluster_client
 
         cluster = cluster_client(redis_url)
         return [redis.Redis(host=node.host, port=node.port, socket_timeout=SCRAPE_TIMEOUT,

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
-from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.sinks.rebuild import rebuild  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from kvbus.sinks.snapshot import SnapshotReader, SnapshotWriter  # noqa: E402

@@ -30,7 +30,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.runtime.settings import Settings  # noqa: E402
 
 
 def count_unanswered(call: Callable[[int], object], requests: int, gap_s: float = 0.05) -> int:

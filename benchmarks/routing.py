@@ -68,8 +68,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the stage processes, the truth check)
 from kvbus.children import free_port_block, wait_for  # noqa: E402
 from kvbus.client import ViewClient  # noqa: E402
+from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
-from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.simulator.fleet import CacheModel, Fleet, FleetConfig, ModelConfig, message, system_prompts  # noqa: E402
 from kvbus.sinks.store import ResidencyStore  # noqa: E402
 from kvbus.sinks.store_url import open_store  # noqa: E402

@@ -57,7 +57,7 @@ import faults as fx  # noqa: E402  (benchmarks/faults.py: the fault registry and
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, probes, lag, the truth check)
 from kvbus.infra.procs import proc_rss_kib, read_pid  # noqa: E402
 from kvbus.infra.stack_env import Paths  # noqa: E402
-from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.sinks.store_url import open_store  # noqa: E402
 
 log = logging.getLogger("kvbus.soak")

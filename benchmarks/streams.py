@@ -22,7 +22,7 @@ from the block topic the worker writes (``kvbus.blocks-packed``; ``kvbus.blocks`
 With ``--paced R1,R2,...`` it measures instead what one worker costs at a steady load, as in the
 pipeline but without the fleet, bridges and sink: for each rate (events/s) a fresh worker on fresh
 topics, single-worker replicas (TP=1, pass-through) whose records a producer configured as a bridge's
-(:func:`kvbus.schemas.kafka_clients.producer_conf`) writes at that rate, one engine step of every
+(:func:`kvbus.runtime.kafka_clients.producer_conf`) writes at that rate, one engine step of every
 replica at a time; over ``--window`` seconds after ``--warmup`` it reports the worker's and the
 Kafka brokers' CPU (user + system, ``/proc``) per offered event (and the worker's per event it
 produced in the window: the two differ when the worker falls behind), and, up to 5,000 events/s, the freshness of
@@ -53,9 +53,9 @@ from confluent_kafka import Producer  # noqa: E402
 
 from block_topics import record_schema, written_topic  # noqa: E402  (benchmarks/block_topics.py)
 from kvbus.children import free_port  # noqa: E402
+from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.schemas.events import BlockRemoved, BlockStored, holder_key  # noqa: E402
 from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
-from kvbus.schemas.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
 from kvbus.streams.aggregation import Aggregator  # noqa: E402
 from tests.trace import TraceSpec, batches  # noqa: E402
@@ -285,7 +285,7 @@ def paced(settings: Settings, rate: float, events: int, replicas: int, warmup: f
     freshness of steps up to 5,000 events/s."""
     from confluent_kafka import Consumer
 
-    from kvbus.schemas.kafka_clients import producer_conf
+    from kvbus.runtime.kafka_clients import producer_conf
 
     suffix = uuid.uuid4().hex[:8]
     topics, blocks = fresh_topics(settings, f"paced{suffix}")

@@ -1,5 +1,5 @@
 """The development stack's topics, created as declared (:mod:`kvbus.schemas.topics`) through the one
-topic-creation site, :func:`kvbus.schemas.kafka_clients.ensure_topics`; and record topics by name for
+topic-creation site, :func:`kvbus.runtime.kafka_clients.ensure_topics`; and record topics by name for
 tests and benchmarks::
 
     from kvbus.infra.dev_topics import ensure_topics
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from kvbus.schemas.settings import DEFAULT_PARTITIONS
+from kvbus.runtime.settings import DEFAULT_PARTITIONS
 from kvbus.schemas.topics import record_spec, topic_specs
 
 from .stack_env import kvbus_settings, topic_names
@@ -67,7 +67,7 @@ def ensure_topics(
     ``config`` laid over their configuration; existing topics are left untouched. ``client_conf``: more
     admin client properties (credentials of a secured cluster). Waits until every requested topic has
     a leader for each partition; returns the names created by this call."""
-    from kvbus.schemas import kafka_clients
+    from kvbus.runtime import kafka_clients
 
     extra = {k: str(v) for k, v in (config or {}).items()}
     specs = [replace(spec, config={**spec.config, **extra}) for spec in (record_spec(n, partitions, replication)
@@ -84,7 +84,7 @@ def ensure_kvbus_topics(bootstrap: str, replication: int, client_conf: Mapping[s
     """Create every topic a deployment declares up front (:func:`kvbus.schemas.topics.topic_specs`: the
     record topics with ``$KVBUS_PARTITIONS`` partitions, the compacted snapshot topic), replicated
     ``replication`` times; ``client_conf``: see :func:`ensure_topics`."""
-    from kvbus.schemas import kafka_clients
+    from kvbus.runtime import kafka_clients
 
     settings = kvbus_settings()
     specs = topic_specs(settings.topics, settings.partitions, replication)

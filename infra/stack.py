@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvbus.schemas.env import SettingError
+from kvbus.runtime.env import SettingError
 
 from . import dev_topics, kafka_broker, redis_cluster, redis_server, registry_server
 from .procs import (

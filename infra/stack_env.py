@@ -2,7 +2,7 @@
 
 The development stack's own settings are declared here once (:data:`SETTINGS`: the state directory,
 the ports of the extra servers, JVM and Maven flags; every one with its default: docs/configuration.md).
-The stack also reads the kvbus settings every command reads (:class:`kvbus.schemas.settings.Settings`):
+The stack also reads the kvbus settings every command reads (:class:`kvbus.runtime.settings.Settings`):
 the registry URL's port is the registry's HTTP port, the Redis URL's port the port our redis-server
 uses, and ``KVBUS_BOOTSTRAP`` sets the broker ports when it lists as many addresses as brokers are
 started (each controller listens on its broker port + 1).
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvbus.schemas.env import PORT, TEXT, Setting
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.env import PORT, TEXT, Setting
+from kvbus.runtime.settings import Settings
 
 INFRA_DIR: Path = Path(__file__).resolve().parent
 #: the source checkout holding infra/ (its pyproject.toml beside it), else None: installed from a wheel
@@ -121,7 +121,7 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 def kvbus_settings() -> Settings:
     """The kvbus settings (``KVBUS_*``: URLs, partitions, topic names), read the way every kvbus
-    command reads them (:class:`kvbus.schemas.settings.Settings`); infra derives its ports from them."""
+    command reads them (:class:`kvbus.runtime.settings.Settings`); infra derives its ports from them."""
     return Settings.from_env()
 
 
@@ -190,7 +190,7 @@ def redis_settings() -> RedisSettings:
     cluster, :mod:`kvbus.infra.redis_cluster`, and leaves the single Redis on its default URL)."""
     url = kvbus_settings().redis_url
     if "+cluster://" in url:
-        from kvbus.schemas.settings import DEFAULT_REDIS_URL
+        from kvbus.runtime.settings import DEFAULT_REDIS_URL
         url = DEFAULT_REDIS_URL
     return server_settings(url)
 

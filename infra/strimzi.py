@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics, TopicSpec, topic_specs
 from kvbus.sinks.config import SinkConfig  # the sink's public options (its group)
 from kvbus.streams.options import StreamsOptions  # the worker's public options (app id, replication)
@@ -60,7 +60,7 @@ def _metadata(name: str, cluster: str) -> dict[str, Any]:
 
 
 def partitions(env: Mapping[str, str]) -> int:
-    """``KVBUS_PARTITIONS`` of ``env``, parsed by :class:`~kvbus.schemas.settings.Settings` (given that
+    """``KVBUS_PARTITIONS`` of ``env``, parsed by :class:`~kvbus.runtime.settings.Settings` (given that
     variable alone: the security settings name files that exist only inside the pods)."""
     return Settings.from_env({k: v for k, v in env.items() if k == "KVBUS_PARTITIONS"}).partitions
 

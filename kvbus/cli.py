@@ -2,9 +2,9 @@
 
 Subcommand names are a contract other tools rely on:
 ``demo fleet bridge worker sink lookup serve top report`` (and ``schemas check|register``), and ``-V``/``--version``.
-Every subcommand honours the ``KVBUS_*`` settings (see ``kvbus.schemas.settings``).
+Every subcommand honours the ``KVBUS_*`` settings (see ``kvbus.runtime.settings``).
 Stage modules are imported only by the subcommand that needs them. A malformed ``KVBUS_*`` value
-or flag ends the command with exit code 2 and one line naming it (:mod:`kvbus.schemas.env`).
+or flag ends the command with exit code 2 and one line naming it (:mod:`kvbus.runtime.env`).
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import sys
 from typing import Callable, Sequence
 
 from kvbus import __version__
-from kvbus.schemas import logs
-from kvbus.schemas.env import SettingError
-from kvbus.schemas.security import SecurityRefused, redis_security_hint
-from kvbus.schemas.settings import Settings
+from kvbus.runtime import logs
+from kvbus.runtime.env import SettingError
+from kvbus.runtime.security import SecurityRefused, redis_security_hint
+from kvbus.runtime.settings import Settings
 
 #: subcommand -> (module, add-arguments function, run function, help)
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -48,7 +48,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
 SERVICES = frozenset({"bridge", "worker", "sink", "serve"})
 """The subcommands that run until stopped: they fix the C allocator's mmap threshold
 (``KVBUS_MALLOC_MMAP_THRESHOLD``), cap its arenas (``KVBUS_MALLOC_ARENA_MAX``) and give its free pages
-back every ``KVBUS_MALLOC_TRIM_INTERVAL`` seconds (:mod:`kvbus.schemas.allocator`)."""
+back every ``KVBUS_MALLOC_TRIM_INTERVAL`` seconds (:mod:`kvbus.runtime.allocator`)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module, _add, run, _help = SUBCOMMANDS[args.command]
         settings = Settings.from_env()
         if args.command in SERVICES:  # imported here: a client-only install has no prometheus_client
-            from kvbus.schemas import allocator
+            from kvbus.runtime import allocator
             allocator.start(settings.malloc_trim_interval, settings.malloc_mmap_threshold, settings.malloc_arena_max)
         return int(_load(module, run)(args, settings) or 0)
     except SettingError as e:

@@ -1,5 +1,5 @@
 """docs/configuration.md from the declarations: every ``KVBUS_*`` setting and every flag of the stages'
-commands, with its default and meaning, as :func:`kvbus.schemas.env.setting` declares them.
+commands, with its default and meaning, as :func:`kvbus.runtime.env.setting` declares them.
 
 ``python -m kvbus.configuration_doc`` rewrites docs/configuration.md; ``--check`` exits 1 when the
 committed doc is not what the declarations give (tests/test_configuration_doc.py).
@@ -15,7 +15,7 @@ from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvbus.schemas.env import MISSING, Setting, declared
+from kvbus.runtime.env import MISSING, Setting, declared
 from kvbus.schemas.generated_doc import write_or_check
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -37,12 +37,12 @@ class Section:
 SECTIONS: tuple[Section, ...] = (
     Section("Every command", "Where the services are, the topic names and the log format: read by every `kvbus` "
             "command and by `infra/stack`.",
-            ("kvbus.schemas.settings:Settings", "kvbus.schemas.topics:Topics",
-             "kvbus.schemas.logs:LOG_FORMAT_SETTING")),
+            ("kvbus.runtime.settings:Settings", "kvbus.schemas.topics:Topics",
+             "kvbus.runtime.logs:LOG_FORMAT_SETTING")),
     Section("Security", "How every process authenticates to Kafka, Redis and the schema registry; unset: open. A "
             "secret's `*_FILE` variable names a file holding it (as Docker and Kubernetes mount secrets), and is "
             "preferred to the plain variable. The secured stack and the principals: [security.md](security.md).",
-            ("kvbus.schemas.security:SETTINGS",)),
+            ("kvbus.runtime.security:SETTINGS",)),
     Section("kvbus bridge", "One engine's ZMQ stream to `kvbus.raw`.",
             ("kvbus.producers.bridge:BridgeConfig", "kvbus.producers.cli:BridgeOptions"), "bridge"),
     Section("kvbus worker", "The Faust worker of the streams stage.",

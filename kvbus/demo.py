@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvbus.children import Children, wait_for
 from kvbus.demo_progress import Progress
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 
 log = logging.getLogger("kvbus.demo")
 

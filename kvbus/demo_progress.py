@@ -12,8 +12,8 @@ from typing import Any, Mapping, Sequence
 from confluent_kafka import KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbus.schemas.kafka_clients import GroupOffsets
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.kafka_clients import GroupOffsets
+from kvbus.runtime.settings import Settings
 
 
 def scrape(port: int, pattern: str) -> float:
@@ -44,7 +44,7 @@ def scrape_all(port: int, patterns: Sequence[str]) -> list[float]:
 class GroupLag:
     """Records in topics matching ``topic_regex`` that consumer ``group`` has not committed yet.
 
-    Keeps one :class:`~kvbus.schemas.kafka_clients.GroupOffsets` (its consumer reads ``group``'s
+    Keeps one :class:`~kvbus.runtime.kafka_clients.GroupOffsets` (its consumer reads ``group``'s
     committed offsets and the watermarks), so a caller asking every second does not connect anew
     each time. ``timeout``: seconds each Kafka request may take; ``conf``: more librdkafka settings
     (e.g. a ``logger``)."""

@@ -35,9 +35,9 @@ from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.recovery import Resume
 from kvbus.producers.replay import DEFAULT_TIMEOUT, ReplayBad, ReplayClient, Replayed, ReplayEnd
 from kvbus.producers.sequencer import Actions, Emit, ResetMarker, Sequencer, SequencerStats
-from kvbus.schemas.env import COUNT, NATURAL, SECONDS, TEXT, Form, one_of, reuse, setting
+from kvbus.runtime.env import COUNT, NATURAL, SECONDS, TEXT, Form, one_of, reuse, setting
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import DeadLetter, EventBatch, Reset, check_model, dead_letter, without_tokens
-from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.producers.bridge")
 
@@ -60,7 +60,7 @@ MODEL: Form[str] = Form("a model name (not empty)", check_model)
 @dataclass(frozen=True)
 class BridgeConfig:
     """What one bridge reads and how it labels what it produces; each option with a flag of
-    ``kvbus bridge`` is declared by :func:`kvbus.schemas.env.setting`."""
+    ``kvbus bridge`` is declared by :func:`kvbus.runtime.env.setting`."""
 
     endpoint: str = setting(None, TEXT, None, "engine PUB endpoint to connect (the bridge connects), e.g. "
                             "tcp://127.0.0.1:5557; required unless --streams names the streams", flag="--endpoint")

@@ -29,7 +29,7 @@ import zmq
 
 from kvbus.producers.bridge import Bridge, Sink
 from kvbus.producers.metrics import BridgeMetrics
-from kvbus.schemas.load_rate import BusyRate
+from kvbus.runtime.load_rate import BusyRate
 
 log = logging.getLogger("kvbus.producers.bridge")
 
@@ -57,7 +57,7 @@ class Batching:
     ``busy``: engine batches a second from which the loop counts as busy (0: never); while busy, it
     pauses ``busy_wait`` seconds after every pass. A pass that is neither large nor busy never
     pauses, so the pause costs freshness only when the batches come so fast that they would share a
-    pass anyway (the rule: :class:`kvbus.schemas.load_rate.BusyRate`). ``clock``: seconds, monotonic
+    pass anyway (the rule: :class:`kvbus.runtime.load_rate.BusyRate`). ``clock``: seconds, monotonic
     (tests pass their own)."""
 
     wait: float = DEFAULT_BATCH_WAIT

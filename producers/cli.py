@@ -42,11 +42,10 @@ from kvbus.producers.bridge_group import (
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.raw_producer import DEFAULT_MAX_BACKLOG, DEFAULT_MAX_BACKLOG_BYTES, RawProducer
 from kvbus.producers.recovery import Resume, find_last_produced, wait_and_recover
-from kvbus.schemas import logs
-from kvbus.schemas.backoff import Backoff, sleep
-from kvbus.schemas.codec import FastSerde
-from kvbus.schemas.collector import tune_gc
-from kvbus.schemas.env import (
+from kvbus.runtime import logs
+from kvbus.runtime.backoff import Backoff, sleep
+from kvbus.runtime.collector import tune_gc
+from kvbus.runtime.env import (
     COUNT,
     FILE,
     NATURAL,
@@ -62,11 +61,12 @@ from kvbus.schemas.env import (
     one_of,
     setting,
 )
+from kvbus.runtime.probes import Readiness
+from kvbus.runtime.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
+from kvbus.runtime.settings import Settings
+from kvbus.schemas.codec import FastSerde
 from kvbus.schemas.events import holder_key
-from kvbus.schemas.probes import Readiness
-from kvbus.schemas.security import RegistrySecurity, SecurityRefused, check_kafka_access, registry_security_hint
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.producers")
 

@@ -3,7 +3,7 @@ oversized events and dead letters in them).
 
 Each :class:`BridgeMetrics` lives in its own ``CollectorRegistry`` (several bridges
 can run in one test process); :meth:`BridgeMetrics.serve` exposes it over HTTP, beside
-``/healthz`` and ``/readyz`` (:mod:`kvbus.schemas.probes`).
+``/healthz`` and ``/readyz`` (:mod:`kvbus.runtime.probes`).
 Metric names start with ``kvbus_bridge_``.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbus.producers.sequencer import SequencerStats
-from kvbus.schemas.probes import Readiness, serve
+from kvbus.runtime.probes import Readiness, serve
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 

@@ -29,6 +29,8 @@ from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.record_producer import RecordProducer, producer_conf
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART, REASON_GAP
 from kvbus.producers.split import BatchRef
+from kvbus.runtime.probes import Readiness
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.codec import (
     FastSerde,
     batch_from_head,
@@ -51,9 +53,7 @@ from kvbus.schemas.events import (
     holder_key,
     without_tokens,
 )
-from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client, value_schema_id
-from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.producers.publisher")
 
@@ -101,7 +101,7 @@ _WRITE_REMOVED = event_writer("BlockRemoved", _REMOVED_SHAPE)
 
 def _plan(cls: type, keep_tokens: bool) -> Any:
     """An encoder specialised to one engine event class, and to keeping the prompt's tokens or not
-    (``keep_tokens``, :attr:`kvbus.schemas.settings.Settings.keep_token_ids`; when not, the token fields
+    (``keep_tokens``, :attr:`kvbus.runtime.settings.Settings.keep_token_ids`; when not, the token fields
     are encoded at their defaults, :func:`kvbus.schemas.events.without_tokens`). Events of the common
     shape of a msgspec struct
     class go straight to the codec's positional writer of its fields

@@ -37,8 +37,8 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.split import BatchRef, Splitter, record_limit
+from kvbus.runtime.kafka_clients import PRODUCER_CONF, DeliveryErrors, producer_conf as kafka_producer_conf
 from kvbus.schemas.events import DeadLetter
-from kvbus.schemas.kafka_clients import PRODUCER_CONF, DeliveryErrors, producer_conf as kafka_producer_conf
 
 log = logging.getLogger("kvbus.producers.kafka")
 
@@ -55,7 +55,7 @@ BRIDGE_PRODUCER_CONF: dict[str, Any] = {
     "linger.ms": 1,
 }
 """The bridge's and the publisher's producer properties over every producer's
-(:data:`kvbus.schemas.kafka_clients.PRODUCER_CONF`); override per key."""
+(:data:`kvbus.runtime.kafka_clients.PRODUCER_CONF`); override per key."""
 DEFAULT_PRODUCER_CONF: dict[str, Any] = {**PRODUCER_CONF, **BRIDGE_PRODUCER_CONF}
 """Producer settings of the bridge and the publisher."""
 
@@ -76,7 +76,7 @@ def producer_conf(kafka: str | Mapping[str, Any], overrides: dict[str, Any] | No
                   **callbacks: Any) -> dict[str, Any]:
     """librdkafka configuration for ``kafka`` (a bootstrap string or ``Settings.kafka()``: servers and
     security): :data:`BRIDGE_PRODUCER_CONF` over every producer's
-    (:func:`kvbus.schemas.kafka_clients.producer_conf`), then ``overrides``, then ``callbacks`` (``error_cb``)."""
+    (:func:`kvbus.runtime.kafka_clients.producer_conf`), then ``overrides``, then ``callbacks`` (``error_cb``)."""
     return kafka_producer_conf(kafka, BRIDGE_PRODUCER_CONF, overrides, **callbacks)
 
 

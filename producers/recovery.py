@@ -33,9 +33,9 @@ from typing import Any, Callable, Mapping
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from kvbus.producers.sequencer import REASON_BRIDGE_START, REASON_ENGINE_RESTART, REASON_GAP
-from kvbus.schemas.backoff import Backoff, sleep
+from kvbus.runtime.backoff import Backoff, sleep
+from kvbus.runtime.kafka_clients import reader_conf
 from kvbus.schemas.events import EventBatch, Reset, holder_key
-from kvbus.schemas.kafka_clients import reader_conf
 from kvbus.schemas.topics import RECOVERY_GROUP_PREFIX
 
 log = logging.getLogger("kvbus.producers.recovery")

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from kvbus.producers.metrics import BridgeMetrics
+from kvbus.runtime.settings import DEFAULT_MAX_RECORD_BYTES
 from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, DeadLetter, dead_letter, holder_key
-from kvbus.schemas.settings import DEFAULT_MAX_RECORD_BYTES
 
 log = logging.getLogger("kvbus.producers.split")
 

@@ -1,8 +1,8 @@
-"""kvbus's contract: the event model, its Avro schemas, topic names, settings and the lookup protocol,
-and what every stage's process does alike (reading settings: env; probes; logs; retry pauses: backoff).
+"""kvbus's contract: the event model, its Avro schemas (and the codec generated from them, the registry's
+rules), topic names, vLLM's block hashing, tiers and the lookup protocol.
 
-Every stage (producers, streams, sinks) and every external consumer shares
-only what is defined here.
+Every stage (producers, streams, sinks) and every external consumer shares only what is defined here,
+and the processes' plumbing (:mod:`kvbus.runtime`).
 """
 
 if __name__ != "kvbus.schemas":  # schemas/ is installed as kvbus.schemas (pyproject.toml, package-dir)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.registry import check, register
-from kvbus.schemas.settings import Settings
 
 
 def add_schemas_args(p: argparse.ArgumentParser) -> None:

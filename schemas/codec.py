@@ -47,13 +47,13 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 from fastavro import parse_schema
 from fastavro.schema import load_schema, to_parsing_canonical_form
 
+from kvbus.runtime.env import declared
+from kvbus.runtime.settings import Settings
 from kvbus.schemas import codec_build, codec_runtime, events as _events
 from kvbus.schemas.avro import RECORDS, SCHEMA_DIR
 from kvbus.schemas.codec_runtime import HEADER_SIZE, READ_ERRORS, WireError, confluent_header
 from kvbus.schemas.codegen import HEADER, generator, mangle
-from kvbus.schemas.env import declared
 from kvbus.schemas.serde import RecordSerde, value_schema_id
-from kvbus.schemas.settings import Settings
 
 log = logging.getLogger("kvbus.schemas")
 
@@ -191,7 +191,7 @@ def build(schema_dir: Path | str = SCHEMA_DIR, structs: Optional[dict[str, type]
     """The codec of the schemas in ``schema_dir`` for ``structs`` (default: :mod:`kvbus.schemas.events`).
     ``compiled``: use the compiled build of its generated source when there is one of exactly that
     source (:mod:`kvbus.schemas.codec_build`), else ``exec`` the source; None: as
-    ``KVBUS_COMPILED_CODEC`` says (:attr:`kvbus.schemas.settings.Settings.compiled_codec`)."""
+    ``KVBUS_COMPILED_CODEC`` says (:attr:`kvbus.runtime.settings.Settings.compiled_codec`)."""
     if compiled is None:
         compiled = compiled_codec_setting()
     return Codec(load_records(schema_dir), structs or default_structs(), compiled)

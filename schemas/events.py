@@ -149,7 +149,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
 
 TOKEN_FIELDS: tuple[str, ...] = ("token_ids", "lookahead_token_ids", "token_id_pairs")
 """The BlockStored fields that hold the prompt's tokens. Producers leave them at their defaults unless
-``KVBUS_KEEP_TOKEN_IDS`` is on (:attr:`kvbus.schemas.settings.Settings.keep_token_ids`): the block hashes
+``KVBUS_KEEP_TOKEN_IDS`` is on (:attr:`kvbus.runtime.settings.Settings.keep_token_ids`): the block hashes
 already commit to the tokens, no stage reads them, and they are the users' prompts."""
 
 

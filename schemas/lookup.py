@@ -3,7 +3,7 @@
 One place for what the view's writer (the sinks' stores) and its readers (:mod:`kvbus.client`,
 ``kvbus lookup``) must agree on; the specification for other languages is
 docs/lookup-protocol.md. Pure Python: no Redis client here (the Redis side is
-:mod:`kvbus.schemas.redis_view`).
+:mod:`kvbus.runtime.redis_view`).
 
 * the key layout version (:data:`LAYOUT`; the function library is loaded with it filled in);
 * key names: ``P meta``, ``P hname``, ``P status``, the guard key, shard prefixes ``P{s<i>}:``;

@@ -15,8 +15,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
+from kvbus.runtime.security import RegistrySecurity
 from kvbus.schemas.avro import schema_str
-from kvbus.schemas.security import RegistrySecurity
 from kvbus.schemas.topics import Topics
 
 
@@ -66,7 +66,7 @@ def _request(url: str, method: str = "GET", body: dict | None = None,
              content_type: str = "application/vnd.schemaregistry.v1+json",
              security: RegistrySecurity | None = None) -> tuple[int, dict | list]:
     """One registry request, authenticated as ``security`` says (basic auth, TLS CA:
-    ``kvbus.schemas.security``; None: the process's ``KVBUS_REGISTRY_*`` settings); (status, JSON body).
+    ``kvbus.runtime.security``; None: the process's ``KVBUS_REGISTRY_*`` settings); (status, JSON body).
 
     Tried up to :data:`REQUEST_TRIES` times when the connection fails or closes unanswered. Every
     request this module makes may be repeated: reads, the compatibility setting, and registrations,

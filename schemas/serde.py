@@ -14,7 +14,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from kvbus.schemas.avro import FROM_AVRO, TO_AVRO, schema_str
 
 if TYPE_CHECKING:
-    from kvbus.schemas.settings import Settings
+    from kvbus.runtime.settings import Settings
 
 
 REGISTRY_TIMEOUT_S = 10.0
@@ -24,7 +24,7 @@ REGISTRY_TIMEOUT_S = 10.0
 
 def registry_client(target: "str | Settings", timeout: float = REGISTRY_TIMEOUT_S) -> SchemaRegistryClient:
     """A registry client for ``target``: a URL (``mock://...`` gives confluent's in-process mock) or
-    :class:`~kvbus.schemas.settings.Settings` (its URL and registry credentials, ``kvbus.schemas.security``);
+    :class:`~kvbus.runtime.settings.Settings` (its URL and registry credentials, ``kvbus.runtime.security``);
     requests time out after ``timeout`` seconds and are retried (confluent's ``max.retries``)."""
     if isinstance(target, str):
         return SchemaRegistryClient.new_client({"url": target, "timeout": timeout})

@@ -22,7 +22,7 @@ by the layout 1 topic.
 How each topic must be configured on the cluster (partitions, replicas, ``cleanup.policy``,
 ``retention.ms``, ``max.message.bytes``, ``min.insync.replicas``) is declared here too
 (:func:`topic_specs`): the development stack creates the topics from it, the sinks the snapshot
-topic, the worker the tier topics, all through :func:`kvbus.schemas.kafka_clients.ensure_topics`, and
+topic, the worker the tier topics, all through :func:`kvbus.runtime.kafka_clients.ensure_topics`, and
 the Kubernetes ``KafkaTopic`` resources are generated from it.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from kvbus.schemas.env import TEXT, load, setting
+from kvbus.runtime.env import TEXT, load, setting
 
 _ILLEGAL = re.compile(r"[^a-zA-Z0-9._-]")
 
@@ -173,7 +173,7 @@ def topic_specs(topics: Topics, partitions: int, replicas: int) -> tuple[TopicSp
     ``replicas`` (``KVBUS_REPLICATION``): raw, blocks, packed, incomplete, dlq, snapshots. Tier topics
     (``<blocks>.<ownership>``, ``<packed>.<ownership>``) are created by the worker on a tier's first event
     (:func:`record_spec`).
-    They are created by :func:`kvbus.schemas.kafka_clients.ensure_topics`."""
+    They are created by :func:`kvbus.runtime.kafka_clients.ensure_topics`."""
     return (*(record_spec(name, partitions, replicas) for name in (topics.raw, topics.blocks, topics.packed,
                                                                    topics.incomplete, topics.dlq)),
             snapshot_spec(topics.snapshots, replicas))

@@ -18,12 +18,12 @@ import signal
 import sys
 import threading
 
-from kvbus.schemas.collector import tune_gc
-from kvbus.schemas.env import add_flags, from_flags
+from kvbus.runtime.collector import tune_gc
+from kvbus.runtime.env import add_flags, from_flags
+from kvbus.runtime.security import check_kafka_access, redact_url
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, first_release
 from kvbus.schemas.lookup import DEFAULT_PREFIX
-from kvbus.schemas.security import check_kafka_access, redact_url
-from kvbus.schemas.settings import Settings
 from kvbus.sinks.config import SinkConfig
 
 log = logging.getLogger("kvbus.sinks")
@@ -62,7 +62,7 @@ def check_topics(settings: Settings, config: SinkConfig) -> None:
 
 def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     """Run the sink until SIGTERM/SIGINT."""
-    from kvbus.schemas.probes import Readiness, serve
+    from kvbus.runtime.probes import Readiness, serve
     from kvbus.sinks.consumer import SinkConsumer
     from kvbus.sinks.metrics import SinkMetrics
     from kvbus.sinks.redis_memory import check_no_eviction

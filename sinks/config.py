@@ -1,6 +1,6 @@
-"""Options of the sink stage (besides the shared :class:`kvbus.schemas.settings.Settings`).
+"""Options of the sink stage (besides the shared :class:`kvbus.runtime.settings.Settings`).
 
-Each field is declared once (:func:`kvbus.schemas.env.setting`): its ``KVBUS_SINK_*`` variable, its
+Each field is declared once (:func:`kvbus.runtime.env.setting`): its ``KVBUS_SINK_*`` variable, its
 ``kvbus sink`` flag, its default and its meaning; :class:`SinkConfig` is what the sink runs with.
 Every option with its default: docs/configuration.md.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from kvbus.schemas.env import COUNT, PORT, SECONDS, TEXT, load, setting
+from kvbus.runtime.env import COUNT, PORT, SECONDS, TEXT, load, setting
 from kvbus.schemas.lookup import DEFAULT_PREFIX
 
 
@@ -58,5 +58,5 @@ class SinkConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "SinkConfig":
         """Options from KVBUS_SINK_* (of ``environ``, default the process's), defaults for the unset or
-        blank ones; :class:`~kvbus.schemas.env.SettingError` names a malformed one."""
+        blank ones; :class:`~kvbus.runtime.env.SettingError` names a malformed one."""
         return load(cls, environ)

@@ -39,13 +39,13 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from kvbus.schemas.backoff import Backoff
+from kvbus.runtime.backoff import Backoff
+from kvbus.runtime.kafka_clients import DeliveryErrors, consumer_conf as kafka_consumer_conf, producer_conf
+from kvbus.runtime.security import describe_kafka_error
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.codec import FastSerde
 from kvbus.schemas.events import BlockEvent, dead_letter
-from kvbus.schemas.kafka_clients import DeliveryErrors, consumer_conf as kafka_consumer_conf, producer_conf
-from kvbus.schemas.security import describe_kafka_error
 from kvbus.schemas.serde import registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.layout_gate import LayoutGate, in_position_order
@@ -61,7 +61,7 @@ log = logging.getLogger("kvbus.sinks")
 STAGE = "sink"
 RETRY_FIRST = 0.25
 """Seconds of the first pause before a batch is read again after a transient failure (registry or
-Redis down); the pauses double while the failure lasts, jittered (kvbus.schemas.backoff)."""
+Redis down); the pauses double while the failure lasts, jittered (kvbus.runtime.backoff)."""
 RETRY_CAP = 2.0
 """Seconds no such pause exceeds: a sink resumes within about this long once the service is back."""
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import redis
 
+from kvbus.runtime.redis_view import is_missing, is_refused_arguments  # noqa: F401  (re-exported for the sinks)
 from kvbus.schemas.lookup import LAYOUT
-from kvbus.schemas.redis_view import is_missing, is_refused_arguments  # noqa: F401  (re-exported for the sinks)
 
 LIBRARY_PATH = Path(__file__).parent / "lua" / "kvbus.lua"
 MIN_REDIS = (7, 0, 0)

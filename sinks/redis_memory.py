@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 
 import redis
 
-from kvbus.schemas.env import SettingError
+from kvbus.runtime.env import SettingError
 
 log = logging.getLogger("kvbus.sinks")
 

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import redis
 
+from kvbus.runtime.redis_view import RETRYABLE
 from kvbus.schemas.events import BlockEvent, holder_key
 from kvbus.schemas.lookup import (
     DEFAULT_PREFIX,
@@ -26,7 +27,6 @@ from kvbus.schemas.lookup import (
     status_key,
     view_status,
 )
-from kvbus.schemas.redis_view import RETRYABLE
 from kvbus.sinks import functions, view_protocol as vp
 from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights, label
 from kvbus.sinks.store import (

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping
 
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from kvbus.schemas.env import SettingError
+from kvbus.runtime.env import SettingError
 
 log = logging.getLogger("kvbus.sinks")
 

@@ -43,6 +43,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
+from kvbus.runtime.redis_view import DEFAULT_SHARDS, MIGRATION_CHECK, RETRY_FOR, ShardCalls, cluster_client
 from kvbus.schemas.events import BlockEvent, holder_key
 from kvbus.schemas.lookup import (
     DEFAULT_PREFIX,
@@ -57,7 +58,6 @@ from kvbus.schemas.lookup import (
     shard_prefix,
     view_status,
 )
-from kvbus.schemas.redis_view import DEFAULT_SHARDS, MIGRATION_CHECK, RETRY_FOR, ShardCalls, cluster_client
 from kvbus.sinks import functions, view_protocol as vp
 from kvbus.sinks.redis_store import DEFAULT_WEIGHTS, RedisStore
 from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights
@@ -88,7 +88,7 @@ class ShardedRedisStore(ResidencyStore):
 
     ``client``: a ``RedisCluster`` (bytes replies) or a ``redis+cluster://`` URL. ``load``: check
     every master's version and load the function library on each (a lookup client passes False).
-    ``read_from``: where lookups are read (:data:`kvbus.schemas.redis_view.READ_FROM`; ``replica``
+    ``read_from``: where lookups are read (:data:`kvbus.runtime.redis_view.READ_FROM`; ``replica``
     needs a client whose connections send READONLY: :func:`cluster_client` with ``?read_from=replica``);
     ``migration_check``: seconds between two checks of which shards are migrating, when reading
     from replicas. ``store_kw``: more arguments of each shard's :class:`RedisStore` (per-call limits).
@@ -105,7 +105,7 @@ class ShardedRedisStore(ResidencyStore):
         self.calls = ShardCalls(self.rc, [declared_keys(shard_prefix(prefix, i)) for i in range(shards)],
                                 read_from=read_from, migration_check=migration_check, retry_for=retry_for,
                                 reload=lambda: self.load_library(replace=True))
-        """Every shard's function calls: routing, one round trip, retries (kvbus.schemas.redis_view)."""
+        """Every shard's function calls: routing, one round trip, retries (kvbus.runtime.redis_view)."""
         self.shards = [RedisStore(self.rc, shard_prefix(prefix, i), policy, load=False,
                                   transport=ShardTransport(self.calls, i),
                                   what=f"shard {i} of the view under {prefix!r}", **store_kw)
@@ -147,7 +147,7 @@ class ShardedRedisStore(ResidencyStore):
 
     @property
     def read_from(self) -> str:
-        """Where lookups are read (:data:`kvbus.schemas.redis_view.READ_FROM`)."""
+        """Where lookups are read (:data:`kvbus.runtime.redis_view.READ_FROM`)."""
         return self.calls.read_from
 
     @property

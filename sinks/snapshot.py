@@ -33,10 +33,10 @@ import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from kvbus.runtime.kafka_clients import DeliveryErrors, client_conf, ensure_topics, producer_conf, reader_conf
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import ViewGroup, ViewOffset, ViewPosition, ViewSnapshot, ViewTier
-from kvbus.schemas.kafka_clients import DeliveryErrors, client_conf, ensure_topics, producer_conf, reader_conf
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import (
     REBUILD_GROUP_PREFIX,
     SNAPSHOT_MAX_MESSAGE_BYTES,

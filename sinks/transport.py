@@ -3,7 +3,7 @@
 
 * :class:`NodeTransport`: a single Redis (or Valkey) server;
 * :class:`ShardTransport`: shard ``s`` of a view on a Redis Cluster, through the sharded store's
-  :class:`kvbus.schemas.redis_view.ShardCalls` (routing, retries during slot migrations and
+  :class:`kvbus.runtime.redis_view.ShardCalls` (routing, retries during slot migrations and
   failovers), which the sharded store also uses directly to send every shard's calls of a batch in
   one round trip.
 
@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import redis
 
-from kvbus.schemas.redis_view import ShardCalls
+from kvbus.runtime.redis_view import ShardCalls
 from kvbus.sinks import functions
 
 

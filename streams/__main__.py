@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from kvbus.schemas.env import SettingError
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.env import SettingError
+from kvbus.runtime.settings import Settings
 from kvbus.streams.agents import build
 from kvbus.streams.options import StreamsOptions
 

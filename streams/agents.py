@@ -24,7 +24,7 @@ from typing import Any, Optional
 import faust
 from faust.types import AppT, Message
 
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.streams.app import create_app
 from kvbus.streams.faust_adapter import hold, look_up_offsets_with, take_batches
 from kvbus.streams.options import StreamsOptions

@@ -1,7 +1,7 @@
 """The Faust application of the streams stage: :func:`create_app` (its topics, table and agents are
 declared by :func:`kvbus.streams.agents.build`).
 
-Configured by objects (:class:`kvbus.schemas.settings.Settings`, :class:`kvbus.streams.options.StreamsOptions`),
+Configured by objects (:class:`kvbus.runtime.settings.Settings`, :class:`kvbus.streams.options.StreamsOptions`),
 never by the environment at import: ``kvbus worker`` builds them from its flags, ``python -m
 streams worker`` from the ``KVBUS_*`` variables.
 """
@@ -13,7 +13,7 @@ import faust
 from faust.sensors import Monitor
 from mode.utils.times import want_seconds
 
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import TopicSpec
 from kvbus.streams import faust_adapter
 from kvbus.streams.options import StreamsOptions

@@ -16,11 +16,11 @@ import logging
 import sys
 from pathlib import Path
 
-from kvbus.schemas import logs
-from kvbus.schemas.env import Setting, add_flag, add_flags, from_flags, one_of
-from kvbus.schemas.kafka_clients import ensure_topics
-from kvbus.schemas.security import check_kafka_access
-from kvbus.schemas.settings import Settings
+from kvbus.runtime import logs
+from kvbus.runtime.env import Setting, add_flag, add_flags, from_flags, one_of
+from kvbus.runtime.kafka_clients import ensure_topics
+from kvbus.runtime.security import check_kafka_access
+from kvbus.runtime.settings import Settings
 from kvbus.streams.options import StreamsOptions
 
 log = logging.getLogger("kvbus.streams")

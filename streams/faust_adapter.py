@@ -129,7 +129,7 @@ from mode.utils.locks import Event
 from mode.utils.objects import cached_property
 from mode.utils.queues import FlowControlEvent
 
-from kvbus.schemas.load_rate import BusyRate
+from kvbus.runtime.load_rate import BusyRate
 
 log = logging.getLogger("kvbus.streams")
 

@@ -1,5 +1,5 @@
 """Prometheus metrics of the streams stage (served on ``--metrics-port`` with ``/healthz`` and
-``/readyz``: :mod:`kvbus.schemas.probes`).
+``/readyz``: :mod:`kvbus.runtime.probes`).
 
 | metric | type | meaning |
 |---|---|---|
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvbus.schemas.probes import Readiness, serve
+from kvbus.runtime.probes import Readiness, serve
 from kvbus.streams.aggregation import Stats
 
 

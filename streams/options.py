@@ -1,8 +1,8 @@
-"""Options of the streams stage (besides the shared :class:`kvbus.schemas.settings.Settings`).
+"""Options of the streams stage (besides the shared :class:`kvbus.runtime.settings.Settings`).
 
 An object handed to :func:`kvbus.streams.agents.build`: ``kvbus worker`` lays its flags over
 :meth:`StreamsOptions.from_env`, ``python -m kvbus.streams worker`` uses the variables alone. Each
-field is declared once (:func:`kvbus.schemas.env.setting`): its ``KVBUS_STREAMS_*`` variable, its flag
+field is declared once (:func:`kvbus.runtime.env.setting`): its ``KVBUS_STREAMS_*`` variable, its flag
 where it has one, its default and its meaning. Every option with its default: docs/configuration.md.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, TEXT, load, one_of, setting
+from kvbus.runtime.env import COUNT, NATURAL, PORT, SECONDS, TEXT, load, one_of, setting
 
 BLOCK_LAYOUTS = ("packed", "events")
 """Values of ``KVBUS_STREAMS_BLOCK_LAYOUT`` (:mod:`kvbus.schemas.topics`, "Block layouts")."""
@@ -74,7 +74,7 @@ class StreamsOptions:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "StreamsOptions":
         """Options from KVBUS_STREAMS_* and KVBUS_REPLICATION (of ``environ``, default the process's),
-        defaults for the unset or blank ones; :class:`~kvbus.schemas.env.SettingError` names a malformed one."""
+        defaults for the unset or blank ones; :class:`~kvbus.runtime.env.SettingError` names a malformed one."""
         return load(cls, environ)
 
     @property

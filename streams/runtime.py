@@ -31,13 +31,13 @@ from typing import Any, Iterable, Optional, Sequence
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from kvbus.schemas.backoff import Backoff
-from kvbus.schemas.collector import tune_gc
+from kvbus.runtime.backoff import Backoff
+from kvbus.runtime.collector import tune_gc
+from kvbus.runtime.kafka_clients import DeliveryErrors, GroupOffsets, RateLimitedLog, ensure_topics, producer_conf
+from kvbus.runtime.probes import Readiness
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import DeadLetter, dead_letter, holder_key
-from kvbus.schemas.kafka_clients import DeliveryErrors, GroupOffsets, RateLimitedLog, ensure_topics, producer_conf
-from kvbus.schemas.probes import Readiness
 from kvbus.schemas.serde import registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import record_spec
 from kvbus.streams.aggregation import Aggregator, Output, check, is_meta_key, load
 from kvbus.streams.faust_adapter import AssignmentChanged, ChangelogPartition, forget_gaps, release, rewind
@@ -71,7 +71,7 @@ POLL_DRAINING = 0.001
 """Seconds between two looks while a rebalance waits for the batches in flight."""
 
 RETRY_FIRST = 0.2
-"""Seconds before output records Kafka refused are produced again (doubling, jittered: kvbus.schemas.backoff)."""
+"""Seconds before output records Kafka refused are produced again (doubling, jittered: kvbus.runtime.backoff)."""
 RETRY_CAP = 5.0
 """Seconds no pause between two such tries exceeds."""
 
@@ -459,7 +459,7 @@ class Runtime:
 
     def _committed(self, partitions: list[int]) -> dict[int, Optional[int]]:
         """Raw partition -> the group's committed offset there (None: none), read as
-        :class:`~kvbus.schemas.kafka_clients.GroupOffsets` says (never through the admin client)."""
+        :class:`~kvbus.runtime.kafka_clients.GroupOffsets` says (never through the admin client)."""
         with self._offsets_lock:  # the warm-up thread and the rebuild's executor thread
             offsets = self._offsets_reader().committed([(self.topics.raw, p) for p in partitions])
         return {partition: offset for (_topic, partition), offset in offsets.items()}

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.sinks import cli
 
 

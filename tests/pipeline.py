@@ -12,9 +12,9 @@ from typing import Callable
 from confluent_kafka import Producer
 
 from kvbus.children import Children
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import EventBatch, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from tests.waiting import (
     Waiting,  # noqa: F401  (the checks' return value, re-exported)
     eventually as _eventually,

@@ -26,11 +26,11 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_names() -> dict[str, set[str]]:
     """Sample names each kind of kvbus process serves, per role (``bridge``, ``worker``, ``sink``),
-    from the registries the processes serve, as their probes app (:func:`kvbus.schemas.probes.probe_app`)
+    from the registries the processes serve, as their probes app (:func:`kvbus.runtime.probes.probe_app`)
     completes them (counters ``_total``, histograms ``_bucket``/``_sum``/``_count``; a labelled family
     with no series yet counts too)."""
     from kvbus.producers.metrics import BridgeMetrics
-    from kvbus.schemas.probes import Readiness, probe_app
+    from kvbus.runtime.probes import Readiness, probe_app
     from kvbus.sinks.metrics import SinkMetrics
     from kvbus.streams.metrics import StreamsMetrics
 

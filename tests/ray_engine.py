@@ -11,9 +11,9 @@ from typing import Any
 from ray import serve
 
 from kvbus.producers.publisher import KafkaEventPublisher
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockStored
 from kvbus.schemas.hashing import block_hashes
-from kvbus.schemas.settings import Settings
 
 
 class _Batch:

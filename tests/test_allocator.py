@@ -11,8 +11,8 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
-from kvbus.schemas import allocator
-from kvbus.schemas.settings import DEFAULT_MALLOC_MMAP_THRESHOLD
+from kvbus.runtime import allocator
+from kvbus.runtime.settings import DEFAULT_MALLOC_MMAP_THRESHOLD
 
 CHUNK = 4096
 """Bytes per allocation: below glibc's mmap threshold, so they come from an arena."""
@@ -80,7 +80,7 @@ up to which glibc's own threshold slides."""
 
 REUSE_A_LARGE_BLOCK = f"""
 import ctypes, sys
-from kvbus.schemas import allocator
+from kvbus.runtime import allocator
 if sys.argv[1] == "fixed":
     assert allocator.fix_mmap_threshold({DEFAULT_MALLOC_MMAP_THRESHOLD}), "mallopt refused"
 libc = ctypes.CDLL(None)
@@ -123,7 +123,7 @@ def test_a_fixed_mmap_threshold_gives_a_freed_large_block_back_at_once():
 
 ARENAS_OF_FOUR_THREADS = """
 import ctypes, sys, threading
-from kvbus.schemas import allocator
+from kvbus.runtime import allocator
 if sys.argv[1] != "0":
     assert allocator.cap_arenas(int(sys.argv[1])), "mallopt refused"
 libc = ctypes.CDLL(None)

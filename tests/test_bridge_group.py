@@ -172,7 +172,7 @@ def test_streams_file_names_each_stream_over_the_flags(tmp_path):
     import json
 
     from kvbus.producers.cli import add_bridge_args, configs_from_args
-    from kvbus.schemas.env import SettingError
+    from kvbus.runtime.env import SettingError
 
     def parsed(entries, *argv):
         path = tmp_path / "streams.json"

@@ -24,8 +24,8 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from kvbus.producers.recovery import partition_for
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockStored, holder_key, without_tokens
-from kvbus.schemas.settings import Settings
 from kvbus.simulator.engine_wire import FORMATS, project
 from kvbus.simulator.fleet import Fleet, FleetConfig
 from tests.private_kafka import PrivateKafka

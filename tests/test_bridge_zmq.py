@@ -449,7 +449,7 @@ def publisher_factory():
     from dataclasses import replace as dc_replace
 
     from kvbus.producers.publisher import KafkaEventPublisher
-    from kvbus.schemas.settings import Settings
+    from kvbus.runtime.settings import Settings
     from kvbus.schemas.topics import Topics
 
     serde = RecordSerde(registry_client("mock://publisher"), "EventBatch")

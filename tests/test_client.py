@@ -25,9 +25,9 @@ from kvbus.client import (
     ViewClient,
     rank,
 )
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import canonical_hash
 from kvbus.schemas.lookup import tie_key
-from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks import cli
 from kvbus.sinks.redis_store import RedisStore

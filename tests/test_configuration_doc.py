@@ -13,7 +13,7 @@ import pytest
 
 from kvbus.cli import SUBCOMMANDS, build_parser
 from kvbus.configuration_doc import DOC, SECTIONS, render, resolve, settings_of
-from kvbus.schemas.env import SWITCH, TEXT, Setting, add_flags, declared, from_flags
+from kvbus.runtime.env import SWITCH, TEXT, Setting, add_flags, declared, from_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ["kvbus", "schemas", "producers", "streams", "sinks", "infra", "analytics", "simulator"]

@@ -12,9 +12,9 @@ from collections import defaultdict
 import pytest
 from confluent_kafka import Consumer
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import Event, without_tokens
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.simulator.engine_wire import project
 from kvbus.simulator.fleet import Fleet, FleetConfig, ModelConfig
 from tests.pipeline import Pipeline

@@ -214,7 +214,7 @@ from kvbus.producers.publisher import KafkaEventPublisher
 from kvbus.schemas.codec import FastSerde
 from kvbus.schemas.events import BlockRemoved, EventBatch
 from kvbus.schemas.serde import registry_client
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics
 from tests.recording_producer import RecordingProducer
 

@@ -599,7 +599,7 @@ def test_resuming_a_running_flow_keeps_the_queued_records():
 def test_the_worker_apps_stream_queues_are_kept_when_its_running_flow_resumes():
     """The worker's app (``create_app``) has :class:`FlowControl`: a record queued for an agent stays
     when the running flow is resumed again."""
-    from kvbus.schemas.settings import Settings
+    from kvbus.runtime.settings import Settings
     from kvbus.streams.app import create_app
     from kvbus.streams.options import StreamsOptions
 
@@ -618,7 +618,7 @@ def test_fetches_wait_for_more_only_while_the_worker_is_busy(monkeypatch):
     return with the first record; the rate is measured over PACING_EVERY s, with hysteresis."""
     from types import SimpleNamespace
 
-    from kvbus.schemas import load_rate
+    from kvbus.runtime import load_rate
 
     clock = [100.0]
     monkeypatch.setattr(load_rate.time, "monotonic", lambda: clock[0])  # FetchPacing's clock (BusyRate's)

@@ -24,6 +24,7 @@ from kvbus.analytics.cli import build_report, topics_to_read
 from kvbus.analytics.flink_job import DEFAULT_SQL, JOB_TIMEOUT_S, run
 from kvbus.analytics.reader import read
 from kvbus.analytics.timerange import TimeRange
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
@@ -36,7 +37,6 @@ from kvbus.schemas.events import (
     holder_key,
 )
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.analytics]
 

@@ -42,9 +42,9 @@ from pathlib import Path
 import pytest
 
 from kvbus.producers.decode import DecodeError, decode_batch, parse_frames
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, EventBatch, Reset, without_tokens
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.simulator.fleet import Fleet, FleetConfig
 from tests.hostile import (
     ACCEPT,

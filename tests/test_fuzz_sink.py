@@ -26,9 +26,9 @@ import pytest
 from confluent_kafka import Producer
 
 from kvbus.producers.recovery import partition_for
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, BlockEvent, BlockStored, DeadLetter, EventBatch, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer

@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, DeadLetter, EventBatch, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from tests.hostile import ACCEPT, GOOD, REJECT, TopicReader, good_stored, marker_hash, rss_mib
 from tests.test_streams_integration import Workers, worker_env
 

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.hashing import (
     HASH_ALGOS,
@@ -26,7 +27,6 @@ from kvbus.schemas.hashing import (
     release_tuple,
     resolve_seed,
 )
-from kvbus.schemas.settings import Settings
 from kvbus.sinks.redis_store import RedisStore
 from tests.lookup_cli import run_lookup
 from tests.redis_server import RedisServer

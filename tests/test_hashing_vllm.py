@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.hashing import HASH_ALGOS, NONE_HASH_SEED, UnmatchableSeed, block_digests, none_hash, resolve_seed
-from kvbus.schemas.settings import Settings
 from kvbus.sinks.hashes import chain_from_tokens
 from kvbus.sinks.redis_store import RedisStore
 from tests.lookup_cli import run_lookup

@@ -25,7 +25,7 @@ from kvbus.infra import (
     dev_topics as infra_topics,  # noqa: E402
     stack as infra_stack,  # noqa: E402
 )
-from kvbus.schemas.settings import Settings  # noqa: E402
+from kvbus.runtime.settings import Settings  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""kvbus.schemas.kafka_clients: every stage's client configuration from one base, one handling of
+"""kvbus.runtime.kafka_clients: every stage's client configuration from one base, one handling of
 what Kafka refuses, and topics created as declared."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from kvbus.schemas.kafka_clients import (
+from kvbus.runtime.kafka_clients import (
     CONSUMER_CONF,
     PRODUCER_CONF,
     DeliveryErrors,
@@ -20,8 +20,8 @@ from kvbus.schemas.kafka_clients import (
     reader_conf,
     until_coordinator_answers,
 )
-from kvbus.schemas.security import Security
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.security import Security
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import REBUILD_GROUP_PREFIX, record_spec, snapshot_spec
 
 SASL = {"KVBUS_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "KVBUS_KAFKA_SASL_USERNAME": "sink",
@@ -141,7 +141,7 @@ def test_group_offsets_read_each_partitions_log_start_and_end_now(stack: Setting
 
 COMMITTED_LOOP = """
 import sys, time, uuid
-from kvbus.schemas.kafka_clients import GroupOffsets
+from kvbus.runtime.kafka_clients import GroupOffsets
 bootstrap, seconds = sys.argv[1], float(sys.argv[2])
 answered = failed = 0
 end = time.monotonic() + seconds

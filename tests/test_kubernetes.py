@@ -23,8 +23,8 @@ from kvbus import __version__
 from kvbus.cli import build_parser
 from kvbus.infra import manifests, prometheus_rule, strimzi
 from kvbus.infra.secure_plan import ADMIN, BRIDGE, KAFKA_USERS, SINK, STREAMS, kafka_grants
-from kvbus.schemas.logs import log_format
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.logs import log_format
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.streams.cli import options_from_args

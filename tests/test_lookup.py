@@ -8,8 +8,8 @@ import uuid
 import pytest
 from hypothesis import given, strategies as st
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
-from kvbus.schemas.settings import Settings
 from kvbus.sinks.hashes import chain_from_tokens, parse_hash, parse_hashes
 from kvbus.sinks.redis_store import RedisStore
 from tests.lookup_cli import run_lookup

@@ -22,8 +22,8 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
-from kvbus.schemas.settings import Settings
 from kvbus.sinks import functions
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.sharded_store import ShardedRedisStore, shard_of

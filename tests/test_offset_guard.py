@@ -9,7 +9,7 @@ from typing import Any
 from aiokafka.errors import IllegalStateError
 from faust.types import TP
 
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.streams.offset_guard import Admission, OffsetGuard
 from kvbus.streams.options import StreamsOptions
 from kvbus.streams.runtime import Runtime

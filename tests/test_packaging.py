@@ -37,9 +37,9 @@ from packaging.version import Version
 
 import kvbus
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, canonical_hash
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.sinks.hashes import chain_from_tokens
 from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer

@@ -1,5 +1,5 @@
 """``/healthz`` and ``/readyz`` beside ``/metrics`` on each stage's metrics port, JSON log lines, and
-the retry pauses: the shared pieces (kvbus.schemas.probes, .logs, .backoff) on their own, then each
+the retry pauses: the shared pieces (kvbus.runtime.probes, .logs, .backoff) on their own, then each
 stage as a real process against the real Kafka, registry and Redis, its readiness flipping both ways:
 
 * a sink's while its view is rebuilt after ``FLUSHALL``;
@@ -23,9 +23,9 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter
 
 from kvbus.children import Children, free_port
-from kvbus.schemas.backoff import Backoff
-from kvbus.schemas.probes import Readiness, serve
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.backoff import Backoff
+from kvbus.runtime.probes import Readiness, serve
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
@@ -116,8 +116,8 @@ def test_readyz_answers_503_with_the_reasons_and_metrics_keep_working():
 JSON_CHILD = """
 import sys, time
 from confluent_kafka import Producer
-from kvbus.schemas import logs
-from kvbus.schemas.settings import Settings
+from kvbus.runtime import logs
+from kvbus.runtime.settings import Settings
 
 logs.configure("bridge", fmt="json")
 logs.bind(holder="r#0")

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from kvbus.children import Children, free_port
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.consumer import FULL_LOG_EVERY
 from kvbus.sinks.redis_memory import RedisFull

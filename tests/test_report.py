@@ -32,6 +32,7 @@ from kvbus.analytics.cli import build_report, topics_to_read
 from kvbus.analytics.reader import read
 from kvbus.analytics.tables import event_values
 from kvbus.analytics.timerange import TimeRange
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
@@ -45,7 +46,6 @@ from kvbus.schemas.events import (
     normalize_medium,
 )
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.simulator.fleet import Fleet, FleetConfig, ModelConfig
 from tests.pipeline import Pipeline, env_for, eventually
 

@@ -1,4 +1,4 @@
-"""The security settings every process reads (schemas/security.py): each client library's
+"""The security settings every process reads (kvbus/runtime/security.py): each client library's
 configuration from ``KVBUS_*`` variables, secrets from files and never in a repr or a child's
 environment when they came from a file, and clear errors naming the variable to fix."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import ssl
 import faust
 import pytest
 
-from kvbus.schemas.env import SettingError
-from kvbus.schemas.security import KafkaSecurity, Security, redact_url
-from kvbus.schemas.settings import KAFKA_LOGGER, Settings
+from kvbus.runtime.env import SettingError
+from kvbus.runtime.security import KafkaSecurity, Security, redact_url
+from kvbus.runtime.settings import KAFKA_LOGGER, Settings
 
 
 @pytest.fixture
@@ -113,10 +113,10 @@ def test_urls_are_redacted_for_logs():
 def test_kafka_refusals_name_the_setting_to_fix():
     from confluent_kafka import KafkaError
 
-    from kvbus.schemas.security import describe_kafka_error, kafka_security_hint
+    from kvbus.runtime.security import describe_kafka_error, kafka_security_hint
 
     sasl = KafkaSecurity(protocol="SASL_SSL", mechanism="SCRAM-SHA-512", username="bridge", password=__import__(
-        "kvbus.schemas.security", fromlist=["Secret"]).Secret("pw"))
+        "kvbus.runtime.security", fromlist=["Secret"]).Secret("pw"))
     assert "KVBUS_KAFKA_SASL_PASSWORD" in kafka_security_hint(KafkaError(KafkaError._AUTHENTICATION), sasl)
     denied = describe_kafka_error(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), sasl.librdkafka())
     assert "user 'bridge'" in denied and "KVBUS_KAFKA_SASL_USERNAME" in denied and "pw" not in denied.split("--")[1]
@@ -131,7 +131,7 @@ def test_kafka_refusals_name_the_setting_to_fix():
 def test_registry_and_plaintext_refusals_name_the_setting():
     from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-    from kvbus.schemas.security import RegistrySecurity, Secret, kafka_security_hint, registry_security_hint
+    from kvbus.runtime.security import RegistrySecurity, Secret, kafka_security_hint, registry_security_hint
 
     ro = RegistrySecurity("analytics", Secret("pw"))
     assert "KVBUS_REGISTRY_USERNAME" in registry_security_hint(SchemaRegistryError(403, 40301, "not authorized"), ro)

@@ -22,9 +22,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvbus.children import free_port
 from kvbus.client import ViewClient
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.lookup import status_key
-from kvbus.schemas.settings import Settings
 from kvbus.serve.app import Service, view_client
 from kvbus.serve.query import Query, ask, medium
 from kvbus.serve.serve_config import ServeConfig

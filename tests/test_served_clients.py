@@ -13,8 +13,8 @@ from types import SimpleNamespace
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from kvbus.schemas.kafka_clients import GroupOffsets
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.kafka_clients import GroupOffsets
+from kvbus.runtime.settings import Settings
 from kvbus.streams.options import StreamsOptions
 from kvbus.streams.runtime import Runtime
 

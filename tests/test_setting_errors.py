@@ -1,6 +1,6 @@
 """A malformed ``KVBUS_*`` value or flag ends a command with exit code 2 and one line that names the
 variable (or flag) and the form expected, never a traceback: every settings class reads its values
-through kvbus.schemas.env, and ``kvbus`` turns the error into that line."""
+through kvbus.runtime.env, and ``kvbus`` turns the error into that line."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +14,10 @@ import pytest
 
 from kvbus.cli import main
 from kvbus.configuration_doc import SECTIONS, resolve
-from kvbus.schemas.env import COUNT, NATURAL, PORT, SECONDS, SettingError, declared, load, read
-from kvbus.schemas.logs import log_format
-from kvbus.schemas.security import Security
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.env import COUNT, NATURAL, PORT, SECONDS, SettingError, declared, load, read
+from kvbus.runtime.logs import log_format
+from kvbus.runtime.security import Security
+from kvbus.runtime.settings import Settings
 from kvbus.sinks.config import SinkConfig
 from kvbus.streams.options import StreamsOptions
 
@@ -100,7 +100,7 @@ def kvbus_logging():
     root = logging.getLogger()
     saved = (list(root.handlers), root.level, sys.excepthook, threading.excepthook)
     yield
-    from kvbus.schemas import logs
+    from kvbus.runtime import logs
 
     logs.configure("tests", saved[1], "text")
     root.handlers[:] = saved[0]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics
 
 

@@ -15,9 +15,9 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, DeadLetter, canonical_hash, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer

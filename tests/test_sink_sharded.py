@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from kvbus.cli import build_parser
+from kvbus.runtime.redis_view import parse_cluster_url
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.lookup import meta_key, shard_prefix
-from kvbus.schemas.redis_view import parse_cluster_url
-from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.cli import lookup_answer
 from kvbus.sinks.redis_store import RedisStore

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvbus.producers.metrics import BridgeMetrics
 from kvbus.producers.raw_producer import RawProducer
 from kvbus.producers.split import MIN_RECORD_BYTES, RECORD_MARGIN, plan_split, record_limit
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.codec import FastSerde, encode_event
 from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvbus.schemas.serde import registry_client
-from kvbus.schemas.settings import Settings
 from kvbus.schemas.topics import Topics
 from tests.recording_producer import RecordingProducer
 

@@ -8,7 +8,7 @@ import pytest
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from mode.utils.times import want_seconds
 
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.streams.app import changelog_specs, create_app
 from kvbus.streams.options import StreamsOptions
 

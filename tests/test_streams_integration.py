@@ -24,6 +24,7 @@ from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
 from kvbus.children import free_port
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import (
     AllBlocksCleared,
     BlockEvent,
@@ -35,7 +36,6 @@ from kvbus.schemas.events import (
     holder_key,
 )
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.schemas.settings import Settings
 from tests.pipeline import RawProducer
 from tests.trace import TraceSpec, batches, expected
 

@@ -211,7 +211,7 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
 def test_top_says_what_is_unreachable_and_keeps_running(tmp_path) -> None:
     """No Kafka, Redis or process answers: ``--once --json`` exits 0 with an error per source, and the
     live screen says "unreachable: ..." for each, keeps refreshing, and Ctrl-C ends it with exit code 0."""
-    from kvbus.schemas.settings import Settings
+    from kvbus.runtime.settings import Settings
 
     nothing = free_port()
     env = {**env_for(Settings()), "KVBUS_BOOTSTRAP": f"127.0.0.1:{nothing}",

@@ -17,8 +17,8 @@ import msgspec
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent
-from kvbus.schemas.settings import Settings
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
 from kvbus.sinks.redis_store import RedisStore

@@ -102,7 +102,7 @@ class Run:
 def run(stack, tmp_path_factory):
     from dataclasses import replace
 
-    from kvbus.schemas.settings import Topics
+    from kvbus.runtime.settings import Topics
     from tests.conftest import _delete_topics
 
     python = vllm_engine.ensure()  # the first time: installs vLLM for CPUs (minutes)

@@ -3,7 +3,7 @@
 It speaks the lookup protocol of :mod:`kvbus.schemas.lookup` over redis-py: one ``FCALL_RO
 kvbus_lookup`` on a single Redis (or one of its replicas), one per shard on a Redis Cluster
 (pipelined per node, concurrent across nodes, retried through slot migrations and failovers,
-from replicas with ``?read_from=replica``: :mod:`kvbus.schemas.redis_view`), holder names from a
+from replicas with ``?read_from=replica``: :mod:`kvbus.runtime.redis_view`), holder names from a
 cache it refreshes itself.
 """
 from __future__ import annotations
@@ -15,11 +15,7 @@ import redis
 from redis.cluster import LoadBalancingStrategy, RedisCluster
 
 from kvbus.client.ties import Shuffle, TieBreak, TieBreakLike, as_tie_break, rank
-from kvbus.schemas import lookup
-from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes, check_model
-from kvbus.schemas.hashing import LoRA, block_hashes
-from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
-from kvbus.schemas.redis_view import (
+from kvbus.runtime.redis_view import (
     MIGRATION_CHECK,
     RETRY_FOR,
     ShardCalls,
@@ -30,7 +26,11 @@ from kvbus.schemas.redis_view import (
     read_from as url_read_from,
     url_shards,
 )
-from kvbus.schemas.security import redact_url
+from kvbus.runtime.security import redact_url
+from kvbus.schemas import lookup
+from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes, check_model
+from kvbus.schemas.hashing import LoRA, block_hashes
+from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
 from kvbus.schemas.tiers import Weights
 
 WeightsLike = Weights | Mapping[str, float] | str
@@ -121,8 +121,8 @@ class ViewClient:
     @classmethod
     def from_env(cls, prefix: str = DEFAULT_PREFIX, **kw: Any) -> "ViewClient":
         """A client of ``KVBUS_REDIS_URL`` with the credentials of ``KVBUS_REDIS_USERNAME`` /
-        ``_PASSWORD`` / ``_SSL_CA`` (:class:`kvbus.schemas.settings.Settings`)."""
-        from kvbus.schemas.settings import Settings
+        ``_PASSWORD`` / ``_SSL_CA`` (:class:`kvbus.runtime.settings.Settings`)."""
+        from kvbus.runtime.settings import Settings
 
         settings = Settings.from_env()
         return cls(settings.redis_url, prefix, **{**settings.redis_kwargs(), **kw})

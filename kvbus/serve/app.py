@@ -5,7 +5,7 @@
 | ``POST /query`` | ``{tenant: {instance: {"longest_matched", "GPU", "CPU", "DISK", ..., "DP"}}}`` for ``token_ids`` |
 | ``POST /query_by_hash`` | the same for ``seq_hashes`` |
 | ``GET /healthz`` | ``200 ok`` while the process serves HTTP |
-| ``GET /readyz`` | 200 while the view's status is ``ready``, else 503 with the reason (:mod:`kvbus.schemas.probes`) |
+| ``GET /readyz`` | 200 while the view's status is ``ready``, else 503 with the reason (:mod:`kvbus.runtime.probes`) |
 | ``GET /metrics`` | the Prometheus exposition of :class:`kvbus.serve.metrics.ServeMetrics` |
 
 Errors are JSON ``{"error": "...", "field": ...}``: 400 for a request the API cannot answer (``field``
@@ -31,8 +31,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvbus.client import BY_NAME, FunctionsMissing, LayoutMismatch, Shuffle, ViewClient
+from kvbus.runtime.probes import Readiness
 from kvbus.schemas.lookup import READY
-from kvbus.schemas.probes import Readiness
 from kvbus.serve.metrics import ServeMetrics
 from kvbus.serve.query import BadRequest, Hashing, answer, ask, parse
 from kvbus.serve.serve_config import ServeConfig

@@ -12,10 +12,10 @@ import asyncio
 import logging
 import signal
 
-from kvbus.schemas.env import SettingError, add_flags, from_flags
+from kvbus.runtime.env import SettingError, add_flags, from_flags
+from kvbus.runtime.security import redact_url
+from kvbus.runtime.settings import Settings
 from kvbus.schemas.hashing import resolve_seed
-from kvbus.schemas.security import redact_url
-from kvbus.schemas.settings import Settings
 from kvbus.serve.serve_config import ServeConfig
 
 log = logging.getLogger("kvbus.serve")

@@ -1,5 +1,5 @@
 """Prometheus metrics of ``kvbus serve`` (``kvbus_serve_*``), in a registry of their own, with the
-process's own (:func:`kvbus.schemas.allocator.register`).
+process's own (:func:`kvbus.runtime.allocator.register`).
 
 ``rate(kvbus_serve_requests_total{path="/query"}[1m])`` is queries/s;
 ``histogram_quantile(0.99, rate(kvbus_serve_request_seconds_bucket[5m]))`` the p99 latency.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvbus.schemas import allocator
+from kvbus.runtime import allocator
 
 LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Seconds: a lookup takes a fraction of a millisecond inside Redis, a few over HTTP."""

@@ -1,4 +1,4 @@
-"""Options of ``kvbus serve`` (besides the shared :class:`kvbus.schemas.settings.Settings`, whose
+"""Options of ``kvbus serve`` (besides the shared :class:`kvbus.runtime.settings.Settings`, whose
 ``KVBUS_REDIS_*`` name the view's Redis).
 
 Each option is a variable and a flag, declared once in :class:`ServeConfig`; all of them:
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from kvbus.schemas.env import COUNT, NATURAL, PORT, TEXT, Form, load, one_of, setting
+from kvbus.runtime.env import COUNT, NATURAL, PORT, TEXT, Form, load, one_of, setting
 from kvbus.schemas.hashing import HASH_ALGOS, hash_rules
 from kvbus.schemas.lookup import DEFAULT_PREFIX
 from kvbus.serve.query import Hashing
@@ -44,7 +44,7 @@ TIE_BREAK: Form[str] = one_of(*TIE_BREAKS)
 @dataclass(frozen=True)
 class ServeConfig:
     """How ``kvbus serve`` runs; every field is a ``KVBUS_SERVE_*`` variable and a flag
-    (:func:`kvbus.schemas.env.setting`)."""
+    (:func:`kvbus.runtime.env.setting`)."""
 
     host: str = setting("KVBUS_SERVE_HOST", TEXT, "0.0.0.0", "address to listen on", flag="--host")
     port: int = setting("KVBUS_SERVE_PORT", PORT, 8090, "port of the query API, /healthz, /readyz and /metrics "
@@ -79,5 +79,5 @@ class ServeConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "ServeConfig":
         """Options from KVBUS_SERVE_* (of ``environ``, default the process's), defaults for the unset or
-        blank ones; :class:`~kvbus.schemas.env.SettingError` names a malformed one."""
+        blank ones; :class:`~kvbus.runtime.env.SettingError` names a malformed one."""
         return load(cls, environ)

@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 from kvbus.top.top_config import add_top_config_args, top_config
 
 

@@ -29,8 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from kvbus.schemas.security import redact_url
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.security import redact_url
+from kvbus.runtime.settings import Settings
 from kvbus.top.metrics import ROLES, Role, Samples, describe_error, fetch, quantile
 from kvbus.top.sources import KafkaSource, ViewSource
 from kvbus.top.top_config import TopConfig

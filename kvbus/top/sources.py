@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from kvbus.demo_progress import GroupLag
-from kvbus.schemas.settings import Settings
+from kvbus.runtime.settings import Settings
 
 QUIET_LIBRDKAFKA = {"log_level": 0}
 """librdkafka settings of the console's clients: no log lines on stderr (they would tear the

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from kvbus.schemas.env import SECONDS, Form, add_flags, from_flags, reuse, setting
+from kvbus.runtime.env import SECONDS, Form, add_flags, from_flags, reuse, setting
 from kvbus.sinks.config import SinkConfig
 from kvbus.streams.options import StreamsOptions
 
@@ -61,7 +61,7 @@ def _endpoints(role: str, what: str) -> Any:
 
 @dataclass(frozen=True)
 class TopConfig:
-    """Everything ``kvbus top`` watches besides :class:`kvbus.schemas.settings.Settings` (Kafka, Redis, topics)."""
+    """Everything ``kvbus top`` watches besides :class:`kvbus.runtime.settings.Settings` (Kafka, Redis, topics)."""
 
     bridges: tuple[str, ...] = _endpoints("bridges", "bridges")
     workers: tuple[str, ...] = _endpoints("workers", "Faust workers")

@@ -1,8 +1,8 @@
 """Connection settings every kvbus command honours, from the environment.
 
-Each is declared once on :class:`Settings` (:func:`kvbus.schemas.env.setting`): its ``KVBUS_*``
+Each is declared once on :class:`Settings` (:func:`kvbus.runtime.env.setting`): its ``KVBUS_*``
 variable, its default and its meaning; topic names are :class:`kvbus.schemas.topics.Topics`', the
-security settings :mod:`kvbus.schemas.security`'s. Every setting with its default: docs/configuration.md.
+security settings :mod:`kvbus.runtime.security`'s. Every setting with its default: docs/configuration.md.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvbus.schemas.env import COUNT, NATURAL, SECONDS, SWITCH, TEXT, load, setting, to_env as declared_env
-from kvbus.schemas.security import Security
+from kvbus.runtime.env import COUNT, NATURAL, SECONDS, SWITCH, TEXT, load, setting, to_env as declared_env
+from kvbus.runtime.security import Security
 from kvbus.schemas.topics import Topics
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
@@ -20,14 +20,14 @@ DEFAULT_REGISTRY_URL = "http://127.0.0.1:8081/apis/ccompat/v7"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PARTITIONS = 4
 DEFAULT_MALLOC_TRIM_INTERVAL = 60.0
-"""Seconds between two trims of the C allocator (:mod:`kvbus.schemas.allocator`): a trim takes 0.1-0.3 ms
+"""Seconds between two trims of the C allocator (:mod:`kvbus.runtime.allocator`): a trim takes 0.1-0.3 ms
 in a worker, sink or bridge at 500 events/s, and gives back what the minute freed (docs/benchmarks.md, "Soak")."""
 DEFAULT_MALLOC_MMAP_THRESHOLD = 256 * 1024
-"""Bytes from which the C allocator maps a block on its own (:func:`kvbus.schemas.allocator.fix_mmap_threshold`):
+"""Bytes from which the C allocator maps a block on its own (:func:`kvbus.runtime.allocator.fix_mmap_threshold`):
 above librdkafka's and Faust's everyday buffers, below the fetch and rebalance buffers whose freed space
 would otherwise stay in the arenas (docs/benchmarks.md, "Soak")."""
 DEFAULT_MALLOC_ARENA_MAX = 0
-"""Largest number of glibc malloc arenas (:func:`kvbus.schemas.allocator.cap_arenas`); 0: glibc's own limit."""
+"""Largest number of glibc malloc arenas (:func:`kvbus.runtime.allocator.cap_arenas`); 0: glibc's own limit."""
 DEFAULT_MAX_RECORD_BYTES = 900_000
 """Largest EventBatch value the producers write as one Kafka record: a little under librdkafka's
 ``message.max.bytes`` (1,000,000; not overridden by kvbus) and the broker's default
@@ -85,12 +85,12 @@ class Settings:
         "a build of exactly the codec the schemas make now; off, or without such a build: the generated Python, "
         "which encodes and decodes the same bytes")
     security: Security = field(default_factory=Security)
-    """How to authenticate to Kafka, Redis and the registry (``kvbus.schemas.security``; default: open)."""
+    """How to authenticate to Kafka, Redis and the registry (``kvbus.runtime.security``; default: open)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         """Settings from KVBUS_* variables (of ``environ``, default the process's), defaults for the
-        unset or blank ones; :class:`~kvbus.schemas.env.SettingError` names a malformed one."""
+        unset or blank ones; :class:`~kvbus.runtime.env.SettingError` names a malformed one."""
         env = os.environ if environ is None else environ
         return load(cls, env, topics=Topics.from_env(env), security=Security.from_env(env))
 

@@ -15,7 +15,7 @@ delivery error does, and for creating topics.
 * :class:`GroupOffsets`: the one way a stage reads a consumer group's committed offsets.
 
 Connection and security properties come from ``kafka``: a bootstrap string (an open cluster) or
-:meth:`kvbus.schemas.settings.Settings.kafka` (servers, security, the log bridge); they are laid
+:meth:`kvbus.runtime.settings.Settings.kafka` (servers, security, the log bridge); they are laid
 over the role's properties, so a role never overrides them.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from kvbus.schemas.backoff import Backoff
-from kvbus.schemas.security import describe_kafka_error, kafka_error_report
+from kvbus.runtime.backoff import Backoff
+from kvbus.runtime.security import describe_kafka_error, kafka_error_report
 from kvbus.schemas.topics import TopicSpec
 
 log = logging.getLogger("kvbus.kafka")

@@ -23,7 +23,7 @@ import redis
 from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
 from redis.exceptions import AskError, ClusterDownError, ClusterError, MovedError, TryAgainError
 
-from kvbus.schemas.backoff import Backoff
+from kvbus.runtime.backoff import Backoff
 from kvbus.schemas.lookup import LOOKUP_FUNCTION
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")

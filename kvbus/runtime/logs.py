@@ -7,7 +7,7 @@ subcommand: bridge, worker, sink, ...), plus the context of the line where there
 ``partitions`` (an assignment), and ``exc_info`` (a traceback, as one string). Context goes on a record
 as ``log.info(..., extra={"partition": 3})``, or for a whole process through :func:`bind`. The JSON is
 written by python-json-logger; librdkafka's own log lines reach the same handler (``logger`` in
-:meth:`kvbus.schemas.settings.Settings.kafka`).
+:meth:`kvbus.runtime.settings.Settings.kafka`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any, Mapping
 
-from kvbus.schemas.env import Setting, one_of
+from kvbus.runtime.env import Setting, one_of
 
 LOG_FORMAT = one_of("text", "json")
 """The forms of ``KVBUS_LOG_FORMAT``."""

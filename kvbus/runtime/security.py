@@ -1,6 +1,6 @@
 """How every kvbus process authenticates to Kafka, Redis and the schema registry.
 
-One place for the security settings, read from the environment like :mod:`kvbus.schemas.settings`, and
+One place for the security settings, read from the environment like :mod:`kvbus.runtime.settings`, and
 for turning them into each client library's configuration: librdkafka properties (confluent-kafka:
 bridge, publisher, sink, the worker's output producer, admin clients), Faust's
 ``broker_credentials`` (aiokafka: the worker's consumer and changelog), redis-py keyword arguments
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from kvbus.schemas.env import FILE, TEXT, Setting, SettingError, one_of
+from kvbus.runtime.env import FILE, TEXT, Setting, SettingError, one_of
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 """Kafka security protocols (``security.protocol``)."""

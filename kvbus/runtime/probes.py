@@ -25,7 +25,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from kvbus.schemas import allocator
+from kvbus.runtime import allocator
 
 Check = Callable[[], "str | None"]
 """None when the condition holds, else why the stage is not ready."""
@@ -74,7 +74,7 @@ class _Quiet(WSGIRequestHandler):
 
 def probe_app(registry: CollectorRegistry, readiness: Readiness) -> Callable:
     """The WSGI app: ``/healthz``, ``/readyz``, and prometheus_client's app for every other path,
-    serving ``registry`` with the process's own metrics added (:func:`kvbus.schemas.allocator.register`;
+    serving ``registry`` with the process's own metrics added (:func:`kvbus.runtime.allocator.register`;
     once per registry)."""
     allocator.register(registry)
     metrics = make_wsgi_app(registry)
