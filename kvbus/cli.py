@@ -32,7 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
                "Faust worker: aggregate worker reports, split tiers into topics"),
     "sink": ("kvbus.sinks.cli", "add_sink_args", "run_sink",
              "consolidated events -> block-residency view in Redis (exactly-once effect)"),
-    "lookup": ("kvbus.sinks.cli", "add_lookup_args", "run_lookup",
+    "lookup": ("kvbus.client.lookup_cli", "add_lookup_args", "run_lookup",
                "longest cached prefix per replica for a chain of block hashes or tokens"),
     "serve": ("kvbus.serve.cli", "add_serve_args", "run_serve",
               "HTTP query API over the view (Mooncake's indexer API: /query, /query_by_hash), probes, metrics"),

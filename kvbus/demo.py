@@ -189,7 +189,7 @@ def _check_alive(children: Children) -> None:
 
 
 def _report(settings: Settings, manifest: Path) -> bool:
-    from kvbus.sinks.cli import add_lookup_args, lookup_answer
+    from kvbus.client.lookup_cli import add_lookup_args, lookup_answer
     from kvbus.sinks.demo_summary import summary
 
     view = summary(settings.redis_url, client_kwargs=settings.redis_kwargs())

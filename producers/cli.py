@@ -4,7 +4,6 @@ One stream (``--endpoint``, ``--replica``, ...: a sidecar beside its engine), or
 (``--streams FILE``: a node-level bridge serving every engine of its node), in one loop with one
 producer (:mod:`kvbus.producers.bridge_group`). Each stream recovers, sequences and replays on its own.
 
-Also runnable on its own: ``python -m kvbus.producers.cli bridge --endpoint ... --replica ...``.
 
 Start-up order: schema id from the registry, then the last position this bridge
 produced (read back from the raw topic), then the ZMQ subscription and the
@@ -23,10 +22,9 @@ import dataclasses
 import json
 import logging
 import signal
-import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import zmq
 
@@ -289,14 +287,3 @@ def run_bridge(args: argparse.Namespace, settings: Settings) -> int:
                  m.value("events_in"), m.value("batches_acked"), m.value("events_acked"), m.value("dlq"),
                  m.value("resets"), m.value("recovered"), left)
     return 1 if left else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvbus.producers.cli bridge ...``: the same as ``kvbus bridge ...``."""
-    from kvbus.cli import main as kvbus_main
-
-    return kvbus_main(sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

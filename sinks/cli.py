@@ -1,29 +1,19 @@
-"""``kvbus sink`` and ``kvbus lookup``: argparse wiring for the lead's ``kvbus`` command.
+"""``kvbus sink``: argparse wiring for the ``kvbus`` command.
 
     kvbus sink [--group G] [--prefix kvbus:] [--stale-after SEC] [--metrics-port P] [--batch N] ...
                                                     (every flag, its variable and default: docs/configuration.md)
-    kvbus lookup (--hashes H1,H2,... | --tokens 1,2,3,... [--block-size 16]
-                  [--algo sha256|sha256_cbor|xxhash|xxhash_cbor] [--hash-seed S]
-                  [--lora-name NAME [--lora-path PATH]] [--cache-salt SALT] [--engine-version V])
-                 [--replicas a,b#1] [--model NAME] [--weights GPU=1,CPU=0.8,STORAGE=0.5] [--prefix kvbus:] [--json]
-
-Standalone: ``python -m kvbus.sinks.cli sink ...`` / ``python -m kvbus.sinks.cli lookup ...``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
-import sys
 import threading
 
 from kvbus.runtime.collector import tune_gc
 from kvbus.runtime.env import add_flags, from_flags
 from kvbus.runtime.security import check_kafka_access, redact_url
 from kvbus.runtime.settings import Settings
-from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, first_release
-from kvbus.schemas.lookup import DEFAULT_PREFIX
 from kvbus.sinks.config import SinkConfig
 
 log = logging.getLogger("kvbus.sinks")
@@ -100,100 +90,3 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
         if snapshotter is not None:
             snapshotter.stop.set()
     return 0
-
-
-# -------------------------------------------------------------------------- lookup
-
-
-def add_lookup_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``kvbus lookup``."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hashes", help="comma-separated block hashes, block 0 first "
-                                      "(decimal uint64, negative int64 or 0x-hex)")
-    src.add_argument("--tokens", help="comma-separated prompt token ids (hashed as vLLM does)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block with --tokens (default 16)")
-    p.add_argument("--algo", default="sha256", choices=sorted(HASH_ALGOS),
-                   help="vLLM --prefix-caching-hash-algo with --tokens (default sha256)")
-    p.add_argument("--hash-seed", default=None,
-                   help="the engines' PYTHONHASHSEED with --tokens (default: this process's PYTHONHASHSEED, "
-                        "else vLLM's default seed; required for xxhash and xxhash_cbor, whose seed vLLM "
-                        "otherwise draws at random per process)")
-    p.add_argument("--lora-name", default=None,
-                   help="with --tokens: the request's LoRA adapter (vLLM lora_name; default: the base model)")
-    p.add_argument("--lora-path", default=None,
-                   help="with --lora-name: the path the engines loaded the adapter from (--lora-modules NAME=PATH), "
-                        f"which vLLM hashes from {first_release(lora_key='name_path')} on")
-    p.add_argument("--cache-salt", default=None, help="with --tokens: the request's cache_salt (default none)")
-    p.add_argument("--engine-version", default=None,
-                   help="with --tokens: the engines' vLLM release, e.g. 0.30.0, where it hashes differently "
-                        f"(default: {HASH_RELEASES[-1].release} and later)")
-    p.add_argument("--replicas", help="only these candidates: replica names or <replica>#<dp_rank>, comma-separated")
-    p.add_argument("--model", default=None,
-                   help="only replicas serving this model (their bridges' --model); default: every replica, "
-                        "whatever its model")
-    p.add_argument("--weights", help="tier weights NAME=W over the defaults GPU=1,CPU=0.8,STORAGE=0.5,*=0.5 "
-                                     "(NAME: a medium or an ownership)")
-    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="Redis key prefix of the view (default kvbus:)")
-    p.add_argument("--json", action="store_true", help='print {"<replica>": {"matched": N, ...}, ...}')
-
-
-TOKEN_KEYS = ("lora_name", "lora_path", "cache_salt", "engine_version")
-"""``kvbus lookup`` options that change how --tokens are hashed (refused with --hashes)."""
-
-
-def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dict]:
-    """The ``--json`` answer of ``kvbus lookup``: holders by display name, best first (tied holders
-    by name), asked through :class:`kvbus.client.ViewClient`."""
-    from kvbus.client import BY_NAME, ViewClient
-    from kvbus.sinks.hashes import lora_of, parse_hashes, parse_tokens
-
-    if args.hashes is not None:
-        given = [f"--{k.replace('_', '-')}" for k in TOKEN_KEYS if getattr(args, k) is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} apply to --tokens: --hashes are hashed already")
-        source: dict = {"hashes": parse_hashes(args.hashes)}
-    else:
-        source = {"tokens": parse_tokens(args.tokens), "block_size": args.block_size, "algo": args.algo,
-                  "seed": args.hash_seed, "lora": lora_of(args.lora_name, args.lora_path),
-                  "cache_salt": args.cache_salt, "engine_version": args.engine_version}
-    candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
-    with ViewClient(settings.redis_url, args.prefix, tie_break=BY_NAME, **settings.redis_kwargs()) as view:
-        found = view.lookup(**source, weights=args.weights, candidates=candidates, model=args.model)
-        status = view.status()
-    if not status.ready:
-        print(f"kvbus lookup: warning: the view is {status.state} since {status.fields.get('since', '?')} "
-              f"({status.fields.get('phase', 'no view yet')}): the answer may miss blocks", file=sys.stderr)
-    return {m.name: m.to_json() for m in found}
-
-
-def run_lookup(args: argparse.Namespace, settings: Settings) -> int:
-    """Print which holders hold the longest prefix of a chain."""
-    from kvbus.client import FunctionsMissing, LayoutMismatch
-
-    try:
-        answer = lookup_answer(args, settings)
-    except (ValueError, FunctionsMissing, LayoutMismatch) as e:
-        print(f"kvbus lookup: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(answer))
-        return 0
-    if not answer:
-        print("no replica holds block 0 of this chain")
-        return 0
-    print(f"{'replica':<28} {'matched':>7} {'score':>9}  tiers")
-    for name, m in answer.items():
-        tiers = " ".join(f"{t}={n}" for t, n in m["tiers"].items())
-        print(f"{name:<28} {m['matched']:>7} {m['score']:>9.3f}  {tiers}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvbus.sinks.cli {sink,lookup} ...``: the same as ``kvbus sink|lookup ...``."""
-    from kvbus.cli import main as kvbus_main
-
-    return kvbus_main(sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

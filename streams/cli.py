@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 from kvbus.runtime import logs
@@ -70,10 +69,3 @@ def run_worker(args: argparse.Namespace, settings: Settings) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m kvbus.streams.cli [options]``, the same as ``kvbus worker [options]``."""
-    from kvbus.cli import main as kvbus_main
-
-    return kvbus_main(["worker", *(sys.argv[1:] if argv is None else argv)])

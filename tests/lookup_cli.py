@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
+from kvbus.client import lookup_cli as cli
 from kvbus.runtime.settings import Settings
-from kvbus.sinks import cli
 
 
 def lookup_args(argv: list[str]) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """Bridge against the real stack: Kafka + schema registry (integration).
 
-The bridge runs as its own process (``python -m kvbus.producers.cli bridge``) against an
+The bridge runs as its own process (``python -m kvbus bridge``) against an
 in-process synthetic engine; what it wrote is read back with a plain confluent
 Consumer and the registry's AvroDeserializer (not kvbus's RecordSerde).
 """
@@ -79,14 +79,14 @@ class RawReader:
 
 
 class BridgeProcess:
-    """``python -m kvbus.producers.cli bridge`` with this test's topics; ``endpoint`` None: the
+    """``python -m kvbus bridge`` with this test's topics; ``endpoint`` None: the
     streams are named by ``--streams`` in ``extra``."""
 
     def __init__(self, settings: Settings, endpoint: str | None, replay_endpoint: str | None, *extra: str) -> None:
         env = dict(os.environ, KVBUS_BOOTSTRAP=settings.bootstrap, KVBUS_REGISTRY_URL=settings.registry_url,
                    KVBUS_TOPIC_RAW=settings.topics.raw, KVBUS_TOPIC_DLQ=settings.topics.dlq,
                    KVBUS_TOPIC_BLOCKS=settings.topics.blocks, KVBUS_TOPIC_INCOMPLETE=settings.topics.incomplete)
-        argv = [sys.executable, "-m", "kvbus.producers.cli", "bridge", "--topic", ZMQ_TOPIC, "--flush-timeout", "10",
+        argv = [sys.executable, "-m", "kvbus", "bridge", "--topic", ZMQ_TOPIC, "--flush-timeout", "10",
                 *(["--endpoint", endpoint, "--replica", REPLICA] if endpoint else []), *extra]
         if replay_endpoint:
             argv += ["--replay-endpoint", replay_endpoint]

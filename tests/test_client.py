@@ -23,13 +23,13 @@ from kvbus.client import (
     Shuffle,
     UnmatchableSeed,
     ViewClient,
+    lookup_cli as cli,
     rank,
 )
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import canonical_hash
 from kvbus.schemas.lookup import tie_key
 from kvbus.schemas.topics import Topics
-from kvbus.sinks import cli
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore

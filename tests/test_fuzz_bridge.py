@@ -104,7 +104,7 @@ def test_bridge_survives_10000_hostile_messages(test_settings: Settings, tmp_pat
     env = {**os.environ, **s.to_env(), "PYTHONUNBUFFERED": "1"}
     log_path = tmp_path / "bridge.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvbus.producers.cli", "bridge", "--endpoint", stream.endpoint,
+    proc = subprocess.Popen([sys.executable, "-m", "kvbus", "bridge", "--endpoint", stream.endpoint,
                              "--replica", REPLICA, "--no-recover", "--flush-timeout", "20",
                              "--keep-token-ids"],  # the strictest decoding: bad token ids are rejected
                             env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -12,8 +12,15 @@ import pytest
 
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
-from kvbus.schemas.hashing import HASH_ALGOS, NONE_HASH_SEED, UnmatchableSeed, block_digests, none_hash, resolve_seed
-from kvbus.sinks.hashes import chain_from_tokens
+from kvbus.schemas.hashing import (
+    HASH_ALGOS,
+    NONE_HASH_SEED,
+    UnmatchableSeed,
+    block_digests,
+    block_hashes,
+    none_hash,
+    resolve_seed,
+)
 from kvbus.sinks.redis_store import RedisStore
 from tests.lookup_cli import run_lookup
 from tests.redis_server import RedisServer
@@ -44,19 +51,19 @@ def test_digests_equal_vllms(algo, seed, prompt, bs, salt, nh, digests):
 def test_lookup_chain_is_the_published_ints_seed_from_flag_or_environment(monkeypatch, algo, seed, prompt, bs,
                                                                        salt, nh, digests):
     published = [canonical_hash(int.from_bytes(bytes.fromhex(d), "big") & (2**64 - 1)) for d in digests]
-    assert chain_from_tokens(PROMPTS[prompt], bs, algo, seed) == published
+    assert block_hashes(PROMPTS[prompt], bs, algo, seed) == published
     if seed is not None:
         monkeypatch.setenv("PYTHONHASHSEED", seed)
-        assert chain_from_tokens(PROMPTS[prompt], bs, algo) == published
+        assert block_hashes(PROMPTS[prompt], bs, algo) == published
         monkeypatch.setenv("PYTHONHASHSEED", "not-" + seed)  # the flag wins over the environment
-        assert chain_from_tokens(PROMPTS[prompt], bs, algo, seed) == published
-        assert chain_from_tokens(PROMPTS[prompt], bs, algo) != published
+        assert block_hashes(PROMPTS[prompt], bs, algo, seed) == published
+        assert block_hashes(PROMPTS[prompt], bs, algo) != published
 
 
 @pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
 def test_xxhash_without_a_seed_is_refused_with_the_reason(algo):
     with pytest.raises(UnmatchableSeed) as e:
-        chain_from_tokens(PROMPTS["A"], 16, algo)
+        block_hashes(PROMPTS["A"], 16, algo)
     msg = str(e.value)
     assert "random" in msg and "per engine process" in msg and "no router can compute" in msg
     assert "PYTHONHASHSEED" in msg and "--hash-seed" in msg
@@ -68,7 +75,7 @@ def test_sha256_family_default_seed_and_unknown_algorithm():
     assert resolve_seed("sha256", env={"PYTHONHASHSEED": ""}) == ""  # set but empty is a seed, as in vLLM
     for bad in ("md5", "xxh3", "SHA256"):
         with pytest.raises(ValueError, match="unknown hash algorithm"):
-            chain_from_tokens(PROMPTS["A"], 16, bad, "0")
+            block_hashes(PROMPTS["A"], 16, bad, "0")
 
 
 # ---------------------------------------------------------------- kvbus lookup --tokens, every algorithm

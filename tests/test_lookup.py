@@ -8,9 +8,10 @@ import uuid
 import pytest
 from hypothesis import given, strategies as st
 
+from kvbus.client.lookup_cli import parse_hash, parse_hashes
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
-from kvbus.sinks.hashes import chain_from_tokens, parse_hash, parse_hashes
+from kvbus.schemas.hashing import block_hashes
 from kvbus.sinks.redis_store import RedisStore
 from tests.lookup_cli import run_lookup
 from tests.redis_server import RedisServer
@@ -26,18 +27,18 @@ def _no_hash_seed(monkeypatch):
 
 
 def test_tokens_hash_like_vllm_sha256():
-    assert chain_from_tokens(range(1, 33), 16, "sha256") == [canonical_hash(SHA256_H0), canonical_hash(SHA256_H1)]
+    assert block_hashes(range(1, 33), 16, "sha256") == [canonical_hash(SHA256_H0), canonical_hash(SHA256_H1)]
     assert canonical_hash(SHA256_H0).hex() == "137bb037547f4caf"
 
 
 def test_tokens_hash_like_vllm_sha256_cbor():
-    assert chain_from_tokens(range(1, 33), 16, "sha256_cbor") == [canonical_hash(CBOR_H0), canonical_hash(CBOR_H1)]
+    assert block_hashes(range(1, 33), 16, "sha256_cbor") == [canonical_hash(CBOR_H0), canonical_hash(CBOR_H1)]
 
 
 def test_partial_trailing_block_has_no_hash_and_unknown_algo_is_refused():
-    assert chain_from_tokens(range(1, 40), 16) == chain_from_tokens(range(1, 33), 16)
+    assert block_hashes(range(1, 40), 16) == block_hashes(range(1, 33), 16)
     with pytest.raises(ValueError):
-        chain_from_tokens(range(1, 33), 16, "md5")
+        block_hashes(range(1, 33), 16, "md5")
 
 
 def test_hash_strings_in_every_accepted_form():
@@ -62,7 +63,7 @@ def view():
     """A private Redis with a small known view: a (dp 0) and b (dp 0, 1)."""
     with RedisServer() as srv:
         prefix = f"l{uuid.uuid4().hex[:8]}:"
-        chain = chain_from_tokens(range(1, 65), 16)  # 4 blocks
+        chain = block_hashes(range(1, 65), 16)  # 4 blocks
         store = RedisStore(srv.client(), prefix)
 
         def ev(replica, dp, seq, hashes, medium="GPU"):

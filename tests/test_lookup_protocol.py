@@ -2,7 +2,7 @@
 
 A view is written by the real sink store (``RedisStore.apply``; ``ShardedRedisStore`` on a Redis
 Cluster) on a private Redis, then every case is asked three ways and must give the same answer:
-``kvbus lookup --json`` (kvbus.sinks.cli), ``redis-cli`` (the reply and the holder table read with
+``kvbus lookup --json`` (kvbus.client.lookup_cli), ``redis-cli`` (the reply and the holder table read with
 ``--quoted-json``, decoded here by the rules of the protocol document, not by sinks' code), and the
 Go package ``clients/go/kvbuslookup`` (go-redis) through its example ``examples/go-lookup``, whose
 stdout must equal kvbus lookup's byte for byte. The Go package's own unit tests run here too.
@@ -299,11 +299,12 @@ def view():
 
 def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str], str | None]:
     """What kvbus lookup sends for these flags: the chain, ARGV[3], the candidates and the model."""
-    from kvbus.sinks.hashes import chain_from_tokens, parse_hashes, parse_tokens
+    from kvbus.client.lookup_cli import parse_hashes, parse_tokens
+    from kvbus.schemas.hashing import block_hashes
     from kvbus.sinks.refcounts import Weights
 
     a = lookup_args(argv)
-    chain = parse_hashes(a.hashes) if a.hashes else chain_from_tokens(parse_tokens(a.tokens), a.block_size, a.algo,
+    chain = parse_hashes(a.hashes) if a.hashes else block_hashes(parse_tokens(a.tokens), a.block_size, a.algo,
                                                                       a.hash_seed)
     cands = [c.strip() for c in (a.replicas or "").split(",") if c.strip()]
     return chain, Weights.parse(a.weights).spec(), cands, a.model

@@ -39,8 +39,8 @@ import kvbus
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, canonical_hash
+from kvbus.schemas.hashing import block_hashes
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.sinks.hashes import chain_from_tokens
 from kvbus.sinks.redis_store import RedisStore
 from tests.redis_server import RedisServer
 from tests.venvs import BASE_PYTHON, ROOT, Venv, build_wheel, fresh_clone, lowest_versions
@@ -121,7 +121,7 @@ def view() -> Iterator[tuple[RedisServer, str, list[bytes]]]:
     """A real Redis with a view written by the sink's store code, (server, key prefix, chain): a (dp 0)
     holds the whole 4-block chain in GPU, b#1 three blocks in CPU, b#0 two blocks in CPU and block 0
     in GPU too."""
-    chain = chain_from_tokens(range(1, 65), 16)
+    chain = block_hashes(range(1, 65), 16)
     with RedisServer() as srv:
         prefix = f"pkg{uuid.uuid4().hex[:8]}:"
 
@@ -137,7 +137,7 @@ def view() -> Iterator[tuple[RedisServer, str, list[bytes]]]:
 LOOKUPS = [
     # (query, expected {holder: matched} best first, b#0 holds 2 blocks in CPU, block 0 in GPU too)
     (["--tokens", TOKENS], {"a": 4, "b#1": 3, "b#0": 2}),
-    (["--hashes", ",".join("0x" + h.hex() for h in chain_from_tokens(range(1, 65), 16))],
+    (["--hashes", ",".join("0x" + h.hex() for h in block_hashes(range(1, 65), 16))],
      {"a": 4, "b#1": 3, "b#0": 2}),
     (["--tokens", TOKENS, "--replicas", "b", "--weights", "CPU=0.1"], {"b#0": 2, "b#1": 3}),
 ]

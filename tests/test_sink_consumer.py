@@ -120,7 +120,7 @@ def test_sink_killed_mid_stream_and_restarted_leaves_the_exact_view(settings, to
     env = dict(os.environ, KVBUS_TOPIC_BLOCKS=topics.blocks, KVBUS_TOPIC_DLQ=topics.dlq,
                KVBUS_REDIS_URL=redis_server.url, KVBUS_BOOTSTRAP=settings.bootstrap,
                KVBUS_REGISTRY_URL=settings.registry_url)
-    cmd = [sys.executable, "-m", "kvbus.sinks.cli", "sink", "--group", f"g-{uuid.uuid4().hex}", "--prefix", prefix,
+    cmd = [sys.executable, "-m", "kvbus", "sink", "--group", f"g-{uuid.uuid4().hex}", "--prefix", prefix,
            "--batch", "7", "--stale-after", "0"]
 
     def applied() -> int:

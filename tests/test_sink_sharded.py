@@ -13,11 +13,11 @@ import pytest
 import redis
 
 from kvbus.cli import build_parser
+from kvbus.client.lookup_cli import lookup_answer
 from kvbus.runtime.redis_view import parse_cluster_url
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.lookup import meta_key, shard_prefix
 from kvbus.schemas.topics import Topics
-from kvbus.sinks.cli import lookup_answer
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore

@@ -183,16 +183,15 @@ def st(n: int, **kw) -> BlockStored:
 
 def test_worker_consolidates_routes_expires_and_dead_letters(test_settings: Settings, workers: Workers,
                                                              collector: Collector, tmp_path: Path):
-    """One worker started through the ``kvbus worker`` code path (kvbus.streams.cli)."""
+    """One worker started as ``kvbus worker`` (kvbus.streams.cli)."""
     s = test_settings
     t = s.topics
     app_id = f"it-{uuid.uuid4().hex[:8]}"
     metrics_port = free_port()
     window = 2.0
     env = worker_env(s, app_id, tmp_path / "w1", window)
-    workers.start("w1", env, [sys.executable, "-c", "import sys; from kvbus.streams.cli import main; sys.exit(main())",
-                              "--app-id", app_id, "--window", str(window), "--metrics-port", str(metrics_port),
-                              "--datadir", str(tmp_path / "w1")])
+    workers.start("w1", env, [sys.executable, "-m", "kvbus", "worker", "--app-id", app_id, "--window", str(window),
+                              "--metrics-port", str(metrics_port), "--datadir", str(tmp_path / "w1")])
     raw = RawProducer(s)
     A, B, C = "A-" + app_id, "B-" + app_id, "C-" + app_id
     tier = st(3, ownership="kvcr", medium="CPU")
