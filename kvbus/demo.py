@@ -22,23 +22,28 @@ import uuid
 from pathlib import Path
 
 from kvbus.children import Children, wait_for
+from kvbus.demo_layout import (
+    BRIDGE_METRICS_BASE,
+    REPLICAS,
+    SINK_GROUP,
+    SINK_METRICS_PORT,
+    WORKER_GROUP,
+    WORKER_METRICS_PORT,
+    WORKERS,
+    metrics_endpoints,
+)
 from kvbus.demo_progress import Progress
 from kvbus.runtime.settings import Settings
 
 log = logging.getLogger("kvbus.demo")
 
-BRIDGE_METRICS_BASE = 9410
-WORKER_METRICS_PORT = 9401
-SINK_METRICS_PORT = 9402
-WORKER_GROUP = "kvbus-streams"
-SINK_GROUP = "kvbus-sink"
 
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:
     """Options of ``kvbus demo``."""
-    p.add_argument("--replicas", type=int, default=3, help="engine replicas (default 3)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="tensor-parallel workers per replica, each its own stream and bridge (default 1)")
+    p.add_argument("--replicas", type=int, default=REPLICAS, help=f"engine replicas (default {REPLICAS})")
+    p.add_argument("--workers", type=int, default=WORKERS,
+                   help=f"tensor-parallel workers per replica, each its own stream and bridge (default {WORKERS})")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of streaming (default 30)")
     p.add_argument("--rate", type=float, default=20.0,
                    help="engine steps (batches) per second per replica (default 20)")
@@ -167,13 +172,6 @@ def _stream(children: Children, args: argparse.Namespace, settings: Settings, ma
     drained = wait_for(lambda: progress.drained(), args.drain_timeout, 1.0)
     print("   " + progress.line() + ("" if drained else "  (not fully drained)"), flush=True)
     return _report(reader, manifest)
-
-
-def metrics_endpoints(bridges: int) -> dict[str, str]:
-    """The metrics ports the demo gives its processes (``kvbus top``'s endpoint lists), per role,
-    with ``bridges`` bridges."""
-    return {"bridges": f"{BRIDGE_METRICS_BASE}-{BRIDGE_METRICS_BASE + bridges - 1}",
-            "workers": str(WORKER_METRICS_PORT), "sinks": str(SINK_METRICS_PORT)}
 
 
 def top_command(bridges: int) -> str:

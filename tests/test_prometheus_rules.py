@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvbus.demo import metrics_endpoints
+from kvbus.demo_layout import metrics_endpoints
 from kvbus.top.top_config import parse_endpoints
 
 ROOT = Path(__file__).resolve().parent.parent

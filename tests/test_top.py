@@ -289,14 +289,8 @@ def test_the_command_the_demo_prints_watches_the_demos_processes(monkeypatch) ->
     import shlex
 
     from kvbus.cli import build_parser
-    from kvbus.demo import (
-        BRIDGE_METRICS_BASE,
-        SINK_GROUP,
-        SINK_METRICS_PORT,
-        WORKER_GROUP,
-        WORKER_METRICS_PORT,
-        top_command,
-    )
+    from kvbus.demo import top_command
+    from kvbus.demo_layout import BRIDGE_METRICS_BASE, SINK_GROUP, SINK_METRICS_PORT, WORKER_GROUP, WORKER_METRICS_PORT
     from kvbus.top.top_config import top_config
 
     for var in ("KVBUS_TOP_BRIDGES", "KVBUS_TOP_WORKERS", "KVBUS_TOP_SINKS", "KVBUS_STREAMS_APP_ID",

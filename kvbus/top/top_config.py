@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from kvbus.demo_layout import REPLICAS, WORKERS, metrics_endpoints
 from kvbus.runtime.env import SECONDS, Form, add_flags, from_flags, reuse, setting
 from kvbus.sinks.config import SinkConfig
 from kvbus.streams.options import StreamsOptions
@@ -37,19 +38,9 @@ def parse_endpoints(spec: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def demo_endpoints() -> dict[str, str]:
-    """The metrics endpoints ``kvbus demo`` gives its processes with its default options, per role."""
-    from kvbus.demo import add_demo_args, metrics_endpoints
-
-    p = argparse.ArgumentParser()
-    add_demo_args(p)
-    d = p.parse_args([])
-    return metrics_endpoints(d.replicas * d.workers)
-
-
 ENDPOINTS: Form[tuple[str, ...]] = Form("[host:]port or [host:]first-last, comma-separated", parse_endpoints)
 """An endpoint list (:func:`parse_endpoints`)."""
-DEMO = demo_endpoints()
+DEMO = metrics_endpoints(REPLICAS * WORKERS)
 """The demo's metrics endpoints per role: what ``kvbus top`` watches by default."""
 
 
