@@ -1,5 +1,5 @@
 """A fleet's residency view for the lookup benchmarks (benchmarks/lookup.py, benchmarks/serve.py): the
-fleet workload (``tests.fleet_workload``) loaded into a Redis through the sink's write path, and the
+fleet workload (``kvbus.simulator.view_workload``) loaded into a Redis through the sink's write path, and the
 query sets drawn from it.
 
     stores, chains, bodies = fleet_workload(10_000_000, replicas=256, min_chain=128)
@@ -15,8 +15,8 @@ from typing import Iterable, Sequence
 import redis
 
 from kvbus.schemas.events import BlockEvent, BlockStored
+from kvbus.simulator.view_workload import FleetStore
 from kvbus.sinks.redis_store import RedisStore
-from tests.fleet_workload import FleetStore
 
 TOPIC = "kvbus.blocks"
 

@@ -6,7 +6,7 @@
 What it does, in one run on one throw-away ``redis-server`` (free port, ``--save ''``, temp dir,
 ``--maxmemory 4gb``):
 
-1. generates a fleet residency (``tests.fleet_workload``): conversations = one of 64 shared
+1. generates a fleet residency (``kvbus.simulator.view_workload``): conversations = one of 64 shared
    system prompts + their own blocks, each cached on ``--copies`` random replicas on GPU and, with
    probability ``--cpu-frac``, on CPU too, until ``--entries`` (replica, block, tier) entries;
 2. loads it into kvbus's layout through ``RedisStore.apply`` (the sink's write path: one FCALL per
@@ -63,14 +63,14 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fleet_view import load_kvbus, pct, queries as query_set, used_memory  # noqa: E402
+from kvbus.infra.scratch_cluster import RedisClusterServer, wait_replicas_in_sync  # noqa: E402
+from kvbus.infra.scratch_redis import RedisServer, main_thread_cpu  # noqa: E402
 from kvbus.runtime.redis_view import cluster_client  # noqa: E402
 from kvbus.schemas.lookup import LAYOUT, lookup_args, parse_reply  # noqa: E402
+from kvbus.simulator.view_workload import FleetStore, fleet_workload  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from kvbus.sinks.refcounts import Weights  # noqa: E402
 from kvbus.sinks.sharded_store import ShardedRedisStore  # noqa: E402
-from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
-from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync  # noqa: E402
-from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402
 
 LLMD_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
 

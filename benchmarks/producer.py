@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from kvbus.children import free_port  # noqa: E402
 from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
-from tests.vllm_shapes import (  # noqa: E402
+from kvbus.simulator.vllm_shapes import (  # noqa: E402
     VllmBlockRemoved as BlockRemoved,
     VllmBlockStored as BlockStored,
     VllmKVEventBatch as KVEventBatch,

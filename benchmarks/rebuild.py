@@ -7,7 +7,7 @@ What it does, on the real Kafka and registry (``infra/stack up``; started if not
 throw-away ``redis-server`` (free port, no persistence):
 
 1. loads a fleet residency into the view through the sink's write path (``benchmarks/lookup.py``'s
-   ``load_kvbus``: ``tests.fleet_workload``, GPU and offloaded CPU tiers);
+   ``load_kvbus``: ``kvbus.simulator.view_workload``, GPU and offloaded CPU tiers);
 2. takes one snapshot (``kvbus.sinks.snapshot.SnapshotWriter``, what ``kvbus sink --snapshot-every`` runs)
    into a fresh snapshot topic;
 3. rebuilds the view under a second prefix of the same server with ``kvbus.sinks.rebuild.rebuild`` (what
@@ -34,13 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
+from kvbus.infra.scratch_redis import RedisServer  # noqa: E402
 from kvbus.runtime.settings import Settings  # noqa: E402
+from kvbus.simulator.view_workload import fleet_workload  # noqa: E402
 from kvbus.sinks.rebuild import rebuild  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from kvbus.sinks.snapshot import SnapshotReader, SnapshotWriter  # noqa: E402
 from lookup import load_kvbus, used_memory  # noqa: E402
-from tests.fleet_workload import fleet_workload  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 
 
 def ensure_stack() -> Settings:

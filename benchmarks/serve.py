@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/serve.py                     # 10 M entries, 256 replicas, 128-block chains
     .venv/bin/python benchmarks/serve.py --entries 1000000 --queries 500 --seconds 5
 
-What it does, in one run on one throw-away ``redis-server`` (``tests.redis_server``, ``--maxmemory 4gb``):
+What it does, in one run on one throw-away ``redis-server`` (``kvbus.infra.scratch_redis``, ``--maxmemory 4gb``):
 
 1. builds the view as benchmarks/lookup.py does (:mod:`benchmarks.fleet_view`: the fleet workload of
    ``--entries`` (replica, block, tier) entries loaded through ``RedisStore.apply``, the sink's write
@@ -47,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.fleet_view import load_kvbus, pct, queries, used_memory  # noqa: E402
 from kvbus.children import free_port  # noqa: E402
 from kvbus.client import BY_NAME, ViewClient  # noqa: E402
+from kvbus.infra.scratch_redis import RedisServer, main_thread_cpu  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.serve.query import Query, answer  # noqa: E402
+from kvbus.simulator.view_workload import FleetStore, fleet_workload  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
-from tests.fleet_workload import FleetStore, fleet_workload  # noqa: E402
-from tests.redis_server import RedisServer, main_thread_cpu  # noqa: E402
 
 PREFIX = "kvbus:"
 BLOCK = 16

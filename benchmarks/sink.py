@@ -42,12 +42,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kvbus.infra.scratch_redis import RedisServer, main_thread_cpu, wait_replica_synced  # noqa: E402
 from kvbus.schemas.codec import FastSerde  # noqa: E402
 from kvbus.schemas.events import BlockEvent, BlockEvents, BlockRemoved, BlockStored, PositionedEvent  # noqa: E402
 from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from lookup import pod_entry  # noqa: E402  (the llm-d layout lives in benchmarks/lookup.py)
-from tests.redis_server import RedisServer, main_thread_cpu, wait_replica_synced  # noqa: E402
 
 TOPIC = "kvbus.blocks"
 """The track the events are applied under (:meth:`kvbus.schemas.topics.Topics.track`), and the topic of
@@ -145,8 +145,8 @@ def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards:
     CPU over the single node's is the scale-out figure. Also measured, on one server without a
     replica: the same calls' CPU on a plain server, on a one-node cluster (cluster mode's own cost),
     and with the batches split into ``shards`` shards there (the sharding's cost)."""
+    from kvbus.infra.scratch_cluster import OneNodeCluster, RedisClusterServer
     from kvbus.sinks.sharded_store import ShardedRedisStore
-    from tests.redis_cluster import OneNodeCluster, RedisClusterServer
 
     cost: dict[str, float] = {}  # where the cluster's extra work comes from, on one server, no replica
     with RedisServer() as srv:

@@ -4,7 +4,7 @@
 
 Needs the stack (``infra/stack status``). For each tensor-parallel degree it
 
-1. writes a synthetic trace (tests/trace.py: every worker of a replica reports the same
+1. writes a synthetic trace (simulator/tp_trace.py: every worker of a replica reports the same
    ``--events`` events per engine step) to a fresh raw topic, before the worker starts;
 2. starts one ``python -m kvbus.streams worker`` subprocess and scrapes its Prometheus endpoint:
    the rate is reports applied / time from the first applied report until every consolidated
@@ -57,8 +57,8 @@ from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.schemas.events import BlockRemoved, BlockStored, holder_key  # noqa: E402
 from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
+from kvbus.simulator.tp_trace import TraceSpec, batches  # noqa: E402
 from kvbus.streams.aggregation import Aggregator  # noqa: E402
-from tests.trace import TraceSpec, batches  # noqa: E402
 
 TARGET = 100_000
 

@@ -19,6 +19,7 @@ import redis
 from confluent_kafka import Producer
 
 from kvbus.infra.dev_topics import ensure_topics
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.events import (
     BlockEvent,
     BlockRemoved,
@@ -35,7 +36,6 @@ from kvbus.streams.aggregation import Aggregator, Output
 from kvbus.streams.packing import Packer
 from tests.histories import random_streams
 from tests.pipeline import Pipeline, RawProducer, Waiting, eventually
-from tests.redis_server import RedisServer
 from tests.test_sink_consumer import produce, read_dead_letters
 from tests.test_view_recovery import catch_up, model_of, sink_for
 

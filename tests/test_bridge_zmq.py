@@ -25,9 +25,9 @@ from kvbus.schemas.events import (
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.simulator.engine_wire import project
 from kvbus.simulator.fleet import Fleet, FleetConfig, ScriptBatch
+from kvbus.simulator.vllm_shapes import VllmBlockStored
 from tests.callback_sink import CallbackSink
 from tests.recording_producer import RecordingProducer
-from tests.vllm_shapes import VllmBlockStored
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)

@@ -26,6 +26,8 @@ from kvbus.client import (
     lookup_cli as cli,
     rank,
 )
+from kvbus.infra.scratch_cluster import RedisClusterServer, wait_replicas_in_sync
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import canonical_hash
 from kvbus.schemas.lookup import tie_key
@@ -35,8 +37,6 @@ from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore
 from tests.histories import random_streams
 from tests.lookup_cli import lookup_args, lookup_json
-from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync
-from tests.redis_server import RedisServer
 from tests.test_lookup_protocol import CASES, CHAIN, EMPTY_CASES, TOKENS_B, _records, _spec_and_cands
 
 T = Topics(blocks="tb")

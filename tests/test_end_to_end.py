@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
+from kvbus.infra.scratch_redis import VALKEY, RedisServer
 from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvbus.schemas.hashing import block_hashes
 from kvbus.simulator.fleet import Fleet, FleetConfig, ScriptBatch
 from tests.pipeline import Pipeline, eventually
-from tests.redis_server import VALKEY, RedisServer
 
 pytestmark = pytest.mark.integration
 

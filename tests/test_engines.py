@@ -18,7 +18,7 @@ from kvbus.producers import decode, engines, wire_structs
 from kvbus.producers.engines import ADAPTERS, Adapter, detect_engine, new_adapter, release, resolve_format, row, vllm
 from kvbus.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, without_tokens
 from kvbus.simulator import engine_wire
-from tests.vllm_shapes import VllmBlockRemoved as _VllmRemoved, VllmBlockStored as _VllmStored
+from kvbus.simulator.vllm_shapes import VllmBlockRemoved as _VllmRemoved, VllmBlockStored as _VllmStored
 
 TOP = (0x8000_0000_0000_0001).to_bytes(8, "big")
 """A hash with the top bit set: negative where a release writes signed ints."""

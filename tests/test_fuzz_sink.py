@@ -25,6 +25,7 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.producers.recovery import partition_for
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import DLQ_PAYLOAD_BYTES, BlockEvent, BlockStored, DeadLetter, EventBatch, holder_key
@@ -35,7 +36,6 @@ from kvbus.sinks.consumer import SinkConsumer
 from kvbus.sinks.redis_store import RedisStore
 from tests.hostile import ACCEPT, GOOD, REJECT, TopicReader, good_stored, marker_hash, rss_mib
 from tests.memory_store import InMemoryStore
-from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.hashing import (
@@ -29,7 +30,6 @@ from kvbus.schemas.hashing import (
 )
 from kvbus.sinks.redis_store import RedisStore
 from tests.lookup_cli import run_lookup
-from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import ALL, NEWEST, PROMPTS, RELEASES, Vector
 
 COMPUTABLE = [v for v in ALL if not v.random_seed]

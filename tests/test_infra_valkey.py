@@ -9,7 +9,7 @@ import redis
 from kvbus.children import free_port
 from kvbus.infra import stack
 from kvbus.infra.procs import ServiceError, port_open
-from tests.redis_server import RedisServer
+from kvbus.infra.scratch_redis import RedisServer
 
 
 @pytest.fixture

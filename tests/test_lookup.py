@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvbus.client.lookup_cli import parse_hash, parse_hashes
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.hashing import block_hashes
 from kvbus.sinks.redis_store import RedisStore
 from tests.lookup_cli import run_lookup
-from tests.redis_server import RedisServer
 
 # protocol doc §11: tokens 1..32, block size 16, PYTHONHASHSEED unset
 SHA256_H0, SHA256_H1 = 1403909460543360175, 1643945449041937783

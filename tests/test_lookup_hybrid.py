@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbus.infra.scratch_redis import VALKEY, RedisServer
 from kvbus.schemas.events import (
     BlockEvent,
     BlockRemoved,
@@ -24,7 +25,6 @@ from kvbus.schemas.events import (
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.store import ResidencyStore
 from tests.memory_store import InMemoryStore
-from tests.redis_server import VALKEY, RedisServer
 
 DOC = json.loads((Path(__file__).resolve().parent / "vectors" / "vllm_hybrid_hits.json").read_text())
 VECTORS = DOC["vectors"]

@@ -22,13 +22,13 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.sinks import functions
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.sharded_store import ShardedRedisStore, shard_of
 from tests.lookup_cli import lookup_args, lookup_json
-from tests.redis_server import RedisServer
 from tests.vllm_hash_vectors import PROMPTS, VECTORS
 
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -462,7 +462,7 @@ def _model_view_records() -> list:
 def test_go_package_lookups_naming_a_model_on_redis_and_redis_cluster():
     """``go test`` of the Go package against a view the sink store wrote, on a Redis and a Redis Cluster."""
     _need_go()
-    from tests.redis_cluster import RedisClusterServer
+    from kvbus.infra.scratch_cluster import RedisClusterServer
 
     prefix = f"g{uuid.uuid4().hex[:8]}:"
     with RedisServer() as srv, RedisClusterServer(3) as cl:
@@ -524,7 +524,7 @@ def test_go_hashes_tokens_with_the_seed_from_the_environment_and_refuses_xxhash_
 @pytest.fixture(scope="module")
 def sharded_view():
     """The same records in the sharded view on a 3-master Redis Cluster and in a single-node view."""
-    from tests.redis_cluster import RedisClusterServer
+    from kvbus.infra.scratch_cluster import RedisClusterServer
 
     with RedisClusterServer(3) as cl, RedisServer() as srv:
         prefix = f"c{uuid.uuid4().hex[:8]}:"

@@ -36,13 +36,13 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 import kvbus
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.producers.sequencer import REASON_ENGINE_RESTART
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, canonical_hash
 from kvbus.schemas.hashing import block_hashes
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.sinks.redis_store import RedisStore
-from tests.redis_server import RedisServer
 from tests.venvs import BASE_PYTHON, ROOT, Venv, build_wheel, fresh_clone, lowest_versions
 
 pytestmark = [pytest.mark.packaging, pytest.mark.timeout(600)]

@@ -23,13 +23,13 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter
 
 from kvbus.children import Children, free_port
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.backoff import Backoff
 from kvbus.runtime.probes import Readiness, serve
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
-from tests.redis_server import RedisServer
 from tests.test_sink_consumer import produce
 from tests.waiting import eventually
 

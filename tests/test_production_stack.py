@@ -19,11 +19,11 @@ import pytest
 from kvbus.children import free_port
 from kvbus.client import UnmatchableSeed, ViewClient, production_stack as ps
 from kvbus.client.production_stack import KvbusRouter, endpoint_load, endpoint_replica, json_body, prompt_tokens
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.events import BlockEvent, BlockStored
 from kvbus.schemas.hashing import LoRA, block_hashes
 from kvbus.sinks.redis_store import RedisStore
 from tests.production_stack_stubs import EndpointInfo, EngineStats, ModelInfo, RequestStats, read_request
-from tests.redis_server import RedisServer
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SEED = "0"

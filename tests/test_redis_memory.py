@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from kvbus.children import Children, free_port
+from kvbus.infra.scratch_redis import REDIS, VALKEY, RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.consumer import FULL_LOG_EVERY
@@ -26,7 +27,6 @@ from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.view_protocol import chain_broken, with_extra
 from tests.histories import growing_streams, random_streams
 from tests.memory_store import InMemoryStore
-from tests.redis_server import REDIS, VALKEY, RedisServer
 from tests.test_probes import get, readyz, wait_until
 from tests.test_sink_consumer import produce
 
@@ -55,8 +55,8 @@ def full_view(request):
         with RedisServer(["--maxmemory-policy", "noeviction"], kind=kind) as srv:
             yield RedisStore(srv.client(), "kvbus:", max_events_per_call=8)
         return
+    from kvbus.infra.scratch_cluster import RedisClusterServer
     from kvbus.sinks.sharded_store import ShardedRedisStore
-    from tests.redis_cluster import RedisClusterServer
 
     with RedisClusterServer(3) as cluster:
         yield ShardedRedisStore(cluster.client(), "kvbus:", max_events_per_call=8)

@@ -10,11 +10,11 @@ import sys
 import pytest
 import redis
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.store_url import open_store
 from tests.histories import random_streams
-from tests.redis_server import RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import routing  # noqa: E402  (benchmarks/routing.py)
 from kvbus.client import ViewClient
+from kvbus.infra.scratch_redis import RedisServer  # noqa: E402
 from kvbus.schemas.events import BlockEvent  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.simulator.engine_wire import project  # noqa: E402
 from kvbus.simulator.fleet import Fleet  # noqa: E402
 from kvbus.sinks.redis_store import RedisStore  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,6 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvbus.children import free_port
 from kvbus.client import ViewClient
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.lookup import status_key
@@ -30,7 +31,6 @@ from kvbus.serve.query import Query, ask, medium
 from kvbus.serve.serve_config import ServeConfig
 from kvbus.sinks.redis_store import RedisStore
 from tests.lookup_cli import lookup_args, lookup_json
-from tests.redis_server import RedisServer
 from tests.test_hashing_extra_keys import HOLDERS, SQL_V1, SQL_V2, _vector
 from tests.test_lookup_protocol import CASES, CHAIN, EMPTY_CASES, UNKNOWN, _records
 from tests.vllm_hash_vectors import PROMPTS

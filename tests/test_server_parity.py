@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import redis
 
+from kvbus.infra.scratch_redis import VALKEY, RedisServer
 from kvbus.schemas.topics import Topics
 from kvbus.sinks import functions
 from kvbus.sinks.redis_store import RedisStore, ViewChanged
 from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.store import split_holder
 from tests.histories import random_streams, redeliver
-from tests.redis_server import VALKEY, RedisServer
 
 T = Topics(blocks="pb")
 SPEC = Weights.parse("GPU=1,CPU=0.8").spec()

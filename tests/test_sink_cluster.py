@@ -11,13 +11,13 @@ import uuid
 import pytest
 
 from kvbus.infra.procs import read_pid
+from kvbus.infra.scratch_cluster import RedisClusterServer
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
 from kvbus.sinks.sharded_store import ShardedRedisStore
 from kvbus.sinks.store import LostShards
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
-from tests.redis_cluster import RedisClusterServer
 from tests.test_sink_consumer import produce, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

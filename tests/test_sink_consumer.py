@@ -15,6 +15,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, DeadLetter, canonical_hash, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
@@ -24,7 +25,6 @@ from kvbus.sinks.consumer import SinkConsumer
 from kvbus.sinks.redis_store import RedisStore
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
-from tests.redis_server import RedisServer
 from tests.waiting import Waiting, eventually
 
 pytestmark = pytest.mark.integration

@@ -12,11 +12,11 @@ import uuid
 
 import pytest
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.redis_store import RedisStore
 from tests.histories import random_streams, redeliver
 from tests.memory_store import InMemoryStore
-from tests.redis_server import RedisServer
 
 T = Topics(blocks="mb")
 

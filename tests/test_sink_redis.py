@@ -9,10 +9,10 @@ import msgspec
 import pytest
 import redis
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
 from kvbus.sinks import functions
 from kvbus.sinks.redis_store import RedisStore
-from tests.redis_server import RedisServer
 
 TOPIC = "kvbus.blocks"
 H = [canonical_hash(0xABC000 + i * 104729) for i in range(3000)]

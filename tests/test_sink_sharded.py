@@ -14,6 +14,8 @@ import redis
 
 from kvbus.cli import build_parser
 from kvbus.client.lookup_cli import lookup_answer
+from kvbus.infra.scratch_cluster import RedisClusterServer, wait_replicas_in_sync
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.redis_view import parse_cluster_url
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.lookup import meta_key, shard_prefix
@@ -24,8 +26,6 @@ from kvbus.sinks.sharded_store import ShardedRedisStore
 from kvbus.sinks.store_url import open_store
 from tests.histories import random_streams, redeliver
 from tests.memory_store import InMemoryStore
-from tests.redis_cluster import RedisClusterServer, wait_replicas_in_sync
-from tests.redis_server import RedisServer
 
 T = Topics(blocks="tb")
 

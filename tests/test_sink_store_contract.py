@@ -13,6 +13,8 @@ import uuid
 
 import pytest
 
+from kvbus.infra.scratch_cluster import RedisClusterServer
+from kvbus.infra.scratch_redis import REDIS, VALKEY, RedisServer
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.rebuild import ensure_view, mark_ready_if_caught_up
@@ -21,8 +23,6 @@ from kvbus.sinks.refcounts import Weights
 from kvbus.sinks.sharded_store import ShardedRedisStore
 from kvbus.sinks.store import LostShards, ResidencyStore, ViewChanged, split_holder
 from tests.memory_store import InMemoryStore
-from tests.redis_cluster import RedisClusterServer
-from tests.redis_server import REDIS, VALKEY, RedisServer
 
 T = Topics(blocks="tb")
 MAIN = T.blocks

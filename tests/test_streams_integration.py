@@ -36,8 +36,8 @@ from kvbus.schemas.events import (
     holder_key,
 )
 from kvbus.schemas.serde import RecordSerde, registry_client
+from kvbus.simulator.tp_trace import TraceSpec, batches, expected
 from tests.pipeline import RawProducer
-from tests.trace import TraceSpec, batches, expected
 
 pytestmark = pytest.mark.integration
 

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent
 from kvbus.sinks.config import SinkConfig
@@ -26,7 +27,6 @@ from kvbus.sinks.retention import Retention, judge
 from kvbus.sinks.snapshot import SnapshotWriter
 from tests.histories import growing_streams
 from tests.memory_store import InMemoryStore
-from tests.redis_server import RedisServer
 from tests.test_probes import wait_until
 from tests.test_sink_consumer import produce
 

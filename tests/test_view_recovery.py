@@ -13,6 +13,7 @@ import pytest
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
@@ -20,7 +21,6 @@ from kvbus.sinks.redis_store import RedisStore, ViewChanged
 from kvbus.sinks.snapshot import SnapshotWriter
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
-from tests.redis_server import RedisServer
 from tests.test_sink_consumer import produce, wait_for
 
 TOPICS = Topics(blocks="rt.blocks")

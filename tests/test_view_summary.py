@@ -4,10 +4,10 @@ from __future__ import annotations
 import time
 import uuid
 
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
 from kvbus.sinks.demo_summary import summary
 from kvbus.sinks.redis_store import RedisStore
-from tests.redis_server import RedisServer
 
 H = [canonical_hash(i * 31337 + 5) for i in range(10)]
 

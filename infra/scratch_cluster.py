@@ -15,8 +15,8 @@ from redis.cluster import ClusterNode as PyClusterNode, RedisCluster
 
 from kvbus.infra import redis_cluster
 from kvbus.infra.redis_server import REDIS, ServerKind
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.infra.stack_env import Paths
-from tests.redis_server import RedisServer
 
 
 class RedisClusterServer:

@@ -1,4 +1,4 @@
-"""A throw-away Redis-protocol server for tests and benchmarks (a private Redis, or Valkey, they may kill
+"""A throw-away Redis-protocol server for the tests and the benchmarks (a private Redis, or Valkey, they may kill
 and restart), started with the stack's own command line (:func:`kvbus.infra.redis_server.server_argv`)."""
 from __future__ import annotations
 
