@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from kvbus.schemas import view_keys
 from kvbus.schemas.events import check_model
 from kvbus.schemas.tiers import label
 
@@ -57,23 +58,23 @@ class LayoutMismatch(RuntimeError):
 
 def meta_key(prefix: str) -> str:
     """``P meta``: the view's metadata (``layout``, ``vid``, and on shard 0 of a cluster ``shards``)."""
-    return prefix + "meta"
+    return view_keys.META(prefix)
 
 
 def guard_key(prefix: str) -> str:
     """``P guard``: a key never written, declared by every call on Redis Cluster so that Redis refuses
     the call (TRYAGAIN) while the shard's slot is being migrated."""
-    return prefix + "guard"
+    return view_keys.GUARD(prefix)
 
 
 def hname_key(prefix: str) -> str:
     """``P hname``: holder id (decimal) -> holder name ``"<replica>#<dp_rank>"`` (skip the field ``""``)."""
-    return prefix + "hname"
+    return view_keys.HNAME(prefix)
 
 
 def status_key(prefix: str) -> str:
     """``P status``: whether answers can be trusted (``state``, ``since``, ``phase``, ...)."""
-    return prefix + "status"
+    return view_keys.STATUS(prefix)
 
 
 def shard_prefix(prefix: str, i: int) -> str:

@@ -33,6 +33,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
+from kvbus.schemas import view_keys
 from kvbus.schemas.lookup import READY, REBUILDING  # noqa: F401  (the states routers read)
 from kvbus.sinks.store import ResidencyStore
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # the snapshot reader needs confluent-kafka: its type only, i
 
 log = logging.getLogger("kvbus.sinks")
 
-LOCK = "lock"
+LOCK = view_keys.LOCK.name
 """The rebuild lock's name (``P lock``)."""
 LOCK_TTL_MS = 600_000
 """How long the rebuild lock is held at most (a sink killed while rebuilding frees it then)."""

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import redis
 
 from kvbus.runtime.redis_view import RETRYABLE
+from kvbus.schemas import view_keys
 from kvbus.schemas.events import BlockEvent, holder_key
 from kvbus.schemas.lookup import (
     DEFAULT_PREFIX,
@@ -255,7 +256,8 @@ class RedisStore(ResidencyStore):
         self.r.eval("redis.call('DEL', KEYS[1]) return redis.call('HSET', KEYS[1], unpack(ARGV))", 1,
                     status_key(self.prefix), *(x for k, v in fields.items() for x in (k, str(v))))
 
-    def wipe(self, keep: Sequence[str] = ("status", "lock"), shards: Iterable[int] | None = None) -> int:
+    def wipe(self, keep: Sequence[str] = (view_keys.STATUS.name, view_keys.LOCK.name),
+             shards: Iterable[int] | None = None) -> int:
         """Delete every key of the view (SCAN + UNLINK) but ``P <keep>``; returns the keys deleted."""
         if not self._mine(shards):
             return 0

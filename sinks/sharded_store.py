@@ -44,6 +44,7 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 
 from kvbus.runtime.redis_view import DEFAULT_SHARDS, MIGRATION_CHECK, RETRY_FOR, ShardCalls, cluster_client
+from kvbus.schemas import view_keys
 from kvbus.schemas.events import BlockEvent, holder_key
 from kvbus.schemas.lookup import (
     DEFAULT_PREFIX,
@@ -339,7 +340,8 @@ class ShardedRedisStore(ResidencyStore):
         for st in self.shards:
             st.set_status(**fields)
 
-    def wipe(self, keep: Sequence[str] = ("status", "lock"), shards: Iterable[int] | None = None) -> int:
+    def wipe(self, keep: Sequence[str] = (view_keys.STATUS.name, view_keys.LOCK.name),
+             shards: Iterable[int] | None = None) -> int:
         """Every shard's (or ``shards``') keys but ``<shard prefix><keep>``; the shard count is written
         again (it belongs to the view, not to its contents)."""
         n = sum(self.shards[s].wipe(keep) for s in self._targets(shards))

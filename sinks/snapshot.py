@@ -35,6 +35,7 @@ from confluent_kafka.admin import AdminClient
 
 from kvbus.runtime.kafka_clients import DeliveryErrors, client_conf, ensure_topics, producer_conf, reader_conf
 from kvbus.runtime.settings import Settings
+from kvbus.schemas import view_keys
 from kvbus.schemas.events import ViewGroup, ViewOffset, ViewPosition, ViewSnapshot, ViewTier
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.topics import (
@@ -52,7 +53,7 @@ def record_key(prefix: str, blocks: str, holder: str | None) -> bytes:
     topic, NUL, then the holder name (``<replica>#<dp_rank>``), or nothing for the manifest. Several
     views (prefixes, deployments with other topic names) can share the topic."""
     return f"{prefix}\0{blocks}\0{holder or ''}".encode()
-LOCK = "snaplock"
+LOCK = view_keys.SNAPSHOT_LOCK.name
 """The snapshot lock's name (``P snaplock``)."""
 LOCK_MS = 3_600_000
 """How long the snapshot lock is held at most while a snapshot is written (a sink killed while

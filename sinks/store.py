@@ -39,6 +39,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from kvbus.schemas import view_keys
 from kvbus.schemas.events import BlockEvent
 from kvbus.schemas.lookup import HolderMatch, display_names, split_holder  # noqa: F401  (the lookup protocol's)
 from kvbus.schemas.tiers import Weights
@@ -255,7 +256,8 @@ class ResidencyStore(abc.ABC):
         """Replace the view's recorded status with ``fields`` (values as strings), in every shard."""
 
     @abc.abstractmethod
-    def wipe(self, keep: Sequence[str] = ("status", "lock"), shards: Iterable[int] | None = None) -> int:
+    def wipe(self, keep: Sequence[str] = (view_keys.STATUS.name, view_keys.LOCK.name),
+             shards: Iterable[int] | None = None) -> int:
         """Delete the view's contents (every shard, or ``shards``) but the keys named ``keep``; returns
         the keys (entries) deleted."""
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import redis
 
+from kvbus.schemas import view_keys as vk
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset
 from kvbus.schemas.lookup import LAYOUT, meta_key, status_key
 from kvbus.sinks.redis_memory import RedisFull, describe_full, is_oom
@@ -43,58 +44,60 @@ def text(v: Any) -> str:
 def off_key(prefix: str) -> str:
     """``P off``: (``<topic>:<partition>``) -> next Kafka offset, written with the applies (and a
     batch's chain fields, :data:`CHAIN`)."""
-    return prefix + "off"
+    return vk.OFFSETS(prefix)
 
 
 def seen_key(prefix: str) -> str:
     """``P seen``: zset of live holder names by when last heard from."""
-    return prefix + "seen"
+    return vk.SEEN(prefix)
 
 
 def stale_key(prefix: str) -> str:
     """``P stale``: zset of expired holder names by when they expired."""
-    return prefix + "stale"
+    return vk.STALE(prefix)
 
 
 def tname_key(prefix: str) -> str:
     """``P tname``: tier code -> tier descriptor."""
-    return prefix + "tname"
+    return vk.TIER_NAME(prefix)
 
 
 def models_key(prefix: str) -> str:
     """``P mh``: model -> the space-separated hids of its live holders."""
-    return prefix + "mh"
+    return vk.MODEL_HIDS(prefix)
 
 
 def holder_state_key(prefix: str, hid: int) -> str:
     """``P H:<hid>``: one holder's state (``p:<topic>`` :data:`STATE_POS`, ``t:<code>`` :data:`STATE_TIER`,
     ``f`` floor, ``m`` model, ``g:<group>`` spec)."""
-    return f"{prefix}H:{hid}"
+    return vk.HOLDER(prefix, hid)
 
 
 def index_key(prefix: str, hid: int, code: int, bucket: int) -> str:
     """``P I:<hid>:<code>:<bucket>``: one bucket of a (holder, tier) index: a toggle log (:func:`index_live`)."""
-    return f"{prefix}I:{hid}:{code}:{bucket}"
+    return vk.INDEX(prefix, hid, code, bucket)
 
 
 def refcount_key(prefix: str, hid: int, code: int) -> str:
     """``P R:<hid>:<code>``: raw -> counts above one on a ref-counted tier."""
-    return f"{prefix}R:{hid}:{code}"
+    return vk.REFCOUNTS(prefix, hid, code)
 
 
 def block_key(prefix: str, bucket: int) -> str:
     """``P B:<bucket>``: one bucket of the block table: raw -> member string (3 bytes per member
     ``hid * 64 + code``, sorted; "" when it lives in ``P W:<raw>``)."""
-    return f"{prefix}B:{bucket}"
+    return vk.BLOCKS(prefix, bucket)
 
 
 def wide_key(prefix: str, raw: bytes) -> bytes:
     """``P W:<raw>``: the member string of a block held by many holders."""
-    return f"{prefix}W:".encode() + raw
+    return (prefix + vk.WIDE.name).encode() + raw
 
 
 def lock_key(prefix: str, name: str) -> str:
     """``P <name>``: a lock of the sinks (``lock``: rebuild, ``snaplock``: snapshot)."""
+    if name not in (vk.LOCK.name, vk.SNAPSHOT_LOCK.name):
+        raise ValueError(f"no lock {name!r} in the view's keys")
     return prefix + name
 
 
