@@ -212,7 +212,6 @@ class KvbusRouter(_RoutingBase):
                                tie_seed=tie_seed, logger=log)
         """The longest-prefix rule (:class:`~kvbus.client.routing.PrefixRule`): hashing, lookup, readiness."""
         self.view = self.rule.view
-        self.block_size, self.algo = block_size, algo
         self.tokenizer = tokenizer
         self._names = {url.rstrip("/"): name for name, url in (replica_urls or {}).items()}
         self.lora_paths = dict(lora_paths or {})
@@ -293,4 +292,4 @@ class KvbusRouter(_RoutingBase):
         return Decision(urls[name], verdict.reason, name)
 
     def __repr__(self) -> str:
-        return f"KvbusRouter({self.view!r}, block_size={self.block_size}, algo={self.algo!r})"
+        return f"KvbusRouter({self.view!r}, block_size={self.rule.block_size}, algo={self.rule.algo!r})"
