@@ -25,7 +25,7 @@ from kvbus.schemas.events import (
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.simulator.engine_wire import project
 from kvbus.simulator.fleet import Fleet, FleetConfig, ScriptBatch
-from kvbus.simulator.vllm_shapes import VllmBlockStored
+from kvbus.simulator.vllm_shapes import VllmBlockRemoved, VllmBlockStored
 from tests.callback_sink import CallbackSink
 from tests.recording_producer import RecordingProducer
 from tests.waiting import eventually
@@ -386,17 +386,6 @@ def test_script_mode_ground_truth(harness_factory):
 
 # -- the in-process publisher (no Kafka: its producer is replaced by a recording double) -------
 
-
-
-class VllmBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list
-    medium: object
-    group_idx: object = None
-    locality: object = None
-    ownership: object = None
-
-
-VllmBlockRemoved.__name__ = "BlockRemoved"
 
 
 class PlainCleared:
