@@ -166,23 +166,32 @@ def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator["SecureLa
         yield layout
 
 
-@pytest.fixture
-def unique_topics(stack: Settings) -> Iterator[Topics]:
-    """Fresh topic names for one test, created with the stack's partition count, deleted
-    afterwards (with any tier topic the test made) so a developer's stack does not grow."""
+@contextmanager
+def fresh_topics(stack: Settings, mark: str = "t") -> Iterator[Topics]:
+    """Fresh topic names ``<mark><8 hex>.raw`` ..., created with the stack's partition count, deleted
+    afterwards (with any tier topic made under them) so a developer's stack does not grow."""
     from kvbus.infra.dev_topics import ensure_topics
 
     suffix = uuid.uuid4().hex[:8]
     t = Topics(
-        raw=f"t{suffix}.raw",
-        blocks=f"t{suffix}.blocks",
-        incomplete=f"t{suffix}.incomplete",
-        dlq=f"t{suffix}.dlq",
-        snapshots=f"t{suffix}.snapshots",
+        raw=f"{mark}{suffix}.raw",
+        blocks=f"{mark}{suffix}.blocks",
+        incomplete=f"{mark}{suffix}.incomplete",
+        dlq=f"{mark}{suffix}.dlq",
+        snapshots=f"{mark}{suffix}.snapshots",
     )
     ensure_topics(stack.bootstrap, [t.raw, t.blocks, t.packed, t.incomplete, t.dlq], stack.partitions, 1)
-    yield t
-    _delete_topics(stack, f"t{suffix}.")
+    try:
+        yield t
+    finally:
+        _delete_topics(stack, f"{mark}{suffix}.")
+
+
+@pytest.fixture
+def unique_topics(stack: Settings) -> Iterator[Topics]:
+    """Fresh topics for one test (:func:`fresh_topics`)."""
+    with fresh_topics(stack) as t:
+        yield t
 
 
 @pytest.fixture

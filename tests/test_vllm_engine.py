@@ -26,7 +26,9 @@ import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -34,7 +36,9 @@ from kvbus.children import free_port, free_port_block
 from kvbus.client import ViewClient
 from kvbus.infra import vllm_engine
 from kvbus.infra.vllm_engine import EngineSpec
+from kvbus.runtime.settings import Settings
 from kvbus.sinks.demo_summary import summary
+from tests.conftest import fresh_topics
 from tests.engine_truth import EngineTruth
 from tests.pipeline import Pipeline, eventually
 from tests.vllm_server import MODEL_DIR, VllmServer
@@ -63,9 +67,11 @@ class Run:
     pipeline: Pipeline
     view: ViewClient
     prefix: str
-    python: object
+    python: Path
+    """The engine venv's Python."""
     spec: EngineSpec
-    logs: object
+    logs: Path
+    """Where the engines' and the pipeline's logs go."""
     engine: VllmServer | None = None
     truth: EngineTruth | None = None
     starts: list[float] = field(default_factory=list)
@@ -100,20 +106,14 @@ class Run:
 
 @pytest.fixture(scope="module")
 def run(stack, tmp_path_factory):
-    from dataclasses import replace
-
-    from kvbus.runtime.settings import Topics
-    from tests.conftest import _delete_topics
-
     python = vllm_engine.ensure()  # the first time: installs vLLM for CPUs (minutes)
-    suffix = uuid.uuid4().hex[:8]
-    topics = Topics(raw=f"v{suffix}.raw", blocks=f"v{suffix}.blocks", incomplete=f"v{suffix}.incomplete",
-                    dlq=f"v{suffix}.dlq", snapshots=f"v{suffix}.snapshots")
-    from kvbus.infra.dev_topics import ensure_topics
+    with fresh_topics(stack, "v") as topics:
+        yield from _run(replace(stack, topics=topics), python, tmp_path_factory)
 
-    ensure_topics(stack.bootstrap, [topics.raw, topics.blocks, topics.packed, topics.incomplete, topics.dlq],
-                  stack.partitions, 1)
-    settings = replace(stack, topics=topics)
+
+def _run(settings: Settings, python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """The module's pipeline and engine on ``settings``' topics, stopped at the end."""
+    suffix = uuid.uuid4().hex[:8]
     logs = tmp_path_factory.mktemp("vllm")
     prefix = f"vllm{suffix}:"
     pipeline = Pipeline(settings, logs)
@@ -133,7 +133,6 @@ def run(stack, tmp_path_factory):
             r.truth.close()
         pipeline.stop()
         r.view.close()
-        _delete_topics(stack, f"v{suffix}.")
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
