@@ -37,6 +37,7 @@ from kvbus.client import ViewClient
 from kvbus.infra import vllm_engine
 from kvbus.infra.vllm_engine import EngineSpec
 from kvbus.runtime.settings import Settings
+from kvbus.schemas.hashing import block_hashes
 from kvbus.sinks.demo_summary import summary
 from tests.conftest import fresh_topics
 from tests.engine_truth import EngineTruth
@@ -103,6 +104,20 @@ class Run:
     def wait_fresh(self) -> None:
         eventually(self.fresh, FRESH_TIMEOUT, self.pipeline)
 
+    def wait_published(self, prompt: list[int], salt: str | None) -> None:
+        """Wait until the engine's socket has said it holds every full block of ``prompt``, which it does
+        once the request is answered: its publisher sends from a thread of its own, so without this wait
+        a freshness check may compare the view with events not yet sent (both lacking them)."""
+        chain = {int.from_bytes(h, "big") for h in block_hashes(prompt, BS, self.spec.algo, seed=SEED,
+                                                                 cache_salt=salt)}
+
+        def published():
+            """the engine's socket lists the prompt's blocks as held"""
+            missing = chain - self.truth.held()
+            return not missing or Waiting(missing=len(missing), of=len(chain))
+
+        eventually(published, FRESH_TIMEOUT, self.pipeline)
+
 
 @pytest.fixture(scope="module")
 def run(stack, tmp_path_factory):
@@ -149,6 +164,7 @@ def predict_and_check(r: Run, prompts: list[Prompt]) -> dict[str, int]:
         matched = next((m.matched for m in found if m.replica == REPLICA), 0)
         predicted = min(matched, (len(prompt) - 1) // BS) * BS
         cached = r.engine.complete(prompt, cache_salt=salt)
+        r.wait_published(prompt, salt)
         assert cached == predicted, (f"request {i} ({len(prompt)} tokens, salt {salt!r}, {r.spec.algo}): the view "
                                      f"predicted {predicted} cached tokens ({matched} blocks held), the engine "
                                      f"took {cached}; engine events so far {r.truth.stats()}")
