@@ -267,11 +267,11 @@ print("evicted_by arrived")
 
 def product_copy_with_new_removed_field(source: Path, dest: Path) -> Path:
     """The package of checkout ``source`` laid out under ``dest`` as installed (``kvbus``, ``kvbus.producers``,
-    ``kvbus.schemas``), with what a developer writes for a vLLM release that adds an optional
+    ``kvbus.schemas``, ``kvbus.runtime``), with what a developer writes for a vLLM release that adds an optional
     BlockRemoved field ``evicted_by``: the field in the ``.avsc`` and in the struct, and a release-table row."""
     skip = shutil.ignore_patterns("__pycache__")
-    shutil.copytree(source / "kvbus", dest / "kvbus", ignore=skip)
-    for pkg in ("producers", "schemas"):
+    shutil.copytree(source / "commands", dest / "kvbus", ignore=skip)
+    for pkg in ("producers", "schemas", "runtime"):
         shutil.copytree(source / pkg, dest / "kvbus" / pkg, ignore=skip)
     avsc = dest / "kvbus/schemas/avro/kvbus.BlockRemoved.avsc"
     schema = json.loads(avsc.read_text())

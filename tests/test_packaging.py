@@ -161,6 +161,24 @@ def test_client_install_looks_up_the_view_without_kafka_or_faust(wheel: Path, vi
         assert answer == json.loads(DEV.check(argv, env))
 
 
+def test_client_install_imports_from_the_checkouts_root(wheel: Path, source: Path, view, tmp_path: Path):
+    """Run from a checkout's root (where ``python -m`` and ``python -c`` put the current directory first on
+    the path), the installed wheel is what ``import kvbus`` finds: no folder there shadows it."""
+    srv, prefix, _chain = view
+    venv = role_venv(wheel, "client", tmp_path / "client")
+    code = ("import json, kvbus, kvbus.client\n"
+            "print(json.dumps([kvbus.__file__, kvbus.client.__file__]))")
+    done = venv.run(["python", "-c", code], cwd=source)
+    assert done.returncode == 0, f"import kvbus.client from {source}: exit {done.returncode}\n{done.stderr}"
+    files = json.loads(done.stdout)
+    assert all(Path(f).is_relative_to(venv.path) for f in files), f"imported from outside the venv: {files}"
+    query, matched = LOOKUPS[0]
+    done = venv.run(["python", "-m", "kvbus", "lookup", *query, "--prefix", prefix, "--json"],
+                    {"KVBUS_REDIS_URL": srv.url}, cwd=source)
+    assert done.returncode == 0 and done.stderr == "", f"python -m kvbus lookup from {source}:\n{done.stderr}"
+    assert {name: m["matched"] for name, m in json.loads(done.stdout).items()} == matched
+
+
 # ------------------------------------------------------------------------------------------ [publisher]
 
 PUBLISH = """

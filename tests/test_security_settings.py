@@ -1,4 +1,4 @@
-"""The security settings every process reads (kvbus/runtime/security.py): each client library's
+"""The security settings every process reads (runtime/security.py): each client library's
 configuration from ``KVBUS_*`` variables, secrets from files and never in a repr or a child's
 environment when they came from a file, and clear errors naming the variable to fix."""
 from __future__ import annotations

@@ -110,11 +110,11 @@ class Venv:
         assert run.returncode == 0, f"pip install {' '.join(requirements)} failed:\n{run.stdout}\n{run.stderr}"
 
     def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess:
-        """Run ``argv`` (a program of the venv's bin/ by name, or a path) from the venv's directory with
-        :func:`clean_env`; output captured as text."""
+            timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        """Run ``argv`` (a program of the venv's bin/ by name, or a path) from ``cwd`` (default: the venv's
+        directory) with :func:`clean_env`; output captured as text."""
         exe = argv[0] if "/" in argv[0] else str(self.bin / argv[0])
-        return subprocess.run([exe, *argv[1:]], cwd=self.path, env=clean_env(self.bin, env), capture_output=True,
+        return subprocess.run([exe, *argv[1:]], cwd=cwd or self.path, env=clean_env(self.bin, env), capture_output=True,
                               text=True, timeout=timeout)
 
     def check(self, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 120) -> str:

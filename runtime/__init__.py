@@ -6,3 +6,7 @@ and its memory (``allocator``: malloc trimming; ``collector``: Python's garbage 
 
 The stages share this plumbing and the contract (:mod:`kvbus.schemas`), nothing else.
 """
+
+if __name__ != "kvbus.runtime":  # runtime/ is installed as kvbus.runtime (pyproject.toml, package-dir)
+    raise ImportError(f"import kvbus.runtime, not {__name__}")
+

@@ -6,4 +6,7 @@ The installed package's only top-level name. Its stages are subpackages: ``kvbus
 ``kvbus.infra`` (the local development stack).
 """
 
+if __name__ != "kvbus":  # commands/ is installed as kvbus (pyproject.toml, package-dir)
+    raise ImportError(f"import kvbus, not {__name__}")
+
 __version__ = "0.2.0"

@@ -14,6 +14,10 @@ Install it alone with ``pip install 'kvbus[client]'`` (redis, hiredis, xxhash, c
 :class:`HolderMatch` values, best first; tied holders are ordered by a tie-break
 (:mod:`kvbus.client.ties`). The protocol underneath is :mod:`kvbus.schemas.lookup`.
 """
+
+if __name__ != "kvbus.client":  # clients/python/ is installed as kvbus.client (pyproject.toml, package-dir)
+    raise ImportError(f"import kvbus.client, not {__name__}")
+
 from kvbus.client.ties import BY_NAME, ByLoad, ByName, Shuffle, TieBreak, rank
 from kvbus.client.view import FunctionsMissing, ViewClient
 from kvbus.schemas.hashing import HASH_ALGOS, UnmatchableSeed

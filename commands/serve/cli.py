@@ -3,7 +3,7 @@
     kvbus serve [--host 0.0.0.0] [--port 8090] [--prefix kvbus:]
                 [--algo sha256|sha256_cbor|xxhash|xxhash_cbor] [--hash-seed S] [--engine-version V]
                 [--lora-module NAME=PATH ...] [--threads 8] [--tie-break shuffle|name] [--max-body BYTES]
-                                                        (defaults: KVBUS_SERVE_*, kvbus/serve/serve_config.py)
+                                                        (defaults: KVBUS_SERVE_*, commands/serve/serve_config.py)
 """
 from __future__ import annotations
 
