@@ -1,7 +1,7 @@
 """Each block's lives on each holder's tier: from the store that made it resident to the remove,
 ``AllBlocksCleared`` or ``Reset`` that ended it (or the end of the range).
 
-The rules are the residency view's (sinks/store.py, docs/sinks-layout.md), on set semantics:
+The rules are the residency view's (sinks/view/store.py, docs/sinks-layout.md), on set semantics:
 
 * a holder's events are ordered by position ``(epoch, seq, index)`` and, within an event, by block;
 * a store of a block the tier does not hold opens a life; a store of a block it holds already is a

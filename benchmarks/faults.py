@@ -136,8 +136,8 @@ import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, pro
 from kvbus.children import Child, free_port, free_port_block  # noqa: E402
 from kvbus.demo_progress import scrape  # noqa: E402
 from kvbus.runtime.settings import Settings  # noqa: E402
-from kvbus.sinks.store import ResidencyStore  # noqa: E402
-from kvbus.sinks.store_url import open_store  # noqa: E402
+from kvbus.sinks.view.store import ResidencyStore  # noqa: E402
+from kvbus.sinks.view.store_url import open_store  # noqa: E402
 
 log = logging.getLogger("kvbus.faults")
 
@@ -543,7 +543,7 @@ class OwnRedisCluster:
 
     def kill(self, prefix: str) -> None:
         from kvbus.infra.procs import read_pid
-        from kvbus.sinks.sharded_store import ShardedRedisStore
+        from kvbus.sinks.view.sharded_store import ShardedRedisStore
 
         def in_sync() -> bool:
             return all(redis.Redis(host=n.host, port=n.port).info("replication").get("master_link_status") == "up"

@@ -16,7 +16,7 @@ import redis
 
 from kvbus.schemas.events import BlockEvent, BlockStored
 from kvbus.simulator.view_workload import FleetStore
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 
 TOPIC = "kvbus.blocks"
 

@@ -25,7 +25,7 @@ What it does, in one run on one throw-away ``redis-server`` (free port, ``--save
    time (kvbus: the FCALL_RO; llm-d: the sum of its HKEYS, without their per-command dispatch).
 
 ``--cluster``: the same data in the single Redis and in the sharded view on a private 3-master
-Redis Cluster (``kvbus.sinks.sharded_store``, started by ``infra/redis_cluster.py``; ``--shards`` virtual
+Redis Cluster (``kvbus.sinks.view.sharded_store``, started by ``infra/redis_cluster.py``; ``--shards`` virtual
 shards, a comma list measures several), no llm-d; default 1 M entries instead of 10 M (six more
 servers on this box). Reports lookup p50/p99 client-side for both (answers compared: they must be
 identical) and the apply work per master: FCALL calls and Redis-side us from ``INFO commandstats``
@@ -37,7 +37,7 @@ lookups of the largest shard count once more from the replicas (``?read_from=rep
     .venv/bin/python benchmarks/lookup.py --cluster --shards 3,16 --entries 2000000
 
 ``--baseline REV``: the lookups of this tree's ``kvbus_lookup`` next to those of git revision ``REV``'s
-(its ``sinks/lua/kvbus.lua`` loaded into the same server as library ``kvbusbase``), alternating, on the
+(its ``sinks/view/lua/kvbus.lua`` loaded into the same server as library ``kvbusbase``), alternating, on the
 same view and queries: client-side and Redis-side p50/p99 of each raw ``FCALL_RO`` and their ratios
 (this tree over ``REV``), answers compared. Only for revisions of the same key layout.
 
@@ -65,12 +65,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.fleet_view import load_kvbus, pct, queries as query_set, used_memory  # noqa: E402
 from kvbus.infra.scratch_cluster import RedisClusterServer, wait_replicas_in_sync  # noqa: E402
 from kvbus.infra.scratch_redis import RedisServer, main_thread_cpu  # noqa: E402
-from kvbus.runtime.redis_view import cluster_client  # noqa: E402
 from kvbus.schemas.lookup import LAYOUT, lookup_args, parse_reply  # noqa: E402
 from kvbus.simulator.view_workload import FleetStore, fleet_workload  # noqa: E402
-from kvbus.sinks.redis_store import RedisStore  # noqa: E402
-from kvbus.sinks.refcounts import Weights  # noqa: E402
-from kvbus.sinks.sharded_store import ShardedRedisStore  # noqa: E402
+from kvbus.sinks.view.cluster import cluster_client  # noqa: E402
+from kvbus.sinks.view.redis_store import RedisStore  # noqa: E402
+from kvbus.sinks.view.refcounts import Weights  # noqa: E402
+from kvbus.sinks.view.sharded_store import ShardedRedisStore  # noqa: E402
 
 LLMD_WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
 
@@ -158,7 +158,7 @@ def load_baseline(r: redis.Redis, rev: str) -> None:
     """Load git revision ``rev``'s function library into ``r`` as library :data:`BASELINE_LIBRARY` (its
     functions ``kvbusbase_*``), with this tree's key layout version."""
     root = Path(__file__).resolve().parent.parent
-    code = subprocess.run(["git", "show", f"{rev}:sinks/lua/kvbus.lua"], cwd=root, capture_output=True, text=True,
+    code = subprocess.run(["git", "show", f"{rev}:sinks/view/lua/kvbus.lua"], cwd=root, capture_output=True, text=True,
                           check=True).stdout
     renamed = (code.replace("#!lua name=kvbus", f"#!lua name={BASELINE_LIBRARY}", 1)
                .replace("register_function('kvbus_", f"register_function('{BASELINE_LIBRARY}_")

@@ -81,8 +81,8 @@ from kvbus.children import Children, cpu_seconds, free_port, free_port_block, wa
 from kvbus.demo_progress import GroupLag, scrape_all  # noqa: E402
 from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.schemas.topics import Topics  # noqa: E402
-from kvbus.sinks.redis_store import RedisStore  # noqa: E402
-from kvbus.sinks.store_url import open_store  # noqa: E402
+from kvbus.sinks.view.redis_store import RedisStore  # noqa: E402
+from kvbus.sinks.view.store_url import open_store  # noqa: E402
 
 log = logging.getLogger("kvbus.bench")
 
@@ -278,7 +278,7 @@ def service_pids(redis_url: str) -> dict[str, list[int]]:
         elif pf.name.startswith("registry"):
             pids["registry"].append(rec.pid)
     if "+cluster://" in redis_url:  # a Redis Cluster: every node's server
-        from kvbus.runtime.redis_view import cluster_client
+        from kvbus.sinks.view.cluster import cluster_client
 
         pids["redis"] = sorted(int(info["process_id"]) for info in
                                cluster_client(redis_url).info("server", target_nodes="all").values())
@@ -315,7 +315,7 @@ benchmarks/faults.py, must not stall the sampler)."""
 def redis_clients(redis_url: str) -> list[redis.Redis]:
     """A client of every Redis server of the view: the one server, or every node of a Redis Cluster."""
     if "+cluster://" in redis_url:
-        from kvbus.runtime.redis_view import cluster_client
+        from kvbus.sinks.view.cluster import cluster_client
 
         cluster = cluster_client(redis_url)
         return [redis.Redis(host=node.host, port=node.port, socket_timeout=SCRAPE_TIMEOUT,
@@ -346,7 +346,7 @@ def cleanup(run: Run) -> None:
         except Exception:  # noqa: BLE001 - a leftover topic is harmless
             pass
     if "+cluster://" in run.settings.redis_url:  # the sharded view: every shard's keys
-        from kvbus.sinks.sharded_store import ShardedRedisStore
+        from kvbus.sinks.view.sharded_store import ShardedRedisStore
 
         for shard in ShardedRedisStore(run.settings.redis_url, run.prefix, load=False).shards:
             shard.wipe(keep=())

@@ -38,8 +38,8 @@ from kvbus.infra.scratch_redis import RedisServer  # noqa: E402
 from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.simulator.view_workload import fleet_workload  # noqa: E402
 from kvbus.sinks.rebuild import rebuild  # noqa: E402
-from kvbus.sinks.redis_store import RedisStore  # noqa: E402
 from kvbus.sinks.snapshot import SnapshotReader, SnapshotWriter  # noqa: E402
+from kvbus.sinks.view.redis_store import RedisStore  # noqa: E402
 from lookup import load_kvbus, used_memory  # noqa: E402
 
 

@@ -71,8 +71,8 @@ from kvbus.client import ViewClient  # noqa: E402
 from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.simulator.fleet import CacheModel, Fleet, FleetConfig, ModelConfig, message, system_prompts  # noqa: E402
-from kvbus.sinks.store import ResidencyStore  # noqa: E402
-from kvbus.sinks.store_url import open_store  # noqa: E402
+from kvbus.sinks.view.store import ResidencyStore  # noqa: E402
+from kvbus.sinks.view.store_url import open_store  # noqa: E402
 
 ROUTERS = ("kvbus", "oracle", "round_robin")
 PROGRESS_EVERY = 5.0

@@ -51,7 +51,7 @@ from kvbus.infra.scratch_redis import RedisServer, main_thread_cpu  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.serve.query import Query, answer  # noqa: E402
 from kvbus.simulator.view_workload import FleetStore, fleet_workload  # noqa: E402
-from kvbus.sinks.redis_store import RedisStore  # noqa: E402
+from kvbus.sinks.view.redis_store import RedisStore  # noqa: E402
 
 PREFIX = "kvbus:"
 BLOCK = 16

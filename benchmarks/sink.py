@@ -46,7 +46,7 @@ from kvbus.infra.scratch_redis import RedisServer, main_thread_cpu, wait_replica
 from kvbus.schemas.codec import FastSerde  # noqa: E402
 from kvbus.schemas.events import BlockEvent, BlockEvents, BlockRemoved, BlockStored, PositionedEvent  # noqa: E402
 from kvbus.schemas.serde import RecordSerde, registry_client  # noqa: E402
-from kvbus.sinks.redis_store import RedisStore  # noqa: E402
+from kvbus.sinks.view.redis_store import RedisStore  # noqa: E402
 from lookup import pod_entry  # noqa: E402  (the llm-d layout lives in benchmarks/lookup.py)
 
 TOPIC = "kvbus.blocks"
@@ -146,7 +146,7 @@ def apply_cluster(batches: list, events: int, hashes: int, masters: int, shards:
     replica: the same calls' CPU on a plain server, on a one-node cluster (cluster mode's own cost),
     and with the batches split into ``shards`` shards there (the sharding's cost)."""
     from kvbus.infra.scratch_cluster import OneNodeCluster, RedisClusterServer
-    from kvbus.sinks.sharded_store import ShardedRedisStore
+    from kvbus.sinks.view.sharded_store import ShardedRedisStore
 
     cost: dict[str, float] = {}  # where the cluster's extra work comes from, on one server, no replica
     with RedisServer() as srv:

@@ -58,7 +58,7 @@ import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the processes, pro
 from kvbus.infra.procs import proc_rss_kib, read_pid  # noqa: E402
 from kvbus.infra.stack_env import Paths  # noqa: E402
 from kvbus.runtime.settings import Settings  # noqa: E402
-from kvbus.sinks.store_url import open_store  # noqa: E402
+from kvbus.sinks.view.store_url import open_store  # noqa: E402
 
 log = logging.getLogger("kvbus.soak")
 

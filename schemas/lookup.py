@@ -3,7 +3,7 @@
 One place for what the view's writer (the sinks' stores) and its readers (:mod:`kvbus.client`,
 ``kvbus lookup``) must agree on; the specification for other languages is
 docs/lookup-protocol.md. Pure Python: no Redis client here (the Redis side is
-:mod:`kvbus.runtime.redis_view`).
+:mod:`kvbus.sinks.view.cluster`).
 
 * the key layout version (:data:`LAYOUT`; the function library is loaded with it filled in);
 * key names: ``P meta``, ``P hname``, ``P status``, the guard key, shard prefixes ``P{s<i>}:``;
@@ -231,7 +231,7 @@ class HolderMatch:
 def rank_key(m: HolderMatch) -> tuple:
     """The order of answers, best first: score descending, then matched descending, then display name
     ascending (what ``kvbus lookup --json`` prints). Holders equal on (score, matched) are tied: the
-    name only makes the order reproducible (:mod:`kvbus.client.ties` for routers)."""
+    name only makes the order reproducible (:mod:`kvbus.sinks.view.ties` for routers)."""
     return -m.score, -m.matched, m.name
 
 

@@ -1,5 +1,5 @@
 """The residency view's keys in Redis: every key of layout :data:`kvbus.schemas.lookup.LAYOUT`, declared
-once. The writer (``sinks/lua/kvbus.lua`` and :mod:`kvbus.sinks.view_protocol`), the readers
+once. The writer (``sinks/view/lua/kvbus.lua`` and :mod:`kvbus.sinks.view.protocol`), the readers
 (:mod:`kvbus.schemas.lookup`, the Go package ``clients/go/kvbuslookup``) and docs/sinks-layout.md's key
 tables name the same keys: ``tests/test_view_keys.py`` holds each of them to this list.
 

@@ -55,8 +55,8 @@ def run_sink(args: argparse.Namespace, settings: Settings) -> int:
     from kvbus.runtime.probes import Readiness, serve
     from kvbus.sinks.consumer import SinkConsumer
     from kvbus.sinks.metrics import SinkMetrics
-    from kvbus.sinks.redis_memory import check_no_eviction
-    from kvbus.sinks.store_url import open_store
+    from kvbus.sinks.view.redis_memory import check_no_eviction
+    from kvbus.sinks.view.store_url import open_store
 
     config = sink_config(args)
     metrics, readiness = SinkMetrics(), Readiness(starting="Kafka")

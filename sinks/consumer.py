@@ -51,10 +51,10 @@ from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.layout_gate import LayoutGate, in_position_order
 from kvbus.sinks.metrics import SinkMetrics
 from kvbus.sinks.rebuild import READY, ensure_view, mark_ready_if_caught_up
-from kvbus.sinks.redis_memory import NO_EVICTION, POLICY_SETTING, EvictionWatch, RedisFull, memory_policy
 from kvbus.sinks.snapshot import SnapshotReader
-from kvbus.sinks.store import ResidencyStore, ViewChanged
 from kvbus.sinks.validate import event_problem, packed_problem, problem
+from kvbus.sinks.view.redis_memory import NO_EVICTION, POLICY_SETTING, EvictionWatch, RedisFull, memory_policy
+from kvbus.sinks.view.store import ResidencyStore, ViewChanged
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -178,7 +178,7 @@ class SinkConsumer:
         self._lag_at = float("-inf")
         self._expected: Any = {}
         """What this sink last read or wrote of the view's offsets for its partitions, in the
-        store's form (:data:`kvbus.sinks.store.Checkpoint`, made by ``store.checkpoint``)."""
+        store's form (:data:`kvbus.sinks.view.store.Checkpoint`, made by ``store.checkpoint``)."""
         self.gate = LayoutGate(self.consumer, self.topics, lambda: self._positions)
         """Orders a holder's events across the two block layouts (:mod:`kvbus.sinks.layout_gate`)."""
         self.consumer.subscribe([self.topics.blocks_pattern()], on_assign=self._on_assign)
@@ -522,7 +522,7 @@ class SinkConsumer:
 
     def _evicted(self) -> bool:
         """Whether Redis evicted keys since the view was (re)built (``INFO stats`` ``evicted_keys``,
-        :class:`kvbus.sinks.redis_memory.EvictionWatch`): then some of the view is gone, silently, so
+        :class:`kvbus.sinks.view.redis_memory.EvictionWatch`): then some of the view is gone, silently, so
         the view is dropped (not ready) and rebuilt like a lost one, and the sink resyncs."""
         evicted = self._evictions.evicted()
         if not evicted:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from kvbus.schemas.lookup import DEFAULT_PREFIX
-from kvbus.sinks.store_url import open_store
+from kvbus.sinks.view.store_url import open_store
 
 
 def summary(redis_url: str, prefix: str = DEFAULT_PREFIX,

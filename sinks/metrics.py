@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvbus.sinks.store import ApplyResult
+from kvbus.sinks.view.store import ApplyResult
 
 
 class SinkMetrics:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvbus.schemas import view_keys
 from kvbus.schemas.lookup import READY, REBUILDING  # noqa: F401  (the states routers read)
-from kvbus.sinks.store import ResidencyStore
+from kvbus.sinks.view.store import ResidencyStore
 
 if TYPE_CHECKING:  # the snapshot reader needs confluent-kafka: its type only, imported where it runs
     from kvbus.sinks.snapshot import SnapshotReader

@@ -44,7 +44,7 @@ from kvbus.schemas.topics import (
     SNAPSHOT_MAX_RECORD_BYTES,
     snapshot_spec,
 )
-from kvbus.sinks.store import HolderDump, ResidencyStore
+from kvbus.sinks.view.store import HolderDump, ResidencyStore
 
 log = logging.getLogger("kvbus.sinks")
 

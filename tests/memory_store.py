@@ -1,6 +1,6 @@
 """``InMemoryStore``: the residency view as plain Python dicts.
 
-The model of the contract (:mod:`kvbus.sinks.store`): simple enough to be obviously right, the oracle
+The model of the contract (:mod:`kvbus.sinks.view.store`): simple enough to be obviously right, the oracle
 of the Redis store in the tests (a test helper: the product's view is the Redis one).
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
 from kvbus.schemas.lookup import view_status
-from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
-from kvbus.sinks.store import (
+from kvbus.sinks.view.refcounts import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
+from kvbus.sinks.view.store import (
     ApplyResult,
     Checkpoint,
     HolderDump,

@@ -30,8 +30,8 @@ from kvbus.schemas.events import (
 )
 from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.topics import Topics
-from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.snapshot import SnapshotWriter
+from kvbus.sinks.view.redis_store import RedisStore
 from kvbus.streams.aggregation import Aggregator, Output
 from kvbus.streams.packing import Packer
 from tests.histories import random_streams

@@ -11,7 +11,7 @@ import kvbus
 from kvbus.cli import SUBCOMMANDS
 from kvbus.schemas.registry import KVBUS_COMPATIBILITY
 from kvbus.schemas.topics import Topics
-from kvbus.sinks.functions import layout_version
+from kvbus.sinks.view.functions import layout_version
 
 ROOT = Path(__file__).resolve().parent.parent
 CHANGELOG = (ROOT / "CHANGELOG.md").read_text()

@@ -32,9 +32,9 @@ from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import canonical_hash
 from kvbus.schemas.lookup import tie_key
 from kvbus.schemas.topics import Topics
-from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.refcounts import Weights
-from kvbus.sinks.sharded_store import ShardedRedisStore
+from kvbus.sinks.view.redis_store import RedisStore
+from kvbus.sinks.view.refcounts import Weights
+from kvbus.sinks.view.sharded_store import ShardedRedisStore
 from tests.histories import random_streams
 from tests.lookup_cli import lookup_args, lookup_json
 from tests.test_lookup_protocol import CASES, CHAIN, EMPTY_CASES, TOKENS_B, _records, _spec_and_cands

@@ -16,8 +16,8 @@ import pytest
 
 from kvbus.infra.scratch_cluster import RedisClusterServer
 from kvbus.infra.scratch_redis import RedisServer
-from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.sharded_store import ShardedRedisStore
+from kvbus.sinks.view.redis_store import RedisStore
+from kvbus.sinks.view.sharded_store import ShardedRedisStore
 from tests.test_client import _client_kwargs, _kvbus_lookup_json
 from tests.test_lookup_protocol import CASES, EMPTY_CASES, _records
 

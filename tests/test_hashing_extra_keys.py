@@ -28,7 +28,7 @@ from kvbus.schemas.hashing import (
     release_tuple,
     resolve_seed,
 )
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.lookup_cli import run_lookup
 from tests.vllm_hash_vectors import ALL, NEWEST, PROMPTS, RELEASES, Vector
 

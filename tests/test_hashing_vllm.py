@@ -22,7 +22,7 @@ from kvbus.schemas.hashing import (
     none_hash,
     resolve_seed,
 )
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.lookup_cli import run_lookup
 from tests.vllm_hash_vectors import PROMPTS, VECTORS
 

@@ -13,7 +13,7 @@ from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.hashing import block_hashes
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.lookup_cli import run_lookup
 
 # protocol doc §11: tokens 1..32, block size 16, PYTHONHASHSEED unset

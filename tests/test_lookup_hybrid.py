@@ -22,8 +22,8 @@ from kvbus.schemas.events import (
     Reset,
     canonical_hash,
 )
-from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.store import ResidencyStore
+from kvbus.sinks.view.redis_store import RedisStore
+from kvbus.sinks.view.store import ResidencyStore
 from tests.memory_store import InMemoryStore
 
 DOC = json.loads((Path(__file__).resolve().parent / "vectors" / "vllm_hybrid_hits.json").read_text())
@@ -219,7 +219,7 @@ def test_malformed_group_specs_are_refused_before_any_write():
     group spec that is not "<kind>,<window>,<bmax>,<bmin>"; nothing is written."""
     import redis
 
-    from kvbus.sinks.view_protocol import EVENT_HEADER, STORED_WITH_SPEC
+    from kvbus.sinks.view.protocol import EVENT_HEADER, STORED_WITH_SPEC
 
     with RedisServer() as srv:
         store = RedisStore(srv.client(), f"m{uuid.uuid4().hex[:8]}:")

@@ -25,9 +25,9 @@ import pytest
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
-from kvbus.sinks import functions
-from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.sharded_store import ShardedRedisStore, shard_of
+from kvbus.sinks.view import functions
+from kvbus.sinks.view.redis_store import RedisStore
+from kvbus.sinks.view.sharded_store import ShardedRedisStore, shard_of
 from tests.lookup_cli import lookup_args, lookup_json
 from tests.vllm_hash_vectors import PROMPTS, VECTORS
 
@@ -301,7 +301,7 @@ def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str], str |
     """What kvbus lookup sends for these flags: the chain, ARGV[3], the candidates and the model."""
     from kvbus.client.lookup_cli import parse_hashes, parse_tokens
     from kvbus.schemas.hashing import block_hashes
-    from kvbus.sinks.refcounts import Weights
+    from kvbus.sinks.view.refcounts import Weights
 
     a = lookup_args(argv)
     chain = parse_hashes(a.hashes) if a.hashes else block_hashes(parse_tokens(a.tokens), a.block_size, a.algo,

@@ -42,7 +42,7 @@ from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockRemoved, BlockStored, EventBatch, Reset, canonical_hash
 from kvbus.schemas.hashing import block_hashes
 from kvbus.schemas.serde import RecordSerde, registry_client
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.venvs import BASE_PYTHON, ROOT, Venv, build_wheel, fresh_clone, lowest_versions
 
 pytestmark = [pytest.mark.packaging, pytest.mark.timeout(600)]
@@ -101,7 +101,7 @@ def test_the_wheel_holds_one_package_kvbus_with_its_data_and_no_tests(wheel: Pat
     assert expected - set(names) == set()
     assert {n for n in names if n.endswith(".avsc")} == {f"kvbus/schemas/avro/{f.name}"
                                                          for f in (source / "schemas" / "avro").glob("*.avsc")}
-    assert "kvbus/sinks/lua/kvbus.lua" in names
+    assert "kvbus/sinks/view/lua/kvbus.lua" in names
     assert [n for n in names if re.search(r"(^|/)(tests|benchmarks)/|__pycache__|\.pyc$", n)] == []
     assert any(n.endswith("/licenses/LICENSE") for n in names)
     assert meta["Name"] == "kvbus" and meta["Version"] == kvbus.__version__

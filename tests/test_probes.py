@@ -213,7 +213,7 @@ def test_sink_is_not_ready_while_its_view_is_rebuilt_after_flushall(stack: Setti
     model.apply(records)
     prefix, port = f"p{uuid.uuid4().hex[:8]}:", free_port()
     with RedisServer() as redis_server:
-        from kvbus.sinks.redis_store import RedisStore
+        from kvbus.sinks.view.redis_store import RedisStore
 
         view = RedisStore(redis_server.client(), prefix)
         env = {**os.environ, **replace(stack, topics=sink_topics, redis_url=redis_server.url).to_env(),
@@ -263,7 +263,7 @@ def test_sink_is_not_ready_while_it_lags_more_than_its_bound(stack: Settings, si
     import kvbus.sinks.consumer
     from kvbus.sinks.config import SinkConfig
     from kvbus.sinks.consumer import SinkConsumer
-    from kvbus.sinks.redis_store import RedisStore
+    from kvbus.sinks.view.redis_store import RedisStore
 
     monkeypatch.setattr(kvbus.sinks.consumer, "LAG_EVERY", 0.0)
 

@@ -22,7 +22,7 @@ from kvbus.client.production_stack import KvbusRouter, endpoint_load, endpoint_r
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.events import BlockEvent, BlockStored
 from kvbus.schemas.hashing import LoRA, block_hashes
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.production_stack_stubs import EndpointInfo, EngineStats, ModelInfo, RequestStats, read_request
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

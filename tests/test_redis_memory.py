@@ -22,9 +22,9 @@ from kvbus.infra.scratch_redis import REDIS, VALKEY, RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.consumer import FULL_LOG_EVERY
-from kvbus.sinks.redis_memory import RedisFull
-from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.view_protocol import chain_broken, with_extra
+from kvbus.sinks.view.protocol import chain_broken, with_extra
+from kvbus.sinks.view.redis_memory import RedisFull
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.histories import growing_streams, random_streams
 from tests.memory_store import InMemoryStore
 from tests.test_probes import get, readyz, wait_until
@@ -56,7 +56,7 @@ def full_view(request):
             yield RedisStore(srv.client(), "kvbus:", max_events_per_call=8)
         return
     from kvbus.infra.scratch_cluster import RedisClusterServer
-    from kvbus.sinks.sharded_store import ShardedRedisStore
+    from kvbus.sinks.view.sharded_store import ShardedRedisStore
 
     with RedisClusterServer(3) as cluster:
         yield ShardedRedisStore(cluster.client(), "kvbus:", max_events_per_call=8)

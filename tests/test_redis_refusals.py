@@ -12,8 +12,8 @@ import redis
 
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.topics import Topics
-from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.store_url import open_store
+from kvbus.sinks.view.redis_store import RedisStore
+from kvbus.sinks.view.store_url import open_store
 from tests.histories import random_streams
 
 

@@ -20,7 +20,7 @@ from kvbus.schemas.events import BlockEvent  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.simulator.engine_wire import project  # noqa: E402
 from kvbus.simulator.fleet import Fleet  # noqa: E402
-from kvbus.sinks.redis_store import RedisStore  # noqa: E402
+from kvbus.sinks.view.redis_store import RedisStore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

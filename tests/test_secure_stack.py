@@ -27,7 +27,7 @@ from kvbus.infra.stack_env import read_env_file
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
 from kvbus.schemas.topics import REPORT_GROUP_PREFIX, Topics
 from kvbus.sinks.config import SinkConfig
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 from kvbus.streams.options import StreamsOptions
 from tests.secure_stack import Errors, first_message, kafka_conf, produce_one, wait_for
 

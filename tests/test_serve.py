@@ -29,7 +29,7 @@ from kvbus.schemas.lookup import status_key
 from kvbus.serve.app import Service, view_client
 from kvbus.serve.query import Query, ask, medium
 from kvbus.serve.serve_config import ServeConfig
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.lookup_cli import lookup_args, lookup_json
 from tests.test_hashing_extra_keys import HOLDERS, SQL_V1, SQL_V2, _vector
 from tests.test_lookup_protocol import CASES, CHAIN, EMPTY_CASES, UNKNOWN, _records

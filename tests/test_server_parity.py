@@ -1,4 +1,4 @@
-"""kvbus's function library (``sinks/lua/kvbus.lua``) runs identically on Redis 7.0 and on Valkey 9.1.
+"""kvbus's function library (``sinks/view/lua/kvbus.lua``) runs identically on Redis 7.0 and on Valkey 9.1.
 
 The same random histories, redelivered as Kafka may, are applied to a private Redis and a private
 Valkey under the same prefix: every apply answers the same, the two keyspaces end byte for byte
@@ -22,10 +22,10 @@ import redis
 
 from kvbus.infra.scratch_redis import VALKEY, RedisServer
 from kvbus.schemas.topics import Topics
-from kvbus.sinks import functions
-from kvbus.sinks.redis_store import RedisStore, ViewChanged
-from kvbus.sinks.refcounts import Weights
-from kvbus.sinks.store import split_holder
+from kvbus.sinks.view import functions
+from kvbus.sinks.view.redis_store import RedisStore, ViewChanged
+from kvbus.sinks.view.refcounts import Weights
+from kvbus.sinks.view.store import split_holder
 from tests.histories import random_streams, redeliver
 
 T = Topics(blocks="pb")

@@ -14,8 +14,8 @@ from kvbus.infra.procs import read_pid
 from kvbus.infra.scratch_cluster import RedisClusterServer
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
-from kvbus.sinks.sharded_store import ShardedRedisStore
-from kvbus.sinks.store import LostShards
+from kvbus.sinks.view.sharded_store import ShardedRedisStore
+from kvbus.sinks.view.store import LostShards
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
 from tests.test_sink_consumer import produce, wait_for

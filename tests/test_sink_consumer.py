@@ -22,7 +22,7 @@ from kvbus.schemas.serde import RecordSerde, registry_client
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
 from tests.waiting import Waiting, eventually

@@ -14,7 +14,7 @@ import pytest
 
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.topics import Topics
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.histories import random_streams, redeliver
 from tests.memory_store import InMemoryStore
 

@@ -11,8 +11,8 @@ import redis
 
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
-from kvbus.sinks import functions
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view import functions
+from kvbus.sinks.view.redis_store import RedisStore
 
 TOPIC = "kvbus.blocks"
 H = [canonical_hash(0xABC000 + i * 104729) for i in range(3000)]

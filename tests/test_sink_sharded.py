@@ -1,4 +1,4 @@
-"""The sharded view on a real 3-master Redis Cluster (sinks/sharded_store.py): the same answers as
+"""The sharded view on a real 3-master Redis Cluster (sinks/view/sharded_store.py): the same answers as
 the single-node view on the same events (random histories with redelivery), ``kvbus lookup``'s code
 path on a ``redis+cluster://`` URL, and a slot migration while applying (TRYAGAIN costs a retry,
 never an error or a lost event). The cluster is started by infra/redis_cluster.py."""
@@ -16,14 +16,14 @@ from kvbus.cli import build_parser
 from kvbus.client.lookup_cli import lookup_answer
 from kvbus.infra.scratch_cluster import RedisClusterServer, wait_replicas_in_sync
 from kvbus.infra.scratch_redis import RedisServer
-from kvbus.runtime.redis_view import parse_cluster_url
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.lookup import meta_key, shard_prefix
 from kvbus.schemas.topics import Topics
-from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.refcounts import Weights
-from kvbus.sinks.sharded_store import ShardedRedisStore
-from kvbus.sinks.store_url import open_store
+from kvbus.sinks.view.cluster import parse_cluster_url
+from kvbus.sinks.view.redis_store import RedisStore
+from kvbus.sinks.view.refcounts import Weights
+from kvbus.sinks.view.sharded_store import ShardedRedisStore
+from kvbus.sinks.view.store_url import open_store
 from tests.histories import random_streams, redeliver
 from tests.memory_store import InMemoryStore
 
@@ -115,7 +115,7 @@ def test_offsets_are_stored_in_every_shard_and_resume_from_the_lowest(redis_serv
     # one shard rolls back (its master failed over to a lagging replica): the sink resumes from the minimum
     sharded.rc.hset(shard_prefix(sharded.prefix, 5) + "off", "tb:0", 11)
     assert sharded.offsets() == {("tb", 0): 11}
-    from kvbus.sinks.store import ViewChanged
+    from kvbus.sinks.view.store import ViewChanged
     with pytest.raises(ViewChanged):
         sharded.apply(records[:1], view_id="v1", offsets={("tb", 0): 13}, expected={("tb", 0): 12})
     exp = sharded.shard_offsets()
@@ -263,7 +263,7 @@ def test_reads_from_replicas_answer_like_the_masters_and_avoid_a_migrating_shard
 def test_the_sharded_store_reloads_its_library_over_one_that_refuses_its_calls(cluster):
     """Every master runs a library of an older release (a sink of that release started later): the
     shards' calls are refused before they write, the library is loaded again, they are sent again."""
-    from kvbus.sinks import functions
+    from kvbus.sinks.view import functions
     from tests.test_sink_redis import older_library
 
     prefix = f"o{uuid.uuid4().hex[:8]}:"

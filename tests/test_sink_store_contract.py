@@ -18,10 +18,10 @@ from kvbus.infra.scratch_redis import REDIS, VALKEY, RedisServer
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.rebuild import ensure_view, mark_ready_if_caught_up
-from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.refcounts import Weights
-from kvbus.sinks.sharded_store import ShardedRedisStore
-from kvbus.sinks.store import LostShards, ResidencyStore, ViewChanged, split_holder
+from kvbus.sinks.view.redis_store import RedisStore
+from kvbus.sinks.view.refcounts import Weights
+from kvbus.sinks.view.sharded_store import ShardedRedisStore
+from kvbus.sinks.view.store import LostShards, ResidencyStore, ViewChanged, split_holder
 from tests.memory_store import InMemoryStore
 
 T = Topics(blocks="tb")

@@ -22,9 +22,9 @@ from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
-from kvbus.sinks.redis_store import RedisStore
 from kvbus.sinks.retention import Retention, judge
 from kvbus.sinks.snapshot import SnapshotWriter
+from kvbus.sinks.view.redis_store import RedisStore
 from tests.histories import growing_streams
 from tests.memory_store import InMemoryStore
 from tests.test_probes import wait_until

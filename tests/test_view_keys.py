@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvbus.schemas import view_keys
 from kvbus.schemas.lookup import guard_key, hname_key, meta_key, status_key
-from kvbus.sinks import view_protocol as vp
+from kvbus.sinks.view import protocol as vp
 
 ROOT = Path(__file__).resolve().parents[1]
 DECLARED = {k.name for k in view_keys.KEYS}
@@ -15,7 +15,7 @@ DECLARED = {k.name for k in view_keys.KEYS}
 
 def lua_keys() -> set[str]:
     """Every ``P .. '<name>'`` (and ``prefix .. "<name>"``) in the function library."""
-    text = (ROOT / "sinks" / "lua" / "kvbus.lua").read_text()
+    text = (ROOT / "sinks" / "view" / "lua" / "kvbus.lua").read_text()
     return set(re.findall(r"""\b(?:P|prefix) \.\. ['"]([A-Za-z]+:?)['"]""", text))
 
 

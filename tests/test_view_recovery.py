@@ -17,8 +17,8 @@ from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.config import SinkConfig
 from kvbus.sinks.consumer import SinkConsumer
-from kvbus.sinks.redis_store import RedisStore, ViewChanged
 from kvbus.sinks.snapshot import SnapshotWriter
+from kvbus.sinks.view.redis_store import RedisStore, ViewChanged
 from tests.histories import random_streams
 from tests.memory_store import InMemoryStore
 from tests.test_sink_consumer import produce, wait_for

@@ -7,7 +7,7 @@ import uuid
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
 from kvbus.sinks.demo_summary import summary
-from kvbus.sinks.redis_store import RedisStore
+from kvbus.sinks.view.redis_store import RedisStore
 
 H = [canonical_hash(i * 31337 + 5) for i in range(10)]
 

@@ -12,17 +12,17 @@ Install it alone with ``pip install 'kvbus[client]'`` (redis, hiredis, xxhash, c
 :class:`ViewClient` asks the residency view which holders hold the longest prefix of a prompt
 (``.lookup``), and whether its answers are complete (``.status``). Answers are
 :class:`HolderMatch` values, best first; tied holders are ordered by a tie-break
-(:mod:`kvbus.client.ties`). The protocol underneath is :mod:`kvbus.schemas.lookup`.
+(:mod:`kvbus.sinks.view.ties`). The protocol underneath is :mod:`kvbus.schemas.lookup`.
 """
 
 if __name__ != "kvbus.client":  # clients/python/ is installed as kvbus.client (pyproject.toml, package-dir)
     raise ImportError(f"import kvbus.client, not {__name__}")
 
-from kvbus.client.ties import BY_NAME, ByLoad, ByName, Shuffle, TieBreak, rank
-from kvbus.client.view import FunctionsMissing, ViewClient
 from kvbus.schemas.hashing import HASH_ALGOS, UnmatchableSeed
 from kvbus.schemas.lookup import DEFAULT_PREFIX, LAYOUT, HolderMatch, LayoutMismatch, ViewStatus
 from kvbus.schemas.tiers import DEFAULT_WEIGHTS, Weights
+from kvbus.sinks.view.reader import FunctionsMissing, ViewClient
+from kvbus.sinks.view.ties import BY_NAME, ByLoad, ByName, Shuffle, TieBreak, rank
 
 __all__ = [
     "BY_NAME", "ByLoad", "ByName", "DEFAULT_PREFIX", "DEFAULT_WEIGHTS", "FunctionsMissing", "HASH_ALGOS",

@@ -13,12 +13,12 @@ import argparse
 import json
 import sys
 
-from kvbus.client.ties import BY_NAME
-from kvbus.client.view import FunctionsMissing, ViewClient
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import canonical_hash
 from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, LoRA, first_release
 from kvbus.schemas.lookup import DEFAULT_PREFIX, LayoutMismatch
+from kvbus.sinks.view.reader import FunctionsMissing, ViewClient
+from kvbus.sinks.view.ties import BY_NAME
 
 U64 = 1 << 64
 I64_MIN = -(1 << 63)

@@ -46,9 +46,9 @@ from kvbus.client.routing import (  # noqa: F401  (the reasons and VIEW_ERRORS: 
     prompt_tokens,
     token_list,
 )
-from kvbus.client.ties import ByLoad
-from kvbus.client.view import ViewClient, WeightsLike
 from kvbus.schemas.hashing import LoRA
+from kvbus.sinks.view.reader import ViewClient, WeightsLike
+from kvbus.sinks.view.ties import ByLoad
 
 try:  # production-stack's router, when installed (not PyPI's vllm-router, which has no vllm_router.routers)
     from vllm_router.routers.routing_logic import RoutingInterface as _RoutingBase
@@ -189,7 +189,7 @@ class KvbusRouter(_RoutingBase):
     name -> the path the engines loaded it from, where the endpoints' ``model_info`` does not say
     (:func:`request_lora`). ``min_matched_blocks``: the fewest leading blocks a holder must hold to
     be routed to by prefix (else: by load). ``weights``: tier weights of the lookup
-    (:data:`~kvbus.client.view.WeightsLike`; checked here). ``load``: an endpoint's load (:data:`Load`; default
+    (:data:`~kvbus.sinks.view.reader.WeightsLike`; checked here). ``load``: an endpoint's load (:data:`Load`; default
     :func:`endpoint_load`). ``status_every``: seconds a read of the view's status is trusted
     (0: read it for every request). ``tie_seed``: seeds the order of equal loads and tied holders
     (None: from the OS). ``max_instance_failover_reroute_attempts``: production-stack's retries on

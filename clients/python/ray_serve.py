@@ -34,8 +34,8 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from kvbus.client.routing import PREFIX, PrefixRule, prompt_tokens, token_list
-from kvbus.client.view import ViewClient, WeightsLike
 from kvbus.schemas.lookup import DEFAULT_PREFIX
+from kvbus.sinks.view.reader import ViewClient, WeightsLike
 
 log = logging.getLogger("kvbus.client.ray_serve")
 

@@ -19,10 +19,10 @@ from typing import Any, Mapping, Sequence
 import redis
 from redis.exceptions import RedisClusterException
 
-from kvbus.client.ties import Shuffle, TieBreak
-from kvbus.client.view import FunctionsMissing, ViewClient, WeightsLike, as_weights, chain_of
 from kvbus.schemas.hashing import LoRA
 from kvbus.schemas.lookup import HolderMatch, LayoutMismatch, ViewStatus
+from kvbus.sinks.view.reader import FunctionsMissing, ViewClient, WeightsLike, as_weights, chain_of
+from kvbus.sinks.view.ties import Shuffle, TieBreak
 
 log = logging.getLogger("kvbus.client.routing")
 

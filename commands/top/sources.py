@@ -65,7 +65,7 @@ class KafkaSource:
 
 
 class ViewSource:
-    """The residency view, read through ``kvbus.sinks.store_url.open_store`` (single or sharded)."""
+    """The residency view, read through ``kvbus.sinks.view.store_url.open_store`` (single or sharded)."""
 
     def __init__(self, settings: Settings, prefix: str, timeout: float) -> None:
         self.url, self.prefix = settings.redis_url, prefix
@@ -75,7 +75,7 @@ class ViewSource:
 
     def _open(self):
         if self._store is None:
-            from kvbus.sinks.store_url import open_store
+            from kvbus.sinks.view.store_url import open_store
 
             self._store = open_store(self.url, self.prefix, load=False, client_kwargs=self.client_kwargs)
         return self._store

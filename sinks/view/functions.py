@@ -1,4 +1,4 @@
-"""The ``kvbus`` Redis function library (``sinks/lua/kvbus.lua``): loading and calling it.
+"""The ``kvbus`` Redis function library (``sinks/view/lua/kvbus.lua``): loading and calling it.
 
 Functions are loaded once with ``FUNCTION LOAD REPLACE`` and called with FCALL / FCALL_RO. When a
 server lost them (restart without persistence, ``FUNCTION FLUSH``, a new replica), a call fails with
@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import redis
 
-from kvbus.runtime.redis_view import is_missing, is_refused_arguments  # noqa: F401  (re-exported for the sinks)
 from kvbus.schemas.lookup import LAYOUT
+from kvbus.sinks.view.cluster import is_missing, is_refused_arguments  # noqa: F401  (re-exported for the sinks)
 
 LIBRARY_PATH = Path(__file__).parent / "lua" / "kvbus.lua"
 MIN_REDIS = (7, 0, 0)

@@ -2,7 +2,7 @@
 (the sink, ``kvbus top``, the benchmarks, the tests).
 
 The URL forms (``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://h:p[,h:p...][/0][?shards=S][&read_from=replica]``)
-are parsed by :mod:`kvbus.runtime.redis_view`, which the routers' client shares.
+are parsed by :mod:`kvbus.sinks.view.cluster`, which the routers' client shares.
 """
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from typing import Any, Mapping
 
 import redis
 
-from kvbus.runtime.redis_view import cluster_client, is_cluster_url, parse_cluster_url, read_from, url_shards
 from kvbus.schemas.lookup import DEFAULT_PREFIX
-from kvbus.sinks.redis_store import RedisStore
-from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy
-from kvbus.sinks.sharded_store import ShardedRedisStore
-from kvbus.sinks.store import ResidencyStore
+from kvbus.sinks.view.cluster import cluster_client, is_cluster_url, parse_cluster_url, read_from, url_shards
+from kvbus.sinks.view.redis_store import RedisStore
+from kvbus.sinks.view.refcounts import DEFAULT_POLICY, TierPolicy
+from kvbus.sinks.view.sharded_store import ShardedRedisStore
+from kvbus.sinks.view.store import ResidencyStore
 
 
 def open_store(url: str, prefix: str = DEFAULT_PREFIX, policy: TierPolicy = DEFAULT_POLICY, *,
                load: bool = True, client_kwargs: Mapping[str, Any] | None = None) -> ResidencyStore:
     """The view at ``url``: a :class:`ShardedRedisStore` for a ``redis+cluster://`` URL (its
-    ``?shards=`` or :data:`kvbus.runtime.redis_view.DEFAULT_SHARDS` shards, its ``?read_from=``), else a
+    ``?shards=`` or :data:`kvbus.sinks.view.cluster.DEFAULT_SHARDS` shards, its ``?read_from=``), else a
     :class:`RedisStore`. ``load``: check the servers and load the function library (a reader passes
     False). ``client_kwargs``: more redis-py client arguments (credentials, TLS CA:
     ``Settings.redis_kwargs()``)."""

@@ -1,8 +1,8 @@
-"""The writer's side of the ``kvbus`` Redis function protocol (``sinks/lua/kvbus.lua``): function names,
+"""The writer's side of the ``kvbus`` Redis function protocol (``sinks/view/lua/kvbus.lua``): function names,
 key names, how ``kvbus_apply``'s events, offsets and chain are packed, how its replies and
 ``kvbus_dump``'s are read, and what "view changed" means. One shard of a view (a single Redis, or one
-``P{s<i>}:`` prefix of a Redis Cluster view) speaks exactly this; the stores (sinks/redis_store.py,
-sinks/sharded_store.py) only decide where the calls go.
+``P{s<i>}:`` prefix of a Redis Cluster view) speaks exactly this; the stores (sinks/view/redis_store.py,
+sinks/view/sharded_store.py) only decide where the calls go.
 
 The reader's side (``kvbus_lookup``, ``P meta`` / ``P hname`` / ``P status``, the layout version) is
 :mod:`kvbus.schemas.lookup`, shared with the routers; it is used from there, not repeated here.
@@ -19,9 +19,9 @@ import redis
 from kvbus.schemas import view_keys as vk
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset
 from kvbus.schemas.lookup import LAYOUT, meta_key, status_key
-from kvbus.sinks.redis_memory import RedisFull, describe_full, is_oom
-from kvbus.sinks.refcounts import TierPolicy, group_spec
-from kvbus.sinks.store import ApplyResult, HolderDump, Offsets, ViewChanged
+from kvbus.sinks.view.redis_memory import RedisFull, describe_full, is_oom
+from kvbus.sinks.view.refcounts import TierPolicy, group_spec
+from kvbus.sinks.view.store import ApplyResult, HolderDump, Offsets, ViewChanged
 
 # ----------------------------------------------------------------------------- functions
 
@@ -114,7 +114,7 @@ tier index, number of hashes (39 bytes, big-endian; the hashes follow, after the
 store: :data:`STORED_WITH_SPEC`)."""
 STORED, REMOVED, CLEARED, RESET, STORED_WITH_SPEC = 1, 2, 3, 4, 5
 """Event kinds of the blob; a BlockStored whose event names its KV cache group's kind is sent as
-STORED_WITH_SPEC, its spec (:func:`kvbus.sinks.refcounts.group_spec`) as one length byte and the text."""
+STORED_WITH_SPEC, its spec (:func:`kvbus.sinks.view.refcounts.group_spec`) as one length byte and the text."""
 
 STATE_POS = struct.Struct(">ddd")
 """Holder state ``p:<topic>``: applied position epoch, seq, index (kvbus.lua: POS)."""

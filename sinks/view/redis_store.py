@@ -1,5 +1,5 @@
 """``RedisStore``: the residency view in Redis (one server, or one shard of a Redis Cluster view), written
-and read through the ``kvbus`` functions (the protocol: sinks/view_protocol.py).
+and read through the ``kvbus`` functions (the protocol: sinks/view/protocol.py).
 
 Layout and cost figures: docs/sinks-layout.md. A batch of records is written with one FCALL (each
 holder's events in record order; more calls only past the per-call limits), pipelined: one round
@@ -14,7 +14,6 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import redis
 
-from kvbus.runtime.redis_view import RETRYABLE
 from kvbus.schemas import view_keys
 from kvbus.schemas.events import BlockEvent, holder_key
 from kvbus.schemas.lookup import (
@@ -28,9 +27,10 @@ from kvbus.schemas.lookup import (
     status_key,
     view_status,
 )
-from kvbus.sinks import functions, view_protocol as vp
-from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights, label
-from kvbus.sinks.store import (
+from kvbus.sinks.view import functions, protocol as vp
+from kvbus.sinks.view.cluster import RETRYABLE
+from kvbus.sinks.view.refcounts import DEFAULT_POLICY, TierPolicy, Weights, label
+from kvbus.sinks.view.store import (
     ApplyResult,
     Checkpoint,
     HolderDump,
@@ -42,7 +42,7 @@ from kvbus.sinks.store import (
     ViewChanged,
     summary_from_counts,
 )
-from kvbus.sinks.transport import NodeTransport, Transport
+from kvbus.sinks.view.transport import NodeTransport, Transport
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -58,7 +58,7 @@ class RedisStore(ResidencyStore):
     it (on Redis Cluster a ``RedisCluster``: a shard's keys share one slot). ``load``: check the
     server version and load the function library now (a read-only lookup client passes False).
     ``transport``: how the function calls are sent (default: to ``client``'s server,
-    :class:`~kvbus.sinks.transport.NodeTransport`); ``what``: the view as messages name it.
+    :class:`~kvbus.sinks.view.transport.NodeTransport`); ``what``: the view as messages name it.
     """
 
     def __init__(
@@ -123,7 +123,7 @@ class RedisStore(ResidencyStore):
              offsets: Offsets | None = None,
              expected: Mapping[tuple[str, int], int | None] | None = None) -> list[tuple[list, list]]:
         """The ``kvbus_apply`` calls of a batch, (records, arguments) each, for a caller that sends
-        them itself (with other shards' calls: sinks/sharded_store.py), then passes their replies to
+        them itself (with other shards' calls: sinks/view/sharded_store.py), then passes their replies to
         :meth:`check_refused` and :meth:`settle`; a batch of no records that stores ``offsets`` is
         one call of no events."""
         return list(self.packer.plan(records, view_id, offsets, expected))

@@ -2,7 +2,7 @@
 
 The view answers, per block hash, which holders ((replica, dp_rank)) hold it on which tier, and per
 holder which blocks it holds. Two implementations share one contract test suite
-(``tests/test_sink_store_contract.py``): :class:`kvbus.sinks.redis_store.RedisStore` (the real one) and
+(``tests/test_sink_store_contract.py``): :class:`kvbus.sinks.view.redis_store.RedisStore` (the real one) and
 :class:`tests.memory_store.InMemoryStore` (a plain-Python model: the tests' oracle).
 
 Semantics every implementation follows (docs/sinks-layout.md):
@@ -10,7 +10,7 @@ Semantics every implementation follows (docs/sinks-layout.md):
 * events of one holder read from one topic carry growing positions ``(epoch, seq, index)``; an event
   whose position is not above the stored one for (holder, topic), or whose epoch is below the
   holder's reset floor, is skipped (redelivery); the position is stored with the change;
-* BlockStored adds (holder, tier) to each hash; on a ref-counted tier (:mod:`kvbus.sinks.refcounts`) a repeated
+* BlockStored adds (holder, tier) to each hash; on a ref-counted tier (:mod:`kvbus.sinks.view.refcounts`) a repeated
   store increments a count, otherwise it changes nothing; BlockRemoved undoes one store;
 * AllBlocksCleared drops the holder's tiers that came from the same topic (kvbus.blocks: the
   framework's own cache); a Reset marker drops those too, plus tiers from other topics whose applied

@@ -55,7 +55,7 @@ twice its expected live size plus INDEX_SLACK records is compacted (rewritten wi
 live raw), so garbage stays below about the live size: amortized ~2 records of Lua work per toggle.
 ]]
 
-local VERSION = '@VERSION@' -- replaced at load by a digest of this file and LAYOUT (sinks/functions.py)
+local VERSION = '@VERSION@' -- replaced at load by a digest of this file and LAYOUT (sinks/view/functions.py)
 local K = 64               -- tier codes per holder; member = hid * K + code
 local MAX_HOLDERS = 262144 -- 2^24 / K: members fit 3 bytes
 local BLOCK_LOAD = 16      -- block-table fields per bucket: short listpack scans (hash-max-listpack-entries >= 128)
@@ -751,7 +751,7 @@ ARGV[1] prefix, ARGV[2] nH, then nH pairs (replica, dp_rank);
 then nT, then nT topic names; then nD, then nD pairs (tier descriptor "<MEDIUM>|<ownership>|<group>",
 rc = "1" if that tier is reference-counted (used when the tier is first created) else "0");
 last ARGV: the events, each holder's in delivery order (each topic's events in partition order), each
-a 39-byte big-endian header followed by its hashes (sinks/redis_store.py: EVENT_HEADER):
+a 39-byte big-endian header followed by its hashes (sinks/view/redis_store.py: EVENT_HEADER):
   kind (u8: 1 BlockStored, 2 BlockRemoved, 3 AllBlocksCleared, 4 Reset marker, 5 BlockStored with the
   spec of its KV cache group), holder (u16, 1-based index into the holders), topic (u16, 1-based index
   into the topics), epoch, seq (doubles), index (u32), ts (double, engine seconds), tier (u16, 1-based

@@ -35,7 +35,7 @@ class RedisFull(RuntimeError):
     """Redis refused a write of the view for lack of memory (OOM: ``used_memory`` above
     ``maxmemory`` under ``noeviction``). Nothing of the refused calls was written; calls of the same
     batch before them may have been (their positions make applying them again harmless), and no
-    later call of the batch was (each checks that its predecessor ran: sinks/redis_store.py)."""
+    later call of the batch was (each checks that its predecessor ran: sinks/view/redis_store.py)."""
 
 
 def is_oom(e: BaseException) -> bool:

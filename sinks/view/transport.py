@@ -1,9 +1,9 @@
 """How one shard of a view sends its function calls: the one seam between a store
-(sinks/redis_store.py) and the server its shard lives on.
+(sinks/view/redis_store.py) and the server its shard lives on.
 
 * :class:`NodeTransport`: a single Redis (or Valkey) server;
 * :class:`ShardTransport`: shard ``s`` of a view on a Redis Cluster, through the sharded store's
-  :class:`kvbus.runtime.redis_view.ShardCalls` (routing, retries during slot migrations and
+  :class:`kvbus.sinks.view.cluster.ShardCalls` (routing, retries during slot migrations and
   failovers), which the sharded store also uses directly to send every shard's calls of a batch in
   one round trip.
 
@@ -17,8 +17,8 @@ from typing import Any, Iterator, Sequence
 
 import redis
 
-from kvbus.runtime.redis_view import ShardCalls
-from kvbus.sinks import functions
+from kvbus.sinks.view import functions
+from kvbus.sinks.view.cluster import ShardCalls
 
 
 class Transport(abc.ABC):

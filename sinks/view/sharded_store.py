@@ -26,12 +26,12 @@ own slot migration (``redis-cli --cluster reshard`` / ``rebalance``).
   lags by the replication delay, and a migration that starts between two checks may be read from a
   half-moved shard for up to :data:`MIGRATION_CHECK` s (docs/sinks-layout.md).
 
-The store is routing plus one :class:`~kvbus.sinks.redis_store.RedisStore` per shard (``shards``), each
-sending its calls through :class:`~kvbus.sinks.transport.ShardTransport`; a batch's calls of every
+The store is routing plus one :class:`~kvbus.sinks.view.redis_store.RedisStore` per shard (``shards``), each
+sending its calls through :class:`~kvbus.sinks.view.transport.ShardTransport`; a batch's calls of every
 shard are planned by the shards and sent here in one round trip.
 
 ``KVBUS_REDIS_URL`` names a cluster by its seed nodes: ``redis+cluster://h:p[,h:p...][/0][?shards=S][&read_from=replica]``
-(:func:`kvbus.sinks.store_url.open_store` picks this store for such a URL).
+(:func:`kvbus.sinks.view.store_url.open_store` picks this store for such a URL).
 """
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ from typing import Any, Iterable, Mapping, Sequence
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from kvbus.runtime.redis_view import DEFAULT_SHARDS, MIGRATION_CHECK, RETRY_FOR, ShardCalls, cluster_client
 from kvbus.schemas import view_keys
 from kvbus.schemas.events import BlockEvent, holder_key
 from kvbus.schemas.lookup import (
@@ -59,10 +58,11 @@ from kvbus.schemas.lookup import (
     shard_prefix,
     view_status,
 )
-from kvbus.sinks import functions, view_protocol as vp
-from kvbus.sinks.redis_store import DEFAULT_WEIGHTS, RedisStore
-from kvbus.sinks.refcounts import DEFAULT_POLICY, TierPolicy, Weights
-from kvbus.sinks.store import (
+from kvbus.sinks.view import functions, protocol as vp
+from kvbus.sinks.view.cluster import DEFAULT_SHARDS, MIGRATION_CHECK, RETRY_FOR, ShardCalls, cluster_client
+from kvbus.sinks.view.redis_store import DEFAULT_WEIGHTS, RedisStore
+from kvbus.sinks.view.refcounts import DEFAULT_POLICY, TierPolicy, Weights
+from kvbus.sinks.view.store import (
     ApplyResult,
     Checkpoint,
     HolderDump,
@@ -73,7 +73,7 @@ from kvbus.sinks.store import (
     Snapshot,
     summary_from_counts,
 )
-from kvbus.sinks.transport import ShardTransport
+from kvbus.sinks.view.transport import ShardTransport
 
 log = logging.getLogger("kvbus.sinks")
 
@@ -89,7 +89,7 @@ class ShardedRedisStore(ResidencyStore):
 
     ``client``: a ``RedisCluster`` (bytes replies) or a ``redis+cluster://`` URL. ``load``: check
     every master's version and load the function library on each (a lookup client passes False).
-    ``read_from``: where lookups are read (:data:`kvbus.runtime.redis_view.READ_FROM`; ``replica``
+    ``read_from``: where lookups are read (:data:`kvbus.sinks.view.cluster.READ_FROM`; ``replica``
     needs a client whose connections send READONLY: :func:`cluster_client` with ``?read_from=replica``);
     ``migration_check``: seconds between two checks of which shards are migrating, when reading
     from replicas. ``store_kw``: more arguments of each shard's :class:`RedisStore` (per-call limits).
@@ -106,7 +106,7 @@ class ShardedRedisStore(ResidencyStore):
         self.calls = ShardCalls(self.rc, [declared_keys(shard_prefix(prefix, i)) for i in range(shards)],
                                 read_from=read_from, migration_check=migration_check, retry_for=retry_for,
                                 reload=lambda: self.load_library(replace=True))
-        """Every shard's function calls: routing, one round trip, retries (kvbus.runtime.redis_view)."""
+        """Every shard's function calls: routing, one round trip, retries (kvbus.sinks.view.cluster)."""
         self.shards = [RedisStore(self.rc, shard_prefix(prefix, i), policy, load=False,
                                   transport=ShardTransport(self.calls, i),
                                   what=f"shard {i} of the view under {prefix!r}", **store_kw)
@@ -148,7 +148,7 @@ class ShardedRedisStore(ResidencyStore):
 
     @property
     def read_from(self) -> str:
-        """Where lookups are read (:data:`kvbus.runtime.redis_view.READ_FROM`)."""
+        """Where lookups are read (:data:`kvbus.sinks.view.cluster.READ_FROM`)."""
         return self.calls.read_from
 
     @property
@@ -194,7 +194,7 @@ class ShardedRedisStore(ResidencyStore):
         trip), so all shards normally hold the same offsets; ``expected``: the :meth:`checkpoint`
         (what each shard holds; shards differ after one of them rolled back), or one mapping for all
         shards. A shard that rolled back (its master failed over to a lagging replica) fails with
-        :class:`~kvbus.sinks.store.ViewChanged`; the sink then resumes each partition from
+        :class:`~kvbus.sinks.view.store.ViewChanged`; the sink then resumes each partition from
         :meth:`offsets` (the minimum over shards: the stored positions make the replay harmless to
         the shards that were ahead) with ``expected`` = :meth:`checkpoint`.
         """

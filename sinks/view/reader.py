@@ -3,7 +3,7 @@
 It speaks the lookup protocol of :mod:`kvbus.schemas.lookup` over redis-py: one ``FCALL_RO
 kvbus_lookup`` on a single Redis (or one of its replicas), one per shard on a Redis Cluster
 (pipelined per node, concurrent across nodes, retried through slot migrations and failovers,
-from replicas with ``?read_from=replica``: :mod:`kvbus.runtime.redis_view`), holder names from a
+from replicas with ``?read_from=replica``: :mod:`kvbus.sinks.view.cluster`), holder names from a
 cache it refreshes itself.
 """
 from __future__ import annotations
@@ -14,8 +14,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import redis
 from redis.cluster import LoadBalancingStrategy, RedisCluster
 
-from kvbus.client.ties import Shuffle, TieBreak, TieBreakLike, as_tie_break, rank
-from kvbus.runtime.redis_view import (
+from kvbus.runtime.security import redact_url
+from kvbus.schemas import lookup
+from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes, check_model
+from kvbus.schemas.hashing import LoRA, block_hashes
+from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
+from kvbus.schemas.tiers import Weights
+from kvbus.sinks.view.cluster import (
     MIGRATION_CHECK,
     RETRY_FOR,
     ShardCalls,
@@ -26,12 +31,7 @@ from kvbus.runtime.redis_view import (
     read_from as url_read_from,
     url_shards,
 )
-from kvbus.runtime.security import redact_url
-from kvbus.schemas import lookup
-from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes, check_model
-from kvbus.schemas.hashing import LoRA, block_hashes
-from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
-from kvbus.schemas.tiers import Weights
+from kvbus.sinks.view.ties import Shuffle, TieBreak, TieBreakLike, as_tie_break, rank
 
 WeightsLike = Weights | Mapping[str, float] | str
 """What a ``weights`` argument takes: a mapping NAME -> weight laid over the defaults (names a
@@ -82,8 +82,8 @@ class ViewClient:
     ``url``: ``redis://``, ``rediss://`` or ``unix://`` for a single Redis (a replica serves
     lookups too), ``redis+cluster://h:p[,h:p...][?read_from=replica]`` for the sharded view on a
     Redis Cluster; or a ``redis.Redis`` / ``RedisCluster`` client (bytes replies). ``tie_break``:
-    how tied holders are ordered unless a lookup says otherwise (:mod:`kvbus.client.ties`; default
-    a :class:`~kvbus.client.ties.Shuffle` seeded from the OS). ``names_ttl``: seconds the cache of
+    how tied holders are ordered unless a lookup says otherwise (:mod:`kvbus.sinks.view.ties`; default
+    a :class:`~kvbus.sinks.view.ties.Shuffle` seeded from the OS). ``names_ttl``: seconds the cache of
     holder names is trusted. Redis Cluster only: ``read_from`` (``primary`` or ``replica``; default
     the URL's, else ``primary``), ``shards`` (the shard count used when the view does not record
     its own; default the URL's ``?shards=``, else 16), ``retry_for`` (seconds a call refused during
