@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         stores, chains, bodies = fleet_workload(args.entries, replicas=args.replicas, copies=args.copies,
                                         cpu_frac=args.cpu_frac, seed=args.seed, min_chain=args.chain)
         n, secs = load_kvbus(store, stores, batch=2000, hybrid_window=args.hybrid_window)
-        size = store.size()
+        size = store.reader().size()
         assert size["entries"] == n, (size, n)
         kv_bytes = used_memory(r0) - base
         print(f"kvbus: loaded {n:,} entries ({size['blocks']:,} blocks) in {secs:.1f}s "

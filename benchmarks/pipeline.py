@@ -744,7 +744,7 @@ def view_matches_truth(store: RedisStore, manifest: Path) -> tuple[bool, list[st
                 tiers[medium if owner == "None" else f"{medium}@{owner}"] = n
         if tiers:
             want[name] = tiers
-    got = {h: {t: n for t, n in tiers.items() if n} for h, tiers in store.summary().items()}
+    got = {h: {t: n for t, n in tiers.items() if n} for h, tiers in store.reader().summary().items()}
     got = {h: t for h, t in got.items() if t}
     diffs = [f"{h}: view {got.get(h)} truth {want.get(h)}" for h in sorted(set(want) | set(got))
              if got.get(h) != want.get(h)]

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                                                seed=args.seed, min_chain=16)
             n, load_s = load_kvbus(live, stores, batch=2000)
             live.set_view_id("bench")
-            size = live.size()
+            size = live.reader().size()
             mem0 = used_memory(srv.client())
             print(f"view: {n:,} entries, {size['blocks']:,} blocks, {size['holders']} holders, loaded in "
                   f"{load_s:.1f} s; {mem0 / 2**20:.0f} MB in Redis", flush=True)
@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rebuild: {rebuild_s:.1f} s (snapshot read from Kafka in {read_s:.1f} s, restore "
                   f"{rebuild_s - read_s:.1f} s): {n / rebuild_s:,.0f} entries/s", flush=True)
 
-            same_size = rebuilt.size() == size
-            same_summary = rebuilt.summary() == live.summary()
+            same_size = rebuilt.reader().size() == size
+            same_summary = rebuilt.reader().summary() == live.reader().summary()
             queries = chains[: args.queries]
             same_answers = all(rebuilt.lookup(c) == live.lookup(c) for c in queries)
             print(f"check: size {same_size}, summary {same_summary}, {len(queries)} lookups {same_answers}")

@@ -370,7 +370,7 @@ def play_kvbus(
 
 
 def view_empty(view: ResidencyStore) -> bool:
-    return not any(n for tiers in view.summary().values() for n in tiers.values())
+    return not any(n for tiers in view.reader().summary().values() for n in tiers.values())
 
 
 def one_rate(fleet: Fleet, view: ResidencyStore, router: ViewClient, args: argparse.Namespace, w: Workload, rate: float,
@@ -378,7 +378,8 @@ def one_rate(fleet: Fleet, view: ResidencyStore, router: ViewClient, args: argpa
     """Fresh caches, the kvbus run at ``rate``, then the oracle and round-robin on its requests."""
     fleet.clear_caches()
     if not wait_for(lambda: view_empty(view), 60, 0.2):
-        raise SystemExit(f"benchmark: the view still holds blocks 60 s after the caches were cleared: {view.summary()}")
+        left = view.reader().summary()
+        raise SystemExit(f"benchmark: the view still holds blocks 60 s after the caches were cleared: {left}")
     played, choices, warm, kv, ctx, seconds = play_kvbus(fleet, view, router, requests(w), args, rate)
     fleet.write_manifest(manifest)
     exact = wait_for(lambda: pl.view_matches_truth(view, manifest)[0], args.drain_timeout, 0.5)

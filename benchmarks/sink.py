@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         assert applied == len(events)
         fcall = store.r.info("commandstats").get("cmdstat_fcall", {})
         mem1 = used_memory(store.r)
-        entries = store.size()["entries"]
+        entries = store.reader().size()["entries"]
         again = store.apply(batches[0])
         assert again.applied == 0 and again.skipped == len(batches[0])
         result["kvbus"] = {"events_per_s": round(len(events) / secs), "hashes_per_s": round(hashes / secs),

@@ -160,7 +160,7 @@ class Resources(threading.Thread):
                 rss[name] = (pid, kib)
         s = Probe(time.monotonic(), rss, probes=len(self.prober.published))
         try:
-            s.view = self.store.size()
+            s.view = self.store.reader().size()
             s.redis_used = int(self.redis.info("memory")["used_memory"])
             if "redis" not in rss:  # not one of the stack's pid files (a Redis of the caller's)
                 pid = int(self.redis.info("server")["process_id"])

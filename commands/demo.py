@@ -187,10 +187,11 @@ def _check_alive(children: Children) -> None:
 
 
 def _report(settings: Settings, manifest: Path) -> bool:
+    from kvbus.client import ViewClient
     from kvbus.client.lookup_cli import add_lookup_args, lookup_answer
-    from kvbus.sinks.demo_summary import summary
 
-    view = summary(settings.redis_url, client_kwargs=settings.redis_kwargs())
+    with ViewClient(settings.redis_url, **settings.redis_kwargs()) as client:
+        view = client.summary()
     print("== residency view (blocks per replica per tier):")
     for holder in sorted(view):
         tiers = ", ".join(f"{t}={n}" for t, n in sorted(view[holder].items()))

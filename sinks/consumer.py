@@ -195,6 +195,7 @@ class SinkConsumer:
         self._full_refused = 0
         self._full_logged = float("-inf")
         self._evictions = EvictionWatch(store.servers)
+        self._gauges_view = store.reader()  # the view's size and stale holders, read as any reader does
         log.info("sink subscribed to %s as group %s", self.topics.blocks_pattern(), config.group)
 
     # -- one batch ------------------------------------------------------------
@@ -619,7 +620,7 @@ class SinkConsumer:
                     log.info("expired %d stale holders: %s", len(expired), ", ".join(expired[:10]))
                     self.metrics.expired.inc(len(expired))
             # not exact: a sharded view's exact block count reads every block table (O(view))
-            self.metrics.set_view(self.store.size(exact=False), len(self.store.stale()))
+            self.metrics.set_view(self._gauges_view.size(exact=False), len(self._gauges_view.stale()))
         except REDIS_DOWN as e:
             log.warning("staleness check skipped: Redis unavailable (%s)", e)
         except (RedisFull, redis.exceptions.OutOfMemoryError):

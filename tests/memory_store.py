@@ -10,20 +10,19 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, holder_key
-from kvbus.schemas.lookup import view_status
+from kvbus.schemas.lookup import HolderMatch, view_status
+from kvbus.sinks.view.reader import summary_from_counts
 from kvbus.sinks.view.refcounts import DEFAULT_POLICY, TierPolicy, Weights, group_spec, label
 from kvbus.sinks.view.store import (
     ApplyResult,
     Checkpoint,
     HolderDump,
-    HolderMatch,
     LostShards,
     Offsets,
     ResidencyStore,
     Snapshot,
     ViewChanged,
     split_holder,
-    summary_from_counts,
 )
 from tests.hybrid_rule import GroupSpec, hybrid_hit
 
@@ -420,3 +419,7 @@ class InMemoryStore(ResidencyStore):
 
     def servers(self) -> list[tuple[str, Any]]:
         return []
+
+    def reader(self) -> "InMemoryStore":
+        """The model reads itself: it answers :class:`kvbus.sinks.view.reader.ViewReader`'s summary, size and stale."""
+        return self

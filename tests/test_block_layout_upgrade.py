@@ -90,7 +90,7 @@ def test_a_sink_reads_a_stream_that_moved_to_the_packed_layout_exactly_once(stac
         try:
             catch_up(sink, store, records, "the whole stream across the switch")
             assert store.snapshot() == model_of(records).snapshot()
-            assert store.size() == model_of(records).size()
+            assert store.reader().size() == model_of(records).size()
             m = sink.metrics  # every event applied once; the ones produced again in layout 2 skipped
             assert (m.applied._value.get(), m.duplicates._value.get()) == (len(records), 60)
         finally:
@@ -114,7 +114,7 @@ def test_a_view_lost_after_the_switch_is_rebuilt_from_a_snapshot_taken_before_it
             catch_up(sink, store, records, "the rest, across the switch")
             srv.kill()
             srv.start()  # no persistence: the view is gone
-            assert store.size()["entries"] == 0
+            assert store.reader().size()["entries"] == 0
             catch_up(sink, store, records, "the view rebuilt from the layout 1 snapshot, replayed across the switch")
             assert store.snapshot() == model_of(records).snapshot()
             assert store.models() == model_of(records).models()
@@ -186,7 +186,7 @@ def test_a_worker_restarted_in_the_packed_layout_mid_stream_leaves_the_exact_vie
         eventually(lambda: store.positions() == want.positions() or Waiting(
             behind={h: p for h, p in want.positions().items() if store.positions().get(h) != p}), 180, pipeline)
         assert store.snapshot() == want.snapshot()
-        assert store.size() == want.size()
+        assert store.reader().size() == want.size()
     finally:
         pipeline.stop()
 

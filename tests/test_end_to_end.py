@@ -94,9 +94,9 @@ def test_known_sequence_gives_exact_view_and_lookup(pipeline, tmp_path) -> None:
                                          "--prefix", prefix)
         assert by_tokens == got
 
-        from kvbus.sinks.demo_summary import summary
+        from kvbus.client import ViewClient
 
-        assert summary(pipeline.settings.redis_url, prefix) == {
+        assert ViewClient(pipeline.settings.redis_url, prefix).summary() == {
             "replica-0": {"GPU": 3},
             "replica-1": {"GPU": 2, "CPU": 4, "CPU@kvcr": 4},
         }

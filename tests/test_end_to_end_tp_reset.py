@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
+from kvbus.client import ViewClient
 from kvbus.schemas.events import BlockStored, EventBatch, Reset, canonical_hash
-from kvbus.sinks.demo_summary import summary
 from tests.pipeline import Pipeline, RawProducer, eventually
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def test_reset_of_one_tp_worker_clears_its_replica_in_the_view(pipeline, test_se
 
     def view_is(want: dict):
         def check() -> bool:
-            seen.append(summary(test_settings.redis_url, prefix))
+            seen.append(ViewClient(test_settings.redis_url, prefix).summary())
             return seen[-1] == want
         return check
 

@@ -249,7 +249,7 @@ def test_a_sink_stops_on_a_full_redis_and_catches_up_exactly_once_memory_is_rais
         model = model_of(records)
         wait_until(lambda: readyz(port) == (200, []) and view.positions() == model.positions(), 120,
                    "the sink to catch up and be ready once maxmemory is raised", children)
-        assert view.snapshot() == model.snapshot() and view.size()["entries"] == model.size()["entries"]
+        assert view.snapshot() == model.snapshot() and view.reader().size()["entries"] == model.size()["entries"]
         assert metric(port, "kvbus_sink_redis_oom") == 0.0
         assert metric(port, "kvbus_sink_redis_oom_refusals_total") >= 1
         assert "kvbus_sink_dead_letters_total{" not in get(port, "/metrics")[1], "no good event was dead-lettered"
@@ -339,7 +339,7 @@ def test_keys_evicted_under_a_running_sink_make_it_rebuild_the_view(stack: Setti
             wait_until(lambda: (sink.step(), store.status().get("state") == "ready"
                                 and store.positions() == model.positions())[1], 90,
                        "the view to be rebuilt and ready")
-            assert store.snapshot() == model.snapshot() and store.size() == model.size()
+            assert store.snapshot() == model.snapshot() and store.reader().size() == model.size()
             assert r.exists(bucket), "the evicted bucket is back"
             assert sink.metrics.rebuilds._value.get() == rebuilds + 1
             assert sink.not_ready(store) is None

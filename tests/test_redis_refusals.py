@@ -33,7 +33,7 @@ def test_a_write_the_acl_forbids_is_a_permission_error_not_a_dead_letter(acl_red
     records = random_streams(2, Topics(blocks="tb"), holders=2, batches=3, pool=4)
     with pytest.raises(redis.exceptions.NoPermissionError):
         ro.apply(records)
-    assert ro.size()["holders"] == 3, "nothing was written"
+    assert ro.reader().size()["holders"] == 3, "nothing was written"
 
 
 @pytest.mark.parametrize("user, password, wants", [

@@ -83,7 +83,7 @@ def test_a_lost_sharded_view_is_rebuilt_from_its_snapshot(stack, sink_topics):
     half = len(records) // 2
     with sink_on_a_cluster(stack, sink_topics, records[:half]) as (cluster, store, sink):
         stats = SnapshotWriter(dataclasses.replace(stack, topics=sink_topics), store).take()
-        assert stats.holders == 8 and stats.entries == store.size(exact=False)["entries"]
+        assert stats.holders == 8 and stats.entries == store.reader().size(exact=False)["entries"]
         produce(stack, records[half:])
         for n in cluster.nodes:
             if n.master:

@@ -144,7 +144,7 @@ def test_sink_killed_mid_stream_and_restarted_leaves_the_exact_view(settings, to
         _, err = second.communicate(timeout=30)
     assert second.returncode == 0, err.decode()[-2000:]
     assert store.snapshot() == model.snapshot()
-    assert store.size() == model.size()
+    assert store.reader().size() == model.size()
 
 
 def test_sink_picks_up_new_tier_topics_and_expires_silent_replicas(settings, topics, redis_server):
@@ -170,7 +170,7 @@ def test_sink_picks_up_new_tier_topics_and_expires_silent_replicas(settings, top
     try:
         # both records are applied (they may sit on different partitions) and only the silent one expired
         def expired_only_the_silent_one() -> bool | Waiting:
-            stale, holders = store.stale(), set(store.lookup([canonical_hash(1)]))
+            stale, holders = store.reader().stale(), set(store.lookup([canonical_hash(1)]))
             return ("old#0" in stale and holders == {"new"}) or Waiting(stale=sorted(stale), holders=sorted(holders))
 
         wait_for(expired_only_the_silent_one, 60, "the silent replica expired, the one publishing (engine clock "
@@ -183,7 +183,7 @@ def test_sink_picks_up_new_tier_topics_and_expires_silent_replicas(settings, top
         try:
             produce(settings, [(late, ev("new", 1, BlockStored(block_hashes=[canonical_hash(2)], medium="CPU",
                                                                ownership="lmcache"), now - 86_400))])
-            wait_for(lambda: store.summary().get("new", {}).get("CPU@lmcache") == 1, 60,
+            wait_for(lambda: store.reader().summary().get("new", {}).get("CPU@lmcache") == 1, 60,
                      "a tier topic created after the sink started", step=sink.step)
         finally:
             admin.delete_topics([late])

@@ -41,7 +41,7 @@ def check_same(rs: RedisStore, model: InMemoryStore) -> None:
     assert snap == model.snapshot()
     assert rs.block_table() == forward_from(snap), "block table and per-holder index disagree"
     assert rs.positions() == model.positions()
-    assert rs.size() == model.size()
+    assert rs.reader().size() == model.size()
     assert rs.models() == model.models()
     names = rs.holder_ids()
     fields = {names[hid]: rs.dump_holder(hid).model for hid in names}

@@ -145,7 +145,7 @@ def test_clearing_a_holder_touches_only_its_own_blocks(server):
     assert hget <= 20 + 5, f"{hget} HGETs to clear 20 blocks"
     assert gets <= 2, "one index bucket"
     assert "cmdstat_scan" not in stats and "cmdstat_keys" not in stats
-    assert store.summary() == {"big": {"GPU": 3000}}
+    assert store.reader().summary() == {"big": {"GPU": 3000}}
 
 
 def test_structures_use_compact_encodings(server):

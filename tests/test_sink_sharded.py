@@ -65,10 +65,10 @@ def test_same_answers_as_the_single_node_view(redis_server, cluster, seed):
                (b.applied, b.skipped, b.entries_delta, b.resets, b.clears)
     assert sharded.snapshot() == single.snapshot()
     assert sharded.positions() == single.positions()
-    assert sharded.summary() == single.summary()
-    assert sharded.size() == single.size()
+    assert sharded.reader().summary() == single.reader().summary()
+    assert sharded.reader().size() == single.reader().size()
     assert sharded.models() == single.models() and sharded.models()
-    used = {s for s in range(sharded.nshards) if sharded.shards[s].size()["holders"]}
+    used = {s for s in range(sharded.nshards) if sharded.shards[s].reader().size()["holders"]}
     assert len(used) > 3, "the holders are spread over the shards"
     rng = random.Random(seed)
     names = sorted({ev.replica for _, ev in records})
@@ -84,7 +84,7 @@ def test_same_answers_as_the_single_node_view(redis_server, cluster, seed):
                 single.lookup(chain, model=model, candidates=cands)
     now = records[-1][1].ts + 50
     assert sorted(sharded.expire_stale(100.0, now=now)) == sorted(single.expire_stale(100.0, now=now))
-    assert sharded.stale() == single.stale() and sharded.snapshot() == single.snapshot()
+    assert sharded.reader().stale() == single.reader().stale() and sharded.snapshot() == single.snapshot()
 
 
 def test_kvbus_lookup_on_a_cluster_url_reads_the_sharded_view(redis_server, cluster):
@@ -137,7 +137,7 @@ def test_a_slot_migration_while_applying_costs_retries_not_errors(redis_server, 
     warm, rest = batches[:len(batches) // 3], batches[len(batches) // 3:]
     for b in warm:
         sharded.apply(b)
-    sizes = [st.size()["entries"] for st in sharded.shards]
+    sizes = [st.reader().size()["entries"] for st in sharded.shards]
     s = max(range(sharded.nshards), key=sizes.__getitem__)
     key = meta_key(sharded.shards[s].prefix)
     slot = sharded.rc.keyslot(key)

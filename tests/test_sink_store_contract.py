@@ -162,7 +162,7 @@ def test_full_mode_restore_is_idempotent_on_a_set_tier(store):
     assert view(store) == {"a#0": {"GPU": {h: 1 for h in H[:3]}}}
     store.apply([(MAIN, a.ev(removed(H[:1])))])
     assert view(store) == {"a#0": {"GPU": {h: 1 for h in H[1:3]}}}
-    assert store.size()["entries"] == 2
+    assert store.reader().size()["entries"] == 2
 
 
 def test_offload_tier_reference_counts_repeated_hashes(store):
@@ -207,7 +207,7 @@ def test_all_blocks_cleared_drops_framework_tiers_and_keeps_ownership_tiers(stor
     assert res.clears == 1
     assert view(store) == {"a#0": {"CPU@kvcr": {h: 1 for h in H[:3]}}, "b#0": {"GPU": {h: 1 for h in H[:4]}}}
     assert store.lookup(H[:4])["a"].tiers == {"CPU@kvcr": 3}
-    assert store.size()["entries"] == 7
+    assert store.reader().size()["entries"] == 7
 
 
 def test_reset_marker_drops_the_holder_and_makes_the_old_run_stale(store):
@@ -257,12 +257,12 @@ def test_stale_holders_are_expired_listed_and_revived(store):
     a, b = Stream("a", ts=1000.0), Stream("b", ts=5000.0)
     store.apply([(MAIN, a.ev(stored(H[:3]))), (MAIN, b.ev(stored(H[:3])))])
     assert store.expire_stale(max_age=600, now=5100.0) == ["a#0"]
-    assert set(store.stale()) == {"a#0"}
+    assert set(store.reader().stale()) == {"a#0"}
     assert set(store.lookup(H[:3])) == {"b"}
-    assert store.size() == {"entries": 3, "blocks": 3, "holders": 1}
+    assert store.reader().size() == {"entries": 3, "blocks": 3, "holders": 1}
     assert store.expire_stale(max_age=600, now=5100.0) == []
     store.apply([(MAIN, a.ev(stored(H[5:6])))])
-    assert store.stale() == {}
+    assert store.reader().stale() == {}
     assert set(view(store)) == {"a#0", "b#0"}
 
 
@@ -279,7 +279,7 @@ def test_drop_holder_forgets_one_holder_only(store):
     store.apply([(MAIN, a.ev(stored(H[:3]))), (MAIN, a.ev(stored(H[:2], "CPU"))), (MAIN, b.ev(stored(H[:3])))])
     assert store.drop_holder("a", 0, now=1.0) == 5
     assert set(view(store)) == {"b#0"}
-    assert "a#0" in store.stale()
+    assert "a#0" in store.reader().stale()
     assert store.drop_holder("zz", 0, now=1.0) == 0
 
 
@@ -289,7 +289,7 @@ def test_dp_ranks_are_separate_holders_and_named_by_rank(store):
     got = store.lookup(H[:3])
     assert {k: v.matched for k, v in got.items()} == {"r#0": 2, "r#1": 3, "s": 1}
     assert (got["r#1"].replica, got["r#1"].dp_rank) == ("r", 1)
-    assert store.summary() == {"r#0": {"GPU": 2}, "r#1": {"GPU": 3}, "s": {"GPU": 1}}
+    assert store.reader().summary() == {"r#0": {"GPU": 2}, "r#1": {"GPU": 3}, "s": {"GPU": 1}}
 
 
 def test_candidates_restrict_the_answer(store):
@@ -335,8 +335,8 @@ def test_summary_and_size(store):
     a, b = Stream("a"), Stream("b")
     store.apply([(MAIN, a.ev(stored(H[:3]))), (MAIN, a.ev(stored(H[:2], "CPU"))),
                  (KVCR, a.ev(stored(H[:1], "CPU", "kvcr"))), (MAIN, b.ev(stored(H[2:6])))])
-    assert store.summary() == {"a": {"CPU": 2, "CPU@kvcr": 1, "GPU": 3}, "b": {"GPU": 4}}
-    assert store.size() == {"entries": 10, "blocks": 6, "holders": 2}
+    assert store.reader().summary() == {"a": {"CPU": 2, "CPU@kvcr": 1, "GPU": 3}, "b": {"GPU": 4}}
+    assert store.reader().size() == {"entries": 10, "blocks": 6, "holders": 2}
 
 
 def test_store_without_hashes_only_moves_the_position(store):

@@ -6,11 +6,11 @@ import redis
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
+from kvbus.schemas.lookup import display_names
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.consumer import is_transient
 from kvbus.sinks.validate import problem
 from kvbus.sinks.view.refcounts import DEFAULT_POLICY, Weights, describe, label
-from kvbus.sinks.view.store import display_names
 
 T = Topics()
 

@@ -115,7 +115,7 @@ def test_a_block_topic_recreated_under_a_running_sink_makes_it_rebuild_the_view(
                   and sink.metrics.rebuilds._value.get() > rebuilds, 120,
                   f"the view to be rebuilt from {'the snapshot' if snapshot else 'the start'} and ready "
                   f"(stored offsets before: {stored})")
-            assert store.snapshot() == want.snapshot() and store.size() == want.size()
+            assert store.snapshot() == want.snapshot() and store.reader().size() == want.size()
             assert sink.metrics.rebuilds._value.get() == rebuilds + 1
             assert sink.metrics.log_replaced._value.get() >= 1
             assert any("the topic was deleted and recreated" in m for m in caplog.messages)

@@ -61,7 +61,7 @@ def test_restored_view_replayed_from_an_earlier_point_is_exact(redis_server, see
     assert rebuilt.snapshot() == model.snapshot()
     assert rebuilt.positions() == model.positions()
     assert rebuilt.models() == model.models()
-    assert rebuilt.size()["entries"] == model.size()["entries"]
+    assert rebuilt.reader().size()["entries"] == model.size()["entries"]
 
 
 def test_apply_stores_offsets_with_the_last_call_and_refuses_another_view(redis_server):
@@ -103,7 +103,7 @@ def test_an_incomplete_snapshot_is_not_restored(redis_server):
 
     target = fresh(redis_server)
     rebuild(target, Reader(), lambda: {})
-    assert target.view_id() is not None and target.offsets() == {} and target.size()["entries"] == 0
+    assert target.view_id() is not None and target.offsets() == {} and target.reader().size()["entries"] == 0
     records[n1] = holder_record(200, n1, live.dump_holder(h1))  # complete: restored, offsets stored
     again = fresh(redis_server)
     rebuild(again, Reader(), lambda: {})
@@ -226,7 +226,7 @@ def test_a_lost_view_is_rebuilt_from_the_snapshot_beyond_the_topics_retention(st
             produce(stack, records[:half])
             catch_up(sink, store, records[:half], "the first half")
             stats = SnapshotWriter(settings, store).take()
-            assert stats.holders == 6 and stats.entries == store.size()["entries"] > 0
+            assert stats.holders == 6 and stats.entries == store.reader().size()["entries"] > 0
             saved = store.offsets()
             admin = AdminClient({"bootstrap.servers": stack.bootstrap})
             for f in admin.delete_records([TopicPartition(t, p, o) for (t, p), o in saved.items()]).values():
@@ -237,7 +237,7 @@ def test_a_lost_view_is_rebuilt_from_the_snapshot_beyond_the_topics_retention(st
             rebuilds_before = sink.metrics.rebuilds._value.get()
             srv.kill()
             srv.start()  # no persistence: the view is gone
-            assert store.size()["entries"] == 0
+            assert store.reader().size()["entries"] == 0
             states: list[str] = []
 
             def note() -> None:  # the states the sinks record (status() says "missing" before the first)
@@ -250,7 +250,7 @@ def test_a_lost_view_is_rebuilt_from_the_snapshot_beyond_the_topics_retention(st
             assert states[0] == "rebuilding" and states[-1] == "ready"
             assert store.snapshot() == model_of(records).snapshot()
             assert store.models() == model_of(records).models() and store.models(), "the holders keep their models"
-            assert store.size() == model_of(records).size()
+            assert store.reader().size() == model_of(records).size()
             re_read = sink.metrics.records._value.get() - read_before
             assert re_read <= len(records) - half, "replayed from the snapshot's offsets, not from the start"
             assert sink.metrics.rebuilds._value.get() == rebuilds_before + 1

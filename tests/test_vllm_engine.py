@@ -38,7 +38,6 @@ from kvbus.infra import vllm_engine
 from kvbus.infra.vllm_engine import EngineSpec
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.hashing import block_hashes
-from kvbus.sinks.demo_summary import summary
 from tests.conftest import fresh_topics
 from tests.engine_truth import EngineTruth
 from tests.pipeline import Pipeline, eventually
@@ -94,7 +93,7 @@ class Run:
     def fresh(self) -> Waiting | bool:
         """the view holds exactly the hashes the engine holds (its own socket's reference counts)"""
         held = self.truth.held()
-        listed = summary(self.pipeline.settings.redis_url, self.prefix).get(REPLICA, {}).get("GPU", 0)
+        listed = ViewClient(self.pipeline.settings.redis_url, self.prefix).summary().get(REPLICA, {}).get("GPU", 0)
         in_view = self.held_in_view(self.truth.ever_stored() | self.stored_before)
         if in_view == held and listed == len(held):
             return True
@@ -275,7 +274,7 @@ def test_data_parallel_ranks_arrive_as_holders_of_their_own(run) -> None:
 
         seen = eventually(ranks_fresh, FRESH_TIMEOUT, run.pipeline)
         print(f"data parallel: (held, in the view) per rank {seen}")
-        listed = summary(run.pipeline.settings.redis_url, run.prefix)
+        listed = ViewClient(run.pipeline.settings.redis_url, run.prefix).summary()
         assert {f"{DP_REPLICA}#0", f"{DP_REPLICA}#1"} <= set(listed), listed
     finally:
         engine.kill()
@@ -293,7 +292,7 @@ def test_a_stopped_engine_expires_from_the_view(run) -> None:
 
     def gone():
         """the stopped engine's holder is gone from the view"""
-        left = summary(run.pipeline.settings.redis_url, run.prefix)
+        left = ViewClient(run.pipeline.settings.redis_url, run.prefix).summary()
         return REPLICA not in left or Waiting(left=left)
 
     eventually(gone, 120, run.pipeline)

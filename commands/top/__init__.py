@@ -2,8 +2,8 @@
 
 It reads what the processes and services publish, never a stage's internals:
 the bridges', Faust workers' and sinks' Prometheus endpoints, Kafka (committed offsets and
-watermarks of the worker's and the sink's groups) and the residency view through the sinks'
-public store API (``kvbus.sinks.view.store_url.open_store``).
+watermarks of the worker's and the sink's groups) and the residency view through its reader
+(``kvbus.client.ViewClient``), as routers read it.
 
 Modules:
   config.py    TopConfig: which endpoints, groups and view to watch (KVBUS_TOP_* and flags)

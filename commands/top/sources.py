@@ -1,5 +1,5 @@
 """The console's two service sources: Kafka (consumer lag per hop and partition, topic ends) and
-the Redis residency view (through the sinks' public store API). Each read either returns its data
+the Redis residency view (through its reader, as routers read it). Each read either returns its data
 or raises; :mod:`kvbus.top.collect` turns a raise into "unreachable: <what>"."""
 from __future__ import annotations
 
@@ -65,20 +65,20 @@ class KafkaSource:
 
 
 class ViewSource:
-    """The residency view, read through ``kvbus.sinks.view.store_url.open_store`` (single or sharded)."""
+    """The residency view, read as every reader reads it (:class:`kvbus.client.ViewClient`, single or sharded)."""
 
     def __init__(self, settings: Settings, prefix: str, timeout: float) -> None:
         self.url, self.prefix = settings.redis_url, prefix
         # credentials and TLS (KVBUS_REDIS_*), and timeouts: a hung Redis must not hang the screen
         self.client_kwargs = {**settings.redis_kwargs(), "socket_timeout": timeout, "socket_connect_timeout": timeout}
-        self._store = None
+        self._view = None
 
     def _open(self):
-        if self._store is None:
-            from kvbus.sinks.view.store_url import open_store
+        if self._view is None:
+            from kvbus.client import ViewClient
 
-            self._store = open_store(self.url, self.prefix, load=False, client_kwargs=self.client_kwargs)
-        return self._store
+            self._view = ViewClient(self.url, self.prefix, **self.client_kwargs)
+        return self._view
 
     def read(self) -> dict:
         """``{"state", "size": {"entries", "blocks", "holders"}, "stale": [holder], "replicas":
@@ -86,15 +86,17 @@ class ViewSource:
         (ready, rebuilding, missing), ``replicas`` the blocks each holder (display name: the replica, or
         ``<replica>#<dp_rank>``) holds per tier label (``GPU``, ``CPU``, ``CPU@kvcr``), ``tiers`` every
         label in it, ``stale`` the holders expired for silence. Raises redis errors when Redis cannot
-        answer (the store is opened again on the next read)."""
+        answer (the client is opened again on the next read)."""
         try:
-            store = self._open()
-            replicas = store.summary()
-            size = store.size(exact=False)
-            stale = sorted(store.stale())
-            state = store.status().get("state", "?")
+            view = self._open()
+            replicas = view.summary()
+            size = view.size(exact=False)
+            stale = sorted(view.stale())
+            state = view.status().state
         except Exception:
-            self._store = None
+            if self._view is not None:
+                self._view.close()
+            self._view = None
             raise
         tiers = sorted({t for per in replicas.values() for t in per})
         return {"state": state, "size": size, "stale": stale, "replicas": replicas, "tiers": tiers}

@@ -1,6 +1,10 @@
-"""``ViewClient``: a router's connection to the residency view (docs/client.md).
+"""The residency view's reader: :class:`ViewReader`, what every reader of the view may ask, and
+:class:`ViewClient`, its implementation for a single Redis/Valkey and for a Redis Cluster (docs/client.md).
 
-It speaks the lookup protocol of :mod:`kvbus.schemas.lookup` over redis-py: one ``FCALL_RO
+Routers (``kvbus.client``), ``kvbus serve``, ``kvbus top``, the demo and the sink's own gauges read the
+view through it; only the writer's stores (:mod:`kvbus.sinks.view.store`) write it.
+
+``ViewClient`` speaks the lookup protocol of :mod:`kvbus.schemas.lookup` over redis-py: one ``FCALL_RO
 kvbus_lookup`` on a single Redis (or one of its replicas), one per shard on a Redis Cluster
 (pipelined per node, concurrent across nodes, retried through slot migrations and failovers,
 from replicas with ``?read_from=replica``: :mod:`kvbus.sinks.view.cluster`), holder names from a
@@ -9,7 +13,7 @@ cache it refreshes itself.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import redis
 from redis.cluster import LoadBalancingStrategy, RedisCluster
@@ -19,7 +23,8 @@ from kvbus.schemas import lookup
 from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes, check_model
 from kvbus.schemas.hashing import LoRA, block_hashes
 from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
-from kvbus.schemas.tiers import Weights
+from kvbus.schemas.tiers import Weights, label
+from kvbus.sinks.view import protocol as vp
 from kvbus.sinks.view.cluster import (
     MIGRATION_CHECK,
     RETRY_FOR,
@@ -37,6 +42,38 @@ WeightsLike = Weights | Mapping[str, float] | str
 """What a ``weights`` argument takes: a mapping NAME -> weight laid over the defaults (names a
 medium, e.g. ``GPU``, ``CPU``, or an ownership, e.g. ``kvcr``; ``*`` for any other tier), the same as a
 string ``"GPU=1,CPU=0.5"``, or a :class:`~kvbus.schemas.tiers.Weights`."""
+
+
+class ViewReader(Protocol):
+    """What a reader of the residency view may ask. :class:`ViewClient` implements it for every backend
+    (one Redis or Valkey server, or a replica of it; a Redis Cluster); ``tests/test_view_reader.py``
+    holds each backend's answers to the same oracle."""
+
+    def lookup(self, tokens: Sequence[int] | None = None, hashes: Sequence[int | bytes] | None = None,
+               **options: Any) -> list[HolderMatch]:
+        """The holders of the longest cached prefix of a prompt, best first (:meth:`ViewClient.lookup`)."""
+
+    def status(self) -> ViewStatus:
+        """Whether answers can be trusted now (ready, rebuilding, missing)."""
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """``{holder display name: {tier label: blocks}}``: the blocks each holder holds per tier (a holder's
+        display name is its replica, or ``<replica>#<dp_rank>`` when the replica has several dp ranks;
+        labels such as ``GPU``, ``CPU``, ``CPU@kvcr``); holders with no blocks are left out."""
+
+    def size(self, exact: bool = True) -> dict[str, int]:
+        """``{"entries": (holder, block, tier) entries, "blocks": distinct hashes, "holders": live holders}``.
+        ``exact=False`` lets ``blocks`` count a hash once per shard of a sharded view (cheap: what gauges
+        read every few seconds); a view of one shard is always exact."""
+
+    def stale(self) -> dict[str, float]:
+        """Holders expired for silence and not heard from since: holder name -> when it expired (Unix s)."""
+
+
+def summary_from_counts(counts: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """Turn ``{holder name: {label: n}}`` into display names, dropping empty holders."""
+    names = lookup.display_names(counts)
+    return {names[h]: dict(sorted(t.items())) for h, t in sorted(counts.items()) if any(t.values())}
 
 
 class FunctionsMissing(RuntimeError):
@@ -272,6 +309,66 @@ class ViewClient:
     def _missing(self, err: Exception) -> FunctionsMissing:
         return FunctionsMissing(f"the kvbus functions are not loaded on this server ({err}); a sink loads them "
                                 "when it starts and when it finds them missing: start one against the primary")
+
+    # -- the view's extent -------------------------------------------------------
+
+    def _ask(self, per_prefix: Any) -> list[list]:
+        """Send ``per_prefix(pipe, prefix)``'s commands for every view (shard) in one round trip; each
+        view's replies, in order."""
+        if self._cluster:
+            with self._lock:
+                self._ensure_shards()
+        prefixes = self._prefixes()
+        pipe = self._pipeline()
+        counts = []
+        for p in prefixes:
+            before = len(pipe)
+            per_prefix(pipe, p)
+            counts.append(len(pipe) - before)
+        replies, out = pipe.execute(), []
+        for n in counts:
+            out.append(replies[:n])
+            replies = replies[n:]
+        return out
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """:meth:`ViewReader.summary`. Two round trips: the holder and tier tables, then each holder's
+        state (its tiers' entry counts, ``t:<code>`` of ``P H:<hid>``)."""
+        tables = self._ask(lambda pipe, p: (pipe.hgetall(lookup.hname_key(p)), pipe.hgetall(vp.tname_key(p))))
+        holders = [(p, hid, name, tnames) for p, (hname, tname) in zip(self._prefixes(), tables)
+                   for tnames in [{int(k): vp.text(v) for k, v in tname.items()}]
+                   for hid, name in lookup.parse_hname(hname).items()]
+        pipe = self._pipeline()
+        for p, hid, _name, _tnames in holders:
+            pipe.hgetall(vp.holder_state_key(p, hid))
+        counts: dict[str, dict[str, int]] = {}
+        for (_p, _hid, name, tnames), state in zip(holders, pipe.execute() if holders else []):
+            tiers = counts.setdefault(name, {})
+            for f, v in state.items():
+                f = vp.text(f)
+                if f.startswith("t:") and (n := int(vp.STATE_TIER.unpack_from(v)[0])):
+                    tiers[label(tnames[int(f[2:])])] = n
+        return summary_from_counts(counts)
+
+    def size(self, exact: bool = True) -> dict[str, int]:
+        """:meth:`ViewReader.size`: one round trip, and on a Redis Cluster with ``exact`` whose blocks are
+        in several shards, one more reading every shard's block table (O(blocks))."""
+        sizes = self._ask(lambda pipe, p: (pipe.hgetall(lookup.meta_key(p)), pipe.zcard(vp.seen_key(p))))
+        out = {"entries": sum(int(meta.get(b"entries", 0)) for meta, _ in sizes),
+               "blocks": sum(int(meta.get(b"blocks", 0)) for meta, _ in sizes),
+               "holders": sum(int(n) for _, n in sizes)}
+        if exact and sum(1 for meta, _ in sizes if int(meta.get(b"blocks", 0))) > 1:
+            pipe = self._pipeline()
+            for p, (meta, _) in zip(self._prefixes(), sizes):
+                for b in range(vp.block_buckets(meta)):
+                    pipe.hkeys(vp.block_key(p, b))
+            out["blocks"] = len({raw for fields in pipe.execute() for raw in fields})
+        return out
+
+    def stale(self) -> dict[str, float]:
+        """:meth:`ViewReader.stale`."""
+        zsets = self._ask(lambda pipe, p: pipe.zrange(vp.stale_key(p), 0, -1, withscores=True))
+        return {vp.text(n): float(s) for (members,) in zsets for n, s in members}
 
     # -- status -----------------------------------------------------------------
 

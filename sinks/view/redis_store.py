@@ -19,6 +19,7 @@ from kvbus.schemas.events import BlockEvent, holder_key
 from kvbus.schemas.lookup import (
     DEFAULT_PREFIX,
     LOOKUP_FUNCTION,
+    HolderMatch,
     HolderNames,
     hname_key,
     lookup_args,
@@ -29,18 +30,17 @@ from kvbus.schemas.lookup import (
 )
 from kvbus.sinks.view import functions, protocol as vp
 from kvbus.sinks.view.cluster import RETRYABLE
+from kvbus.sinks.view.reader import ViewClient
 from kvbus.sinks.view.refcounts import DEFAULT_POLICY, TierPolicy, Weights, label
 from kvbus.sinks.view.store import (
     ApplyResult,
     Checkpoint,
     HolderDump,
-    HolderMatch,
     LostShards,
     Offsets,
     ResidencyStore,
     Snapshot,
     ViewChanged,
-    summary_from_counts,
 )
 from kvbus.sinks.view.transport import NodeTransport, Transport
 
@@ -204,6 +204,11 @@ class RedisStore(ResidencyStore):
         kw = r.connection_pool.connection_kwargs
         return [(str(kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"), r)]
 
+    def reader(self) -> ViewClient:
+        """A :class:`~kvbus.sinks.view.reader.ViewClient` of this view (or of this shard, as a view of its
+        own) on the server it is written to."""
+        return ViewClient(self.transport.server(), self.prefix)
+
     def lost_shards(self) -> LostShards | None:
         return None
 
@@ -298,7 +303,8 @@ class RedisStore(ResidencyStore):
         return sum(int(self.transport.call(vp.RESTORE, *args))
                    for args in vp.restore_calls(self.prefix, replica, dp_rank, state, max_hashes))
 
-    # -- reads ----------------------------------------------------------------
+    # -- inspection: no interface has these; the tests and benchmarks compare the view with their
+    # oracle through them, in the store's own terms (holder names, tier descriptors)
 
     def lookup(
         self,
@@ -317,9 +323,6 @@ class RedisStore(ResidencyStore):
         args = lookup_args(self.prefix, chain, spec, candidates or (), model)
         reply = self.transport.call(LOOKUP_FUNCTION, *args, readonly=True)
         return {m.name: m for m in self._names.answer([reply], lambda: [self._holders()])}
-
-    def stale(self) -> dict[str, float]:
-        return {vp.text(n): float(s) for n, s in self.r.zrange(vp.stale_key(self.prefix), 0, -1, withscores=True)}
 
     def _holders(self) -> dict[int, str]:
         return parse_hname(self.r.hgetall(hname_key(self.prefix)))
@@ -398,29 +401,6 @@ class RedisStore(ResidencyStore):
                     add(raw, m)
         return out
 
-    def block_hashes(self) -> set[bytes]:
-        """Every hash in the block table (O(blocks): a sharded view's exact count of distinct blocks)."""
-        pipe = self.r.pipeline(transaction=False)
-        for b in range(vp.block_buckets(self.r.hgetall(meta_key(self.prefix)))):
-            pipe.hkeys(vp.block_key(self.prefix, b))
-        return {raw for fields in pipe.execute() for raw in fields}
 
-    def tier_counts(self) -> dict[str, dict[str, int]]:
-        """``{holder name: {tier label: blocks}}`` (tiers with blocks only)."""
-        tnames = self._tier_names()
-        return {
-            name: {label(tnames[code]): n for code, (n, _, _) in self._tiers_of(hid).items() if n}
-            for hid, name in self._holders().items()
-        }
 
-    def summary(self) -> dict[str, dict[str, int]]:
-        return summary_from_counts(self.tier_counts())
-
-    def size(self, exact: bool = True) -> dict[str, int]:
-        meta = self.r.hmget(meta_key(self.prefix), "entries", "blocks")
-        return {
-            "entries": int(meta[0] or 0),
-            "blocks": int(meta[1] or 0),
-            "holders": int(self.r.zcard(vp.seen_key(self.prefix))),
-        }
 

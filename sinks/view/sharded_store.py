@@ -49,6 +49,7 @@ from kvbus.schemas.lookup import (
     DEFAULT_PREFIX,
     LOOKUP_FUNCTION,
     SHARDS_FIELD,
+    HolderMatch,
     HolderNames,
     declared_keys,
     hname_key,
@@ -60,18 +61,17 @@ from kvbus.schemas.lookup import (
 )
 from kvbus.sinks.view import functions, protocol as vp
 from kvbus.sinks.view.cluster import DEFAULT_SHARDS, MIGRATION_CHECK, RETRY_FOR, ShardCalls, cluster_client
+from kvbus.sinks.view.reader import ViewClient
 from kvbus.sinks.view.redis_store import DEFAULT_WEIGHTS, RedisStore
 from kvbus.sinks.view.refcounts import DEFAULT_POLICY, TierPolicy, Weights
 from kvbus.sinks.view.store import (
     ApplyResult,
     Checkpoint,
     HolderDump,
-    HolderMatch,
     LostShards,
     Offsets,
     ResidencyStore,
     Snapshot,
-    summary_from_counts,
 )
 from kvbus.sinks.view.transport import ShardTransport
 
@@ -288,6 +288,10 @@ class ShardedRedisStore(ResidencyStore):
         """(name, client) of every master (the servers the view is written to)."""
         return [(node.name, node.redis_connection) for node in self.rc.get_primaries()]
 
+    def reader(self) -> ViewClient:
+        """A :class:`~kvbus.sinks.view.reader.ViewClient` of the sharded view, on this store's cluster client."""
+        return ViewClient(self.rc, self.prefix, shards=self.nshards)
+
     def lost_shards(self) -> LostShards | None:
         """Some shards lost the view (their master failed over to a replica without the data, or both
         lost it) while every other shard has the same id: those shards alone are rebuilt."""
@@ -370,7 +374,8 @@ class ShardedRedisStore(ResidencyStore):
         """Into its shard."""
         return self.shards[self.shard(replica, dp_rank)].restore_holder(replica, dp_rank, state, max_hashes)
 
-    # -- reads ----------------------------------------------------------------
+    # -- inspection: no interface has these; the tests and benchmarks compare the view with their
+    # oracle through them, in the store's own terms (holder names, tier descriptors)
 
     def lookup(self, chain: Sequence[bytes], *, weights: Weights | None = None,
                candidates: Sequence[str] | None = None, model: str | None = None) -> dict[str, HolderMatch]:
@@ -396,12 +401,6 @@ class ShardedRedisStore(ResidencyStore):
             pipe.hgetall(hname_key(st.prefix))
         return [parse_hname(d) for d in pipe.execute()]
 
-    def stale(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for st in self.shards:
-            out.update(st.stale())
-        return out
-
     def positions(self) -> dict[tuple[str, str], tuple[int, int, int]]:
         out: dict = {}
         for st in self.shards:
@@ -418,25 +417,6 @@ class ShardedRedisStore(ResidencyStore):
         out: Snapshot = {}
         for st in self.shards:
             out.update(st.snapshot())
-        return out
-
-    def summary(self) -> dict[str, dict[str, int]]:
-        counts: dict[str, dict[str, int]] = {}
-        for st in self.shards:
-            counts.update(st.tier_counts())
-        return summary_from_counts(counts)
-
-    def size(self, exact: bool = True) -> dict[str, int]:
-        """Entries and holders summed over shards; ``blocks`` = distinct hashes over all shards (a
-        hash held in several shards is in each one's block table: ``exact`` reads every block
-        table's field names, O(blocks); ``exact=False`` sums the shards' counts)."""
-        sizes = [st.size() for st in self.shards]
-        out = {k: sum(x[k] for x in sizes) for k in ("entries", "blocks", "holders")}
-        if exact and sum(1 for x in sizes if x["blocks"]) > 1:
-            seen: set[bytes] = set()
-            for st in self.shards:
-                seen |= st.block_hashes()
-            out["blocks"] = len(seen)
         return out
 
     def commandstats(self) -> dict[str, dict[str, dict[str, float]]]:

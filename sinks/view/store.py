@@ -1,4 +1,5 @@
-"""The residency view's interface (``ResidencyStore``) and the values it returns.
+"""The residency view's writer and recovery interfaces (:class:`ViewWriter`, :class:`ViewRecovery`; a
+backend implements both: :class:`ResidencyStore`) and the values they return.
 
 The view answers, per block hash, which holders ((replica, dp_rank)) hold it on which tier, and per
 holder which blocks it holds. Two implementations share one contract test suite
@@ -23,26 +24,28 @@ Semantics every implementation follows (docs/sinks-layout.md):
 Recovery (sinks/consumer.py, sinks/rebuild.py, sinks/snapshot.py; docs/sinks-layout.md, "Recovery"), the
 same protocol on every store:
 
-* a view has an id (:meth:`ResidencyStore.view_id`; None: lost or never created) and stores, with the
-  applies, the next Kafka offset of each block-topic partition (:meth:`ResidencyStore.offsets`);
+* a view has an id (:meth:`ViewRecovery.view_id`; None: lost or never created) and stores, with the
+  applies, the next Kafka offset of each block-topic partition (:meth:`ViewRecovery.offsets`);
 * a sink keeps a :data:`Checkpoint` (what it believes the view stores for its partitions; opaque: each
   store has its own form) and passes it to every apply, which fails with :class:`ViewChanged`, writing
   nothing, when the view is not the one the sink knows;
 * a view may be split into shards (a Redis Cluster view); a store of one shard answers ``shards`` of
   one, shard 0. Methods taking ``shards=`` act on those shards only (None: all of them), which is how a
-  view whose shards lost their data while others kept it (:meth:`ResidencyStore.lost_shards`) is
+  view whose shards lost their data while others kept it (:meth:`ViewRecovery.lost_shards`) is
   rebuilt in those shards alone.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from kvbus.schemas import view_keys
 from kvbus.schemas.events import BlockEvent
-from kvbus.schemas.lookup import HolderMatch, display_names, split_holder  # noqa: F401  (the lookup protocol's)
-from kvbus.schemas.tiers import Weights
+from kvbus.schemas.lookup import split_holder  # noqa: F401  (the lookup protocol's)
+
+if TYPE_CHECKING:
+    from kvbus.sinks.view.reader import ViewReader
 
 Snapshot = dict[str, dict[str, dict[bytes, int]]]
 """``{holder name "<replica>#<dp>": {tier label: {8-byte hash: count}}}`` (count > 1 only on ref-counted tiers)."""
@@ -121,8 +124,9 @@ class HolderDump:
     events named (kvbus.lua, "KV cache groups of a holder"); empty for engines that name none."""
 
 
-class ResidencyStore(abc.ABC):
-    """Where the residency view lives. See the module docstring for the semantics."""
+class ViewWriter(abc.ABC):
+    """Writes the view: what the sink's consumer loop calls for each batch and every few seconds. See
+    the module docstring for the semantics."""
 
     prefix: str = ""
     """The view's name: its Redis key prefix (snapshot records and locks are named after it)."""
@@ -133,23 +137,10 @@ class ResidencyStore(abc.ABC):
         """Apply ``(topic, event)`` records exactly once (events of one holder and topic in order).
 
         ``view_id``: fail with :class:`ViewChanged`, writing nothing, unless the view's id is this one.
-        ``offsets``: stored atomically with the batch (:meth:`offsets`). ``expected``: a
+        ``offsets``: stored atomically with the batch (:meth:`ViewRecovery.offsets`). ``expected``: a
         :data:`Checkpoint` of the partitions of ``offsets`` (a partition it lacks is expected absent);
         fail with :class:`ViewChanged` unless the view still stores what it says. Events the store
         refuses (e.g. tier table full) are returned in ``failed``; the rest is applied."""
-
-    @abc.abstractmethod
-    def lookup(
-        self,
-        chain: Sequence[bytes],
-        *,
-        weights: Weights | None = None,
-        candidates: Sequence[str] | None = None,
-        model: str | None = None,
-    ) -> dict[str, HolderMatch]:
-        """Per holder (display name) holding block 0 of ``chain``: its match. ``candidates``: replica
-        names or ``<replica>#<dp>`` names to restrict the answer to. ``model``: only holders whose model
-        is this one (see the module docstring); None: every holder."""
 
     @abc.abstractmethod
     def heartbeat(self, replica: str, dp_rank: int, ts: float) -> None:
@@ -163,33 +154,22 @@ class ResidencyStore(abc.ABC):
     def drop_holder(self, replica: str, dp_rank: int, now: float) -> int:
         """Forget a (dead) holder now; returns the entries dropped."""
 
-    @abc.abstractmethod
-    def stale(self) -> dict[str, float]:
-        """Holders expired and not heard from since: name -> when expired."""
 
     @abc.abstractmethod
-    def positions(self) -> dict[tuple[str, str], tuple[int, int, int]]:
-        """Applied position per (holder name, topic)."""
+    def servers(self) -> list[tuple[str, Any]]:
+        """(name, ``redis.Redis`` client) of every server the view is written to (memory policy,
+        evictions); none for a view in process memory."""
 
     @abc.abstractmethod
-    def models(self) -> dict[str, str]:
-        """Holder name ``"<replica>#<dp>"`` -> its model, for the holders whose model is known."""
+    def reader(self) -> "ViewReader":
+        """A reader of the view this store writes, on the store's own connections (the sink's gauges:
+        its size and stale holders)."""
 
-    @abc.abstractmethod
-    def snapshot(self) -> Snapshot:
-        """The whole view (tests, debugging)."""
 
-    @abc.abstractmethod
-    def summary(self) -> dict[str, dict[str, int]]:
-        """``{holder display name: {tier label: blocks}}``."""
-
-    @abc.abstractmethod
-    def size(self, exact: bool = True) -> dict[str, int]:
-        """``{"entries": (holder, block, tier) entries, "blocks": distinct hashes, "holders": live holders}``.
-        ``exact=False`` allows ``blocks`` to count a hash once per shard of a sharded view (cheap: what
-        a sink's gauges read every few seconds); a single view is always exact."""
-
-    # -- recovery -------------------------------------------------------------
+class ViewRecovery(abc.ABC):
+    """Recovers the view: its id, the Kafka offsets stored with it and the sinks' checkpoints of them,
+    its recorded status, the locks of a rebuild and a snapshot, and dumps of a holder (sinks/rebuild.py,
+    sinks/snapshot.py). See the module docstring for the protocol."""
 
     @abc.abstractmethod
     def view_id(self) -> str | None:
@@ -286,13 +266,9 @@ class ResidencyStore(abc.ABC):
     def restore_holder(self, replica: str, dp_rank: int, state: HolderDump, max_hashes: int = 16384) -> int:
         """Write one holder from a dump (a snapshot record); returns the entries added."""
 
-    @abc.abstractmethod
-    def servers(self) -> list[tuple[str, Any]]:
-        """(name, ``redis.Redis`` client) of every server the view is written to (memory policy,
-        evictions); none for a view in process memory."""
 
+class ResidencyStore(ViewWriter, ViewRecovery):
+    """A backend of the view: it writes the view and recovers it (:class:`kvbus.sinks.view.redis_store.RedisStore`,
+    :class:`kvbus.sinks.view.sharded_store.ShardedRedisStore`). Everyone reads it through a
+    :class:`~kvbus.sinks.view.reader.ViewReader`."""
 
-def summary_from_counts(counts: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
-    """Turn ``{holder name: {label: n}}`` into display names, dropping empty holders."""
-    names = display_names(counts)
-    return {names[h]: dict(sorted(t.items())) for h, t in sorted(counts.items()) if any(t.values())}
