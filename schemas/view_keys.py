@@ -9,7 +9,9 @@ A key is the view's prefix ``P`` (``kvbus:``; on Redis Cluster one prefix per sh
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,15 @@ KEYS: tuple[ViewKey, ...] = (META, GUARD, HNAME, STATUS, HID, REPLICA_HIDS, TIER
 WRITTEN_BY_PYTHON = frozenset({STATUS.name, LOCK.name, SNAPSHOT_LOCK.name, GUARD.name})
 """Keys the function library never names: the sinks write the status and the locks from Python, and the
 guard is only declared."""
+
+
+# ----------------------------------------------------------------------------- values readers decode
+
+STATE_TIER = struct.Struct(">dII")
+"""A holder's state field ``t:<code>`` (in :data:`HOLDER`): entries, L, S of the tier's index, then its origin
+topic (kvbus.lua: TSTATE). Readers take the entries: a holder's blocks on that tier."""
+
+
+def block_buckets(meta: Mapping[bytes, Any]) -> int:
+    """How many :data:`BLOCKS` buckets the block table has, from ``HGETALL P meta`` (``bL``, ``bS``)."""
+    return 2 ** int(meta.get(b"bL", 0)) + int(meta.get(b"bS", 0))

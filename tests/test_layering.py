@@ -51,3 +51,42 @@ def test_a_stage_imports_only_the_contract_and_itself(stage: str) -> None:
 def test_the_check_sees_imports() -> None:
     """The reader finds a crossing where there is one (the rule above is not vacuous)."""
     assert "kvbus.sinks.config.SinkConfig" in kvbus_imports(ROOT / "infra" / "secure_plan.py")
+
+
+READERS = ("clients/python", "commands/top", "commands/serve", "commands/demo.py")
+"""The view's readers: the routers' client, ``kvbus top``, ``kvbus serve`` and the demo."""
+READ_SIDE = ("kvbus.sinks.view.reader", "kvbus.sinks.view.ties")
+"""What of the sink stage a reader may import: the view's reader and its tie-breaks."""
+READER_ALLOWED = {"commands/top/top_config.py": ("kvbus.sinks.config", "kvbus.streams.options")}
+"""``kvbus top`` watches the metrics endpoints the sink's and the worker's settings name by default."""
+
+
+def _files(entry: str) -> list[Path]:
+    path = ROOT / entry
+    return [path] if path.is_file() else sorted(path.rglob("*.py"))
+
+
+@pytest.mark.parametrize("entry", READERS)
+def test_a_reader_imports_nothing_of_the_writer(entry: str) -> None:
+    crossings = sorted(
+        f"{path.relative_to(ROOT)}: {mod}"
+        for path in _files(entry)
+        for mod in kvbus_imports(path)
+        if mod.startswith(("kvbus.sinks.", "kvbus.streams.", "kvbus.producers."))
+        and not any(mod.startswith(a + ".") or mod == a
+                    for a in READ_SIDE + READER_ALLOWED.get(str(path.relative_to(ROOT)), ()))
+    )
+    assert crossings == [], "a reader of the view imports the writer's (or another stage's) modules"
+
+
+def test_the_reader_itself_imports_only_the_contract_and_the_servers_plumbing() -> None:
+    """The reader and its tie-breaks need the contract (key layout, lookup protocol), the runtime and the
+    cluster plumbing; never the writer's stores, protocol or function library."""
+    allowed = ("kvbus.schemas", "kvbus.runtime", "kvbus.sinks.view.cluster") + READ_SIDE
+    crossings = sorted(
+        f"{path.relative_to(ROOT)}: {mod}"
+        for path in (ROOT / "sinks/view/reader.py", ROOT / "sinks/view/ties.py", ROOT / "sinks/view/cluster.py")
+        for mod in kvbus_imports(path)
+        if not any(mod == a or mod.startswith(a + ".") for a in allowed)
+    )
+    assert crossings == []

@@ -68,8 +68,8 @@ def models_key(prefix: str) -> str:
 
 
 def holder_state_key(prefix: str, hid: int) -> str:
-    """``P H:<hid>``: one holder's state (``p:<topic>`` :data:`STATE_POS`, ``t:<code>`` :data:`STATE_TIER`,
-    ``f`` floor, ``m`` model, ``g:<group>`` spec)."""
+    """``P H:<hid>``: one holder's state (``p:<topic>`` :data:`STATE_POS`, ``t:<code>``
+    :data:`kvbus.schemas.view_keys.STATE_TIER`, ``f`` floor, ``m`` model, ``g:<group>`` spec)."""
     return vk.HOLDER(prefix, hid)
 
 
@@ -101,11 +101,6 @@ def lock_key(prefix: str, name: str) -> str:
     return prefix + name
 
 
-def block_buckets(meta: Mapping[bytes, Any]) -> int:
-    """How many ``P B:<bucket>`` buckets the block table has, from ``HGETALL P meta`` (``bL``, ``bS``)."""
-    return 2 ** int(meta.get(b"bL", 0)) + int(meta.get(b"bS", 0))
-
-
 # ----------------------------------------------------------------------------- kvbus_apply's events
 
 EVENT_HEADER = struct.Struct(">BHHddIdHI")
@@ -118,8 +113,6 @@ STORED_WITH_SPEC, its spec (:func:`kvbus.sinks.view.refcounts.group_spec`) as on
 
 STATE_POS = struct.Struct(">ddd")
 """Holder state ``p:<topic>``: applied position epoch, seq, index (kvbus.lua: POS)."""
-STATE_TIER = struct.Struct(">dII")
-"""Holder state ``t:<code>``: entries, L, S of the tier's index, then its origin topic (kvbus.lua: TSTATE)."""
 FLOOR = struct.Struct(">d")
 """Holder state ``f``: the reset floor epoch."""
 
@@ -445,7 +438,7 @@ def parse_dump(reply: Sequence) -> HolderDump:
             e, sq, i = (int(x) for x in STATE_POS.unpack(v))
             out.positions.append((name[2:], e, sq, i))
     for code, desc, rc, raws, extra in tiers:
-        origin = text(fields[f"t:{int(code)}"][STATE_TIER.size:])
+        origin = text(fields[f"t:{int(code)}"][vk.STATE_TIER.size:])
         more = b"".join(extra[j] * int(extra[j + 1]) for j in range(0, len(extra), 2))
         out.tiers.append((text(desc), text(rc) == "1", origin, raws, more))
     out.groups = sorted((int(name[2:]), text(v)) for name, v in fields.items() if name.startswith("g:"))

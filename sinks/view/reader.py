@@ -19,12 +19,11 @@ import redis
 from redis.cluster import LoadBalancingStrategy, RedisCluster
 
 from kvbus.runtime.security import redact_url
-from kvbus.schemas import lookup
+from kvbus.schemas import lookup, view_keys as vk
 from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes, check_model
 from kvbus.schemas.hashing import LoRA, block_hashes
 from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
 from kvbus.schemas.tiers import Weights, label
-from kvbus.sinks.view import protocol as vp
 from kvbus.sinks.view.cluster import (
     MIGRATION_CHECK,
     RETRY_FOR,
@@ -74,6 +73,10 @@ def summary_from_counts(counts: Mapping[str, Mapping[str, int]]) -> dict[str, di
     """Turn ``{holder name: {label: n}}`` into display names, dropping empty holders."""
     names = lookup.display_names(counts)
     return {names[h]: dict(sorted(t.items())) for h, t in sorted(counts.items()) if any(t.values())}
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
 
 
 class FunctionsMissing(RuntimeError):
@@ -334,41 +337,41 @@ class ViewClient:
     def summary(self) -> dict[str, dict[str, int]]:
         """:meth:`ViewReader.summary`. Two round trips: the holder and tier tables, then each holder's
         state (its tiers' entry counts, ``t:<code>`` of ``P H:<hid>``)."""
-        tables = self._ask(lambda pipe, p: (pipe.hgetall(lookup.hname_key(p)), pipe.hgetall(vp.tname_key(p))))
+        tables = self._ask(lambda pipe, p: (pipe.hgetall(lookup.hname_key(p)), pipe.hgetall(vk.TIER_NAME(p))))
         holders = [(p, hid, name, tnames) for p, (hname, tname) in zip(self._prefixes(), tables)
-                   for tnames in [{int(k): vp.text(v) for k, v in tname.items()}]
+                   for tnames in [{int(k): _text(v) for k, v in tname.items()}]
                    for hid, name in lookup.parse_hname(hname).items()]
         pipe = self._pipeline()
         for p, hid, _name, _tnames in holders:
-            pipe.hgetall(vp.holder_state_key(p, hid))
+            pipe.hgetall(vk.HOLDER(p, hid))
         counts: dict[str, dict[str, int]] = {}
         for (_p, _hid, name, tnames), state in zip(holders, pipe.execute() if holders else []):
             tiers = counts.setdefault(name, {})
             for f, v in state.items():
-                f = vp.text(f)
-                if f.startswith("t:") and (n := int(vp.STATE_TIER.unpack_from(v)[0])):
+                f = _text(f)
+                if f.startswith("t:") and (n := int(vk.STATE_TIER.unpack_from(v)[0])):
                     tiers[label(tnames[int(f[2:])])] = n
         return summary_from_counts(counts)
 
     def size(self, exact: bool = True) -> dict[str, int]:
         """:meth:`ViewReader.size`: one round trip, and on a Redis Cluster with ``exact`` whose blocks are
         in several shards, one more reading every shard's block table (O(blocks))."""
-        sizes = self._ask(lambda pipe, p: (pipe.hgetall(lookup.meta_key(p)), pipe.zcard(vp.seen_key(p))))
+        sizes = self._ask(lambda pipe, p: (pipe.hgetall(lookup.meta_key(p)), pipe.zcard(vk.SEEN(p))))
         out = {"entries": sum(int(meta.get(b"entries", 0)) for meta, _ in sizes),
                "blocks": sum(int(meta.get(b"blocks", 0)) for meta, _ in sizes),
                "holders": sum(int(n) for _, n in sizes)}
         if exact and sum(1 for meta, _ in sizes if int(meta.get(b"blocks", 0))) > 1:
             pipe = self._pipeline()
             for p, (meta, _) in zip(self._prefixes(), sizes):
-                for b in range(vp.block_buckets(meta)):
-                    pipe.hkeys(vp.block_key(p, b))
+                for b in range(vk.block_buckets(meta)):
+                    pipe.hkeys(vk.BLOCKS(p, b))
             out["blocks"] = len({raw for fields in pipe.execute() for raw in fields})
         return out
 
     def stale(self) -> dict[str, float]:
         """:meth:`ViewReader.stale`."""
-        zsets = self._ask(lambda pipe, p: pipe.zrange(vp.stale_key(p), 0, -1, withscores=True))
-        return {vp.text(n): float(s) for (members,) in zsets for n, s in members}
+        zsets = self._ask(lambda pipe, p: pipe.zrange(vk.STALE(p), 0, -1, withscores=True))
+        return {_text(n): float(s) for (members,) in zsets for n, s in members}
 
     # -- status -----------------------------------------------------------------
 

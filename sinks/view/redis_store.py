@@ -354,7 +354,7 @@ class RedisStore(ResidencyStore):
         out = {}
         for f, v in self._holder_state(hid).items():
             if f.startswith("t:"):
-                n, L, S = vp.STATE_TIER.unpack_from(v)
+                n, L, S = view_keys.STATE_TIER.unpack_from(v)
                 out[int(f[2:])] = (int(n), L, S)
         return out
 
@@ -391,7 +391,7 @@ class RedisStore(ResidencyStore):
         def add(raw: bytes, m: int) -> None:
             out.setdefault(raw, set()).add((holders[m // 64], label(tnames[m % 64])))
 
-        for b in range(vp.block_buckets(meta)):
+        for b in range(view_keys.block_buckets(meta)):
             for raw, v in self.r.hgetall(vp.block_key(self.prefix, b)).items():
                 if v == b"":
                     v = self.r.get(vp.wide_key(self.prefix, raw))
