@@ -1,6 +1,6 @@
 """What every kvbus process does alike, whichever stage it runs: its settings (``settings``, read from the
 environment and flags by ``env``; ``security``: credentials and TLS), its Kafka clients
-(``kafka_clients``) and the view's Redis clients (``redis_view``), logs (``logs``), health and readiness
+(``kafka_clients``), logs (``logs``), health and readiness
 probes with metrics (``probes``), retry pauses (``backoff``), load that decides batching (``load_rate``),
 and its memory (``allocator``: malloc trimming; ``collector``: Python's garbage collector).
 
