@@ -99,18 +99,58 @@ def check_layout(prefix: str, layout: str | bytes | None) -> None:
 # ----------------------------------------------------------------------------- the call
 
 
-MODEL_OPTION = "\0model"
-"""The lookup option naming a model: this argument, then the model's name, among ``kvbus_lookup``'s
-candidates (an argument that starts with NUL names an option; holder names never contain NUL)."""
+@dataclass(frozen=True)
+class LookupOption:
+    """One option of ``kvbus_lookup``: the argument ``"\\0" + name``, then its value, after the weights and
+    before the candidates (an argument that starts with NUL names an option; holder names never contain
+    NUL). Declared once in :data:`LOOKUP_OPTIONS`: ``kvbus lookup`` has a flag for each, the Go package's
+    ``LookupOptions`` lists the same (``tests/test_lookup_protocol.py``), and the function library answers
+    ``kvbus: unknown lookup option`` to any other."""
+
+    name: str
+    """Its name: the wire argument after NUL, :meth:`ViewClient.lookup`'s keyword, ``kvbus lookup``'s flag
+    ``--<name>`` and the Go client's ``Query.Options`` key."""
+    meaning: str
+    """What it does (the flags' help)."""
+    check: Callable[[Any], str | None]
+    """The value as sent (None: not given); ValueError for a value the option refuses."""
+
+    @property
+    def wire(self) -> str:
+        """The argument naming it."""
+        return "\0" + self.name
+
+
+LOOKUP_OPTIONS: tuple[LookupOption, ...] = (
+    LookupOption("model", "only replicas serving this model (their bridges' --model); default: every replica, "
+                          "whatever its model", check_model),
+)
+"""Every lookup option, in the order a call sends them."""
+MODEL_OPTION = LOOKUP_OPTIONS[0].wire
+"""The lookup option naming a model: only holders whose latest event named that model answer."""
+
+
+def option_args(**values: Any) -> list[str]:
+    """The lookup options named in ``values`` (None: not given) as ``kvbus_lookup`` arguments, checked
+    (ValueError for a bad value, TypeError for an option :data:`LOOKUP_OPTIONS` does not declare)."""
+    unknown = set(values) - {o.name for o in LOOKUP_OPTIONS}
+    if unknown:
+        raise TypeError(f"unknown lookup option(s) {sorted(unknown)}: the options are "
+                        f"{[o.name for o in LOOKUP_OPTIONS]}")
+    out: list[str] = []
+    for o in LOOKUP_OPTIONS:
+        value = o.check(values.get(o.name))
+        if value is not None:
+            out += [o.wire, value]
+    return out
 
 
 def lookup_args(prefix: str, chain: Sequence[bytes], weights: str, candidates: Iterable[str] = (),
-                model: str | None = None) -> list:
+                options: Sequence[str] = ()) -> list:
     """``kvbus_lookup``'s arguments after the keys: ``P``, the chain (8-byte hashes, block 0 first,
-    concatenated), the weights spec ``"NAME=W,..."`` (may be empty), the model option when ``model`` is
-    named (only holders whose latest event named that model answer), then candidate holder or replica
-    names. ``model`` None: every model's holders, as a call without the option (ValueError for ``""``)."""
-    options = [] if check_model(model) is None else [MODEL_OPTION, model]
+    concatenated), the weights spec ``"NAME=W,..."`` (may be empty), the lookup ``options`` (from
+    :func:`option_args`: e.g. the model option, so that only holders whose latest event named that model
+    answer), then candidate holder or replica names."""
     return [prefix, b"".join(chain), weights, *options, *candidates]
 
 

@@ -9,6 +9,7 @@ stdout must equal kvbus lookup's byte for byte. The Go package's own unit tests 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -22,9 +23,11 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvbus.client import lookup_cli as cli
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
+from kvbus.schemas.lookup import LOOKUP_OPTIONS, option_args
 from kvbus.sinks.view import functions
 from kvbus.sinks.view.redis_store import RedisStore
 from kvbus.sinks.view.sharded_store import ShardedRedisStore, shard_of
@@ -388,6 +391,26 @@ def test_errors_of_the_model_option(view):
     first = redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, chain, "", b"\0model", "qwen", "b")
     assert first == redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, chain, "", "b", b"\0model", "qwen")
     assert len(first[1]) == 2, "b#0 and b#1, qwen's, answer as two groups"
+
+
+def test_the_lookup_options_are_declared_once_and_every_reader_takes_them_from_there():
+    """Python's declaration (kvbus.schemas.lookup.LOOKUP_OPTIONS) is what the Go package lists, what
+    ``kvbus lookup`` has flags for and what :func:`option_args` checks."""
+    text = (GO_PACKAGE / "protocol.go").read_text()
+    body = re.search(r"var LookupOptions = \[\]LookupOption\{\n(.*?)\n\}", text, re.S)
+    assert body, "protocol.go declares no LookupOptions"
+    go = re.findall(r'\{"([^"]+)", "([^"]+)"\}', body.group(1))
+    assert go == [(o.name, o.meaning) for o in LOOKUP_OPTIONS]
+    parser = argparse.ArgumentParser()
+    cli.add_lookup_args(parser)
+    flags = {a.dest: a.help for a in parser._actions}
+    assert all(flags.get(o.name) == o.meaning for o in LOOKUP_OPTIONS)
+    assert option_args() == [] and option_args(model=None) == []
+    assert option_args(model="qwen") == ["\0model", "qwen"]
+    with pytest.raises(ValueError):
+        option_args(model="")
+    with pytest.raises(TypeError, match="tenant"):
+        option_args(tenant="x")
 
 
 # ---------------------------------------------------------------- views and readers from before models

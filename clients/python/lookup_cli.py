@@ -16,7 +16,7 @@ import sys
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import canonical_hash
 from kvbus.schemas.hashing import HASH_ALGOS, HASH_RELEASES, LoRA, first_release
-from kvbus.schemas.lookup import DEFAULT_PREFIX, LayoutMismatch
+from kvbus.schemas.lookup import DEFAULT_PREFIX, LOOKUP_OPTIONS, LayoutMismatch
 from kvbus.sinks.view.reader import FunctionsMissing, ViewClient
 from kvbus.sinks.view.ties import BY_NAME
 
@@ -88,9 +88,8 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
                    help="with --tokens: the engines' vLLM release, e.g. 0.30.0, where it hashes differently "
                         f"(default: {HASH_RELEASES[-1].release} and later)")
     p.add_argument("--replicas", help="only these candidates: replica names or <replica>#<dp_rank>, comma-separated")
-    p.add_argument("--model", default=None,
-                   help="only replicas serving this model (their bridges' --model); default: every replica, "
-                        "whatever its model")
+    for option in LOOKUP_OPTIONS:  # every option of the lookup protocol, as declared there
+        p.add_argument(f"--{option.name.replace('_', '-')}", default=None, help=option.meaning)
     p.add_argument("--weights", help="tier weights NAME=W over the defaults GPU=1,CPU=0.8,STORAGE=0.5,*=0.5 "
                                      "(NAME: a medium or an ownership)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="Redis key prefix of the view (default kvbus:)")
@@ -115,7 +114,8 @@ def lookup_answer(args: argparse.Namespace, settings: Settings) -> dict[str, dic
                   "cache_salt": args.cache_salt, "engine_version": args.engine_version}
     candidates = [c.strip() for c in (args.replicas or "").split(",") if c.strip()] or None
     with ViewClient(settings.redis_url, args.prefix, tie_break=BY_NAME, **settings.redis_kwargs()) as view:
-        found = view.lookup(**source, weights=args.weights, candidates=candidates, model=args.model)
+        options = {o.name: getattr(args, o.name) for o in LOOKUP_OPTIONS}
+        found = view.lookup(**source, weights=args.weights, candidates=candidates, **options)
         status = view.status()
     if not status.ready:
         print(f"kvbus lookup: warning: the view is {status.state} since {status.fields.get('since', '?')} "

@@ -29,7 +29,10 @@ func main() {
 		"sha256 | sha256_cbor | xxhash | xxhash_cbor")
 	seed := flag.String("hash-seed", "", "the engines' PYTHONHASHSEED (default: $PYTHONHASHSEED, else vLLM's default)")
 	replicas := flag.String("replicas", "", "only these candidates: replica or <replica>#<dp>, comma-separated")
-	model := flag.String("model", "", "only replicas serving this model (their bridges' --model); default: every replica")
+	options := map[string]*string{} // a flag for every lookup option (kvbuslookup.LookupOptions)
+	for _, o := range kvbuslookup.LookupOptions {
+		options[o.Name] = flag.String(o.Name, "", o.Usage)
+	}
 	weights := flag.String("weights", "", "tier weights NAME=W over kvbus lookup's defaults")
 	user := flag.String("user", "", "Redis ACL user (a read-only one is enough: docs/lookup-protocol.md)")
 	password := flag.String("password", os.Getenv("REDIS_PASSWORD"), "its password (default $REDIS_PASSWORD)")
@@ -61,7 +64,10 @@ func main() {
 	if err != nil {
 		fail(err)
 	}
-	q := kvbuslookup.Query{Weights: w, Model: *model, TieBreak: kvbuslookup.ByName}
+	q := kvbuslookup.Query{Weights: w, Options: map[string]string{}, TieBreak: kvbuslookup.ByName}
+	for name, v := range options {
+		q.Options[name] = *v
+	}
 	for _, c := range strings.Split(*replicas, ",") {
 		if c = strings.TrimSpace(c); c != "" {
 			q.Candidates = append(q.Candidates, c)

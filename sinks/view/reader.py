@@ -20,7 +20,7 @@ from redis.cluster import LoadBalancingStrategy, RedisCluster
 
 from kvbus.runtime.security import redact_url
 from kvbus.schemas import lookup, view_keys as vk
-from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes, check_model
+from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes
 from kvbus.schemas.hashing import LoRA, block_hashes
 from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
 from kvbus.schemas.tiers import Weights, label
@@ -278,7 +278,7 @@ class ViewClient:
         :class:`~kvbus.schemas.lookup.LayoutMismatch` for a view of another layout, and redis-py's
         errors when Redis cannot be reached.
         """
-        check_model(model)
+        options = lookup.option_args(model=model)
         chain = chain_of(tokens, hashes, block_size, algo, seed, lora=lora, cache_salt=cache_salt,
                          engine_version=engine_version)
         cands = None if candidates is None else [c for c in candidates]
@@ -288,19 +288,19 @@ class ViewClient:
         spec = as_weights(weights).spec()
         if self._names.stale or (self._cluster and self._calls is None):
             self._refresh()
-        replies = self._call(chain, spec, cands or (), model)
+        replies = self._call(chain, spec, cands or (), options)
         with self._lock:
             found = self._names.answer(replies, self._tables)
         return rank(found, tb)
 
-    def _call(self, chain: list[bytes], spec: str, cands: Sequence[str], model: str | None) -> list:
+    def _call(self, chain: list[bytes], spec: str, cands: Sequence[str], options: Sequence[str]) -> list:
         """One ``kvbus_lookup`` reply per view (shard)."""
         try:
             if not self._cluster:
                 return [self._redis().fcall_ro(lookup.LOOKUP_FUNCTION, 0,
-                                               *lookup.lookup_args(self.prefix, chain, spec, cands, model))]
+                                               *lookup.lookup_args(self.prefix, chain, spec, cands, options))]
             calls = self._calls
-            replies = calls.execute([(s, lookup.LOOKUP_FUNCTION, lookup.lookup_args(p, chain, spec, cands, model))
+            replies = calls.execute([(s, lookup.LOOKUP_FUNCTION, lookup.lookup_args(p, chain, spec, cands, options))
                                      for s, p in enumerate(self._prefixes())], ordered=False)
         except redis.ResponseError as e:
             raise self._missing(e) if is_missing(e) else e

@@ -24,6 +24,7 @@ from kvbus.schemas.lookup import (
     hname_key,
     lookup_args,
     meta_key,
+    option_args,
     parse_hname,
     status_key,
     view_status,
@@ -320,7 +321,7 @@ class RedisStore(ResidencyStore):
         if not chain:
             return {}
         spec = (weights or DEFAULT_WEIGHTS).spec()
-        args = lookup_args(self.prefix, chain, spec, candidates or (), model)
+        args = lookup_args(self.prefix, chain, spec, candidates or (), option_args(model=model))
         reply = self.transport.call(LOOKUP_FUNCTION, *args, readonly=True)
         return {m.name: m for m in self._names.answer([reply], lambda: [self._holders()])}
 

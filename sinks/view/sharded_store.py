@@ -55,6 +55,7 @@ from kvbus.schemas.lookup import (
     hname_key,
     lookup_args,
     meta_key,
+    option_args,
     parse_hname,
     shard_prefix,
     view_status,
@@ -385,8 +386,8 @@ class ShardedRedisStore(ResidencyStore):
         if not chain:
             return {}
         spec = (weights or DEFAULT_WEIGHTS).spec()
-        cands = list(candidates or ())
-        calls = [(s, LOOKUP_FUNCTION, lookup_args(st.prefix, chain, spec, cands, model))
+        cands, opts = list(candidates or ()), option_args(model=model)
+        calls = [(s, LOOKUP_FUNCTION, lookup_args(st.prefix, chain, spec, cands, opts))
                  for s, st in enumerate(self.shards)]
         replies = self._execute(calls, ordered=False)
         for r in replies:

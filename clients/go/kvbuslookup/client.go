@@ -40,8 +40,36 @@ type Query struct {
 	// with --model (the engines' served model name), never those of another model or of an unknown
 	// one. "": every holder, whatever its model.
 	Model string
+	// Options are lookup options by name (LookupOptions), each sent unless "": Options["model"] is
+	// Model (set either; both set must agree).
+	Options map[string]string
 	// TieBreak orders tied holders for this lookup (nil: the Client's).
 	TieBreak TieBreak
+}
+
+// optionArgs are the query's lookup options as kvbus_lookup's arguments, in LookupOptions' order.
+func (q Query) optionArgs() ([]interface{}, error) {
+	values := make(map[string]string, len(q.Options)+1)
+	for k, v := range q.Options {
+		values[k] = v
+	}
+	if q.Model != "" {
+		if v := values["model"]; v != "" && v != q.Model {
+			return nil, fmt.Errorf("kvbus: Query.Model %q and Options[\"model\"] %q differ", q.Model, v)
+		}
+		values["model"] = q.Model
+	}
+	var args []interface{}
+	for _, o := range LookupOptions {
+		if v := values[o.Name]; v != "" {
+			args = append(args, "\x00"+o.Name, v)
+		}
+		delete(values, o.Name)
+	}
+	for k := range values {
+		return nil, fmt.Errorf("kvbus: unknown lookup option %q (the options are LookupOptions)", k)
+	}
+	return args, nil
 }
 
 // Status says whether a view's answers can be trusted.
@@ -172,6 +200,10 @@ func (c *Client) Lookup(ctx context.Context, chain []uint64, q Query) ([]Match, 
 		arg = append(arg, byte(h>>56), byte(h>>48), byte(h>>40), byte(h>>32), byte(h>>24), byte(h>>16), byte(h>>8), byte(h))
 	}
 	spec := WeightSpec(q.Weights)
+	opts, err := q.optionArgs()
+	if err != nil {
+		return nil, err
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.names == nil || time.Since(c.namesAt) > c.opt.NamesTTL {
@@ -183,7 +215,7 @@ func (c *Client) Lookup(ctx context.Context, chain []uint64, q Query) ([]Match, 
 			return nil, err
 		}
 	}
-	replies, err := c.call(ctx, arg, spec, q.Model, q.Candidates)
+	replies, err := c.call(ctx, arg, spec, opts, q.Candidates)
 	if err != nil {
 		return nil, err
 	}
@@ -236,12 +268,9 @@ func (c *Client) resolve(replies [][]group) ([]Match, error) {
 
 // call sends kvbus_lookup to every view: one call on a single node, one per shard pipelined on a
 // cluster (go-redis sends each node's calls together), retrying refused shards.
-func (c *Client) call(ctx context.Context, chain []byte, spec, model string, cands []string) ([][]group, error) {
+func (c *Client) call(ctx context.Context, chain []byte, spec string, opts []interface{}, cands []string) ([][]group, error) {
 	args := func(prefix string) []interface{} {
-		a := []interface{}{prefix, chain, spec}
-		if model != "" {
-			a = append(a, ModelOption, model)
-		}
+		a := append([]interface{}{prefix, chain, spec}, opts...)
 		for _, s := range cands {
 			a = append(a, s)
 		}

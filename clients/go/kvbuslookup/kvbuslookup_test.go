@@ -198,3 +198,31 @@ func hexs(b []byte) string {
 	}
 	return string(out)
 }
+
+// A query's lookup options: in LookupOptions' order, Model as Options["model"], unknown names refused.
+func TestQueryOptionArgs(t *testing.T) {
+	for _, c := range []struct {
+		q    Query
+		want []interface{}
+		err  string
+	}{
+		{Query{}, nil, ""},
+		{Query{Model: "qwen"}, []interface{}{ModelOption, "qwen"}, ""},
+		{Query{Options: map[string]string{"model": "qwen"}}, []interface{}{ModelOption, "qwen"}, ""},
+		{Query{Model: "qwen", Options: map[string]string{"model": "qwen"}}, []interface{}{ModelOption, "qwen"}, ""},
+		{Query{Options: map[string]string{"model": ""}}, nil, ""},
+		{Query{Model: "qwen", Options: map[string]string{"model": "llama"}}, nil, "differ"},
+		{Query{Options: map[string]string{"tenant": "x"}}, nil, `unknown lookup option "tenant"`},
+	} {
+		got, err := c.q.optionArgs()
+		if c.err != "" {
+			if err == nil || !strings.Contains(err.Error(), c.err) {
+				t.Fatalf("%+v: error %v, want one saying %q", c.q, err, c.err)
+			}
+			continue
+		}
+		if err != nil || !reflect.DeepEqual(got, c.want) {
+			t.Fatalf("%+v: %v, %v; want %v", c.q, got, err, c.want)
+		}
+	}
+}

@@ -17,8 +17,23 @@ const DefaultPrefix = "kvbus:"
 // LookupFunction is the read-only Redis function a lookup calls.
 const LookupFunction = "kvbus_lookup"
 
-// ModelOption is the lookup option naming a model: this argument, then the model's name, before the
-// candidates (an argument that starts with NUL names an option; holder names never contain NUL).
+// LookupOption is one option of kvbus_lookup: the argument "\x00"+Name, then its value, after the
+// weights and before the candidates (an argument that starts with NUL names an option; holder names
+// never contain NUL). kvbus.schemas.lookup.LOOKUP_OPTIONS declares them; tests/test_lookup_protocol.py
+// holds LookupOptions to it.
+type LookupOption struct {
+	// Name is the wire argument after NUL, the key in Query.Options and the example's flag.
+	Name string
+	// Usage says what it does.
+	Usage string
+}
+
+// LookupOptions are the options a lookup can send, in the order it sends them.
+var LookupOptions = []LookupOption{
+	{"model", "only replicas serving this model (their bridges' --model); default: every replica, whatever its model"},
+}
+
+// ModelOption is the lookup option naming a model: only holders whose latest event named it answer.
 const ModelOption = "\x00model"
 
 // scoreScale: the reply carries score * scoreScale, rounded to an integer.
