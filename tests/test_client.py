@@ -332,3 +332,18 @@ def test_holders_added_after_the_names_were_read_are_named(views, servers):
     store.apply([("kvbus.blocks", BlockEvent(replica="a", dp_rank=1, epoch=1, seq=0, index=0, ts=time.time(),
                                              event=BlockStored(block_hashes=[canonical_hash(CHAIN[0])])))])
     assert sorted(m.name for m in view.lookup(hashes=CHAIN)) == ["a#0", "a#1"]
+
+
+def test_the_routing_policy_weighs_reuse_against_relative_load():
+    from kvbus.client.routing import choose, score
+
+    assert score(8, 10, 0, 0) == 0.8 and score(8, 10, 5, 10, beta=0.5) == 0.8 - 0.25
+    # the holder of the prefix wins while its load is light, loses once beta x relative load outweighs reuse
+    assert choose(10, {"a": 10, "b": 2}, {"a": 5, "b": 0}, ["a", "b", "c"]) == "a"
+    assert choose(10, {"a": 10}, {"a": 10, "b": 0}, ["a", "b"], beta=2) == "b"
+    # equal scores: the longer prefix, then the lower load, then the tie-break's order
+    assert choose(10, {}, {}, ["x", "y"]) == "x"
+    assert choose(10, {}, {"x": 1, "y": 1}, ["y", "x"]) == "y"
+    assert choose(10, {"x": 5, "y": 5}, {"x": 1}, ["x", "y"], beta=0) == "y"
+    with pytest.raises(ValueError):
+        choose(1, {}, {}, [])

@@ -1,4 +1,5 @@
-"""The routing rule the router adapters share (production-stack's :mod:`kvbus.client.production_stack`,
+"""The routing policy (:func:`choose`: prefix reuse against load) and the routing rule the router
+adapters share (production-stack's :mod:`kvbus.client.production_stack`,
 Ray Serve's :mod:`kvbus.client.ray_serve`): which candidate replicas hold the longest prefix of a
 prompt, or why the view cannot say (then the adapter routes by load).
 
@@ -34,6 +35,32 @@ longest prefix; else by load because ``cold``, no candidate holds ``min_matched_
 cannot be hashed as the engines do (a LoRA adapter whose path is unknown, a malformed cache salt);
 ``not_ready``, the view is rebuilding or missing; ``view_error``, the view could not be read (Redis
 unreachable or timing out, functions not loaded, another layout)."""
+
+DEFAULT_BETA = 0.5
+"""The weight of load against reuse in :func:`choose` (docs/routing.md says how it was chosen)."""
+
+
+def score(matched: int, prompt_blocks: int, load: float, max_load: float, beta: float = DEFAULT_BETA) -> float:
+    """A replica's score for a request: the share of the prompt's blocks it holds, less ``beta`` times its
+    relative load (its load over the most loaded candidate's; 0 when none is loaded):
+    ``matched / prompt_blocks - beta * load / max_load``, as production-stack's KV-aware router weighs them."""
+    reuse = matched / prompt_blocks if prompt_blocks > 0 else 0.0
+    return reuse - beta * (load / max_load if max_load > 0 else 0.0)
+
+
+def choose(prompt_blocks: int, matched: Mapping[str, int], load: Mapping[str, float], order: Sequence[str],
+           beta: float = DEFAULT_BETA) -> str:
+    """The replica for a request among ``order`` (the candidates, in the tie-break's order): the best
+    :func:`score`, then the longer prefix, then the lower load, then the first in ``order``.
+    ``prompt_blocks``: the prompt's full blocks; ``matched``: replica -> leading blocks it holds (absent: 0);
+    ``load``: replica -> its load (in-flight requests, or prompt tokens; absent: 0)."""
+    if not order:
+        raise ValueError("choose needs at least one candidate")
+    top = max((load.get(n, 0.0) for n in order), default=0.0)
+    rank = {n: i for i, n in enumerate(order)}
+    return max(order, key=lambda n: (score(matched.get(n, 0), prompt_blocks, load.get(n, 0.0), top, beta),
+                                     matched.get(n, 0), -load.get(n, 0.0), -rank[n]))
+
 
 VIEW_ERRORS = (redis.RedisError, RedisClusterException, FunctionsMissing, LayoutMismatch)
 """What a failed read of the view raises; the router routes by load instead."""
