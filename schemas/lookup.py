@@ -154,6 +154,72 @@ def lookup_args(prefix: str, chain: Sequence[bytes], weights: str, candidates: I
     return [prefix, b"".join(chain), weights, *options, *candidates]
 
 
+LOAD_SEPARATOR = "\0"
+"""Between a router's name, a replica's name and ``t`` in the fields of ``P load`` (names never contain NUL)."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """One replica's load, summed over every router whose lease has not run out."""
+
+    requests: int = 0
+    """Requests routed to it and not completed."""
+    tokens: int = 0
+    """Their prompt tokens."""
+
+
+def _name(name: str, what: str) -> str:
+    if not name or LOAD_SEPARATOR in name:
+        raise ValueError(f"a {what} name must be a non-empty string without NUL, got {name!r}")
+    return name
+
+
+def load_fields(router: str, replica: str) -> tuple[str, str]:
+    """The fields of ``P load`` counting ``router``'s requests in flight on ``replica`` and their prompt tokens."""
+    field = _name(router, "router") + LOAD_SEPARATOR + _name(replica, "replica")
+    return field, field + LOAD_SEPARATOR + "t"
+
+
+def lease_field(router: str) -> str:
+    """The field of ``P load`` holding ``router``'s lease: the Unix ms it counts until."""
+    return _name(router, "router")
+
+
+def _split_load(raw: Mapping) -> tuple[dict[str, int], list[tuple[list[str], int, Any]]]:
+    leases: dict[str, int] = {}
+    counts = []
+    for f, v in raw.items():
+        parts = _s(f).split(LOAD_SEPARATOR)
+        if len(parts) == 1:
+            leases[parts[0]] = int(v)
+        else:
+            counts.append((parts, int(v), f))
+    return leases, counts
+
+
+def parse_load(raw: Mapping, now_ms: int) -> dict[str, Load]:
+    """Replica -> its :class:`Load` from ``HGETALL P load``: the counts of routers whose lease ends after
+    ``now_ms``, summed; a sum below zero (a completion counted after a Redis restart lost the start) is 0;
+    replicas with nothing in flight are left out."""
+    leases, counts = _split_load(raw)
+    requests: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for parts, n, _ in counts:
+        if leases.get(parts[0], 0) <= now_ms:
+            continue
+        into = tokens if len(parts) > 2 else requests
+        into[parts[1]] = into.get(parts[1], 0) + n
+    out = {r: Load(max(0, requests.get(r, 0)), max(0, tokens.get(r, 0))) for r in set(requests) | set(tokens)}
+    return {r: x for r, x in sorted(out.items()) if x.requests or x.tokens}
+
+
+def expired_fields(raw: Mapping, before_ms: int) -> list:
+    """The fields of ``HGETALL P load`` (as read) of routers whose lease ended before ``before_ms``."""
+    leases, counts = _split_load(raw)
+    gone = {r for r, until in leases.items() if until < before_ms}
+    return [f for f in raw if _s(f) in gone] + [f for parts, _, f in counts if parts[0] in gone]
+
+
 @dataclass(frozen=True)
 class Group:
     """One group of ``kvbus_lookup``'s reply: holders with identical answers."""

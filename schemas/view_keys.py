@@ -43,6 +43,10 @@ HNAME = ViewKey("hname", "HASH", readers=True)
 """Holder id -> holder name ``<replica>#<dp_rank>``."""
 STATUS = ViewKey("status", "HASH", readers=True)
 """Whether answers can be trusted (``state``, ``since``, ``phase``, ...), written by the sinks."""
+LOAD = ViewKey("load", "HASH", readers=True)
+"""Routers' shared load (kvbus.client.load): ``<router> NUL <replica>`` -> its requests in flight,
+``<router> NUL <replica> NUL t`` -> their prompt tokens, ``<router>`` -> the router's lease (Unix ms it
+counts until). Written by routers, never by the sinks; on Redis Cluster in shard 0's slot."""
 HID = ViewKey("hid", "HASH")
 """Holder name -> holder id."""
 REPLICA_HIDS = ViewKey("rh", "HASH")
@@ -78,13 +82,16 @@ BLOCKS = ViewKey("B:", "HASH", ("bucket",))
 WIDE = ViewKey("W:", "STRING", ("raw hash",))
 """The members of a block held by many holders (the raw hash's 8 bytes follow the stem)."""
 
-KEYS: tuple[ViewKey, ...] = (META, GUARD, HNAME, STATUS, HID, REPLICA_HIDS, TIER_ID, TIER_NAME, TIER_COUNTED,
+KEYS: tuple[ViewKey, ...] = (META, GUARD, HNAME, STATUS, LOAD, HID, REPLICA_HIDS, TIER_ID, TIER_NAME, TIER_COUNTED,
                              MODEL_HIDS, GROUPS, OFFSETS, SEEN, STALE, LOCK, SNAPSHOT_LOCK, HOLDER, INDEX,
                              REFCOUNTS, BLOCKS, WIDE)
 """Every key of the view."""
-WRITTEN_BY_PYTHON = frozenset({STATUS.name, LOCK.name, SNAPSHOT_LOCK.name, GUARD.name})
-"""Keys the function library never names: the sinks write the status and the locks from Python, and the
-guard is only declared."""
+WRITTEN_BY_PYTHON = frozenset({STATUS.name, LOCK.name, SNAPSHOT_LOCK.name, GUARD.name, LOAD.name})
+"""Keys the function library never names: the sinks write the status and the locks from Python, routers
+their load, and the guard is only declared."""
+KEPT_BY_WIPE = (STATUS.name, LOCK.name, LOAD.name)
+"""What a sink's wipe of the view (a rebuild) keeps: the status routers read, the rebuild lock, and the
+routers' load (it is theirs, not the view's contents)."""
 
 
 # ----------------------------------------------------------------------------- values readers decode

@@ -347,7 +347,7 @@ class InMemoryStore(ResidencyStore):
     def set_status(self, **fields: Any) -> None:
         self._status = {k: str(v) for k, v in fields.items()}
 
-    def wipe(self, keep: Sequence[str] = ("status", "lock"), shards: Iterable[int] | None = None) -> int:
+    def wipe(self, keep: Sequence[str] = ("status", "lock", "load"), shards: Iterable[int] | None = None) -> int:
         if not self._mine(shards):
             return 0
         n = sum(len(t.blocks) for h in self.holders.values() for t in h.tiers.values())

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvbus.client import lookup_cli as cli
+from kvbus.client import Load, ViewClient, lookup_cli as cli
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
@@ -493,10 +493,14 @@ def test_go_package_lookups_naming_a_model_on_redis_and_redis_cluster():
         ShardedRedisStore(cl.url, prefix).apply(_model_view_records())
         env = {**os.environ, "KVBUS_TEST_PREFIX": prefix, "KVBUS_TEST_REDIS_ADDR": f"127.0.0.1:{srv.port}",
                "KVBUS_TEST_CLUSTER_ADDRS": ",".join(f"{n.host}:{n.port}" for n in cl.nodes if n.master)}
-        r = subprocess.run([GO, "test", "-count=1", "-v", "-run", "TestLookupNamingAModel", "./..."], cwd=GO_PACKAGE,
-                           capture_output=True, text=True, timeout=600, env=env, check=False)
+        r = subprocess.run([GO, "test", "-count=1", "-v", "-run", "TestLookupNamingAModel|TestSharedLoad", "./..."],
+                           cwd=GO_PACKAGE, capture_output=True, text=True, timeout=600, env=env, check=False)
+        # the Go router's report, as Python's client reads it, on both
+        loads = [ViewClient(url, prefix).load() for url in (srv.url, cl.url)]
     assert r.returncode == 0, r.stdout + r.stderr
     assert "--- PASS: TestLookupNamingAModelAnswersOnlyItsHolders" in r.stdout and "SKIP" not in r.stdout
+    assert "--- PASS: TestSharedLoadReportedByAGoRouter" in r.stdout
+    assert loads == [{"l0": Load(2, 64)}] * 2
 
 
 def test_status_key_as_routers_read_it(view, go_lookup):

@@ -21,7 +21,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvbus.children import free_port
-from kvbus.client import ViewClient
+from kvbus.client import Load, ViewClient
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
@@ -332,6 +332,25 @@ async def test_other_paths_methods_and_large_bodies_are_json_errors(redis_view):
         metrics = await (await s.client.get("/metrics")).text()
     assert 'kvbus_serve_requests_total{code="404",path="other"} 2.0' in metrics
     assert 'kvbus_serve_errors_total{kind="too_large",path="/query"} 1.0' in metrics
+
+
+async def test_routers_report_and_read_their_shared_load_over_http(redis_view):
+    """Two routers report over ``POST /load``; ``GET /load`` answers their sums, what a Python router's
+    ``ViewClient.load`` reads too; bad reports are 400s naming the field."""
+    srv, prefix, _ = redis_view
+    async with Served(_service(srv.url, prefix)) as s:
+        for router, load in (("r1", {"a": {"requests": 2, "tokens": 70}}),
+                             ("r2", {"a": {"requests": 1, "tokens": 5}, "b": {"requests": 1}})):
+            status, body = await s.post("/load", {"router": router, "load": load})
+            assert status == 200 and body["router"] == router, body
+        resp = await s.client.get("/load")
+        want = {"a": {"requests": 3, "tokens": 75}, "b": {"requests": 1, "tokens": 0}}
+        assert (resp.status, await resp.json()) == (200, want)
+        assert ViewClient(srv.url, prefix).load() == {"a": Load(3, 75), "b": Load(1, 0)}
+        for body, field in (({"load": {}}, "router"), ({"router": "r", "lease": 0}, "lease"),
+                            ({"router": "r", "load": {"a": {"requests": -1}}}, "load"), ([], None)):
+            status, err = await s.post("/load", body)
+            assert (status, err["field"]) == (400, field), err
 
 
 # ------------------------------------------------------------------------------------ probes and metrics

@@ -18,14 +18,15 @@ Install it alone with ``pip install 'kvbus[client]'`` (redis, hiredis, xxhash, c
 if __name__ != "kvbus.client":  # clients/python/ is installed as kvbus.client (pyproject.toml, package-dir)
     raise ImportError(f"import kvbus.client, not {__name__}")
 
+from kvbus.client.load import LoadReporter
 from kvbus.schemas.hashing import HASH_ALGOS, UnmatchableSeed
-from kvbus.schemas.lookup import DEFAULT_PREFIX, LAYOUT, HolderMatch, LayoutMismatch, ViewStatus
+from kvbus.schemas.lookup import DEFAULT_PREFIX, LAYOUT, HolderMatch, LayoutMismatch, Load, ViewStatus
 from kvbus.schemas.tiers import DEFAULT_WEIGHTS, Weights
 from kvbus.sinks.view.reader import FunctionsMissing, ViewClient
 from kvbus.sinks.view.ties import BY_NAME, ByLoad, ByName, Shuffle, TieBreak, rank
 
 __all__ = [
     "BY_NAME", "ByLoad", "ByName", "DEFAULT_PREFIX", "DEFAULT_WEIGHTS", "FunctionsMissing", "HASH_ALGOS",
-    "HolderMatch", "LAYOUT", "LayoutMismatch", "Shuffle", "TieBreak", "UnmatchableSeed", "ViewClient",
-    "ViewStatus", "Weights", "rank",
+    "HolderMatch", "LAYOUT", "LayoutMismatch", "Load", "LoadReporter", "Shuffle", "TieBreak", "UnmatchableSeed",
+    "ViewClient", "ViewStatus", "Weights", "rank",
 ]

@@ -34,12 +34,12 @@ from kvbus.client import BY_NAME, FunctionsMissing, LayoutMismatch, Shuffle, Vie
 from kvbus.runtime.probes import Readiness
 from kvbus.schemas.lookup import READY
 from kvbus.serve.metrics import ServeMetrics
-from kvbus.serve.query import BadRequest, Hashing, answer, ask, parse
+from kvbus.serve.query import BadRequest, Hashing, answer, ask, parse, parse_report
 from kvbus.serve.serve_config import ServeConfig
 
 log = logging.getLogger("kvbus.serve")
 
-PATHS = ("/query", "/query_by_hash", "/healthz", "/readyz", "/metrics")
+PATHS = ("/query", "/query_by_hash", "/load", "/healthz", "/readyz", "/metrics")
 """The paths the service answers; metrics label any other as ``other``."""
 VIEW_DOWN = (redis.RedisError, OSError, FunctionsMissing, LayoutMismatch)
 """Errors of reading the view: answered 503."""
@@ -124,6 +124,20 @@ class Service:
     async def query_by_hash(self, request: web.Request) -> web.Response:
         return await self._query(request, by_hash=True)
 
+    # -- shared load --------------------------------------------------------------
+
+    async def load(self, request: web.Request) -> web.Response:
+        """``GET /load``: the routers' shared load, ``{"<replica>": {"requests": n, "tokens": t}}``."""
+        loads = await self._blocking(self.view.load)
+        return json_response({r: {"requests": x.requests, "tokens": x.tokens} for r, x in loads.items()})
+
+    async def report(self, request: web.Request) -> web.Response:
+        """``POST /load`` ``{"router": name, "lease": seconds, "load": {"<replica>": {"requests": n, "tokens":
+        t}}}``: a router's whole load on the replicas it names (absolute counts), and its lease renewed."""
+        router, loads, lease = parse_report(await request.read())
+        await self._blocking(self.view.report, router, loads, lease)
+        return json_response({"router": router, "replicas": len(loads)})
+
     # -- the app ------------------------------------------------------------------
 
     @web.middleware
@@ -145,7 +159,8 @@ class Service:
         except web.HTTPException as e:
             kind = "not_found" if e.status in (404, 405) else "bad_request"
             resp = error_response(e.status, f"{request.method} {request.path}: {e.reason}; the API answers "
-                                            "POST /query, POST /query_by_hash, GET /healthz, /readyz, /metrics")
+                                            "POST /query, POST /query_by_hash, GET and POST /load, "
+                                            "GET /healthz, /readyz, /metrics")
         except VIEW_DOWN as e:
             log.warning("%s: the view cannot be read: %s: %s", request.path, type(e).__name__, e)
             kind, resp = "view_unavailable", error_response(503, f"the view cannot be read: {type(e).__name__}: {e}")
@@ -166,6 +181,8 @@ class Service:
         app.add_routes([
             web.post("/query", self.query),
             web.post("/query_by_hash", self.query_by_hash),
+            web.get("/load", self.load),
+            web.post("/load", self.report),
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.readyz),
             web.get("/metrics", self.prometheus),

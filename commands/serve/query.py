@@ -16,7 +16,8 @@ from typing import Annotated, Any, Mapping, Sequence
 import msgspec
 from msgspec import Meta
 
-from kvbus.client import HolderMatch, ViewClient
+from kvbus.client import HolderMatch, Load, ViewClient
+from kvbus.client.load import DEFAULT_LEASE
 from kvbus.schemas.hashing import LoRA, hash_rules
 from kvbus.schemas.tiers import medium_of
 
@@ -255,3 +256,28 @@ def answer(q: Query, holders: Sequence[HolderMatch]) -> dict[str, dict[str, dict
     for m in holders:
         by_instance.setdefault(m.replica, []).append(m)
     return {q.tenant: {name: instance_answer(hs, q.block_size) for name, hs in by_instance.items()}}
+
+
+def parse_report(body: bytes) -> tuple[str, dict[str, Load], float]:
+    """``POST /load``'s body: (router, replica -> :class:`~kvbus.schemas.lookup.Load`, lease seconds, default
+    :data:`kvbus.client.load.DEFAULT_LEASE`). :class:`BadRequest` for anything else."""
+    try:
+        doc = msgspec.json.decode(body or b"null")
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"the body is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("the body must be a JSON object")
+    router, lease, raw = doc.get("router"), doc.get("lease", DEFAULT_LEASE), doc.get("load", {})
+    if not isinstance(router, str) or not router or "\0" in router:
+        raise BadRequest("router must be a non-empty string without NUL", "router")
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or lease <= 0:
+        raise BadRequest("lease must be a positive number of seconds", "lease")
+    if not isinstance(raw, dict):
+        raise BadRequest('load must be {"<replica>": {"requests": n, "tokens": t}}', "load")
+    loads = {}
+    for replica, x in raw.items():
+        counts = [x.get(k, 0) if isinstance(x, dict) else None for k in ("requests", "tokens")]
+        if not replica or "\0" in replica or not all(type(n) is int and n >= 0 for n in counts):
+            raise BadRequest(f"load of {replica!r}: requests and tokens must be integers >= 0", "load")
+        loads[replica] = Load(*counts)
+    return router, loads, float(lease)

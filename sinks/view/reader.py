@@ -13,6 +13,7 @@ cache it refreshes itself.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import redis
@@ -73,6 +74,12 @@ def summary_from_counts(counts: Mapping[str, Mapping[str, int]]) -> dict[str, di
     """Turn ``{holder name: {label: n}}`` into display names, dropping empty holders."""
     names = lookup.display_names(counts)
     return {names[h]: dict(sorted(t.items())) for h, t in sorted(counts.items()) if any(t.values())}
+
+
+def _now_ms() -> int:
+    """This process's clock, Unix ms: what router leases are written and read in (routers' clocks are
+    assumed in sync to well within a lease, as NTP keeps them)."""
+    return int(time.time() * 1000)
 
 
 def _text(v: bytes | str) -> str:
@@ -278,36 +285,98 @@ class ViewClient:
         :class:`~kvbus.schemas.lookup.LayoutMismatch` for a view of another layout, and redis-py's
         errors when Redis cannot be reached.
         """
+        return self._lookup(False, tokens=tokens, hashes=hashes, block_size=block_size, algo=algo, seed=seed,
+                            lora=lora, cache_salt=cache_salt, engine_version=engine_version, weights=weights,
+                            candidates=candidates, model=model, tie_break=tie_break)[0]
+
+    def lookup_with_load(self, tokens: Sequence[int] | None = None, hashes: Sequence[int | bytes] | None = None,
+                         **query: Any) -> tuple[list[HolderMatch], dict[str, lookup.Load]]:
+        """:meth:`lookup` (the same arguments) and the routers' shared load (:meth:`load`), read in the
+        same round trip on one server (on a Redis Cluster the load is one more call, to shard 0)."""
+        return self._lookup(True, tokens=tokens, hashes=hashes, **query)
+
+    def _lookup(self, with_load: bool, *, tokens: Sequence[int] | None, hashes: Sequence[int | bytes] | None,
+                block_size: int = 16, algo: str = "sha256", seed: str | None = None, lora: LoRA | None = None,
+                cache_salt: str | None = None, engine_version: str | None = None,
+                weights: WeightsLike | None = None, candidates: Iterable[str] | None = None,
+                model: str | None = None, tie_break: TieBreakLike | None = None,
+                ) -> tuple[list[HolderMatch], dict[str, lookup.Load]]:
         options = lookup.option_args(model=model)
         chain = chain_of(tokens, hashes, block_size, algo, seed, lora=lora, cache_salt=cache_salt,
                          engine_version=engine_version)
         cands = None if candidates is None else [c for c in candidates]
         tb = as_tie_break(tie_break) if tie_break is not None else self.tie_break
         if not chain or cands == []:
-            return []
+            return [], self.load() if with_load else {}
         spec = as_weights(weights).spec()
         if self._names.stale or (self._cluster and self._calls is None):
             self._refresh()
-        replies = self._call(chain, spec, cands or (), options)
+        replies, raw_load = self._call(chain, spec, cands or (), options, with_load)
         with self._lock:
             found = self._names.answer(replies, self._tables)
-        return rank(found, tb)
+        return rank(found, tb), lookup.parse_load(raw_load, _now_ms()) if with_load else {}
 
-    def _call(self, chain: list[bytes], spec: str, cands: Sequence[str], options: Sequence[str]) -> list:
-        """One ``kvbus_lookup`` reply per view (shard)."""
+    def _call(self, chain: list[bytes], spec: str, cands: Sequence[str], options: Sequence[str],
+              with_load: bool = False) -> tuple[list, Mapping | None]:
+        """One ``kvbus_lookup`` reply per view (shard), and the load hash when ``with_load``."""
+        raw_load = None
         try:
             if not self._cluster:
-                return [self._redis().fcall_ro(lookup.LOOKUP_FUNCTION, 0,
-                                               *lookup.lookup_args(self.prefix, chain, spec, cands, options))]
-            calls = self._calls
-            replies = calls.execute([(s, lookup.LOOKUP_FUNCTION, lookup.lookup_args(p, chain, spec, cands, options))
-                                     for s, p in enumerate(self._prefixes())], ordered=False)
+                args = lookup.lookup_args(self.prefix, chain, spec, cands, options)
+                if not with_load:
+                    return [self._redis().fcall_ro(lookup.LOOKUP_FUNCTION, 0, *args)], None
+                pipe = self._redis().pipeline(transaction=False)
+                pipe.fcall_ro(lookup.LOOKUP_FUNCTION, 0, *args)
+                pipe.hgetall(self._load_key())
+                replies = pipe.execute(raise_on_error=False)
+                replies, raw_load = replies[:1], replies[1]
+            else:
+                replies = self._calls.execute([(s, lookup.LOOKUP_FUNCTION, lookup.lookup_args(p, chain, spec, cands,
+                                                                                               options))
+                                               for s, p in enumerate(self._prefixes())], ordered=False)
+                if with_load:
+                    raw_load = self._cluster_client().hgetall(self._load_key())
         except redis.ResponseError as e:
             raise self._missing(e) if is_missing(e) else e
-        for r in replies:
+        for r in (*replies, raw_load):
             if isinstance(r, Exception):
                 raise self._missing(r) if is_missing(r) else r
-        return replies
+        return replies, raw_load
+
+    # -- shared load --------------------------------------------------------------
+
+    def _load_key(self) -> str:
+        """``P load`` (on a Redis Cluster: shard 0's, one slot every router writes and reads)."""
+        return vk.LOAD(lookup.shard_prefix(self.prefix, 0) if self._cluster else self.prefix)
+
+    def _writer(self) -> Any:
+        return self._cluster_client() if self._cluster else self._redis()
+
+    def load(self) -> dict[str, lookup.Load]:
+        """The routers' shared load: replica -> :class:`~kvbus.schemas.lookup.Load` (requests in flight and
+        their prompt tokens, summed over every router whose lease has not run out; replicas with none
+        left out). One ``HGETALL``."""
+        return lookup.parse_load(self._writer().hgetall(self._load_key()), _now_ms())
+
+    def report(self, router: str, loads: Mapping[str, lookup.Load], lease: float = 30.0) -> None:
+        """Write ``router``'s load on each replica of ``loads`` (its requests in flight there and their
+        prompt tokens, as absolute values: each router owns its fields, so a lost write is mended by the
+        next one) and renew its lease for ``lease`` seconds; ``loads`` may be empty (a renewal). One round
+        trip. A router that stops reporting (it crashed) counts for nobody once its lease runs out;
+        :class:`kvbus.client.load.LoadReporter` keeps a router's books and reports them."""
+        key = self._load_key()
+        fields: dict[str, int] = {lookup.lease_field(router): _now_ms() + int(lease * 1000)}
+        for replica, load in loads.items():
+            req, tok = lookup.load_fields(router, replica)
+            fields[req], fields[tok] = load.requests, load.tokens
+        self._writer().hset(key, mapping=fields)
+
+    def forget_routers(self, older_than: float = 300.0) -> int:
+        """Delete the load fields of routers whose lease ran out more than ``older_than`` seconds ago
+        (they count for nobody already); the fields deleted."""
+        key, now = self._load_key(), _now_ms()
+        fields = [f for f in lookup.expired_fields(self._writer().hgetall(key), now - int(older_than * 1000))]
+        return int(self._writer().hdel(key, *fields)) if fields else 0
 
     def _missing(self, err: Exception) -> FunctionsMissing:
         return FunctionsMissing(f"the kvbus functions are not loaded on this server ({err}); a sink loads them "

@@ -262,7 +262,7 @@ class RedisStore(ResidencyStore):
         self.r.eval("redis.call('DEL', KEYS[1]) return redis.call('HSET', KEYS[1], unpack(ARGV))", 1,
                     status_key(self.prefix), *(x for k, v in fields.items() for x in (k, str(v))))
 
-    def wipe(self, keep: Sequence[str] = (view_keys.STATUS.name, view_keys.LOCK.name),
+    def wipe(self, keep: Sequence[str] = view_keys.KEPT_BY_WIPE,
              shards: Iterable[int] | None = None) -> int:
         """Delete every key of the view (SCAN + UNLINK) but ``P <keep>``; returns the keys deleted."""
         if not self._mine(shards):

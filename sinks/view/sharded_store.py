@@ -345,7 +345,7 @@ class ShardedRedisStore(ResidencyStore):
         for st in self.shards:
             st.set_status(**fields)
 
-    def wipe(self, keep: Sequence[str] = (view_keys.STATUS.name, view_keys.LOCK.name),
+    def wipe(self, keep: Sequence[str] = view_keys.KEPT_BY_WIPE,
              shards: Iterable[int] | None = None) -> int:
         """Every shard's (or ``shards``') keys but ``<shard prefix><keep>``; the shard count is written
         again (it belongs to the view, not to its contents)."""

@@ -236,7 +236,7 @@ class ViewRecovery(abc.ABC):
         """Replace the view's recorded status with ``fields`` (values as strings), in every shard."""
 
     @abc.abstractmethod
-    def wipe(self, keep: Sequence[str] = (view_keys.STATUS.name, view_keys.LOCK.name),
+    def wipe(self, keep: Sequence[str] = view_keys.KEPT_BY_WIPE,
              shards: Iterable[int] | None = None) -> int:
         """Delete the view's contents (every shard, or ``shards``) but the keys named ``keep``; returns
         the keys (entries) deleted."""

@@ -226,3 +226,18 @@ func TestQueryOptionArgs(t *testing.T) {
 		}
 	}
 }
+
+// The routers' load as Python's kvbus.schemas.lookup.parse_load sums it: live leases only, below zero is 0.
+func TestParseLoad(t *testing.T) {
+	now := int64(1000000)
+	raw := map[string]string{"r1": "1000001", "r1\x00a#0": "2", "r1\x00a#0\x00t": "300",
+		"r2": "999999", "r2\x00a#0": "5", "r2\x00a#0\x00t": "9",
+		"r3": "1000005", "r3\x00b": "-1", "r3\x00b\x00t": "0"}
+	got, err := parseLoad(raw, now)
+	if err != nil || !reflect.DeepEqual(got, map[string]Load{"a#0": {2, 300}}) {
+		t.Fatalf("parseLoad = %v, %v", got, err)
+	}
+	if err := checkLoadName("x\x00y", "router"); err == nil {
+		t.Fatal("a name with NUL is refused")
+	}
+}

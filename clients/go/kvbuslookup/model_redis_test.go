@@ -6,6 +6,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -71,6 +72,28 @@ func TestLookupNamingAModelAnswersOnlyItsHolders(t *testing.T) {
 		best, err := view.Lookup(ctx, modelChain, Query{Model: "llama"})
 		if err != nil || best[0].Name != "l0" {
 			t.Fatalf("%s: the longest prefix of model llama is l0's: %v %v", where, best, err)
+		}
+	}
+}
+
+// A Go router's report, read back by Go, and left for tests/test_lookup_protocol.py to read with Python's
+// ViewClient.load: router "go-router" has 2 requests (64 prompt tokens) in flight on l0, leased 10 min.
+func TestSharedLoadReportedByAGoRouter(t *testing.T) {
+	ctx := context.Background()
+	for where, rdb := range modelViews(t) {
+		view := New(rdb, Options{Prefix: os.Getenv("KVBUS_TEST_PREFIX")})
+		if err := view.Report(ctx, "go-router", map[string]Load{"l0": {2, 64}}, 10*time.Minute); err != nil {
+			t.Fatalf("%s: Report: %v", where, err)
+		}
+		got, err := view.Load(ctx)
+		if err != nil || !reflect.DeepEqual(got, map[string]Load{"l0": {2, 64}}) {
+			t.Fatalf("%s: Load = %v, %v", where, got, err)
+		}
+		if err := view.Report(ctx, "gone", map[string]Load{"q0": {1, 1}}, -time.Second); err != nil {
+			t.Fatalf("%s: Report: %v", where, err)
+		}
+		if got, _ := view.Load(ctx); got["q0"] != (Load{}) {
+			t.Fatalf("%s: a router whose lease ran out still counts: %v", where, got)
 		}
 	}
 }
