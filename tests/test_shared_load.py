@@ -14,12 +14,10 @@ from typing import Callable, Iterator
 import pytest
 
 from kvbus.client import Load, LoadReporter, ViewClient
-from kvbus.infra.scratch_cluster import RedisClusterServer
-from kvbus.infra.scratch_redis import REDIS, VALKEY, RedisServer
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas import lookup
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
-from kvbus.sinks.view.redis_store import RedisStore
-from kvbus.sinks.view.sharded_store import ShardedRedisStore
+from tests.view_backends import KINDS, view_server, writer
 
 CHAIN = [canonical_hash(i + 7001) for i in range(4)]
 
@@ -33,21 +31,17 @@ def wait_until(what: str, ok: Callable[[], bool], seen: Callable[[], object], ti
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module", params=["redis", "valkey", "redis-cluster"])
+@pytest.fixture(scope="module", params=KINDS)
 def backend(request) -> Iterator[tuple[str, object]]:
     """(URL, a client the view's writer uses there)."""
-    if request.param == "redis-cluster":
-        with RedisClusterServer(3, REDIS) as cl:
-            yield cl.url, cl.client()
-        return
-    with RedisServer(kind=VALKEY if request.param == "valkey" else REDIS) as srv:
-        yield srv.url, srv.client()
+    with view_server(request.param) as server:
+        yield server
 
 
 def test_every_router_reads_the_sum_of_every_routers_reports(backend):
     url, client = backend
     prefix = f"l{uuid.uuid4().hex[:8]}:"
-    store = ShardedRedisStore(client, prefix) if hasattr(client, "get_primaries") else RedisStore(client, prefix)
+    store = writer(client, prefix)
     store.apply([("kvbus.blocks", BlockEvent(replica=r, dp_rank=0, epoch=1, seq=0, index=0, ts=time.time(),
                                              event=BlockStored(block_hashes=CHAIN[:n], medium="GPU")))
                  for r, n in (("a", 4), ("b", 2))])

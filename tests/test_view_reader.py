@@ -11,13 +11,9 @@ from typing import Iterator
 import pytest
 
 from kvbus.client import ViewClient
-from kvbus.infra.scratch_cluster import RedisClusterServer
-from kvbus.infra.scratch_redis import REDIS, VALKEY, RedisServer
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockStored, canonical_hash
-from kvbus.sinks.view.redis_store import RedisStore
-from kvbus.sinks.view.sharded_store import ShardedRedisStore
-from kvbus.sinks.view.store import ResidencyStore
 from tests.memory_store import InMemoryStore
+from tests.view_backends import KINDS, view_server, writer
 
 H = [canonical_hash(i * 31337 + 5) for i in range(10)]
 
@@ -27,19 +23,11 @@ def ev(replica: str, dp: int, seq: int, event, topic: str = "kvbus.blocks", ts: 
                               ts=time.time() if ts is None else ts, event=event))
 
 
-@pytest.fixture(scope="module", params=["redis", "valkey", "redis-cluster"])
+@pytest.fixture(scope="module", params=KINDS)
 def backend(request) -> Iterator[tuple[str, object]]:
-    """(URL, the store writing there): one server of each kind, and a 3-master Redis Cluster."""
-    if request.param == "redis-cluster":
-        with RedisClusterServer(3, REDIS) as cl:
-            yield cl.url, cl.client()
-        return
-    with RedisServer(kind=VALKEY if request.param == "valkey" else REDIS) as srv:
-        yield srv.url, srv.client()
-
-
-def writer(client, prefix: str) -> ResidencyStore:
-    return ShardedRedisStore(client, prefix) if hasattr(client, "get_primaries") else RedisStore(client, prefix)
+    """(URL, a client the view's writer uses there)."""
+    with view_server(request.param) as server:
+        yield server
 
 
 def test_the_reader_answers_what_the_model_holds(backend):
