@@ -183,7 +183,7 @@ def test_top_shows_a_running_pipeline(test_settings, tmp_path) -> None:
         def screen_shows() -> str | Waiting:
             """The screen shows the settled pipeline."""
             text = tmux.screen()
-            assert not tmux.exited(), text
+            assert not tmux.exited(text), text
             rows = {line.strip("│ ").split()[0]: line.strip("│ ").split() for line in text.splitlines()
                     if line.strip("│ ").startswith(("replica-0 ", "replica-1 "))}
             wanted = {"replica-0 row": rows.get("replica-0") == ["replica-0", "0", "0", "3", "3"],
@@ -237,7 +237,7 @@ def test_top_says_what_is_unreachable_and_keeps_running(tmp_path) -> None:
         def refreshed_twice() -> bool | Waiting:
             """Two snapshots (two header times) that each say what is unreachable."""
             text = tmux.screen()
-            assert not tmux.exited(), text
+            assert not tmux.exited(text), text
             missing = [what for what in ("Kafka at", "Redis at", f"127.0.0.1:{nothing}")
                        if f"unreachable: {what}" not in text]
             if not missing:
@@ -249,7 +249,7 @@ def test_top_says_what_is_unreachable_and_keeps_running(tmp_path) -> None:
         def exited() -> str | Waiting:
             """The console has ended."""
             text = tmux.screen()
-            return text if tmux.exited() else Waiting(screen=text)
+            return text if tmux.exited(text) else Waiting(screen=text)
 
         text = eventually(exited, screen_budget(once_s), interval=0.3)
         assert "[program exited with 0]" in text and "unreachable" not in text

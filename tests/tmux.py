@@ -40,9 +40,11 @@ class TmuxPane:
         """Type ``keys`` into the pane (tmux key names: ``C-c``, ``q``, ``Enter``)."""
         self._tmux("send-keys", "-t", "top", *keys)
 
-    def exited(self) -> bool:
-        """True when the program exited (the pane then shows ``[program exited with <code>]``)."""
-        return EXITED in self.screen()
+    def exited(self, screen: str | None = None) -> bool:
+        """True when the program exited (the pane then shows ``[program exited with <code>]``), judged on
+        ``screen`` when given: a test that reads the screen and then asks must ask about what it read, or a
+        second capture may differ from the first (the program exiting in between)."""
+        return EXITED in (self.screen() if screen is None else screen)
 
     def close(self) -> None:
         """Stop the program and this test's tmux server."""
