@@ -5,7 +5,7 @@ AllBlocksCleared, Reset, expiry or drop of the holder after them removes them. L
 answer as they did before predictions.
 
 The contract suite's style (tests/test_sink_store_contract.py): the same tests on RedisStore over a Redis
-7.0 and a Valkey 9.1, and on ShardedRedisStore over a 3-master Redis Cluster; the view is written through
+7.0 and a Valkey 9.1, and on ShardedRedisStore over a 3-master cluster of each; the view is written through
 the store (the sink's side), predictions and lookups go through its reader (the router's side). The
 in-memory twin is left out: predictions are not the store's (``ResidencyStore``) but a router's write, and
 the expected answers are written out below.
@@ -44,20 +44,30 @@ def valkey_server():
         yield srv
 
 
-@pytest.fixture(scope="module")
-def redis_cluster_client():
-    with RedisClusterServer(3, REDIS) as cl:
+def _cluster_client(kind):
+    with RedisClusterServer(3, kind) as cl:
         rc = cl.client()
         yield rc
         rc.close()
 
 
-@pytest.fixture(params=["redis", "valkey", "redis-cluster"])
+@pytest.fixture(scope="module")
+def redis_cluster_client():
+    yield from _cluster_client(REDIS)
+
+
+@pytest.fixture(scope="module")
+def valkey_cluster_client():
+    yield from _cluster_client(VALKEY)
+
+
+@pytest.fixture(params=["redis", "valkey", "redis-cluster", "valkey-cluster"])
 def store(request) -> ResidencyStore:
-    """RedisStore on a Redis and on a Valkey, ShardedRedisStore on a 3-master Redis Cluster."""
+    """RedisStore on a Redis and on a Valkey, ShardedRedisStore on a 3-master cluster of each."""
     prefix = f"p{uuid.uuid4().hex[:8]}:"
-    if request.param == "redis-cluster":
-        return ShardedRedisStore(request.getfixturevalue("redis_cluster_client"), prefix)
+    if request.param.endswith("-cluster"):
+        kind = request.param.removesuffix("-cluster")
+        return ShardedRedisStore(request.getfixturevalue(f"{kind}_cluster_client"), prefix)
     return RedisStore(request.getfixturevalue(f"{request.param}_server").client(), prefix)
 
 
