@@ -194,7 +194,7 @@ def predict_holder(name: str) -> tuple[str, int]:
     decimal rank), or a replica name alone for its dp rank 0 (what :attr:`HolderMatch.name` is for a
     replica with one holder)."""
     replica, sep, dp = name.rpartition("#")
-    if sep and dp.isdecimal():
+    if sep and dp.isascii() and dp.isdecimal():
         return replica, int(dp)
     return name, 0
 
@@ -208,7 +208,7 @@ def holder_shard(replica: str, dp_rank: int, shards: int) -> int:
 def predict_ttl_ms(ttl: float) -> int:
     """A prediction's TTL in seconds as ``kvbus_predict`` takes it (ms, at least 1); ValueError beyond
     :data:`MAX_PREDICT_TTL` or for a TTL that is not positive."""
-    if not (isinstance(ttl, (int, float)) and 0 < ttl <= MAX_PREDICT_TTL):
+    if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl <= MAX_PREDICT_TTL):
         raise ValueError(f"ttl={ttl!r}: a prediction lives more than 0 and at most {MAX_PREDICT_TTL:g} seconds")
     return max(1, round(ttl * 1000))
 
