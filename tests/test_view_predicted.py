@@ -231,6 +231,25 @@ def test_another_model_never_sees_a_prediction(store):
     assert answer(store, H[:8], predicted=1, model="m3") == {}
 
 
+def test_hybrid_model_holders_are_answered_without_their_predictions(store):
+    """A holder with two KV cache groups is answered with vLLM's hybrid coordinator's hit (docs/lookup-protocol.md,
+    "Hybrid models"), which predictions do not extend; a one-group holder beside it is."""
+    a, d = Stream("a"), Stream("d")
+
+    def grouped(hashes, group, kind, window=None):
+        return BlockStored(block_hashes=list(hashes), medium="GPU", group_idx=group, block_size=16,
+                           kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
+
+    store.apply([a.ev(grouped(H[:10], 0, "full_attention")), a.ev(grouped(H[4:8], 1, "sliding_window", 48)),
+                 d.ev(grouped(H[:10], 0, "full_attention"))])
+    view = store.reader()
+    view.predict("a", hashes=H[:12], ttl=30)
+    view.predict("d", hashes=H[:12], ttl=30)
+    got = {m.name: m for m in view.lookup(hashes=H[:12], predicted=1)}
+    assert (got["a"].matched, got["a"].groups, got["a"].tiers) == (8, {0: 10, 1: 8}, {"GPU": 10})
+    assert (got["d"].matched, got["d"].tiers) == (12, {"GPU": 10, "predicted": 12})
+
+
 def test_bad_options_and_arguments_are_refused(store):
     setup_two(store)
     view = store.reader()
