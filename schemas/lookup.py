@@ -7,8 +7,10 @@ docs/lookup-protocol.md. Pure Python: no Redis client here (the Redis side is
 
 * the key layout version (:data:`LAYOUT`; the function library is loaded with it filled in);
 * key names: ``P meta``, ``P hname``, ``P status``, the guard key, shard prefixes ``P{s<i>}:``;
-* the call: ``FCALL_RO kvbus_lookup <numkeys> [keys] P <chain> <weights> ["\0model" <model>] [candidates...]``
-  (:func:`lookup_args`) and its reply ``{head, hids, descs}`` (:func:`parse_reply`);
+* the call: ``FCALL_RO kvbus_lookup <numkeys> [keys] P <chain> <weights> ["\0model" <model>]
+  ["\0predicted" <weight>] [candidates...]`` (:func:`lookup_args`, :data:`LOOKUP_OPTIONS`) and its reply
+  ``{head, hids, descs}`` (:func:`parse_reply`);
+* predictions: ``FCALL kvbus_predict`` (:func:`predict_args`), a router's record of where it sent a prompt;
 * holder names: hid -> ``"<replica>#<dp_rank>"`` (``P hname``), display names (:func:`display_name`),
   a cache of them (:class:`HolderNames`);
 * the answer (:class:`HolderMatch`), its ranking (:func:`rank_key`) and its JSON form;
@@ -16,8 +18,10 @@ docs/lookup-protocol.md. Pure Python: no Redis client here (the Redis side is
 """
 from __future__ import annotations
 
+import math
 import struct
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -34,6 +38,19 @@ DEFAULT_PREFIX = "kvbus:"
 """The view's key prefix ``P`` unless the sinks run with ``--prefix`` / ``KVBUS_SINK_PREFIX``."""
 LOOKUP_FUNCTION = "kvbus_lookup"
 """The read-only function a lookup calls (``FCALL_RO``)."""
+PREDICT_FUNCTION = "kvbus_predict"
+"""The function a router calls (``FCALL``: it writes) to record a prompt's blocks as predicted on the holder
+it chose (docs/lookup-protocol.md, "Predicted entries")."""
+DEFAULT_PREDICT_TTL = 5.0
+"""Seconds a predicted entry counts unless the router says otherwise: long enough for the engine's
+BlockStored to reach the view (a prefill, the bridge, the worker, the sink), short enough that a
+prediction that never came true soon stops attracting requests."""
+MAX_PREDICT_TTL = 600.0
+"""The longest TTL ``kvbus_predict`` takes (seconds): predictions are meant to bridge seconds."""
+PREDICTED_LABEL = "predicted"
+"""The tier label a lookup with the ``predicted`` option gives the run of blocks held or predicted, for a
+holder whose answer a prediction lengthened (the reply's pseudo tier code 64, descriptor
+``predicted||0``)."""
 NAMES_TTL = 10.0
 """Seconds a reader trusts its cache of holder names (display names depend on every holder)."""
 SCORE_SCALE = 1_000_000
@@ -121,13 +138,31 @@ class LookupOption:
         return "\0" + self.name
 
 
+def check_weight(value: Any) -> str | None:
+    """A ``predicted`` weight as sent: a finite number >= 0 (None: not given); ValueError otherwise."""
+    if value is None:
+        return None
+    try:
+        w = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"predicted: {value!r} is not a number") from None
+    if not math.isfinite(w) or w < 0:
+        raise ValueError(f"predicted: the weight must be a finite number >= 0, not {value!r}")
+    return repr(w)
+
+
 LOOKUP_OPTIONS: tuple[LookupOption, ...] = (
     LookupOption("model", "only replicas serving this model (their bridges' --model); default: every replica, "
                           "whatever its model", check_model),
+    LookupOption("predicted", "count predicted entries (routers' predictions not yet confirmed by the engine) "
+                              "as held, each block with this weight; default: only what the engines reported",
+                 check_weight),
 )
 """Every lookup option, in the order a call sends them."""
 MODEL_OPTION = LOOKUP_OPTIONS[0].wire
 """The lookup option naming a model: only holders whose latest event named that model answer."""
+PREDICTED_OPTION = LOOKUP_OPTIONS[1].wire
+"""The lookup option counting predicted entries, with their weight."""
 
 
 def option_args(**values: Any) -> list[str]:
@@ -218,6 +253,37 @@ def expired_fields(raw: Mapping, before_ms: int) -> list:
     leases, counts = _split_load(raw)
     gone = {r for r, until in leases.items() if until < before_ms}
     return [f for f in raw if _s(f) in gone] + [f for parts, _, f in counts if parts[0] in gone]
+
+
+def predict_holder(name: str) -> tuple[str, int]:
+    """The holder a prediction names: ``"<replica>#<dp_rank>"`` (split at the last ``#`` followed by a
+    decimal rank), or a replica name alone for its dp rank 0 (what :attr:`HolderMatch.name` is for a
+    replica with one holder)."""
+    replica, sep, dp = name.rpartition("#")
+    if sep and dp.isascii() and dp.isdecimal():
+        return replica, int(dp)
+    return name, 0
+
+
+def holder_shard(replica: str, dp_rank: int, shards: int) -> int:
+    """The shard of a holder in the sharded view: crc32 of ``"<replica>#<dp_rank>"`` mod ``shards``
+    (zlib's CRC-32, as Go's ``hash/crc32.ChecksumIEEE``)."""
+    return zlib.crc32(f"{replica}#{dp_rank}".encode()) % shards
+
+
+def predict_ttl_ms(ttl: float) -> int:
+    """A prediction's TTL in seconds as ``kvbus_predict`` takes it (ms, at least 1); ValueError beyond
+    :data:`MAX_PREDICT_TTL` or for a TTL that is not positive."""
+    if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl <= MAX_PREDICT_TTL):
+        raise ValueError(f"ttl={ttl!r}: a prediction lives more than 0 and at most {MAX_PREDICT_TTL:g} seconds")
+    return max(1, round(ttl * 1000))
+
+
+def predict_args(prefix: str, replica: str, dp_rank: int, chain: Sequence[bytes], ttl: float,
+                 model: str | None = None) -> list:
+    """``kvbus_predict``'s arguments after the keys: ``P``, the holder's replica and dp rank, the TTL in ms,
+    the chain (8-byte hashes concatenated), the model (``""``: none named)."""
+    return [prefix, replica, str(dp_rank), str(predict_ttl_ms(ttl)), b"".join(chain), check_model(model) or ""]
 
 
 @dataclass(frozen=True)

@@ -81,10 +81,16 @@ BLOCKS = ViewKey("B:", "HASH", ("bucket",))
 """One bucket of the block table: raw hash -> its members."""
 WIDE = ViewKey("W:", "STRING", ("raw hash",))
 """The members of a block held by many holders (the raw hash's 8 bytes follow the stem)."""
+PREDICTED = ViewKey("X:", "ZSET", ("hid",))
+"""A holder's predicted entries (``kvbus_predict``, written by routers): raw hash -> when the prediction
+expires (the server's clock, ms); the key expires with its latest prediction."""
+PREDICTED_HOLDERS = ViewKey("xh", "HASH")
+"""Hid -> ``"<expiry ms> <model>"`` of each holder with predicted entries (model empty: none named);
+expires with its latest entry."""
 
 KEYS: tuple[ViewKey, ...] = (META, GUARD, HNAME, STATUS, LOAD, HID, REPLICA_HIDS, TIER_ID, TIER_NAME, TIER_COUNTED,
                              MODEL_HIDS, GROUPS, OFFSETS, SEEN, STALE, LOCK, SNAPSHOT_LOCK, HOLDER, INDEX,
-                             REFCOUNTS, BLOCKS, WIDE)
+                             REFCOUNTS, BLOCKS, WIDE, PREDICTED, PREDICTED_HOLDERS)
 """Every key of the view."""
 WRITTEN_BY_PYTHON = frozenset({STATUS.name, LOCK.name, SNAPSHOT_LOCK.name, GUARD.name, LOAD.name})
 """Keys the function library never names: the sinks write the status and the locks from Python, routers

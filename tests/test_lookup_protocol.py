@@ -27,7 +27,7 @@ from kvbus.client import Load, ViewClient, lookup_cli as cli
 from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, canonical_hash
-from kvbus.schemas.lookup import LOOKUP_OPTIONS, option_args
+from kvbus.schemas.lookup import LOOKUP_OPTIONS, MAX_PREDICT_TTL, option_args
 from kvbus.sinks.view import functions
 from kvbus.sinks.view.redis_store import RedisStore
 from kvbus.sinks.view.sharded_store import ShardedRedisStore, shard_of
@@ -138,9 +138,22 @@ CASES = {
     "model-and-candidates": ["--hashes", _hashes(CHAIN), "--model", "qwen", "--replicas", "a,b#1,pod#x,shared-3"],
     "model-of-nobody": ["--hashes", _hashes(CHAIN), "--model", "mistral"],
     "model-tokens": ["--tokens", TOKENS_B, "--algo", "sha256", "--model", "llama"],
+    "predicted": ["--hashes", _hashes(CHAIN), "--predicted", "0.5"],
+    "predicted-zero": ["--hashes", _hashes(CHAIN), "--predicted", "0"],
+    "predicted-and-model": ["--hashes", _hashes(CHAIN), "--predicted", "0.25", "--model", "llama"],
+    "predicted-and-candidates": ["--hashes", _hashes(CHAIN), "--predicted", "1", "--replicas", "b,vllm-sha256"],
 }
 EMPTY_CASES = {"nobody", "unknown-candidates", "model-of-nobody"}
 """The cases no holder answers."""
+
+
+def _predict(view: ViewClient) -> None:
+    """The predictions of this file's views (TTL 10 minutes: they outlast the module): pod#x the whole
+    chain (it holds 5 blocks), b#0 its first 4 for qwen (it holds block 0), vllm-sha256 (llama's; nothing
+    of the chain held) its first 3 for llama, naming the holder by its replica."""
+    assert view.predict("pod#x#0", hashes=CHAIN, ttl=MAX_PREDICT_TTL) == 6
+    assert view.predict("b#0", hashes=CHAIN[:4], ttl=MAX_PREDICT_TTL, model="qwen") == 4
+    assert view.predict("vllm-sha256", hashes=CHAIN[:3], ttl=MAX_PREDICT_TTL, model="llama") == 3
 
 
 def _kvbus_lookup(settings: Settings, prefix: str, argv: list[str], capsys) -> str:
@@ -211,9 +224,11 @@ def _label(desc: str) -> str:
 
 
 def redis_cli_answer(port: int, views: list[tuple[str, list[str]]], chain: list[bytes], spec: str,
-                     cands: list[str], cluster: bool = False, model: str | None = None) -> dict:
+                     cands: list[str], cluster: bool = False, model: str | None = None,
+                     predicted: str | None = None) -> dict:
     """kvbus lookup's JSON answer computed from redis-cli's output by docs/lookup-protocol.md."""
     options = [b"\0model", model] if model is not None else []
+    options += [b"\0predicted", predicted] if predicted is not None else []
     holders, ranks = [], {}
     for prefix, _ in views:
         names = {int(k): v for k, v in redis_cli(port, "HGETALL", prefix + "hname", cluster=cluster).items() if k}
@@ -297,11 +312,14 @@ def view():
     with RedisServer() as srv:
         prefix = f"p{uuid.uuid4().hex[:8]}:"
         RedisStore(srv.client(), prefix).apply(_records() + _hybrid_records())
+        with ViewClient(srv.url, prefix) as v:
+            _predict(v)
         yield srv, prefix
 
 
-def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str], str | None]:
-    """What kvbus lookup sends for these flags: the chain, ARGV[3], the candidates and the model."""
+def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str], dict[str, str | None]]:
+    """What kvbus lookup sends for these flags: the chain, ARGV[3], the candidates and the options (model,
+    predicted weight: redis_cli_answer's keywords)."""
     from kvbus.client.lookup_cli import parse_hashes, parse_tokens
     from kvbus.schemas.hashing import block_hashes
     from kvbus.sinks.view.refcounts import Weights
@@ -310,7 +328,7 @@ def _spec_and_cands(argv: list[str]) -> tuple[list[bytes], str, list[str], str |
     chain = parse_hashes(a.hashes) if a.hashes else block_hashes(parse_tokens(a.tokens), a.block_size, a.algo,
                                                                       a.hash_seed)
     cands = [c.strip() for c in (a.replicas or "").split(",") if c.strip()]
-    return chain, Weights.parse(a.weights).spec(), cands, a.model
+    return chain, Weights.parse(a.weights).spec(), cands, {"model": a.model, "predicted": a.predicted}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -320,8 +338,8 @@ def test_redis_cli_gets_kvbus_lookups_answer(view, capsys, case):
     answer = json.loads(_kvbus_lookup(Settings(redis_url=srv.url), prefix, argv, capsys))
     if case not in EMPTY_CASES:
         assert answer, "the case finds holders"
-    chain, spec, cands, model = _spec_and_cands(argv)
-    got = redis_cli_answer(srv.port, [(prefix, [])], chain, spec, cands, model=model)
+    chain, spec, cands, options = _spec_and_cands(argv)
+    got = redis_cli_answer(srv.port, [(prefix, [])], chain, spec, cands, **options)
     assert list(got.items()) == list(answer.items())  # same holders, values and order
 
 
@@ -393,6 +411,39 @@ def test_errors_of_the_model_option(view):
     assert len(first[1]) == 2, "b#0 and b#1, qwen's, answer as two groups"
 
 
+def test_errors_of_the_predicted_option(view):
+    srv, prefix = view
+    chain = b"".join(CHAIN)
+    for bad in ([b"\0predicted"], [b"\0predicted", ""], [b"\0predicted", "x"], [b"\0predicted", "-1"],
+                [b"\0predicted", "inf"], [b"\0predicted", "nan"]):
+        with pytest.raises(RuntimeError, match=r"kvbus: lookup option predicted needs a weight \(a number >= 0\)"):
+            redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, chain, "", *bad)
+    first = redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, chain, "", b"\0predicted", "1", "b",
+                      b"\0model", "qwen")
+    assert first == redis_cli(srv.port, "FCALL_RO", "kvbus_lookup", "0", prefix, chain, "", b"\0model", "qwen",
+                              "b", b"\0predicted", "1")
+    descs = first[2]
+    assert dict(zip(descs[::2], descs[1::2]))[64] == "predicted||0", "the pseudo tier's code and descriptor"
+
+
+def test_predicted_entries_change_only_the_answers_of_lookups_with_the_option(view, capsys):
+    srv, prefix = view
+    settings = Settings(redis_url=srv.url)
+    before = json.loads(_kvbus_lookup(settings, prefix, CASES["all"], capsys))
+    got = json.loads(_kvbus_lookup(settings, prefix, CASES["predicted"], capsys))
+    assert got["pod#x"] == {"matched": 6, "tiers": {"GPU": 5, "predicted": 6}, "score": 5.5, "replica": "pod#x",
+                            "dp_rank": 0}
+    assert got["b#0"]["tiers"] == {"GPU": 1, "predicted": 4} and got["b#0"]["score"] == 2.5
+    assert got["vllm-sha256"] == {"matched": 3, "tiers": {"predicted": 3}, "score": 1.5, "replica": "vllm-sha256",
+                                  "dp_rank": 0}
+    predicted = ("pod#x", "b#0", "vllm-sha256")
+    assert {k: v for k, v in got.items() if k not in predicted} == \
+        {k: v for k, v in before.items() if k not in predicted}, "holders without predictions answer as without it"
+    llama = json.loads(_kvbus_lookup(settings, prefix, CASES["predicted-and-model"], capsys))
+    assert llama["vllm-sha256"]["matched"] == 3 and "b#0" not in llama and "pod#x" not in llama
+    assert "predicted" not in json.dumps(before)
+
+
 def test_the_lookup_options_are_declared_once_and_every_reader_takes_them_from_there():
     """Python's declaration (kvbus.schemas.lookup.LOOKUP_OPTIONS) is what the Go package lists, what
     ``kvbus lookup`` has flags for and what :func:`option_args` checks."""
@@ -407,6 +458,11 @@ def test_the_lookup_options_are_declared_once_and_every_reader_takes_them_from_t
     assert all(flags.get(o.name) == o.meaning for o in LOOKUP_OPTIONS)
     assert option_args() == [] and option_args(model=None) == []
     assert option_args(model="qwen") == ["\0model", "qwen"]
+    assert option_args(predicted=0.5, model="qwen") == ["\0model", "qwen", "\0predicted", "0.5"]
+    assert option_args(predicted="2") == ["\0predicted", "2.0"] and option_args(predicted=0) == ["\0predicted", "0.0"]
+    for bad in (-0.5, float("nan"), float("inf"), "x"):
+        with pytest.raises(ValueError):
+            option_args(predicted=bad)
     with pytest.raises(ValueError):
         option_args(model="")
     with pytest.raises(TypeError, match="tenant"):
@@ -493,13 +549,15 @@ def test_go_package_lookups_naming_a_model_on_redis_and_redis_cluster():
         ShardedRedisStore(cl.url, prefix).apply(_model_view_records())
         env = {**os.environ, "KVBUS_TEST_PREFIX": prefix, "KVBUS_TEST_REDIS_ADDR": f"127.0.0.1:{srv.port}",
                "KVBUS_TEST_CLUSTER_ADDRS": ",".join(f"{n.host}:{n.port}" for n in cl.nodes if n.master)}
-        r = subprocess.run([GO, "test", "-count=1", "-v", "-run", "TestLookupNamingAModel|TestSharedLoad", "./..."],
+        r = subprocess.run([GO, "test", "-count=1", "-v", "-run",
+                            "TestLookupNamingAModel|TestSharedLoad|TestPredictThenLookup", "./..."],
                            cwd=GO_PACKAGE, capture_output=True, text=True, timeout=600, env=env, check=False)
         # the Go router's report, as Python's client reads it, on both
         loads = [ViewClient(url, prefix).load() for url in (srv.url, cl.url)]
     assert r.returncode == 0, r.stdout + r.stderr
     assert "--- PASS: TestLookupNamingAModelAnswersOnlyItsHolders" in r.stdout and "SKIP" not in r.stdout
     assert "--- PASS: TestSharedLoadReportedByAGoRouter" in r.stdout
+    assert "--- PASS: TestPredictThenLookupWithThePredictedOption" in r.stdout
     assert loads == [{"l0": Load(2, 64)}] * 2
 
 
@@ -558,6 +616,9 @@ def sharded_view():
         records = _records() + _hybrid_records()
         ShardedRedisStore(cl.url, prefix).apply(records)
         RedisStore(srv.client(), prefix).apply(records)
+        for url in (cl.url, srv.url):
+            with ViewClient(url, prefix) as v:
+                _predict(v)
         masters = [f"{n.host}:{n.port}" for n in cl.nodes if n.master]
         shards = int(redis_cli(cl.nodes[0].port, "HGET", prefix + "{s0}:meta", "shards", cluster=True))
         assert shards == 16
@@ -569,7 +630,7 @@ def sharded_view():
 
 
 SHARDED_CASES = ("all", "mixed-candidates", "weights", "tokens-xxhash-cbor", "tokens-sha256", "model",
-                 "model-and-candidates")
+                 "model-and-candidates", "predicted", "predicted-and-model")
 
 
 def test_sharded_view_redis_cli_one_call_per_shard_union_of_answers(sharded_view, capsys):
@@ -577,8 +638,8 @@ def test_sharded_view_redis_cli_one_call_per_shard_union_of_answers(sharded_view
     for case in SHARDED_CASES:
         want = _kvbus_lookup(Settings(redis_url=cl.url), prefix, CASES[case], capsys)
         assert want == _kvbus_lookup(Settings(redis_url=srv.url), prefix, CASES[case], capsys)
-        chain, spec, cands, model = _spec_and_cands(CASES[case])
-        got = redis_cli_answer(cl.nodes[0].port, views, chain, spec, cands, cluster=True, model=model)
+        chain, spec, cands, options = _spec_and_cands(CASES[case])
+        got = redis_cli_answer(cl.nodes[0].port, views, chain, spec, cands, cluster=True, **options)
         assert list(got.items()) == list(json.loads(want).items())
 
 

@@ -23,7 +23,7 @@ from kvbus.runtime.security import redact_url
 from kvbus.schemas import lookup, view_keys as vk
 from kvbus.schemas.events import MixedHashes, canonical_hash, canonical_hashes
 from kvbus.schemas.hashing import LoRA, block_hashes
-from kvbus.schemas.lookup import DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
+from kvbus.schemas.lookup import DEFAULT_PREDICT_TTL, DEFAULT_PREFIX, NAMES_TTL, HolderMatch, HolderNames, ViewStatus
 from kvbus.schemas.tiers import Weights, label
 from kvbus.sinks.view.cluster import (
     MIGRATION_CHECK,
@@ -256,7 +256,8 @@ class ViewClient:
                block_size: int = 16, algo: str = "sha256", seed: str | None = None,
                lora: LoRA | None = None, cache_salt: str | None = None, engine_version: str | None = None,
                weights: WeightsLike | None = None, candidates: Iterable[str] | None = None,
-               model: str | None = None, tie_break: TieBreakLike | None = None) -> list[HolderMatch]:
+               model: str | None = None, predicted: float | None = None,
+               tie_break: TieBreakLike | None = None) -> list[HolderMatch]:
         """The holders of the longest cached prefix of a prompt, best first.
 
         The prompt as ``tokens`` (its token ids, hashed as vLLM does: ``block_size`` tokens per
@@ -277,9 +278,15 @@ class ViewClient:
         for (the engines' served model name, as their bridges name it with ``--model``): only holders
         whose latest event named this model answer, never those of another model or of an unknown one
         (a bridge without ``--model``, a view written before models); None: every holder, whatever its
-        model. ``tie_break``: this lookup's order of tied holders (default: the client's).
+        model. ``predicted``: count the view's predicted entries (:meth:`predict`) too, each predicted
+        block with this weight (a number >= 0, e.g. 0.5: less than a real GPU block), only those predicted
+        naming ``model`` when a model is named; a holder's answer then goes on past its last held block
+        over the blocks it has predicted or holds, and its ``tiers`` add ``"predicted"``: the blocks
+        matched, when a prediction lengthened them (None: only what the engines reported, as without
+        predictions). ``tie_break``: this lookup's order of tied holders (default: the client's).
 
-        Returns one :class:`~kvbus.schemas.lookup.HolderMatch` per holder that holds block 0, by
+        Returns one :class:`~kvbus.schemas.lookup.HolderMatch` per holder that holds block 0 (or, with
+        ``predicted``, has it predicted), by
         score descending, then matched descending, then ``tie_break``. Raises ValueError for bad
         input, :class:`FunctionsMissing` when the server lacks the function library,
         :class:`~kvbus.schemas.lookup.LayoutMismatch` for a view of another layout, and redis-py's
@@ -287,7 +294,7 @@ class ViewClient:
         """
         return self._lookup(False, tokens=tokens, hashes=hashes, block_size=block_size, algo=algo, seed=seed,
                             lora=lora, cache_salt=cache_salt, engine_version=engine_version, weights=weights,
-                            candidates=candidates, model=model, tie_break=tie_break)[0]
+                            candidates=candidates, model=model, predicted=predicted, tie_break=tie_break)[0]
 
     def lookup_with_load(self, tokens: Sequence[int] | None = None, hashes: Sequence[int | bytes] | None = None,
                          **query: Any) -> tuple[list[HolderMatch], dict[str, lookup.Load]]:
@@ -299,9 +306,9 @@ class ViewClient:
                 block_size: int = 16, algo: str = "sha256", seed: str | None = None, lora: LoRA | None = None,
                 cache_salt: str | None = None, engine_version: str | None = None,
                 weights: WeightsLike | None = None, candidates: Iterable[str] | None = None,
-                model: str | None = None, tie_break: TieBreakLike | None = None,
-                ) -> tuple[list[HolderMatch], dict[str, lookup.Load]]:
-        options = lookup.option_args(model=model)
+                model: str | None = None, predicted: float | None = None,
+                tie_break: TieBreakLike | None = None) -> tuple[list[HolderMatch], dict[str, lookup.Load]]:
+        options = lookup.option_args(model=model, predicted=predicted)
         chain = chain_of(tokens, hashes, block_size, algo, seed, lora=lora, cache_salt=cache_salt,
                          engine_version=engine_version)
         cands = None if candidates is None else [c for c in candidates]
@@ -377,6 +384,56 @@ class ViewClient:
         key, now = self._load_key(), _now_ms()
         fields = [f for f in lookup.expired_fields(self._writer().hgetall(key), now - int(older_than * 1000))]
         return int(self._writer().hdel(key, *fields)) if fields else 0
+
+    # -- predictions (a write: not part of ViewReader) ----------------------------
+
+    def predict(self, holder: str, tokens: Sequence[int] | None = None, hashes: Sequence[int | bytes] | None = None,
+                *, ttl: float = DEFAULT_PREDICT_TTL, model: str | None = None, block_size: int = 16,
+                algo: str = "sha256", seed: str | None = None, lora: LoRA | None = None,
+                cache_salt: str | None = None, engine_version: str | None = None) -> int:
+        """Record a prompt's blocks as **predicted** on ``holder``, the holder a router just sent it to,
+        for ``ttl`` seconds (docs/lookup-protocol.md, "Predicted entries"): until the engine's BlockStored
+        reaches the view, lookups with ``predicted=<weight>`` count them, so that a burst of requests
+        sharing a new prefix follows the first one instead of scattering.
+
+        A **write** (``FCALL kvbus_predict``): the server must be the primary (a ``?read_from=replica``
+        cluster client sends it to the shard's master; a client of a replica gets Redis's READONLY
+        error), and ACL users need FCALL. That is why it is not part of :class:`ViewReader`, whose
+        methods only read.
+
+        ``holder``: ``"<replica>#<dp_rank>"``, or a replica name for its dp rank 0 (a
+        :class:`~kvbus.schemas.lookup.HolderMatch`'s ``holder`` or ``name``). The prompt as ``tokens`` or
+        ``hashes``, hashed as :meth:`lookup` hashes them (same ``block_size``, ``algo``, ``seed``,
+        ``lora``, ``cache_salt``, ``engine_version``). ``ttl``: seconds the prediction counts (more than 0,
+        at most :data:`~kvbus.schemas.lookup.MAX_PREDICT_TTL`); a block predicted again keeps the later
+        expiry. ``model``: the model the request is for; lookups naming a model count only predictions
+        made naming it (None: only lookups naming no model count them). A holder's predictions are for one
+        model: predicting for another drops its earlier ones.
+
+        The engine's BlockStored of a predicted block confirms it (the real entry counts from then on);
+        a BlockRemoved of it, an AllBlocksCleared or Reset of the holder, or its expiry drops predictions
+        made before them. Returns the number of blocks recorded: 0 for an empty chain, or when the view
+        does not know the holder yet (no event or heartbeat from its bridge).
+        """
+        replica, dp_rank = lookup.predict_holder(holder)
+        chain = chain_of(tokens, hashes, block_size, algo, seed, lora=lora, cache_salt=cache_salt,
+                         engine_version=engine_version)
+        if not chain:
+            return 0
+        try:
+            if not self._cluster:
+                args = lookup.predict_args(self.prefix, replica, dp_rank, chain, ttl, model)
+                return int(self._redis().fcall(lookup.PREDICT_FUNCTION, 0, *args))
+            with self._lock:
+                self._ensure_shards()
+            s = lookup.holder_shard(replica, dp_rank, len(self._calls.keys))
+            args = lookup.predict_args(lookup.shard_prefix(self.prefix, s), replica, dp_rank, chain, ttl, model)
+            (reply,) = self._calls.execute([(s, lookup.PREDICT_FUNCTION, args)])
+        except redis.ResponseError as e:
+            raise self._missing(e) if is_missing(e) else e
+        if isinstance(reply, Exception):
+            raise self._missing(reply) if is_missing(reply) else reply
+        return int(reply)
 
     def _missing(self, err: Exception) -> FunctionsMissing:
         return FunctionsMissing(f"the kvbus functions are not loaded on this server ({err}); a sink loads them "

@@ -195,10 +195,7 @@ func (c *Client) Lookup(ctx context.Context, chain []uint64, q Query) ([]Match, 
 	if len(chain) == 0 || (q.Candidates != nil && len(q.Candidates) == 0) {
 		return nil, nil
 	}
-	arg := make([]byte, 0, 8*len(chain))
-	for _, h := range chain {
-		arg = append(arg, byte(h>>56), byte(h>>48), byte(h>>40), byte(h>>32), byte(h>>24), byte(h>>16), byte(h>>8), byte(h))
-	}
+	arg := chainBytes(chain)
 	spec := WeightSpec(q.Weights)
 	opts, err := q.optionArgs()
 	if err != nil {

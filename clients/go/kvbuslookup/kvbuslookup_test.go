@@ -4,6 +4,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 )
 
 func m(name string, micro int64, matched int) Match {
@@ -213,6 +214,11 @@ func TestQueryOptionArgs(t *testing.T) {
 		{Query{Options: map[string]string{"model": ""}}, nil, ""},
 		{Query{Model: "qwen", Options: map[string]string{"model": "llama"}}, nil, "differ"},
 		{Query{Options: map[string]string{"tenant": "x"}}, nil, `unknown lookup option "tenant"`},
+		{Query{Options: map[string]string{"predicted": "0.5"}}, []interface{}{PredictedOption, "0.5"}, ""},
+		{Query{Model: "qwen", Options: map[string]string{"predicted": "0"}},
+			[]interface{}{ModelOption, "qwen", PredictedOption, "0"}, ""},
+		{Query{Options: map[string]string{"predicted": "1", "model": "qwen"}},
+			[]interface{}{ModelOption, "qwen", PredictedOption, "1"}, ""},
 	} {
 		got, err := c.q.optionArgs()
 		if c.err != "" {
@@ -239,5 +245,44 @@ func TestParseLoad(t *testing.T) {
 	}
 	if err := checkLoadName("x\x00y", "router"); err == nil {
 		t.Fatal("a name with NUL is refused")
+	}
+}
+
+// A prediction's holder, shard and arguments: what Python's kvbus.schemas.lookup computes.
+func TestPredictHolderShardAndArgs(t *testing.T) {
+	for name, want := range map[string]struct {
+		replica string
+		dp      int
+	}{"b#1": {"b", 1}, "b": {"b", 0}, "pod#x": {"pod#x", 0}, "pod#x#2": {"pod#x", 2}, "r#": {"r#", 0}} {
+		if r, dp := PredictHolder(name); r != want.replica || dp != want.dp {
+			t.Fatalf("PredictHolder(%q) = %q, %d; want %q, %d", name, r, dp, want.replica, want.dp)
+		}
+	}
+	// zlib.crc32(b"b#0") = 744653201, b"b#1" = 1533391111, b"pod#x#0" = 2483101090
+	for _, c := range []struct {
+		replica  string
+		dp, want int
+	}{{"b", 0, 744653201 % 16}, {"b", 1, 1533391111 % 16}, {"pod#x", 0, 2483101090 % 16}} {
+		if got := HolderShard(c.replica, c.dp, 16); got != c.want {
+			t.Fatalf("HolderShard(%q, %d, 16) = %d, want %d", c.replica, c.dp, got, c.want)
+		}
+	}
+	chain := chainBytes([]uint64{1, 0x0102030405060708})
+	if string(chain) != "\x00\x00\x00\x00\x00\x00\x00\x01\x01\x02\x03\x04\x05\x06\x07\x08" {
+		t.Fatalf("chainBytes: %q", chain)
+	}
+	args, err := predictArgs("kvbus:", "b", 1, chain, Prediction{})
+	want := []interface{}{"kvbus:", "b", "1", "5000", chain, ""}
+	if err != nil || !reflect.DeepEqual(args, want) {
+		t.Fatalf("predictArgs default: %v, %v; want %v", args, err, want)
+	}
+	args, err = predictArgs("kvbus:", "b", 0, chain, Prediction{TTL: 250 * time.Microsecond, Model: "qwen"})
+	if err != nil || args[3] != "1" || args[5] != "qwen" {
+		t.Fatalf("predictArgs: a TTL under 1 ms is 1 ms, the model is sent: %v, %v", args, err)
+	}
+	for _, ttl := range []time.Duration{-time.Second, MaxPredictTTL + time.Millisecond} {
+		if _, err := predictArgs("kvbus:", "b", 0, chain, Prediction{TTL: ttl}); err == nil {
+			t.Fatalf("predictArgs refuses TTL %v", ttl)
+		}
 	}
 }

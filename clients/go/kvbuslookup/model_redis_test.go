@@ -97,3 +97,46 @@ func TestSharedLoadReportedByAGoRouter(t *testing.T) {
 		}
 	}
 }
+
+// Predict on the same view (single node and cluster): l1 (llama, 2 blocks held) gets the chain's four
+// blocks predicted; only lookups with the predicted option count them, and only for its model.
+func TestPredictThenLookupWithThePredictedOption(t *testing.T) {
+	ctx := context.Background()
+	chain := append(append([]uint64{}, modelChain...), 4)
+	for where, rdb := range modelViews(t) {
+		defer rdb.Close()
+		view := New(rdb, Options{Prefix: os.Getenv("KVBUS_TEST_PREFIX")})
+		if n, err := view.Predict(ctx, "nobody#0", chain, Prediction{}); n != 0 || err != nil {
+			t.Fatalf("%s: a holder the view does not know gets no prediction: %d, %v", where, n, err)
+		}
+		if n, err := view.Predict(ctx, "l1", chain, Prediction{TTL: time.Minute, Model: "llama"}); n != 4 || err != nil {
+			t.Fatalf("%s: Predict(l1) = %d, %v; want 4 blocks", where, n, err)
+		}
+		for _, c := range []struct {
+			q    Query
+			want map[string]int
+		}{
+			{Query{Model: "llama"}, map[string]int{"l0": 3, "l1": 2}},
+			{Query{Model: "llama", Options: map[string]string{"predicted": "0.5"}}, map[string]int{"l0": 3, "l1": 4}},
+			{Query{Options: map[string]string{"predicted": "0.5"}}, map[string]int{"l0": 3, "l1": 4, "q0": 3, "u0": 3}},
+			{Query{Model: "qwen", Options: map[string]string{"predicted": "0.5"}}, map[string]int{"q0": 3}},
+		} {
+			got, err := view.Lookup(ctx, chain, c.q)
+			if err != nil {
+				t.Fatalf("%s: Lookup(%+v): %v", where, c.q, err)
+			}
+			if !reflect.DeepEqual(matched(got), c.want) {
+				t.Fatalf("%s: Lookup(%+v) = %v, want %v", where, c.q, matched(got), c.want)
+			}
+			for _, m := range got {
+				if m.Name == "l1" && c.q.Options != nil && (m.Tiers[PredictedLabel] != 4 || m.Score != 3.0) {
+					t.Fatalf("%s: l1's answer: %+v (GPU 2 at 1.0, 2 predicted at 0.5)", where, m)
+				}
+			}
+		}
+		if _, err := view.Lookup(ctx, chain, Query{Options: map[string]string{"predicted": "-1"}}); err == nil ||
+			!strings.Contains(err.Error(), "predicted needs a weight") {
+			t.Fatalf("%s: a negative weight is refused by the library: %v", where, err)
+		}
+	}
+}

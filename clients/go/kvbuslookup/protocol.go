@@ -31,10 +31,19 @@ type LookupOption struct {
 // LookupOptions are the options a lookup can send, in the order it sends them.
 var LookupOptions = []LookupOption{
 	{"model", "only replicas serving this model (their bridges' --model); default: every replica, whatever its model"},
+	{"predicted", "count predicted entries (routers' predictions not yet confirmed by the engine) as held, each block with this weight; default: only what the engines reported"},
 }
 
 // ModelOption is the lookup option naming a model: only holders whose latest event named it answer.
 const ModelOption = "\x00model"
+
+// PredictedOption is the lookup option counting predicted entries (Client.Predict) as held, its value the
+// weight of each predicted block (a number >= 0, as text: Query.Options["predicted"] = "0.5").
+const PredictedOption = "\x00predicted"
+
+// PredictedLabel is the tier label of the run of blocks held or predicted, in the answers of a lookup with
+// PredictedOption whose answer a prediction lengthened.
+const PredictedLabel = "predicted"
 
 // scoreScale: the reply carries score * scoreScale, rounded to an integer.
 const scoreScale = 1e6

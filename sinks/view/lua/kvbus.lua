@@ -38,6 +38,8 @@ Keys (P = prefix)
   P off                  HASH  "<topic>:<partition>" -> next Kafka offset to apply, written by kvbus_apply
                                with the batch it ends (where a sink resumes; sinks/consumer.py)
   P status               HASH  state ("ready" | "rebuilding"), since, ...: written by the sinks (sinks/rebuild.py)
+  P X:<hid>              ZSET  predicted entries of a holder: raw -> expiry (server ms), written by kvbus_predict
+  P xh                   HASH  hid -> "<expiry ms> <model>" of the holders with predicted entries ("predicted entries")
 P meta also holds vid: the view's id, set when a view is created or rebuilt (kvbus_apply checks it).
 
 The block table and each (holder, tier) index are linear-hashing tables: bucket of x (low 32 bits
@@ -745,6 +747,201 @@ local function newer(e, s, i, p)
   return i > p[3]
 end
 
+-- ---------------------------------------------------------------- predicted entries
+
+--[[
+Predicted entries (docs/lookup-protocol.md, "Predicted entries"): a router that sends a prompt to a
+holder may record the prompt's blocks as predicted on that holder (kvbus_predict) for a short while,
+until the engine's own BlockStored arrives. They are kept apart from the real entries, in the holder's
+view (on Redis Cluster its shard):
+  P X:<hid>  ZSET  raw (8 bytes) -> when the prediction expires (server ms, TIME); the key itself
+                   expires (PEXPIREAT) with its latest prediction, so what never came goes by itself
+  P xh       HASH  hid -> "<expiry ms> <model>" of each holder with predictions (model "" = none named);
+                   it expires with its latest entry
+The real entries stay the truth: an applied BlockStored of a predicted block drops the prediction (the
+real entry counts from then on), an applied BlockRemoved drops it too, an applied AllBlocksCleared or
+Reset marker, an expiry or a drop of the holder drops all of its predictions. Only lookups with the
+option "\0predicted" W read them (see kvbus_lookup).
+]]
+local MAX_PREDICT_TTL = 600000 -- ms: a prediction lives a few seconds; anything beyond 10 minutes is refused
+local PRED_CODE = K            -- the reply's code of the pseudo tier of predicted blocks (tier codes are < K)
+local PRED_DESC = 'predicted||0' -- its descriptor in the reply (label "predicted")
+
+-- the server's clock in ms
+local function now_ms()
+  local t = rcall('TIME')
+  return tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+end
+
+-- a value of P xh: expiry (ms) and model ("" = none)
+local function pred_entry(v)
+  local e, m = string.match(v, '^(%d+) (.*)$')
+  return tonumber(e), m
+end
+
+-- holder hid's predictions of the n hashes at blob[p0 ...] are gone (a store confirmed them, or a removal)
+local function pred_forget(c, hid, blob, p0, n)
+  local list = {}
+  for j = p0, p0 + 8 * n - 1, 8 do list[#list + 1] = sub(blob, j, j + 7) end
+  call_chunks('ZREM', c.P .. 'X:' .. hid, nil, list)
+end
+
+-- every prediction of holder hid is gone
+local function pred_drop(c, hid)
+  rcall('DEL', c.P .. 'X:' .. hid)
+  rcall('HDEL', c.P .. 'xh', hid)
+end
+
+-- the holders with predictions (hid -> true), nil when the view has none (one EXISTS: what a batch
+-- costs while no router predicts)
+local function pred_holders(c)
+  if rcall('EXISTS', c.P .. 'xh') == 0 then return nil end
+  local out = {}
+  for _, f in ipairs(rcall('HKEYS', c.P .. 'xh')) do out[tonumber(f)] = true end
+  return out
+end
+
+-- the best weight among holder hid's tiers holding chain block j (members lo .. hi - 1 are its own),
+-- nil when it holds it in none; vals caches the blocks' members (false: not in the table)
+local function held_weight(c, chain, j, vals, lo, hi, weight)
+  local v = vals[j]
+  if v == nil then
+    local raw = sub(chain, 8 * j - 7, 8 * j)
+    v = rcall('HGET', block_key(c, lo32(raw)), raw) or false
+    if v == '' then v = rcall('GET', c.WP .. raw) or false end
+    vals[j] = v
+  end
+  if not v then return nil end
+  local _, p = msearch(v, lo)
+  local best = nil
+  while p + 2 <= #v do
+    local a, b, d = byte(v, p, p + 2)
+    local x = (a * 256 + b) * 256 + d
+    if x >= hi then break end
+    local w = weight(x - lo)
+    if not best or w > best then best = w end
+    p = p + 3
+  end
+  return best
+end
+
+-- Holder hid's answer with its predictions: its answer without them (g: m blocks, score s, runs r) goes
+-- on over the chain's next blocks while it holds each (in a tier: that tier's weight) or has it predicted
+-- and not expired (weight pw); the pseudo tier PRED_CODE's run is the new matched. nil when no block is
+-- added. n: blocks of the chain; now: the server's clock (ms).
+local function pred_answer(c, chain, n, hid, g, pw, vals, weight, now)
+  local key, lo = c.P .. 'X:' .. hid, hid * K
+  local m, s, i, step = g.m, g.s, g.m + 1, 8 -- ZMSCORE 8 blocks, then twice as many each time (up to 512):
+                                            -- a holder predicted for other prompts costs one short call
+  while i <= n do
+    local last = math.min(n, i + step - 1)
+    step = math.min(step * 2, 512)
+    local raws = {}
+    for j = i, last do raws[#raws + 1] = sub(chain, 8 * j - 7, 8 * j) end
+    local ex = rcall('ZMSCORE', key, unpack(raws))
+    for j = i, last do
+      local w = held_weight(c, chain, j, vals, lo, lo + K, weight)
+      if not w then
+        local e = ex[j - i + 1]
+        if e and tonumber(e) > now then w = pw end
+      end
+      if not w then i = n + 1; break end
+      m, s = m + 1, s + w
+    end
+    if i <= n then i = last + 1 end
+  end
+  if m == g.m then return nil end
+  local r = {}
+  for cd, run in pairs(g.r) do r[cd] = run end
+  r[PRED_CODE] = m
+  return {m = m, s = s, r = r}
+end
+
+-- Lookup with option "\0predicted" pw: the answers of the holders with live predictions (of model if
+-- one is named; within the candidates cand), put into hy (hid -> answer; created if nil) where a
+-- prediction lengthens them; holders only predicted are added to holders[]. Hybrid-model holders keep
+-- their answers. G, grp: the walk's nodes and each holder's last one. Returns hy, nholders.
+local function predicted_matches(c, chain, pw, model, cand, G, grp, holders, nholders, hy, weight, tdesc)
+  if rcall('EXISTS', c.P .. 'xh') == 0 then return hy, nholders end
+  local all = rcall('HGETALL', c.P .. 'xh')
+  local now = now_ms()
+  local hids = {}
+  for k = 1, #all, 2 do
+    local hid = tonumber(all[k])
+    local e, m = pred_entry(all[k + 1])
+    if e and e > now and (not model or m == model) and (not cand or cand[hid]) then hids[#hids + 1] = hid end
+  end
+  if #hids == 0 then return hy, nholders end
+  local specs = rcall('EXISTS', c.P .. 'gs') == 1 and hmget(c.P .. 'gs', hids) or {}
+  local known = {}
+  for j = 1, nholders do known[holders[j]] = true end
+  local n, vals, same = floor(#chain / 8), {}, {}
+  for j, hid in ipairs(hids) do
+    if not specs[j] then
+      local gid = grp[hid] or 0
+      local a = pred_answer(c, chain, n, hid, G[gid], pw, vals, weight, now)
+      if a then
+        local key = gid .. ':' .. a.m .. ':' .. a.s -- holders of one answer are one group of the reply
+        a = same[key] or a
+        same[key] = a
+        hy = hy or {}
+        hy[hid] = a
+        tdesc[PRED_CODE] = PRED_DESC
+        if not known[hid] then nholders = nholders + 1; holders[nholders] = hid end
+      end
+    end
+  end
+  return hy, nholders
+end
+
+--[[
+kvbus_predict: record a chain's blocks as predicted on one holder for ttl ms (a router's routing
+decision, before the engine's BlockStored; see "predicted entries").
+ARGV[1] prefix, ARGV[2] replica, ARGV[3] dp_rank, ARGV[4] ttl (ms, an integer 1 .. MAX_PREDICT_TTL),
+ARGV[5] chain (8-byte hashes, concatenated), optionally ARGV[6] the model the request is for ("" = none).
+A block predicted again keeps the later expiry. A holder's predictions are for one model: predicting
+for another model (or none after one) drops its earlier predictions. A holder the view does not know
+(no event or heartbeat yet) gets none.
+Returns the number of blocks recorded (0 for an unknown holder).
+]]
+local function predict(keys, args)
+  rcall, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
+  local c = ctx_load(args[1], keys)
+  local ttl, chain, model = tonumber(args[4]), args[5], args[6] or ''
+  if #args < 5 or #args > 6 or not ttl or ttl < 1 or ttl > MAX_PREDICT_TTL or ttl ~= floor(ttl) then
+    return redis.error_reply('kvbus: malformed arguments')
+  end
+  local hid = holder_id(c, args[2], args[2] .. '#' .. args[3], false)
+  local n = floor(#chain / 8)
+  if not hid or n == 0 then return 0 end
+  local key, xh = c.P .. 'X:' .. hid, c.P .. 'xh'
+  local now = now_ms()
+  local exp = now + ttl
+  local old = rcall('HGET', xh, hid)
+  local oexp, omodel = nil, nil
+  if old then oexp, omodel = pred_entry(old) end
+  if old and omodel ~= model then
+    rcall('DEL', key) -- another model's predictions
+    oexp = nil
+  else
+    rcall('ZREMRANGEBYSCORE', key, '-inf', now)
+  end
+  local zadd, es = {}, string.format('%.0f', exp)
+  for j = 1, 8 * n, 8 do zadd[#zadd + 1] = es; zadd[#zadd + 1] = sub(chain, j, j + 7) end
+  call_chunks('ZADD', key, 'GT', zadd)
+  local kexp = math.max(exp, oexp or 0)
+  rcall('PEXPIREAT', key, string.format('%.0f', kexp))
+  rcall('HSET', xh, hid, string.format('%.0f', kexp) .. ' ' .. model)
+  local all, del, last = rcall('HGETALL', xh), {}, kexp
+  for k = 1, #all, 2 do -- the holders whose predictions all expired leave P xh
+    local e = pred_entry(all[k + 1]) or 0
+    if e <= now then del[#del + 1] = all[k] elseif e > last then last = e end
+  end
+  if #del > 0 then rcall('HDEL', xh, unpack(del)) end
+  rcall('PEXPIREAT', xh, string.format('%.0f', last))
+  return n
+end
+
 --[[
 kvbus_apply: apply a batch of consolidated events of one or more holders, exactly once.
 ARGV[1] prefix, ARGV[2] nH, then nH pairs (replica, dp_rank);
@@ -846,6 +1043,7 @@ local function apply(keys, args)
   end
   local hids = holder_ids(c, replicas, names, used, nH)
   if not hids then return redis.error_reply('kvbus: holder table full') end
+  local preds = pred_holders(c) -- holders with predicted entries (nil: none)
   local hs, order, maxts = {}, {}, {}
   local applied, skipped, resets, clears = 0, 0, 0, 0
   pos = 1
@@ -882,6 +1080,14 @@ local function apply(keys, args)
         groups_clear(h)
         resets = resets + 1
       end
+      if preds and preds[h.hid] then -- a store confirms its predicted blocks, anything else drops them
+        if kind <= 2 then
+          pred_forget(c, h.hid, blob, nxt, n)
+        else
+          pred_drop(c, h.hid)
+          preds[h.hid] = nil
+        end
+      end
       local p = h.pos[topic]
       if p then p[1], p[2], p[3] = e, s, i else h.pos[topic] = {e, s, i} end
       h.ptouched[topic] = true
@@ -914,7 +1120,12 @@ ARGV[3] weights "NAME=W,NAME=W,...": weight of a tier = weight of its ownership 
 its medium, else of "*" (else 1); ARGV[4...] candidate names (replica or "<replica>#<dp>"; none = all),
 and options among them: an argument that starts with a NUL byte names an option, the next argument
 is its value. Option "\0model" NAME: only holders whose model (P H:<hid> m) is NAME count, within the
-candidates if any are named; holders of an unknown model never match a named model.
+candidates if any are named; holders of an unknown model never match a named model. Option "\0predicted"
+W (a number >= 0): predicted entries count too ("predicted entries"): a holder's answer goes on past its
+last held block over the blocks it has predicted (weight W each) or holds, and the reply lists the pseudo
+tier code K (descriptor "predicted||0") with the new matched as its run; holders only predicted are answered
+too. Only predictions made naming the lookup's model count when it names one. Hybrid-model holders are
+answered without predictions.
 For every holder holding block 0: matched = number of leading blocks it holds in any tier; per tier,
 the number of leading blocks held in that tier; score = sum over the matched blocks of the best
 weight among the tiers holding it. Stops at the first block no remaining holder holds.
@@ -1199,8 +1410,8 @@ local function answer_parts(G, grp, holders, nholders, hy)
   local answers, members_of = {}, {}
   for j = 1, nholders do
     local hid = holders[j]
-    local a = G[grp[hid]]
-    if hy and hy[hid] ~= nil then a = hy[hid] end
+    local a
+    if hy and hy[hid] ~= nil then a = hy[hid] else a = G[grp[hid]] end
     if a then
       local l = members_of[a]
       if not l then l = {}; members_of[a] = l; answers[#answers + 1] = a end
@@ -1243,14 +1454,22 @@ local function lookup(keys, args)
   local chain = args[2]
   local weights = {}
   for name, w in string.gmatch(args[3], '([^,=]+)=([^,]+)') do weights[name] = tonumber(w) end
-  local cand, model, names = nil, nil, {}
+  local cand, model, pw, names = nil, nil, nil, {}
   local k = 4
   while k <= #args do -- candidates, and options: a NUL, the option's name, then its value as the next argument
     local a = args[k]
     if byte(a, 1) == 0 then
-      if a ~= '\0model' then return redis.error_reply('kvbus: unknown lookup option ' .. sub(a, 2)) end
-      model = args[k + 1]
-      if not model or model == '' then return redis.error_reply('kvbus: lookup option model needs a model name') end
+      if a == '\0model' then
+        model = args[k + 1]
+        if not model or model == '' then return redis.error_reply('kvbus: lookup option model needs a model name') end
+      elseif a == '\0predicted' then
+        pw = tonumber(args[k + 1] or '')
+        if not pw or pw ~= pw or pw < 0 or pw == math.huge then
+          return redis.error_reply('kvbus: lookup option predicted needs a weight (a number >= 0)')
+        end
+      else
+        return redis.error_reply('kvbus: unknown lookup option ' .. sub(a, 2))
+      end
       k = k + 2
     else
       names[#names + 1] = a
@@ -1391,7 +1610,12 @@ local function lookup(keys, args)
     end
   end
   if pend > 0 then extend_groups(fresh, nfresh, pend) end
-  local head, blobs = answer_parts(G, grp, holders, nholders, hybrid_matches(c.P, G, grp, holders, nholders, tdesc))
+  local hy = hybrid_matches(c.P, G, grp, holders, nholders, tdesc)
+  if pw then
+    hy, nholders = predicted_matches(c, chain, pw, model, cand, G, grp, holders, nholders, hy,
+      function(cd) return tw[cd] or weight(cd) end, tdesc)
+  end
+  local head, blobs = answer_parts(G, grp, holders, nholders, hy)
   local descs = {}
   for code, d in pairs(tdesc) do descs[#descs + 1] = code; descs[#descs + 1] = d end
   -- Pay for this call's garbage now, a little each call: left to itself, Lua 5.1 lets the heap
@@ -1407,6 +1631,7 @@ local function expire_holder(c, hid, now)
   groups_clear(h)
   set_model(c, h, nil) -- P mh lists live holders only; the holder's next event names its model again
   holder_save(h)
+  pred_drop(c, hid)
   redis.call('ZREM', c.P .. 'seen', hid)
   local name = redis.call('HGET', c.P .. 'hname', hid)
   if name then redis.call('ZADD', c.P .. 'stale', now, name) end
@@ -1555,5 +1780,6 @@ redis.register_function('kvbus_drop', drop)
 redis.register_function('kvbus_heartbeat', heartbeat)
 redis.register_function{function_name = 'kvbus_lookup', callback = lookup, flags = {'no-writes'}}
 redis.register_function('kvbus_restore', restore)
+redis.register_function('kvbus_predict', predict)
 redis.register_function{function_name = 'kvbus_dump', callback = dump, flags = {'no-writes'}}
 redis.register_function{function_name = 'kvbus_version', callback = version, flags = {'no-writes'}}
