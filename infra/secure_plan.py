@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbus.schemas import view_keys
 from kvbus.schemas.topics import REBUILD_GROUP_PREFIX, RECOVERY_GROUP_PREFIX, REPORT_GROUP_PREFIX, Topics
 from kvbus.sinks.config import SinkConfig  # the sink's public options (its group, its key prefix)
 from kvbus.streams.options import StreamsOptions  # the worker's public options (the Faust app id)
@@ -146,6 +147,13 @@ def registry_grants() -> list[Grant]:
     ]
 
 
+def router_keys(prefix: str) -> list[str]:
+    """The key patterns routers write: ``P load`` (shared load, on shard 0 of a cluster) and the predicted
+    entries ``P X:<hid>``, ``P xh`` of the view and of each shard (:mod:`kvbus.schemas.view_keys`)."""
+    return [pattern for p in (prefix, prefix + "{s*}:")
+            for pattern in (view_keys.LOAD(p), p + view_keys.PREDICTED.name + "*", view_keys.PREDICTED_HOLDERS(p))]
+
+
 def redis_rules(sink: SinkConfig) -> dict[str, str]:
     """Redis ACL rules (``ACL SETUSER`` syntax, after ``on`` and the password) of each principal with
     a Redis user; keys are limited to the view's prefix (``KVBUS_SINK_PREFIX``)."""
@@ -158,8 +166,12 @@ def redis_rules(sink: SinkConfig) -> dict[str, str]:
         # drop libraries)
         SINK: f"resetchannels ~{keys} -@all +@read +@write +@keyspace +@transaction +@connection +@scripting "
               "-@dangerous +info -function|flush -function|delete -function|restore",
-        # read-only key access (%R~) to the view; FCALL_RO but not FCALL; no writes of any kind
-        ROUTER: f"resetchannels %R~{keys} -@all +@read +@connection +fcall_ro -@dangerous +info",
+        # read-only key access (%R~) to the view, and writes (+@write, FCALL kvbus_predict) to the routers'
+        # own keys only (%RW~): their shared load and their predicted entries (the view's and each shard's);
+        # a write function called on any other key (kvbus_apply, kvbus_drop, ...) is refused NOPERM; TIME: predictions
+        # expire by the server's clock; no FUNCTION (LOAD, DELETE, ...: @write)
+        ROUTER: f"resetchannels %R~{keys} " + " ".join(f"%RW~{k}" for k in router_keys(sink.prefix))
+                + " -@all +@read +@write +@connection +fcall_ro +fcall +time -@dangerous -function +info",
     }
 
 

@@ -21,6 +21,7 @@ from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, Schema
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvbus.client import Load, LoadReporter, ViewClient
 from kvbus.infra import secure
 from kvbus.infra.secure_plan import ANALYTICS, BRIDGE, KAFKA_USERS, PRINCIPALS, ROUTER, SINK, STREAMS
 from kvbus.infra.stack_env import read_env_file
@@ -222,7 +223,7 @@ def ev(replica: str, seq: int, hashes) -> BlockEvent:
                       event=BlockStored(block_hashes=list(hashes), medium="GPU"))
 
 
-def test_sink_writes_the_view_and_the_router_reads_it_with_fcall_ro_only(secure_stack):
+def test_sink_writes_the_view_and_the_router_reads_it_and_writes_only_its_load_and_predictions(secure_stack):
     prefix = SinkConfig().prefix
     hashes = [canonical_hash(0x5EC000 + i) for i in range(4)]
     replica = f"r{uuid.uuid4().hex[:6]}"
@@ -232,10 +233,19 @@ def test_sink_writes_the_view_and_the_router_reads_it_with_fcall_ro_only(secure_
     with secure.redis_client(secure_stack, ROUTER) as r:
         found = RedisStore(r, prefix, load=False).lookup(hashes)  # FCALL_RO kvbus_lookup, reads
         assert found[replica].matched == 4
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            r.fcall("kvbus_apply", 0, prefix)
+        # its own keys: it reports its load and predicts (ViewClient over this connection)
+        view = ViewClient(r, prefix)
+        LoadReporter(view, "secure-router").started(replica, 8)
+        assert view.load()[replica] == Load(1, 8)
+        assert view.predict(f"{replica}#0", hashes=hashes + [canonical_hash(0x5EC0FF)], ttl=30) == 5
+        # nothing else: a write function touching the view's own keys is refused, and so is any other write
+        with pytest.raises(redis.exceptions.ResponseError, match="can't access at least one of the keys"):
+            r.fcall("kvbus_drop", 0, prefix, f"{replica}#0", "1.0")
+        assert RedisStore(r, prefix, load=False).lookup(hashes)[replica].matched == 4
         with pytest.raises(redis.exceptions.NoPermissionError):
             r.set(prefix + "x", "1")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            r.hset(prefix + "hname", "99", "evil")
         with pytest.raises(redis.exceptions.NoPermissionError):
             r.function_load("#!lua name=evil\nredis.register_function('evil', function() return 1 end)", replace=True)
         with pytest.raises(redis.exceptions.NoPermissionError):
