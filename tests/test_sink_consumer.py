@@ -15,7 +15,6 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.events import BlockEvent, BlockStored, DeadLetter, canonical_hash, holder_key
 from kvbus.schemas.serde import RecordSerde, registry_client
@@ -34,12 +33,6 @@ pytestmark = pytest.mark.integration
 def settings(stack) -> Settings:
     """The real stack (started by the session fixture; never skipped)."""
     return stack
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as srv:
-        yield srv
 
 
 @pytest.fixture

@@ -12,19 +12,12 @@ import uuid
 
 import pytest
 
-from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas.topics import Topics
 from kvbus.sinks.view.redis_store import RedisStore
 from tests.histories import random_streams, redeliver
 from tests.memory_store import InMemoryStore
 
 T = Topics(blocks="mb")
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as srv:
-        yield srv
 
 
 def forward_from(snapshot) -> dict:

@@ -15,7 +15,6 @@ import redis
 from kvbus.cli import build_parser
 from kvbus.client.lookup_cli import lookup_answer
 from kvbus.infra.scratch_cluster import RedisClusterServer, wait_replicas_in_sync
-from kvbus.infra.scratch_redis import RedisServer
 from kvbus.runtime.settings import Settings
 from kvbus.schemas.lookup import meta_key, shard_prefix
 from kvbus.schemas.topics import Topics
@@ -28,12 +27,6 @@ from tests.histories import random_streams, redeliver
 from tests.memory_store import InMemoryStore
 
 T = Topics(blocks="tb")
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import uuid
 
 import pytest
 
-from kvbus.infra.scratch_cluster import RedisClusterServer
 from kvbus.infra.scratch_redis import REDIS, VALKEY, RedisServer
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
 from kvbus.schemas.topics import Topics
@@ -31,35 +30,6 @@ H = [canonical_hash(0x1000 + i * 7919) for i in range(200)]
 
 
 KINDS = {"redis": REDIS, "valkey": VALKEY}
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def valkey_server():
-    with RedisServer(kind=VALKEY) as srv:
-        yield srv
-
-
-def _cluster_client(kind):
-    with RedisClusterServer(3, kind) as cl:
-        rc = cl.client()
-        yield rc
-        rc.close()
-
-
-@pytest.fixture(scope="module")
-def redis_cluster_client():
-    yield from _cluster_client(REDIS)
-
-
-@pytest.fixture(scope="module")
-def valkey_cluster_client():
-    yield from _cluster_client(VALKEY)
 
 
 @pytest.fixture(params=["memory", "redis", "valkey", "redis-cluster", "valkey-cluster"])

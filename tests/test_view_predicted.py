@@ -18,8 +18,7 @@ import uuid
 import pytest
 import redis
 
-from kvbus.infra.scratch_cluster import RedisClusterServer
-from kvbus.infra.scratch_redis import REDIS, VALKEY, RedisServer
+from kvbus.infra.scratch_redis import RedisServer
 from kvbus.schemas import lookup, view_keys as vk
 from kvbus.schemas.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, Reset, canonical_hash
 from kvbus.sinks.view.redis_store import RedisStore
@@ -30,35 +29,6 @@ MAIN = "tb"
 H = [canonical_hash(0x2000 + i * 104729) for i in range(64)]
 SHORT = 0.4
 """A TTL the tests wait out (seconds)."""
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def valkey_server():
-    with RedisServer(kind=VALKEY) as srv:
-        yield srv
-
-
-def _cluster_client(kind):
-    with RedisClusterServer(3, kind) as cl:
-        rc = cl.client()
-        yield rc
-        rc.close()
-
-
-@pytest.fixture(scope="module")
-def redis_cluster_client():
-    yield from _cluster_client(REDIS)
-
-
-@pytest.fixture(scope="module")
-def valkey_cluster_client():
-    yield from _cluster_client(VALKEY)
 
 
 @pytest.fixture(params=["redis", "valkey", "redis-cluster", "valkey-cluster"])

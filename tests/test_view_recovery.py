@@ -26,12 +26,6 @@ from tests.test_sink_consumer import produce, wait_for
 TOPICS = Topics(blocks="rt.blocks")
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as srv:
-        yield srv
-
-
 def fresh(redis_server, **kw) -> RedisStore:
     return RedisStore(redis_server.client(), f"v{uuid.uuid4().hex[:8]}:", **kw)
 
