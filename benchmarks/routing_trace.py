@@ -480,6 +480,14 @@ def iter_counts(text: str) -> Iterator[int]:
             yield n
 
 
+def stages_args(args: argparse.Namespace, kvbus_lanes: int, base_port: int) -> argparse.Namespace:
+    """What ``pipeline.new_run`` and ``pipeline.start_stages`` read for the kvbus fleet: ``kvbus_lanes`` x
+    ``args.replicas`` engines from ``base_port`` on, one bridge per lane's replicas."""
+    out = argparse.Namespace(**vars(args))
+    out.replicas, out.streams_per_bridge, out.base_port = args.replicas * kvbus_lanes, args.replicas, base_port
+    return out
+
+
 def run(args: argparse.Namespace, probes_cls: type) -> dict:
     """The trace run: the stack's pipeline for the kvbus lanes, every lane replayed, the figures.
     ``probes_cls``: routing.py's :class:`Probes` (freshness probes through the kvbus fleet)."""
@@ -494,9 +502,7 @@ def run(args: argparse.Namespace, probes_cls: type) -> dict:
     reqs = read_trace(args.trace, args.requests)
     specs = lane_specs(list(iter_counts(args.routers)), args.shared_load)
     kvbus_lanes = sum(s.kind == "kvbus" for s in specs)
-    stage_args = argparse.Namespace(**vars(args))
-    stage_args.replicas, stage_args.streams_per_bridge = args.replicas * kvbus_lanes, args.replicas
-    stage_args.base_port = free_port_block(2 * stage_args.replicas)
+    stage_args = stages_args(args, kvbus_lanes, free_port_block(2 * args.replicas * kvbus_lanes))
     started_stack = not stack.status().get("ready")
     if started_stack:
         print("bringing the stack up ...", file=sys.stderr, flush=True)
@@ -554,7 +560,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """Trace mode's options (routing.py's parser)."""
     add = p.add_argument
     add("--trace", type=Path, default=None, help="replay this Mooncake-format trace (trace mode; module docstring)")
-    add("--speedup", type=float, default=4.0, help="trace mode: play timestamps / this (default 4)")
+    add("--speedup", type=float, default=3.0, help="trace mode: play timestamps / this (default 3)")
     add("--requests", type=int, default=1200, help="trace mode: the first N requests (default 1200; 0 = all)")
     add("--routers", default="1", help="trace mode: router instances per run, comma-separated (default 1; e.g. 1,4)")
     add("--shared-load", action="store_true",
