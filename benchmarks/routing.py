@@ -15,9 +15,9 @@ block hashes). The chosen replica serves the prompt and its reply, reusing the l
 the full blocks of prompt and reply stay cached. *Reused tokens* = resident leading blocks of the prompt
 x block size, read from the engine itself at the moment it serves the request.
 
-**Routers**, all with the same policy (:func:`pick`): the replica holding the longest prefix of the
-prompt among those whose load is within ``--slack`` requests of the least loaded one, else the least
-loaded; load = requests among the last ``--window`` routed (those still in flight); ties go to the
+**Routers**, all with kvbus's routing policy (:func:`kvbus.client.routing.choose`): the best score
+``matched / prompt_blocks - beta * load / max_load`` (``--beta``); load = requests among the last
+``--window`` routed (those still in flight); ties go to the longer prefix, the lower load, then the
 replica next in a rotation that advances with every request.
 
 - ``kvbus``: the prefixes come from the real view (:func:`view_matches`, one lookup per request).
@@ -45,6 +45,10 @@ lookups between requests) give freshness p50 / p99. After each rate the pipeline
 compared with the engines' ground truth (``view_exact``).
 
 Each rate prints one line; the last line is one JSON object with every figure.
+
+**Trace mode** (``--trace FILE``): a Mooncake-format trace replayed at its timestamps through engines
+with finite caches and a service-time model, five routers (oracle, kvbus, approximate, least-loaded,
+round-robin), one or several router instances; ``benchmarks/routing_trace.py`` says how.
 """
 from __future__ import annotations
 
@@ -66,8 +70,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import pipeline as pl  # noqa: E402  (benchmarks/pipeline.py: the stage processes, the truth check)
+import routing_trace  # noqa: E402  (benchmarks/routing_trace.py: the trace mode)
 from kvbus.children import free_port_block, wait_for  # noqa: E402
 from kvbus.client import ViewClient  # noqa: E402
+from kvbus.client.routing import DEFAULT_BETA, choose  # noqa: E402
 from kvbus.runtime.settings import Settings  # noqa: E402
 from kvbus.schemas.hashing import block_hashes  # noqa: E402
 from kvbus.simulator.fleet import CacheModel, Fleet, FleetConfig, ModelConfig, message, system_prompts  # noqa: E402
@@ -77,6 +83,9 @@ from kvbus.sinks.view.store_url import open_store  # noqa: E402
 ROUTERS = ("kvbus", "oracle", "round_robin")
 PROGRESS_EVERY = 5.0
 """Seconds between progress lines during a run."""
+TRACE_GPU_BLOCKS = 26_000
+"""Trace mode's GPU cache per replica, blocks of 16 tokens: one H100 80 GB's KV for Llama-3-8B
+(benchmarks/routing_trace.py says why)."""
 
 
 # -- the workload ------------------------------------------------------------------------------
@@ -164,20 +173,6 @@ class InFlight:
             self.load[self.recent.popleft()] -= 1
 
 
-def pick(matches: Mapping[str, int], load: Mapping[str, int], order: Sequence[str], slack: int) -> str:
-    """The replica for a request: the longest matched prefix (``matches``: replica -> leading blocks held)
-    among replicas whose ``load`` is at most the least load + ``slack``, the lower load on equal
-    prefixes; else (no such replica holds any block) the least loaded. Ties: first in ``order``."""
-    floor = min(load[n] for n in order)
-    least = next(n for n in order if load[n] == floor)
-    best, best_len = least, 0
-    for n in order:
-        m = matches.get(n, 0)
-        if m and load[n] <= floor + slack and (m > best_len or (m == best_len and load[n] < load[best])):
-            best, best_len = n, m
-    return best
-
-
 def oracle_matches(models: Mapping[str, CacheModel], chain: Sequence[bytes]) -> dict[str, int]:
     """Replica -> leading blocks of ``chain`` its engine holds right now: an index that has seen every
     event the instant it was published."""
@@ -224,7 +219,7 @@ def rotation(names: Sequence[str], i: int) -> list[str]:
     return [*names[k:], *names[:k]]
 
 
-def simulate(reqs: Sequence[Request], router: str, w: Workload, replicas: int, *, window: int, slack: int,
+def simulate(reqs: Sequence[Request], router: str, w: Workload, replicas: int, *, window: int, beta: float,
              warm_choices: Sequence[str] = ()) -> tuple[Tally, list[str]]:
     """Play ``reqs`` in process with ``router`` (``oracle`` or ``round_robin``) on fresh engines; returns
     (the tally, every request's replica). The first ``len(warm_choices)`` requests warm the caches: they
@@ -239,7 +234,7 @@ def simulate(reqs: Sequence[Request], router: str, w: Workload, replicas: int, *
         if i < len(warm_choices):
             choice = warm_choices[i]
         elif router == "oracle":
-            choice = pick(oracle_matches(models, req.chain), flight.load, rotation(names, i), slack)
+            choice = choose(len(req.chain), oracle_matches(models, req.chain), flight.load, rotation(names, i), beta)
         elif router == "round_robin":
             choice = names[i % len(names)]
         else:
@@ -334,7 +329,7 @@ def play_kvbus(
         if now >= report_at:
             report_at += PROGRESS_EVERY
             print(f"  {rate:g} ev/s, {now - start:.0f} s: {len(played)} requests, {fleet.events} events, kvbus reused "
-                  f"{tally.figures()['reused_share']:.1%} of the scored prompt tokens", flush=True)
+                  f"{tally.figures()['reused_share']:.1%} of the scored prompt tokens", file=sys.stderr, flush=True)
         if warm is None and now - start >= args.warmup:
             warm, scored_from_t = len(played), now
             probes.seen_ms.clear()
@@ -348,9 +343,9 @@ def play_kvbus(
         played.append(req)
         order = rotation(names, i)
         seen = view_matches(router, req.chain)
-        choice = pick(seen, flight.load, order, args.slack)
+        choice = choose(len(req.chain), seen, flight.load, order, args.beta)
         truth = oracle_matches(models, req.chain)  # the engines' state the view is compared with
-        ideal = pick(truth, flight.load, order, args.slack)
+        ideal = choose(len(req.chain), truth, flight.load, order, args.beta)
         reused, events = fleet.serve(choice, req.prompt + req.reply)
         flight.add(choice)
         choices.append(choice)
@@ -385,7 +380,7 @@ def one_rate(fleet: Fleet, view: ResidencyStore, router: ViewClient, args: argpa
     exact = wait_for(lambda: pl.view_matches_truth(view, manifest)[0], args.drain_timeout, 0.5)
     tallies = {"kvbus": kv}
     for router in ("oracle", "round_robin"):
-        tallies[router], _ = simulate(played, router, w, args.replicas, window=args.window, slack=args.slack,
+        tallies[router], _ = simulate(played, router, w, args.replicas, window=args.window, beta=args.beta,
                                       warm_choices=choices[:warm])
     return {
         "target_ev_s": rate,
@@ -421,20 +416,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     add("--seconds", type=float, default=25.0, help="seconds of each rate's run (default 25)")
     add("--warmup", type=float, default=5.0, help="first seconds of each run, not scored (default 5)")
     add("--replicas", type=int, default=8, help="engine replicas (default 8)")
-    add("--gpu-blocks", type=int, default=d.gpu_blocks, help=f"GPU cache blocks per replica (default {d.gpu_blocks})")
+    add("--gpu-blocks", type=int, default=None,
+        help=f"GPU cache blocks per replica (default {d.gpu_blocks}; trace mode {TRACE_GPU_BLOCKS})")
     add("--sessions", type=int, default=d.sessions, help=f"conversations open at a time (default {d.sessions})")
     add("--max-turns", type=int, default=d.max_turns, help=f"turns of the longest conversation (default {d.max_turns})")
     add("--system-prompts", type=int, default=d.system_prompts,
         help=f"shared system prompts (default {d.system_prompts})")
     add("--window", type=int, default=None, help="requests in flight over the fleet (default 4 x replicas)")
-    add("--slack", type=int, default=2,
-        help="extra requests in flight a prefix holder may have over the least loaded replica (default 2)")
+    add("--beta", type=float, default=DEFAULT_BETA,
+        help=f"weight of load against reuse in kvbus.client.routing.choose (default {DEFAULT_BETA})")
     add("--probe-every", type=float, default=0.05, help="seconds between freshness probes (0 = none; default 0.05)")
     add("--seed", type=int, default=0, help="workload seed (default 0)")
     add("--partitions", type=int, default=None, help="partitions of the run's topics (default KVBUS_PARTITIONS)")
     add("--drain-timeout", type=float, default=60.0, help="seconds to wait for the view to equal the engines")
     add("--keep", action="store_true", help="leave the run's topics and Redis keys")
+    routing_trace.add_args(p)
     args = p.parse_args(argv)
+    args.gpu_blocks = args.gpu_blocks or (TRACE_GPU_BLOCKS if args.trace else d.gpu_blocks)
+    args.approx_blocks = args.approx_blocks or args.replicas * args.gpu_blocks
+    args.requests = args.requests or None
     args.window = args.window or 4 * args.replicas
     args.block_size = d.block_size
     # what pipeline.start_stages reads: one bridge per engine stream (sidecars)
@@ -445,6 +445,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.trace:
+        print(json.dumps(routing_trace.run(args, Probes)))
+        return 0
     w = Workload(sessions=args.sessions, max_turns=args.max_turns, system_prompts=args.system_prompts,
                  gpu_blocks=args.gpu_blocks, seed=args.seed)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
@@ -461,11 +464,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     manifest = state_dir / "logs" / f"{run.run_id}-manifest.json"
     print(f"run {run.run_id}: {args.replicas} replicas, {args.gpu_blocks} GPU blocks each, {args.sessions} open "
           f"conversations over {args.system_prompts} system prompts, up to {args.max_turns} turns; window "
-          f"{args.window}, slack {args.slack}; {args.seconds:g} s per rate ({args.warmup:g} s warm-up); logs "
+          f"{args.window}, beta {args.beta}; {args.seconds:g} s per rate ({args.warmup:g} s warm-up); logs "
           f"{run.children.log_dir}/{run.run_id}-*", flush=True)
     result: dict = {"run": run.run_id, "replicas": args.replicas, "gpu_blocks": args.gpu_blocks,
                     "sessions": args.sessions, "max_turns": args.max_turns, "system_prompts": args.system_prompts,
-                    "window": args.window, "slack": args.slack, "seconds": args.seconds, "warmup": args.warmup,
+                    "window": args.window, "beta": args.beta, "seconds": args.seconds, "warmup": args.warmup,
                     "seed": args.seed, "rates": {}}
     fleet = Fleet(fleet_config(w, args.replicas, args.base_port))
     try:

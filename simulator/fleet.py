@@ -437,6 +437,11 @@ class CacheModel:
         ``tokens`` that were already resident on GPU, i.e. the prefix the engine reused; the events of
         serving it), the ground truth updated."""
         hashes, digests = self.hashes(tokens)
+        return self.admit_hashed(tokens, hashes, digests)
+
+    def admit_hashed(self, tokens: list[int], hashes: list[bytes], digests: list[bytes]) -> tuple[int, list[Event]]:
+        """:meth:`admit` of a prompt whose block ``hashes`` and ``digests`` (:meth:`hashes`) the caller
+        computed once for several engines (a benchmark replaying one request on several fleets)."""
         reused = self.resident_prefix(hashes)
         events = self._serve_hashed(tokens, hashes, digests)
         for e in events:

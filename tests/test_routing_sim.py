@@ -40,29 +40,27 @@ def tiny_stream() -> list[routing.Request]:
     return [first, other, second]
 
 
-def test_pick_prefers_the_longest_prefix_within_the_slack_then_the_least_loaded():
-    load = {"a": 3, "b": 1, "c": 1}
-    assert routing.pick({"a": 5, "b": 2}, load, ["a", "b", "c"], slack=2) == "a"
-    assert routing.pick({"a": 5, "b": 2}, load, ["a", "b", "c"], slack=1) == "b"  # a is too busy
-    assert routing.pick({"a": 5}, load, ["a", "b", "c"], slack=1) == "b"  # nobody eligible holds it: least loaded
-    assert routing.pick({}, load, ["c", "a", "b"], slack=9) == "c"  # least-loaded tie: first in the order
-    assert routing.pick({"b": 2, "c": 2}, {"a": 0, "b": 2, "c": 1}, ["a", "b", "c"], slack=5) == "c"  # lower load
-    assert routing.pick({"b": 2, "c": 2}, {"a": 0, "b": 1, "c": 1}, ["a", "c", "b"], slack=5) == "c"  # then order
+def test_the_benchmark_routes_with_the_clients_policy():
+    """routing.py has no policy of its own (its ``pick`` is gone): kvbus.client.routing.choose decides."""
+    from kvbus.client import routing as client_routing
+
+    assert not hasattr(routing, "pick") and routing.choose is client_routing.choose
+    assert routing.parse_args([]).beta == client_routing.DEFAULT_BETA
     assert routing.rotation(["a", "b", "c"], 4) == ["b", "c", "a"]
 
 
-@pytest.mark.parametrize("router, slack, gpu_blocks, choices, reused", [
-    ("oracle", 10, 512, "000", [0, 32, 64]),  # all three to replica-0: S, then the first turn's 4 blocks
-    ("oracle", 0, 512, "010", [0, 0, 64]),  # replica-0 busier than replica-1: the second request goes there
-    ("oracle", 10, 4, "000", [0, 32, 32]),  # 4 blocks: storing `other` evicted the first turn's own blocks
-    ("round_robin", 10, 512, "010", [0, 0, 64]),
+@pytest.mark.parametrize("router, beta, gpu_blocks, choices, reused", [
+    ("oracle", 0.0, 512, "000", [0, 32, 64]),  # all three to replica-0: S, then the first turn's 4 blocks
+    ("oracle", 1.0, 512, "010", [0, 0, 64]),  # 2 of 3 blocks held < 1.0 x replica-0's relative load 1: replica-1
+    ("oracle", 0.0, 4, "000", [0, 32, 32]),  # 4 blocks: storing `other` evicted the first turn's own blocks
+    ("round_robin", 0.0, 512, "010", [0, 0, 64]),
 ])
-def test_tiny_stream_reuses_what_the_chosen_engine_held(router, slack, gpu_blocks, choices, reused):
+def test_tiny_stream_reuses_what_the_chosen_engine_held(router, beta, gpu_blocks, choices, reused):
     w = routing.Workload(gpu_blocks=gpu_blocks)
     reqs = tiny_stream()
     want = [f"replica-{c}" for c in choices]
     for scored in range(len(reqs)):  # the warm-up follows the choices given; the rest is the router's
-        t, got = routing.simulate(reqs, router, w, 2, window=4, slack=slack, warm_choices=want[:scored])
+        t, got = routing.simulate(reqs, router, w, 2, window=4, beta=beta, warm_choices=want[:scored])
         assert got == want and t.requests == len(reqs) - scored
         assert t.reused_tokens == sum(reused[scored:])
         assert t.prompt_tokens == sum(len(r.prompt) for r in reqs[scored:])
@@ -70,14 +68,14 @@ def test_tiny_stream_reuses_what_the_chosen_engine_held(router, slack, gpu_block
 
 def test_warm_up_goes_where_it_is_told_and_the_router_takes_over_after_it():
     w = routing.Workload()
-    t, got = routing.simulate(tiny_stream(), "oracle", w, 2, window=4, slack=10, warm_choices=["replica-1"])
+    t, got = routing.simulate(tiny_stream(), "oracle", w, 2, window=4, beta=0.0, warm_choices=["replica-1"])
     assert got == ["replica-1"] * 3 and t.reused_tokens == 32 + 64  # the oracle follows its prefixes to replica-1
 
 
 def test_reuse_counts_the_prompt_only_and_share_is_against_the_oracle():
     w = routing.Workload()
     again = tiny_stream()[0]
-    t, _ = routing.simulate([again, again], "round_robin", w, 1, window=4, slack=0)
+    t, _ = routing.simulate([again, again], "round_robin", w, 1, window=4, beta=0.5)
     assert t.reused_tokens == 48  # the second time all 4 blocks are cached, 3 of them the prompt's
     assert t.figures()["reused_share"] == round(48 / 96, 4)
     assert routing.share(routing.Tally(reused_tokens=99), routing.Tally(reused_tokens=100)) == 0.99
@@ -133,7 +131,7 @@ def test_the_kvbus_run_scores_its_choices_against_the_policy_on_the_engines_stat
     figures must equal a replay of its requests in process, scored against the oracle's choice on the
     same engines at each step."""
     w = routing.Workload(gpu_blocks=64)
-    args = argparse.Namespace(seconds=1.5, warmup=0.2, window=10, slack=0, probe_every=0.0, block_size=16)
+    args = argparse.Namespace(seconds=1.5, warmup=0.2, window=10, beta=0.5, probe_every=0.0, block_size=16)
     with RedisServer() as srv, Fleet(routing.fleet_config(w, 3)) as fleet:
         view = RedisStore(srv.client(), f"r{uuid.uuid4().hex[:8]}:")
         with ViewClient(srv.url, view.prefix) as router:
@@ -147,7 +145,8 @@ def test_the_kvbus_run_scores_its_choices_against_the_policy_on_the_engines_stat
     for i, r in enumerate(played):
         order = routing.rotation(names, i)
         truth = routing.oracle_matches(models, r.chain)
-        choice, best = routing.pick({}, flight.load, order, 0), routing.pick(truth, flight.load, order, 0)
+        n = len(r.chain)
+        choice, best = routing.choose(n, {}, flight.load, order, 0.5), routing.choose(n, truth, flight.load, order, 0.5)
         assert choices[i] == choice
         reused, events = models[choice].admit(r.prompt + r.reply)
         flight.add(choice)
