@@ -334,6 +334,33 @@ async def test_other_paths_methods_and_large_bodies_are_json_errors(redis_view):
     assert 'kvbus_serve_errors_total{kind="too_large",path="/query"} 1.0' in metrics
 
 
+async def test_a_routed_prompt_predicted_over_http_counts_in_queries_that_ask_for_predictions(redis_view):
+    """``POST /predict`` records a prompt's blocks on the instance it was routed to; ``/query_by_hash`` and
+    ``/query`` count them only with ``predicted`` (their weight), never for another model."""
+    srv, _, _ = redis_view
+    prefix = f"p{uuid.uuid4().hex[:8]}:"
+    chain = [canonical_hash(0xD00D + i) for i in range(4)]
+    RedisStore(srv.client(), prefix).apply([("kvbus.blocks", BlockEvent(
+        replica="p1", dp_rank=0, epoch=1, seq=0, index=0, ts=time.time(), model=MODEL,
+        event=BlockStored(block_hashes=chain[:2], medium="GPU", block_size=16)))])
+    hashes = [int.from_bytes(h, "big") for h in chain]
+    async with Served(_service(srv.url, prefix)) as s:
+        status, body = await s.post("/predict", {"model": MODEL, "instance_id": "p1", "seq_hashes": hashes,
+                                                 "ttl": 60})
+        assert (status, body) == (200, {"predicted": 4}), body
+        ask = {"model": MODEL, "block_size": 16, "seq_hashes": hashes}
+        for extra, matched in (({}, 2), ({"predicted": 0.5}, 4)):
+            status, body = await s.post("/query_by_hash", {**ask, **extra})
+            assert status == 200 and body["default"]["p1"]["longest_matched"] == matched * 16, (extra, body)
+        status, body = await s.post("/query_by_hash", {**ask, "model": "other", "predicted": 0.5})
+        assert status == 200 and "p1" not in body["default"], body
+        for bad, field in (({"model": MODEL, "seq_hashes": hashes}, "instance_id"),
+                           ({"model": MODEL, "instance_id": "p1", "seq_hashes": hashes, "ttl": 0}, "ttl"),
+                           ({"model": MODEL, "instance_id": "p1", "token_ids": [1] * 32}, "block_size")):
+            status, err = await s.post("/predict", bad)
+            assert (status, err["field"]) == (400, field), err
+
+
 async def test_routers_report_and_read_their_shared_load_over_http(redis_view):
     """Two routers report over ``POST /load``; ``GET /load`` answers their sums, what a Python router's
     ``ViewClient.load`` reads too; bad reports are 400s naming the field."""

@@ -65,12 +65,22 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
     instance_id: str | None = None
     block_size: Annotated[int, Meta(ge=1)] | None = None
     cache_salt: str | None = None
+    predicted: Annotated[float, Meta(ge=0)] | None = None
 
 
 class TokensBody(_Common, forbid_unknown_fields=True):
     """``POST /query``."""
 
     token_ids: list[Token] | None = None
+
+
+class PredictBody(_Common, forbid_unknown_fields=True):
+    """``POST /predict``: a prompt (``token_ids`` or ``seq_hashes``) just routed to ``instance_id``, and the
+    prediction's ``ttl`` in seconds."""
+
+    token_ids: list[Token] | None = None
+    seq_hashes: list[Hash] | None = None
+    ttl: Annotated[float, Meta(gt=0)] | None = None
 
 
 class HashesBody(_Common, forbid_unknown_fields=True):
@@ -147,11 +157,13 @@ class Query:
     """The salt (``/query``: hashed in; ``/query_by_hash``: the hashes carry it)."""
     instance: str | None = None
     """Only this instance (a replica, or ``replica#rank``), None: all."""
+    predicted: float | None = None
+    """Count the view's predicted entries with this weight (None: not at all; docs/routing.md)."""
 
 
 _AT = re.compile(r"at `\$\.([A-Za-z_]\w*)")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
-_DECODERS = {TokensBody: msgspec.json.Decoder(TokensBody), HashesBody: msgspec.json.Decoder(HashesBody)}
+_DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (TokensBody, HashesBody, PredictBody)}
 
 
 def _decode(body: bytes, kind: type) -> Any:
@@ -193,7 +205,7 @@ def parse(body: bytes, by_hash: bool, hashing: Hashing) -> Query:
         raise BadRequest("instance_id must name an instance, or be left out for all", "instance_id")
     common = dict(model=model, tenant=b.tenant_id if b.tenant_id is not None else DEFAULT_TENANT,
                   block_size=b.block_size, lora=hashing.lora(b.lora_name), cache_salt=b.cache_salt,
-                  instance=b.instance_id)
+                  instance=b.instance_id, predicted=b.predicted)
     if not by_hash:
         _, tokens = _one_of(b, ("token_ids",))
         return Query(tokens=tokens, **common)
@@ -213,10 +225,33 @@ def ask(view: ViewClient, q: Query, hashing: Hashing) -> list[HolderMatch]:
     that model answer (docs/client.md, "Models"). ValueError (the client's) for what cannot be hashed."""
     candidates = None if q.instance is None else [q.instance]
     if q.hashes is not None:
-        return view.lookup(hashes=q.hashes, candidates=candidates, model=q.model)
+        return view.lookup(hashes=q.hashes, candidates=candidates, model=q.model, predicted=q.predicted)
     return view.lookup(tokens=q.tokens, block_size=q.block_size, algo=hashing.algo, seed=hashing.seed,
                        lora=q.lora, cache_salt=q.cache_salt, engine_version=hashing.engine_version,
-                       candidates=candidates, model=q.model)
+                       candidates=candidates, model=q.model, predicted=q.predicted)
+
+
+def predict(view: ViewClient, body: bytes, hashing: Hashing) -> int:
+    """``POST /predict``: record the prompt's blocks as predicted on ``instance_id`` (a replica: its rank
+    0, or ``replica#rank``) for ``ttl`` seconds (default the client's), for the request's model; the
+    blocks recorded (0: the view does not know that holder yet). BadRequest naming the field otherwise."""
+    b = _decode(body, PredictBody)
+    _, model = _one_of(b, ("model", "model_name"))
+    if not b.instance_id:
+        raise BadRequest("instance_id must name the instance the request was routed to", "instance_id")
+    name, prompt = _one_of(b, ("token_ids", "seq_hashes"))
+    kw: dict[str, Any] = {"model": model or None}
+    if b.ttl is not None:
+        kw["ttl"] = b.ttl
+    if name == "seq_hashes":
+        if prompt and max(prompt) >= U64:
+            raise BadRequest("seq_hashes holds a value that is not a 64-bit hash", name)
+        return view.predict(b.instance_id, hashes=prompt, **kw)
+    if b.block_size is None:
+        raise BadRequest("block_size is required with token_ids", "block_size")
+    return view.predict(b.instance_id, tokens=prompt, block_size=b.block_size, algo=hashing.algo, seed=hashing.seed,
+                        lora=hashing.lora(b.lora_name), cache_salt=b.cache_salt,
+                        engine_version=hashing.engine_version, **kw)
 
 
 # ------------------------------------------------------------------------------------------ answers
