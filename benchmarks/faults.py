@@ -7,9 +7,12 @@
 **The cluster.** Its own state directory and ports, never the dev stack's: ``infra/stack`` with
 ``KVBUS_STATE_DIR=/tmp/kvbus-faults``, brokers on ``127.0.0.1:29092,:29094,:29096`` (each KRaft
 controller on its broker port + 1), registry ``:28081`` (management ``:29001``), Redis ``:26379``
-(CLUSTER_ENV; ``--use-env`` takes the caller's ``KVBUS_*`` instead). It is brought up with
-``--brokers 3`` (topics replication 3, min ISR 2) if it is not running, and stopped at the end if
-this run started it (``--keep-cluster`` leaves it); the command that stops it is printed either way.
+(CLUSTER_ENV). It is brought up with ``--brokers 3`` (topics replication 3, min ISR 2) if it is
+not running, and stopped at the end if this run started it (``--keep-cluster`` leaves it); the command
+that stops it is printed either way. ``--use-env`` takes the caller's ``KVBUS_*`` stack instead (brought
+up with 3 brokers too if it is not running), and if it runs, as it runs: on a one-broker stack the faults
+that kill or pause a broker are refused (``Fault.brokers``) and the others run (the test suite's smoke
+run, tests/test_benchmarks_start.py: one short fault on the test stack).
 
 **Sinks restarted in their group.** A sink killed with SIGKILL stays a member of its consumer group
 until its session times out (``kvbus sink --session-timeout``, 10 s), and its successor gets no
@@ -161,6 +164,9 @@ class Fault:
     exact: bool = True
     """Whether ``ok`` requires the view to equal the fleet's truth (False: the fault destroys
     records, e.g. a topic deleted; the view's exactness is reported, and the fault says what it needs)."""
+    brokers: int = 1
+    """Kafka brokers the fault needs (3: it kills, pauses or loses one of them and the flow goes on on the
+    others). A ``--use-env`` run on a smaller stack refuses it (:func:`cluster_fits`)."""
 
 
 FAULTS: dict[str, Fault] = {}
@@ -174,7 +180,7 @@ def fault(name: str, **kw: Any) -> Callable[[Callable[["Ctx"], None]], Callable[
     return deco
 
 
-@fault("broker-leader")
+@fault("broker-leader", brokers=3)
 def broker_leader(ctx: "Ctx") -> None:
     """kill -9 the broker leading most of the run's raw/blocks partitions (not the active controller), restart it."""
     from kvbus.infra import stack
@@ -189,7 +195,7 @@ def broker_leader(ctx: "Ctx") -> None:
     ctx.restart_broker(node)
 
 
-@fault("controller")
+@fault("controller", brokers=3)
 def controller(ctx: "Ctx") -> None:
     """kill -9 the active KRaft controller (combined mode: a broker too), restart it."""
     from kvbus.infra import stack
@@ -302,7 +308,7 @@ def pause_worker_of_two(ctx: "Ctx") -> None:
     ctx.pause("worker-1", ctx.args.pause_for)
 
 
-@fault("pause-broker")
+@fault("pause-broker", brokers=3)
 def pause_broker(ctx: "Ctx") -> None:
     """SIGSTOP the broker leading most raw/blocks partitions (not the controller) for --pause-for s, SIGCONT;
     past broker.session.timeout.ms (the dev stack's: 5 s) the controller fences it, its partitions get new leaders."""
@@ -335,7 +341,7 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-@fault("broker-lost")
+@fault("broker-lost", brokers=3)
 def broker_lost(ctx: "Ctx") -> None:
     """kill -9 the broker leading most raw/blocks partitions (not the controller), never restarted;
     the flow goes on on the two left (min ISR 2). It is started again after the fault's figures."""
@@ -1282,6 +1288,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def cluster_up(use_env: bool) -> dict[str, Any]:
+    """Start (or confirm) the cluster and return ``stack.up``'s answer: 3 brokers, or with ``--use-env`` the
+    caller's stack as it runs if it runs (its broker count), so that a run can use a one-broker dev or test
+    stack (faults that need three brokers are refused there, :func:`cluster_fits`)."""
+    from kvbus.infra import stack
+
+    return stack.up(None if use_env and stack.status().get("ready") else 3)
+
+
+def cluster_fits(faults: list[Fault], brokers: int) -> None:
+    """Raise SystemExit naming the ``faults`` that need more than the cluster's ``brokers``."""
+    short = [f.name for f in faults if f.brokers > brokers]
+    if short:
+        raise SystemExit(f"faults {short} need 3 Kafka brokers; this cluster has {brokers} "
+                         "(without --use-env the benchmark runs its own three-broker cluster)")
+
+
 def teardown_command() -> str:
     env = " ".join(f"{k}={os.environ[k]}" for k in CLUSTER_ENV if k in os.environ)
     return f"{env} infra/stack down"
@@ -1292,6 +1315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.list:
         for f in FAULTS.values():
             extra = f" [{f.workers} workers]" if f.workers > 1 else ""
+            extra += f" [{f.brokers} brokers]" if f.brokers > 1 else ""
             kind = {"aof": "AOF everysec", "none": "no persistence", "cluster": "a 3-master Redis Cluster"}
             extra += f" [own Redis: {kind[f.redis]}]" if f.redis else ""
             print(f"{f.name:<14} {f.doc}{extra}")
@@ -1312,7 +1336,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = not st.get("ready")
     if started:
         print(f"bringing the fault cluster up (3 brokers, state {os.environ.get('KVBUS_STATE_DIR')}) ...", flush=True)
-    info = stack.up(3)
+    info = cluster_up(args.use_env)
+    try:
+        cluster_fits([FAULTS[n] for n in names], int(info["brokers"]))
+    except SystemExit:
+        if started and not args.keep_cluster:
+            stack.down()
+        raise
     print(f"cluster: {info['bootstrap']} (replication {info['replication']}), registry {info['registry_url']}, "
           f"redis {info['redis_url']}; tear down: {teardown_command()}", flush=True)
     state_dir = Path(info["state_dir"])

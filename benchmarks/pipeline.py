@@ -130,7 +130,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "and consolidated records (reads both topics back)")
     p.add_argument("--probes-out", type=Path, default=None,
                    help="write every probe as a CSV line: published (s since the first), holder, freshness ms")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("idle", "gap", "window"):
+        if getattr(args, name) <= 0:  # every rung of the fleet's schedule must last (kvbus fleet --schedule)
+            p.error(f"--{name} must be > 0 seconds")
+    return args
 
 
 # -- the processes -------------------------------------------------------------------------

@@ -7,8 +7,8 @@
 ``--workers`` ``kvbus worker``, one ``kvbus bridge`` per engine, ``kvbus fleet`` publishing ``--rate``
 engine events/s with a freshness probe every ``--probe-every`` s) on fresh topics (replication 3)
 and Redis prefix, on the cluster of ``benchmarks/faults.py`` (its ``CLUSTER_ENV``, or the caller's
-``KVBUS_*`` with ``--use-env``; brought up with 3 brokers if not running, stopped at the end if this
-run started it).
+``KVBUS_*`` with ``--use-env``, as it runs if it runs: one broker or three, and then only the faults that
+fit its brokers); brought up with 3 brokers if not running, stopped at the end if this run started it.
 
 **Faults.** After ``--warmup`` s, and then every ``--fault-every`` s, one fault drawn at random
 (``--seed``) from faults.py's registry (``faults.FAULTS``: the same functions the fault suite runs),
@@ -101,10 +101,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def fits(f: fx.Fault, setup: fx.Fault) -> bool:
-    """Whether fault ``f`` can run on the soak's processes ``setup`` (its workers, sinks, sink options):
-    no Redis of its own, the same sinks and sink options, at most the soak's workers."""
-    return f.redis is None and f.sinks == setup.sinks and f.sink_args == setup.sink_args and f.workers <= setup.workers
+def fits(f: fx.Fault, setup: fx.Fault, brokers: int = 3) -> bool:
+    """Whether fault ``f`` can run on the soak's processes ``setup`` (its workers, sinks, sink options) and a
+    cluster of ``brokers`` Kafka brokers: no Redis of its own, the same sinks and sink options, at most the
+    soak's workers, at most the cluster's brokers."""
+    return (f.redis is None and f.sinks == setup.sinks and f.sink_args == setup.sink_args
+            and f.workers <= setup.workers and f.brokers <= brokers)
 
 
 # -- samples -----------------------------------------------------------------------------
@@ -319,13 +321,13 @@ def one_fault(ctx: fx.Ctx, f: fx.Fault, since: float, t0: float) -> dict[str, An
     return out
 
 
-def soak(args: argparse.Namespace, base: Settings, state_dir: Path) -> dict[str, Any]:
+def soak(args: argparse.Namespace, base: Settings, state_dir: Path, brokers: int = 3) -> dict[str, Any]:
 
     setup = fx.Fault("soak", lambda ctx: None, "the soak's processes", workers=args.workers)
-    pool = [f for f in fx.FAULTS.values() if fits(f, setup)]
+    pool = [f for f in fx.FAULTS.values() if fits(f, setup, brokers)]
     if args.faults:
         names = [n.strip() for n in args.faults.split(",") if n.strip()]
-        unknown = [n for n in names if n not in fx.FAULTS or not fits(fx.FAULTS[n], setup)]
+        unknown = [n for n in names if n not in fx.FAULTS or not fits(fx.FAULTS[n], setup, brokers)]
         if unknown:
             raise SystemExit(f"faults unknown or not fitting the soak's processes: {unknown}; "
                              f"these fit: {[f.name for f in pool]}")
@@ -457,11 +459,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = not stack.status().get("ready")
     if started:
         print(f"bringing the cluster up (3 brokers, state {os.environ.get('KVBUS_STATE_DIR')}) ...", flush=True)
-    info = stack.up(3)
+    info = fx.cluster_up(args.use_env)
     print(f"cluster: {info['bootstrap']} (replication {info['replication']}), registry {info['registry_url']}, "
           f"redis {info['redis_url']}", flush=True)
     try:
-        out = soak(args, Settings.from_env(), Path(info["state_dir"]))
+        out = soak(args, Settings.from_env(), Path(info["state_dir"]), int(info["brokers"]))
     finally:
         if started and not args.keep_cluster:
             stack.down()

@@ -182,8 +182,15 @@ def faust_worker(settings: Settings, spec: TraceSpec, trace: list, workdir: Path
         cpu = cpu_seconds(proc.pid) - cpu_first
         t_first, r_first = first
         elapsed = end - t_first
+        if r_first >= total_reports or elapsed <= 0:
+            # a trace short enough for the worker to apply all of it between two scrapes: nothing left to
+            # time (the figures below would divide by zero), so no rate and no CPU figure
+            print(f"  all {total_reports} reports applied before the first scrape that saw any: too short a "
+                  "trace to time (more --steps)", flush=True)
+            return {"reports": total_reports, "seconds": round(elapsed, 3), "reports_per_s": None,
+                    "consolidated": want, "cpu_us_per_raw_record": None}
         # the scrape that saw the first reports missed up to one poll of work: count from there
-        rate = (total_reports - r_first) / elapsed if elapsed > 0 else float("inf")
+        rate = (total_reports - r_first) / elapsed
         records = (total_reports - r_first) / (total_reports / len(trace))
         return {"reports": total_reports, "seconds": round(elapsed, 3), "reports_per_s": round(rate),
                 "consolidated": want, "cpu_us_per_raw_record": round(1e6 * cpu / records, 1)}
@@ -435,13 +442,15 @@ def main(argv: list[str] | None = None) -> int:
                 "faust_worker_cpu_us_per_raw_record": f["cpu_us_per_raw_record"],
                 "aggregation_module_reports_per_s": round(reports / a_s),
                 "vllm_counter_reports_per_s": round(reports / c_s),
-                "faust_over_counter": round(f["reports_per_s"] / (reports / c_s), 4),
+                "faust_over_counter": (None if f["reports_per_s"] is None
+                                       else round(f["reports_per_s"] / (reports / c_s), 4)),
                 "reports": reports,
                 "consolidated": common,
-                "meets_target": f["reports_per_s"] >= TARGET,
+                "meets_target": None if f["reports_per_s"] is None else f["reports_per_s"] >= TARGET,
             }
             results[f"tp{tp}"] = r
-            print(f"  faust worker {r['faust_worker_reports_per_s']:,} reports/s "
+            rate = r["faust_worker_reports_per_s"]
+            print(f"  faust worker {'(not timed)' if rate is None else f'{rate:,}'} reports/s "
                   f"({r['faust_worker_cpu_us_per_raw_record']} CPU us per raw record); aggregation module alone "
                   f"{r['aggregation_module_reports_per_s']:,}/s; vLLM Counter {r['vllm_counter_reports_per_s']:,}/s; "
                   f"ratio faust/counter {r['faust_over_counter']}", flush=True)
