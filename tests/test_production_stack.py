@@ -287,3 +287,17 @@ def test_what_production_stacks_request_service_reads_of_its_router(view):
     owned = KvbusRouter(url, hash_seed=SEED)
     assert owned.view.prefix == "kvbus:" and owned.route_request(_endpoints(), {}, {}, _completion(COLD))
     owned.close()
+
+
+def test_with_beta_reuse_is_weighed_against_load(view):
+    """``beta``: the routing policy (kvbus.client.routing.choose). replica-1 holds 4 of the prompt's 5 blocks
+    and is the most loaded endpoint (7 requests in flight, the others none): a small beta keeps the prompt
+    there; a beta at which its relative load outweighs its reuse sends it to an idle replica."""
+    url, prefix, _ = view
+    body = _completion(SYSTEM + [7, 8, 9] * 10)
+    d = _router(url, prefix, beta=0.1).decide(_endpoints(), {}, BUSY_1, body)
+    assert (d.replica, d.reason, d.matched) == ("replica-1", ps.PREFIX, 4)
+    d = _router(url, prefix, beta=2.0).decide(_endpoints(), {}, BUSY_1, body)
+    assert d.replica != "replica-1" and d.url != URLS["replica-1"], d
+    with pytest.raises(ValueError):
+        _router(url, prefix, beta=-1)

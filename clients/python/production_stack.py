@@ -43,6 +43,8 @@ from kvbus.client.routing import (  # noqa: F401  (the reasons and VIEW_ERRORS: 
     VIEW_ERROR,
     VIEW_ERRORS,
     PrefixRule,
+    Verdict,
+    choose,
     prompt_tokens,
     token_list,
 )
@@ -192,7 +194,11 @@ class KvbusRouter(_RoutingBase):
     (:data:`~kvbus.sinks.view.reader.WeightsLike`; checked here). ``load``: an endpoint's load (:data:`Load`; default
     :func:`endpoint_load`). ``status_every``: seconds a read of the view's status is trusted
     (0: read it for every request). ``tie_seed``: seeds the order of equal loads and tied holders
-    (None: from the OS). ``max_instance_failover_reroute_attempts``: production-stack's retries on
+    (None: from the OS). ``beta``: weigh reuse against load with the routing policy
+    (:func:`kvbus.client.routing.choose`: the share of the prompt a replica holds less ``beta`` times its
+    relative load, the load being the first element of ``load``'s value: this router's requests in flight);
+    None: the longest prefix first, load only among equal prefixes (docs/routing.md says when each fits).
+    ``max_instance_failover_reroute_attempts``: production-stack's retries on
     other endpoints after a failed one (its request service reads this attribute).
 
     :attr:`decisions` counts the requests routed per reason (:data:`PREFIX`, ...).
@@ -203,8 +209,11 @@ class KvbusRouter(_RoutingBase):
                  tokenizer: Callable[[dict], Sequence[int] | None] | None = None,
                  replica_urls: Mapping[str, str] | None = None, lora_paths: Mapping[str, str] | None = None,
                  min_matched_blocks: int = 1, weights: WeightsLike | None = None, load: Load | None = None,
-                 status_every: float = 1.0, tie_seed: int | str | None = None,
+                 status_every: float = 1.0, tie_seed: int | str | None = None, beta: float | None = None,
                  max_instance_failover_reroute_attempts: int = 0):
+        if beta is not None and beta < 0:
+            raise ValueError(f"beta must be at least 0, got {beta}")
+        self.beta = beta
         self._owns_view = isinstance(view, str)
         self.rule = PrefixRule(ViewClient(view) if isinstance(view, str) else view, block_size=block_size, algo=algo,
                                hash_seed=hash_seed, engine_version=engine_version,
@@ -284,12 +293,24 @@ class KvbusRouter(_RoutingBase):
         lora = request_lora(body, endpoints, self.lora_paths) if tokens is not None else None
         verdict = self.rule.judge(tokens, list(urls), lora=lora, cache_salt=body.get("cache_salt"),
                                   tie_break=ByLoad(lambda m: loads[urls[m.replica]], then=self.rule.shuffle))
+        if self.beta is not None and verdict.reason in (PREFIX, COLD):
+            return self._weigh(verdict, urls, loads)
         if verdict.reason == PREFIX:
             best = verdict.matches[0]
             return Decision(urls[best.replica], PREFIX, best.replica, best.matched)
         least = min(loads.values())
         name = self.rule.shuffle.rng.choice([n for n, u in urls.items() if loads[u] == least])
         return Decision(urls[name], verdict.reason, name)
+
+    def _weigh(self, verdict: Verdict, urls: Mapping[str, str], loads: Mapping[str, Any]) -> Decision:
+        """The replica :func:`~kvbus.client.routing.choose` picks with :attr:`beta`, candidates in a random order."""
+        matched = {m.replica: m.matched for m in verdict.matches}
+        numeric = {name: float(loads[u][0] if isinstance(loads[u], tuple) else loads[u]) for name, u in urls.items()}
+        order = list(urls)
+        self.rule.shuffle.rng.shuffle(order)
+        name = choose(verdict.blocks, matched, numeric, order, self.beta)
+        n = matched.get(name, 0)
+        return Decision(urls[name], PREFIX if n >= self.rule.min_matched_blocks else verdict.reason, name, n)
 
     def __repr__(self) -> str:
         return f"KvbusRouter({self.view!r}, block_size={self.rule.block_size}, algo={self.rule.algo!r})"

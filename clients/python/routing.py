@@ -92,6 +92,8 @@ class Verdict:
     blocks; else why the request goes by load (:data:`COLD`, :data:`NO_TOKENS`, ...)."""
     matches: list[HolderMatch] = field(default_factory=list)
     """The candidates holding a prefix of the prompt, best first (empty unless the view answered)."""
+    blocks: int = 0
+    """The prompt's full blocks (0 when it could not be hashed): what :func:`choose` weighs matches against."""
 
     @property
     def best(self) -> list[HolderMatch]:
@@ -153,19 +155,19 @@ when routing by prefix stops and starts again (the adapter's own).
             self._log.debug("request not hashable as the engines hash it (%s): routing by load", e)
             return self._note(Verdict(UNHASHABLE))
         if len(chain) < self.min_matched_blocks:
-            return self._note(Verdict(COLD))
+            return self._note(Verdict(COLD, blocks=len(chain)))
         try:
             if not self._ready():
-                return self._note(Verdict(NOT_READY))
+                return self._note(Verdict(NOT_READY, blocks=len(chain)))
             matches = self.view.lookup(hashes=chain, weights=self.weights, candidates=list(candidates), model=model,
                                        tie_break=tie_break or self.shuffle)
         except VIEW_ERRORS as e:
             self._degrade(VIEW_ERROR, f"the view could not be read ({type(e).__name__}: {e})")
-            return self._note(Verdict(VIEW_ERROR))
+            return self._note(Verdict(VIEW_ERROR, blocks=len(chain)))
         self._recover()
         if matches and matches[0].matched >= self.min_matched_blocks:
-            return self._note(Verdict(PREFIX, matches))
-        return self._note(Verdict(COLD, matches))
+            return self._note(Verdict(PREFIX, matches, len(chain)))
+        return self._note(Verdict(COLD, matches, len(chain)))
 
     def _note(self, verdict: Verdict) -> Verdict:
         self.decisions[verdict.reason] += 1
