@@ -20,7 +20,7 @@ class EngineTruth:
         self.stored_twice = 0
         """Stores of a hash the engine already held (a second copy)."""
         self.removes = self.stores = self.clears = 0
-        self.outlived: set[int] = set()
+        self._outlived: set[int] = set()
         """Hashes still held in a copy after another copy of them was removed."""
         self.seen: set[int] = set()
         """Every hash the engine ever stored."""
@@ -62,18 +62,24 @@ class EngineTruth:
                 self.copies[h] -= 1
                 if self.copies[h] <= 0:
                     del self.copies[h]
-                    self.outlived.discard(h)
+                    self._outlived.discard(h)
                 else:
-                    self.outlived.add(h)
+                    self._outlived.add(h)
         elif kind == "AllBlocksCleared":
             self.clears += 1
             self.copies.clear()
-            self.outlived.clear()
+            self._outlived.clear()
 
     def held(self) -> set[int]:
         """The hashes the engine holds now (at least one copy), as far as its events said."""
         with self._lock:
             return set(self.copies)
+
+    def outlived(self) -> set[int]:
+        """The hashes of which the engine removed a copy while another copy stays held: the view, whose GPU
+        tier is a set (docs/sinks-layout.md, "Stores and removes"), has dropped them."""
+        with self._lock:
+            return set(self._outlived)
 
     def ever_stored(self) -> set[int]:
         """Every hash the engine stored since the subscriber started."""
@@ -85,7 +91,7 @@ class EngineTruth:
         with self._lock:
             return {"batches": len(self.seqs), "stores": self.stores, "removes": self.removes,
                     "clears": self.clears, "stored_twice": self.stored_twice, "held": len(self.copies),
-                    "held_after_a_copy_was_removed": len(self.outlived)}
+                    "held_after_a_copy_was_removed": len(self._outlived)}
 
     def close(self) -> None:
         self._stop.set()

@@ -91,13 +91,15 @@ class Run:
         return {h for h in hashes if any(m.replica == REPLICA for m in self.view.lookup(hashes=[h]))}
 
     def fresh(self) -> Waiting | bool:
-        """the view holds exactly the hashes the engine holds (its own socket's reference counts)"""
-        held = self.truth.held()
+        """the view holds the hashes the engine holds (its own socket's reference counts), never one it does
+        not hold, and misses only those of which a copy was removed while another stays: the view's GPU tier
+        is a set, not a count of copies (docs/sinks-layout.md, "Stores and removes", says why)"""
+        held, outlived = self.truth.held(), self.truth.outlived()
         listed = ViewClient(self.pipeline.settings.redis_url, self.prefix).summary().get(REPLICA, {}).get("GPU", 0)
         in_view = self.held_in_view(self.truth.ever_stored() | self.stored_before)
-        if in_view == held and listed == len(held):
+        if held - outlived <= in_view <= held and listed == len(in_view):
             return True
-        return Waiting(engine=len(held), view=listed, missing=sorted(held - in_view)[:5],
+        return Waiting(engine=len(held), view=listed, missing=sorted(held - outlived - in_view)[:5],
                        extra=sorted(in_view - held)[:5], truth=self.truth.stats())
 
     def wait_fresh(self) -> None:
