@@ -39,15 +39,25 @@ performance update (https://blog.vllm.ai/2024/09/05/perf-update.html) shows for 
 - ``kvbus``: matched prefix from the real view (one :meth:`ViewClient.lookup` per request among its
   replicas); its engines publish every batch through bridges -> Kafka -> worker -> sink -> Redis
   (``benchmarks/pipeline.py``'s processes, fresh topics and prefix), one bridge per fleet;
+- ``kvbus_predicted``: kvbus, plus after each decision :meth:`ViewClient.predict` of the prompt's chain on
+  the chosen replica (``--predict-ttl`` s) and lookups with ``predicted=--predicted-weight``, choosing by
+  the reply's score (held blocks weigh 1, predicted ones the weight); a published fleet of its own;
 - ``approximate``: the router's own record of which prefixes it sent where (:class:`SentPrefixes`, no
   events, LRU-bounded to ``--approx-blocks`` hashes), as vllm-router's cache-aware policy keeps one;
 - ``least_loaded``: load only; ``round_robin``: the next replica in turn.
 
 ``--routers 1,4``: each count N is N router instances splitting the requests round-robin. Without
 shared load each instance knows only the in-flight requests it sent itself; ``--shared-load`` adds, for
-each N > 1, a run where every instance sees all in-flight requests (:class:`LoadBoard` shared by the
-instances). That shared board is this benchmark's in-process stand-in until kvbus's shared-load feature
-lands; the real one replaces :class:`LoadBoard` (``add`` and ``load``) and nothing else.
+each N > 1, a run where every instance sees all in-flight requests. The kvbus routers (``kvbus``,
+``kvbus_predicted``) use kvbus's own shared load (:class:`ViewLoad`): each instance has a
+:class:`~kvbus.client.load.LoadReporter` (router ``<lane>#<i>``) on the view's Redis, reports
+``started`` when it routes and ``finished`` when the request's decode ends in trace time (reported at the
+first arrival after it: the sums a decision reads are the requests in flight at that trace time), and
+decides with :meth:`ViewClient.lookup_with_load` (matched from the lookup, load from the sums) when load
+is shared, with its reporter's own book when not. Leases (``--load-lease``, wall seconds) are renewed
+by every report and every :data:`RENEW_EVERY` s. The routers without Redis (oracle, approximate,
+least_loaded, round_robin) share an in-process stand-in (:class:`LoadBoard`) that counts the same
+requests. ``--kinds`` plays only some router kinds (at least one kvbus kind).
 
 **Figures** per router (and router count / shared load): reused prompt tokens (served from cache) and
 their share of the oracle's with the same router setting, hit rate (requests that reused at least one
@@ -55,8 +65,9 @@ block; and beyond their first 512-token id, which nearly every request shares), 
 seconds), load imbalance (max / mean in-flight over the replicas, sampled at each arrival with any
 request in flight, averaged); for kvbus the freshness p50 / p99 of probes
 (wall-clock ms: at speed-up S a view lag of L ms is L x S ms of trace time, so kvbus is judged against a
-pipeline S times slower than real). Progress every few seconds on stderr; the last stdout line is one
-JSON object with every figure.
+pipeline S times slower than real); for kvbus_predicted the blocks its predictions recorded. ``targets``
+checks issue 45's targets on the lanes run (:func:`targets`). Progress every few seconds on stderr; the
+last stdout line is one JSON object with every figure.
 """
 from __future__ import annotations
 
