@@ -358,6 +358,10 @@ class Lane:
         self.predict_ttl = getattr(args, "predict_ttl", 5.0)
         self.predictions = 0
         """Blocks kvbus_predict recorded (0 for a holder the view did not know yet)."""
+        self.publish_at_prefill_end = getattr(args, "publish_at", "route") == "prefill-end"
+        self.outbox: list[tuple[float, int, str, list[Event]]] = []
+        """``--publish-at prefill-end``: (prefill end, trace s; sequence; replica; its events) not yet sent."""
+        self.outbox_seq = 0
         self.records = [SentPrefixes(args.approx_blocks) for _ in range(spec.routers)]
         self.sent = [0] * spec.routers
         self.beta, self.svc = args.beta, ServiceModel(args.prefill_us * 1e-6, args.decode_ms * 1e-3)
@@ -389,10 +393,14 @@ class Lane:
             load = self.boards[inst].load(req.at)
             choice = choose(len(hashes), self.matched(inst, hashes), load, order, self.beta)
         reused, events = self.models[choice].admit_hashed(tokens, hashes, digests)
-        if self.publish is not None and events:
-            self.publish(choice, events)
         reused_tokens = min(reused * BLOCK_SIZE, len(tokens))
         ttft, end = self.replicas[choice].serve(req.at, len(tokens) - reused_tokens, req.output_length, self.svc)
+        if self.publish is not None and events:
+            if self.publish_at_prefill_end:  # as a real engine: BlockStored once the prefill is done
+                self.outbox_seq += 1
+                heapq.heappush(self.outbox, (req.at + ttft, self.outbox_seq, choice, events))
+            else:
+                self.publish(choice, events)
         if self.view_load is not None:
             self.view_load.started(inst, choice, len(tokens), end)
         else:
@@ -420,6 +428,14 @@ class Lane:
         if self.predicted:  # held blocks weigh 1 (GPU), predicted ones --predicted-weight: the reply's score
             return {m.replica: m.score for m in found}, load
         return {m.replica: m.matched for m in found}, load
+
+    def flush(self, t: float) -> None:
+        """``--publish-at prefill-end``: send the events of every request whose prefill ended by trace
+        time ``t`` (per replica in order: a replica's prefills end in the order they queued)."""
+        while self.outbox and self.outbox[0][0] <= t:
+            _, _, replica, events = heapq.heappop(self.outbox)
+            assert self.publish is not None
+            self.publish(replica, events)
 
     def keepalive(self, now: float) -> None:
         """Renew the kvbus router instances' load leases when due (wall clock ``now``)."""
@@ -508,12 +524,14 @@ def play(lanes: Sequence[Lane], reqs: Sequence[TraceRequest], args: argparse.Nam
             probes_tick(now)
             for lane in lanes:
                 lane.keepalive(now)
+                lane.flush((now - start) * args.speedup)
             time.sleep(min(due - now, 0.002))
             now = time.monotonic()
         behind = max(behind, now - due)
         probes_tick(now)  # also when behind schedule: the probes keep their pace
         for lane in lanes:
             lane.keepalive(now)
+            lane.flush(req.at)
         tokens = prompt_tokens(req)
         hashes, digests = hasher.hashes(tokens)
         for lane in lanes:
@@ -521,6 +539,8 @@ def play(lanes: Sequence[Lane], reqs: Sequence[TraceRequest], args: argparse.Nam
         if now >= report_at:
             report_at += PROGRESS_EVERY
             print(progress_line(lanes, i + 1, len(reqs), now - start, events(), now - due), file=sys.stderr, flush=True)
+    for lane in lanes:
+        lane.flush(float("inf"))
     return {"wall_s": round(time.monotonic() - start, 1), "max_behind_schedule_s": round(behind, 2)}
 
 
@@ -678,7 +698,7 @@ def run(args: argparse.Namespace, probes_cls: type) -> dict:
                     "prefill_us_per_token": args.prefill_us, "decode_ms_per_token": args.decode_ms,
                     "routers": args.routers, "shared_load": args.shared_load,
                     "predicted_weight": args.predicted_weight, "predict_ttl_s": args.predict_ttl,
-                    "load_lease_s": args.load_lease}
+                    "load_lease_s": args.load_lease, "publish_at": args.publish_at}
     if args.shared_load:
         result["shared_load_note"] = SHARED_LOAD_NOTE
     try:
@@ -733,6 +753,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="trace mode: kvbus_predicted's lookups count a predicted block with this weight (default 1.0)")
     add("--predict-ttl", type=float, default=5.0,
         help="trace mode: kvbus_predicted's predictions count for this many wall seconds (default 5)")
+    add("--publish-at", choices=("route", "prefill-end"), default="route",
+        help="trace mode: the kvbus engines publish a request's events when it is routed (default) or, as "
+             "real engines, when its prefill ends in trace time")
     add("--load-lease", type=float, default=30.0,
         help="trace mode: the kvbus routers' load leases, wall seconds (renewed every 5 s; default 30)")
     add("--approx-blocks", type=int, default=None,

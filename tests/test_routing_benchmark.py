@@ -114,6 +114,24 @@ def test_kvbus_routers_report_started_and_finished_in_the_trace_time_and_renew_t
     assert len(view.leases) == n + 2 and set(view.leases) == {30.0}  # both instances renewed
 
 
+def test_engines_can_publish_a_requests_events_when_its_prefill_ends_in_trace_time() -> None:
+    trace = import_benchmark("routing_trace")
+    args = _in_process(argparse.Namespace(approx_blocks=1000, beta=0.5, prefill_us=1000.0, decode_ms=12.0,
+                                          publish_at="prefill-end"))
+    models = trace.build_lanes([trace.LaneSpec("oracle")], args, None, None)[0].models
+    sent: list[tuple[str, int]] = []
+    lane = trace.Lane(trace.LaneSpec("oracle"), models, args, publish=lambda r, ev: sent.append((r, len(ev))))
+    req = trace.TraceRequest(1.0, 64, 10, (1,))  # 4 blocks, 64 uncached tokens x 1 ms: prefill ends at 1.064 s
+    tokens = trace.prompt_tokens(req)
+    hashes, digests = lane.models["replica-0"].hashes(tokens)
+    replica = lane.route(0, req, tokens, hashes, digests)
+    assert sent == []
+    lane.flush(1.05)
+    assert sent == []
+    lane.flush(1.07)
+    assert [r for r, _ in sent] == [replica]  # its batch (one BlockStored of the 4 blocks)
+
+
 def test_router_kinds_can_be_chosen_and_kvbus_predicted_is_one() -> None:
     trace = import_benchmark("routing_trace")
     assert "kvbus_predicted" in trace.ROUTERS and set(trace.VIEW_ROUTERS) == {"kvbus", "kvbus_predicted"}
