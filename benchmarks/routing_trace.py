@@ -362,6 +362,9 @@ class Lane:
         self.outbox: list[tuple[float, int, str, list[Event]]] = []
         """``--publish-at prefill-end``: (prefill end, trace s; sequence; replica; its events) not yet sent."""
         self.outbox_seq = 0
+        self.answers_behind = self.answers_ahead = 0
+        """kvbus lanes: lookups where the view answered some replica a shorter (longer) prefix than its
+        engine held (with predictions counted, for kvbus_predicted)."""
         self.records = [SentPrefixes(args.approx_blocks) for _ in range(spec.routers)]
         self.sent = [0] * spec.routers
         self.beta, self.svc = args.beta, ServiceModel(args.prefill_us * 1e-6, args.decode_ms * 1e-3)
@@ -425,6 +428,10 @@ class Lane:
         else:
             found = self.view.lookup(hashes=list(chain), **query) if chain else []
             load = {n: float(k) for n, k in self.view_load.own(inst).items()}
+        said = {m.replica: m.matched for m in found}
+        truth = {n: m.resident_prefix(chain) for n, m in self.models.items()}
+        self.answers_behind += any(said.get(n, 0) < k for n, k in truth.items())
+        self.answers_ahead += any(said.get(n, 0) > k for n, k in truth.items())
         if self.predicted:  # held blocks weigh 1 (GPU), predicted ones --predicted-weight: the reply's score
             return {m.replica: m.score for m in found}, load
         return {m.replica: m.matched for m in found}, load
@@ -560,6 +567,9 @@ def lane_figures(lanes: Sequence[Lane]) -> dict[str, dict]:
         o = oracle.get((ln.spec.routers, ln.spec.shared))
         fig["share_of_oracle"] = round(ln.tally.reused_tokens / o.reused_tokens, 4) if o and o.reused_tokens else None
         fig.update(kind=ln.spec.kind, routers=ln.spec.routers, shared_load=ln.spec.shared)
+        if ln.view_load is not None:
+            n = max(ln.tally.requests, 1)
+            fig.update(answers_behind=round(ln.answers_behind / n, 4), answers_ahead=round(ln.answers_ahead / n, 4))
         if ln.predicted:
             fig["predicted_blocks"] = ln.predictions
         out[ln.spec.key] = fig
@@ -662,6 +672,16 @@ def stages_args(args: argparse.Namespace, kvbus_lanes: int, base_port: int) -> a
     return out
 
 
+def announce(fleet: Fleet, store, timeout: float = 30.0) -> bool:
+    """One probe per engine of ``fleet``, waited for in the view (``store``): every engine is known to the
+    view before the first request, as a fleet running before its routers are (``ViewClient.predict``
+    records nothing for a holder the view has not heard of). Whether all arrived within ``timeout``."""
+    from kvbus.children import wait_for
+
+    hashes = [fleet.publish_probe()[0] for _ in fleet.models]
+    return bool(wait_for(lambda: all(store.lookup([h]) for h in hashes), timeout, 0.05))
+
+
 def run(args: argparse.Namespace, probes_cls: type) -> dict:
     """The trace run: the stack's pipeline for the kvbus lanes, every lane replayed, the figures.
     ``probes_cls``: routing.py's :class:`Probes` (freshness probes through the kvbus fleet)."""
@@ -710,6 +730,7 @@ def run(args: argparse.Namespace, probes_cls: type) -> dict:
         client = ViewClient(run_.settings.redis_url, run_.prefix, **run_.settings.redis_kwargs())
         lanes = build_lanes(specs, args, fleet, client)
         probes = probes_cls(fleet, store, args.probe_every)
+        announce(fleet, store)
         pace = play(lanes, reqs, args, probes.tick, lambda: fleet.events)
         wait_for(lambda: probes.tick(time.monotonic(), publish=False) or not probes.outstanding, 5.0, 0.01)
         pl.check_alive(run_)
