@@ -32,6 +32,11 @@ decode, 16 GB of weights read per step at 3.35 TB/s = 4.8 ms, x2.5 for KV reads 
 moderate batch: 12 ms per output token, of the order of the time per output token vLLM's v0.6.0
 performance update (https://blog.vllm.ai/2024/09/05/perf-update.html) shows for Llama 8B on one H100.
 
+**Publishing.** The kvbus lanes' engines publish a request's events when it is routed, or with
+``--publish-at prefill-end`` when its prefill ends in trace time (as a real engine stores computed
+blocks). Before the first request each engine publishes one probe, waited for in the view
+(:func:`announce`): predictions are recorded only for holders the view knows.
+
 **Routers**, each on engines of its own, all replaying the same requests, all deciding with
 :func:`~kvbus.client.routing.choose` (``--beta``):
 
