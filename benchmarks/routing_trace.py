@@ -202,8 +202,9 @@ def engine_config(gpu_blocks: int) -> ModelConfig:
 
 class LoadBoard:
     """In-flight requests per replica as the router instances that share this board see them (one board
-    per instance: its own requests; one board for all: shared load). The hook kvbus's shared-load
-    feature replaces."""
+    per instance: its own requests; one board for all: shared load): the in-process stand-in of the
+    routers that have no Redis (oracle, approximate, least_loaded, round_robin); the kvbus routers use
+    kvbus's shared load (:class:`ViewLoad`)."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.ends: dict[str, list[float]] = {n: [] for n in names}
