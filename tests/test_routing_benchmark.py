@@ -74,6 +74,91 @@ def test_each_router_instance_sees_its_own_load_unless_load_is_shared() -> None:
     assert shared.boards[1].load(1.0)["replica-0"] == 1 and shared.boards[1].load(6.0)["replica-0"] == 0
 
 
+class FakeView:
+    """What LoadReporter writes (``report``), summed over routers as ViewClient.load sums it."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, dict] = {}
+        self.leases: list[float] = []
+
+    def report(self, router: str, loads: dict, lease: float) -> None:
+        self.reports.setdefault(router, {}).update(loads)
+        self.leases.append(lease)
+
+    def sums(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for loads in self.reports.values():
+            for replica, ld in loads.items():
+                out[replica] = out.get(replica, 0) + ld.requests
+        return out
+
+
+def test_kvbus_routers_report_started_and_finished_in_the_trace_time_and_renew_their_leases() -> None:
+    trace = import_benchmark("routing_trace")
+    view = FakeView()
+    load = trace.ViewLoad(view, "kvbus/2r/shared", 2, lease=30.0)
+    load.started(0, "r0", 100, end=5.0)
+    load.started(1, "r0", 200, end=2.0)
+    load.started(1, "r1", 300, end=9.0)
+    assert view.sums() == {"r0": 2, "r1": 1} and set(view.reports) == {"kvbus/2r/shared#0", "kvbus/2r/shared#1"}
+    assert load.own(0) == {"r0": 1} and load.own(1) == {"r0": 1, "r1": 1}
+    load.advance(4.0)  # the request of instance 1 on r0 ended at 2.0 trace s: instance 1 reports it finished
+    assert view.sums() == {"r0": 1, "r1": 1} and load.own(1) == {"r0": 0, "r1": 1}
+    assert view.reports["kvbus/2r/shared#1"]["r0"].tokens == 0
+    load.advance(10.0)
+    assert view.sums() == {"r0": 0, "r1": 0}
+    n = len(view.leases)
+    load.keepalive(load.renewed + trace.RENEW_EVERY / 2)
+    assert len(view.leases) == n  # not due yet
+    load.keepalive(load.renewed + trace.RENEW_EVERY)
+    assert len(view.leases) == n + 2 and set(view.leases) == {30.0}  # both instances renewed
+
+
+def test_engines_can_publish_a_requests_events_when_its_prefill_ends_in_trace_time() -> None:
+    trace = import_benchmark("routing_trace")
+    args = _in_process(argparse.Namespace(approx_blocks=1000, beta=0.5, prefill_us=1000.0, decode_ms=12.0,
+                                          publish_at="prefill-end"))
+    models = trace.build_lanes([trace.LaneSpec("oracle")], args, None, None)[0].models
+    sent: list[tuple[str, int]] = []
+    lane = trace.Lane(trace.LaneSpec("oracle"), models, args, publish=lambda r, ev: sent.append((r, len(ev))))
+    req = trace.TraceRequest(1.0, 64, 10, (1,))  # 4 blocks, 64 uncached tokens x 1 ms: prefill ends at 1.064 s
+    tokens = trace.prompt_tokens(req)
+    hashes, digests = lane.models["replica-0"].hashes(tokens)
+    replica = lane.route(0, req, tokens, hashes, digests)
+    assert sent == []
+    lane.flush(1.05)
+    assert sent == []
+    lane.flush(1.07)
+    assert [r for r, _ in sent] == [replica]  # its batch (one BlockStored of the 4 blocks)
+
+
+def test_router_kinds_can_be_chosen_and_kvbus_predicted_is_one() -> None:
+    trace = import_benchmark("routing_trace")
+    assert "kvbus_predicted" in trace.ROUTERS and set(trace.VIEW_ROUTERS) == {"kvbus", "kvbus_predicted"}
+    assert [s.key for s in trace.lane_specs([1, 4], True, trace.iter_kinds("kvbus_predicted,oracle"))] == [
+        "oracle", "kvbus_predicted", "oracle/4r", "kvbus_predicted/4r", "oracle/4r/shared",
+        "kvbus_predicted/4r/shared"]
+    with pytest.raises(SystemExit):
+        trace.iter_kinds("kvbus,nope")
+
+
+def test_the_targets_compare_kvbus_with_the_oracle_and_one_router() -> None:
+    trace = import_benchmark("routing_trace")
+
+    def fig(kind: str, routers: int, shared: bool, share: float, ttft: float, imb: float) -> dict:
+        return {"kind": kind, "routers": routers, "shared_load": shared, "share_of_oracle": share,
+                "ttft_p90_s": ttft, "load_imbalance": imb}
+    figs = {"oracle": fig("oracle", 1, False, 1.0, 2.0, 1.5), "kvbus_predicted": fig("kvbus_predicted", 1, False,
+                                                                                     0.99, 2.1, 1.5),
+            "oracle/4r/shared": fig("oracle", 4, True, 1.0, 2.0, 1.5),
+            "kvbus_predicted/4r/shared": fig("kvbus_predicted", 4, True, 0.96, 2.4, 1.6)}
+    met = [(r["target"].split(":")[0], r["measured"], r["met"]) for r in trace.targets(figs)]
+    assert met == [("kvbus_predicted, 1 router", 0.99, True), ("kvbus_predicted, 4 routers sharing load", 0.96, False),
+                   ("kvbus_predicted, 4 routers sharing load", 1.067, True),  # imbalance 1.6 / 1.5
+                   ("kvbus_predicted", 1.05, True), ("kvbus_predicted/4r/shared", 1.2, False)]
+    assert "| no |" in trace.targets_table(trace.targets(figs))
+
+
 def test_the_approximate_router_remembers_what_it_sent_where_within_its_bound() -> None:
     trace = import_benchmark("routing_trace")
     rec = trace.SentPrefixes(capacity=4)
@@ -89,7 +174,7 @@ def test_in_process_routers_replay_a_trace_and_the_oracle_reuses_most() -> None:
     args = _in_process(argparse.Namespace(approx_blocks=4 * 400, beta=0.5, prefill_us=40.0, decode_ms=12.0))
     reqs = [trace.TraceRequest(i * 0.2, 512 * (2 + i % 3), 50, (i % 5, 100 + i % 7, 200 + i))
             for i in range(60)]
-    specs = [s for s in trace.lane_specs([1, 2], True) if s.kind != "kvbus"]
+    specs = [s for s in trace.lane_specs([1, 2], True) if s.kind not in trace.VIEW_ROUTERS]
     lanes = trace.build_lanes(specs, args, None, None)
     hasher = lanes[0].models["replica-0"]
     for i, req in enumerate(reqs):
@@ -149,10 +234,11 @@ def test_a_trace_run_ends_with_its_figures(stack: Settings, tmp_path: Path) -> N
     out = run_routing(stack, "--trace", str(path), "--speedup", "1", "--replicas", "2", "--gpu-blocks", "100",
                       "--routers", "1,2", "--shared-load", "--probe-every", "0.05", "--drain-timeout", "30")
     assert TRACE_KEYS <= set(out) and out["requests"] == 30 and out["view_exact"] is True
-    assert set(out["lanes"]) >= {"oracle", "kvbus", "approximate", "least_loaded", "round_robin", "kvbus/2r",
-                                 "kvbus/2r/shared"}
+    assert set(out["lanes"]) >= {"oracle", "kvbus", "kvbus_predicted", "approximate", "least_loaded", "round_robin",
+                                 "kvbus/2r", "kvbus/2r/shared", "kvbus_predicted/2r/shared"}
     for name, fig in out["lanes"].items():
         assert LANE_KEYS <= set(fig), name
         assert fig["requests"] == 30
     assert out["events"] > 0 and out["lanes"]["oracle"]["reused_tokens"] > 0
-    assert "shared_load_note" in out
+    assert "shared_load_note" in out and out["targets"]
+    assert all(out["lanes"][k]["predicted_blocks"] > 0 for k in ("kvbus_predicted", "kvbus_predicted/2r/shared"))
