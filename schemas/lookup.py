@@ -265,10 +265,15 @@ def predict_holder(name: str) -> tuple[str, int]:
     return name, 0
 
 
+def shard_of(holder: str, shards: int) -> int:
+    """The shard of holder ``"<replica>#<dp>"`` in the sharded view: crc32 of its name mod ``shards``
+    (stable across processes and languages: zlib's CRC-32, as Go's ``hash/crc32.ChecksumIEEE``)."""
+    return zlib.crc32(holder.encode()) % shards
+
+
 def holder_shard(replica: str, dp_rank: int, shards: int) -> int:
-    """The shard of a holder in the sharded view: crc32 of ``"<replica>#<dp_rank>"`` mod ``shards``
-    (zlib's CRC-32, as Go's ``hash/crc32.ChecksumIEEE``)."""
-    return zlib.crc32(f"{replica}#{dp_rank}".encode()) % shards
+    """:func:`shard_of` the holder ``(replica, dp_rank)``."""
+    return shard_of(f"{replica}#{dp_rank}", shards)
 
 
 def predict_ttl_ms(ttl: float) -> int:

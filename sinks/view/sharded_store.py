@@ -36,7 +36,6 @@ shard are planned by the shards and sent here in one round trip.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -57,6 +56,7 @@ from kvbus.schemas.lookup import (
     meta_key,
     option_args,
     parse_hname,
+    shard_of,
     shard_prefix,
     view_status,
 )
@@ -77,12 +77,6 @@ from kvbus.sinks.view.store import (
 from kvbus.sinks.view.transport import ShardTransport
 
 log = logging.getLogger("kvbus.sinks")
-
-
-def shard_of(holder: str, shards: int) -> int:
-    """The shard of holder ``"<replica>#<dp>"``: crc32 of its name mod ``shards`` (stable across
-    processes and languages: zlib's CRC-32, as in Java's ``java.util.zip.CRC32``)."""
-    return zlib.crc32(holder.encode()) % shards
 
 
 class ShardedRedisStore(ResidencyStore):
