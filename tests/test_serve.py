@@ -361,6 +361,31 @@ async def test_a_routed_prompt_predicted_over_http_counts_in_queries_that_ask_fo
             assert (status, err["field"]) == (400, field), err
 
 
+async def test_route_weighs_the_prefix_an_instance_holds_against_the_shared_load(redis_view):
+    """``POST /route``: the routing policy (kvbus.client.routing.choose) over one lookup with the routers'
+    shared load. r1 holds 3 of the prompt's 4 blocks; idle, it gets the prompt; with 8 requests in flight
+    (another router's report) a large beta sends it to idle r2, a small one keeps it on r1."""
+    srv, _, _ = redis_view
+    prefix = f"r{uuid.uuid4().hex[:8]}:"
+    chain = [canonical_hash(0xBEEF + i) for i in range(4)]
+    RedisStore(srv.client(), prefix).apply([("kvbus.blocks", BlockEvent(
+        replica="r1", dp_rank=0, epoch=1, seq=0, index=0, ts=time.time(), model=MODEL,
+        event=BlockStored(block_hashes=chain[:3], medium="GPU", block_size=16)))])
+    ask = {"model": MODEL, "block_size": 16, "seq_hashes": [int.from_bytes(h, "big") for h in chain],
+           "instances": ["r2", "r1"]}
+    async with Served(_service(srv.url, prefix)) as s:
+        status, body = await s.post("/route", ask)
+        assert (status, body) == (200, {"instance": "r1", "matched": 48, "prompt_blocks": 4,
+                                        "load": {"r2": 0, "r1": 0}}), body
+        ViewClient(srv.url, prefix).report("another-router", {"r1": Load(8, 800)})
+        for beta, instance in ((2.0, "r2"), (0.1, "r1")):
+            status, body = await s.post("/route", {**ask, "beta": beta})
+            assert status == 200 and body["instance"] == instance and body["load"]["r1"] == 8, (beta, body)
+        for bad, field in (({**ask, "instances": []}, "instances"), ({**ask, "beta": -1}, "beta")):
+            status, err = await s.post("/route", bad)
+            assert (status, err["field"]) == (400, field), err
+
+
 async def test_routers_report_and_read_their_shared_load_over_http(redis_view):
     """Two routers report over ``POST /load``; ``GET /load`` answers their sums, what a Python router's
     ``ViewClient.load`` reads too; bad reports are 400s naming the field."""

@@ -34,12 +34,12 @@ from kvbus.client import BY_NAME, FunctionsMissing, LayoutMismatch, Shuffle, Vie
 from kvbus.runtime.probes import Readiness
 from kvbus.schemas.lookup import READY
 from kvbus.serve.metrics import ServeMetrics
-from kvbus.serve.query import BadRequest, Hashing, answer, ask, parse, parse_report, predict
+from kvbus.serve.query import BadRequest, Hashing, answer, ask, parse, parse_report, predict, route
 from kvbus.serve.serve_config import ServeConfig
 
 log = logging.getLogger("kvbus.serve")
 
-PATHS = ("/query", "/query_by_hash", "/predict", "/load", "/healthz", "/readyz", "/metrics")
+PATHS = ("/query", "/query_by_hash", "/route", "/predict", "/load", "/healthz", "/readyz", "/metrics")
 """The paths the service answers; metrics label any other as ``other``."""
 VIEW_DOWN = (redis.RedisError, OSError, FunctionsMissing, LayoutMismatch)
 """Errors of reading the view: answered 503."""
@@ -124,6 +124,16 @@ class Service:
     async def query_by_hash(self, request: web.Request) -> web.Response:
         return await self._query(request, by_hash=True)
 
+    async def route(self, request: web.Request) -> web.Response:
+        """``POST /route``: the routing policy's choice among the request's instances (:func:`route`)."""
+        body = await request.read()
+        try:
+            return json_response(await self._blocking(route, self.view, body, self.hashing))
+        except BadRequest:
+            raise
+        except ValueError as e:  # what the client cannot hash or ask
+            raise BadRequest(str(e)) from None
+
     async def predict(self, request: web.Request) -> web.Response:
         """``POST /predict``: a routed prompt's blocks, predicted on its instance (:func:`predict`)."""
         body = await request.read()
@@ -170,8 +180,8 @@ class Service:
         except web.HTTPException as e:
             kind = "not_found" if e.status in (404, 405) else "bad_request"
             resp = error_response(e.status, f"{request.method} {request.path}: {e.reason}; the API answers "
-                                            "POST /query, POST /query_by_hash, POST /predict, GET and POST /load, "
-                                            "GET /healthz, /readyz, /metrics")
+                                            "POST /query, POST /query_by_hash, POST /route, POST /predict, "
+                                            "GET and POST /load, GET /healthz, /readyz, /metrics")
         except VIEW_DOWN as e:
             log.warning("%s: the view cannot be read: %s: %s", request.path, type(e).__name__, e)
             kind, resp = "view_unavailable", error_response(503, f"the view cannot be read: {type(e).__name__}: {e}")
@@ -192,6 +202,7 @@ class Service:
         app.add_routes([
             web.post("/query", self.query),
             web.post("/query_by_hash", self.query_by_hash),
+            web.post("/route", self.route),
             web.post("/predict", self.predict),
             web.get("/load", self.load),
             web.post("/load", self.report),

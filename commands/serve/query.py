@@ -18,6 +18,7 @@ from msgspec import Meta
 
 from kvbus.client import HolderMatch, Load, ViewClient
 from kvbus.client.load import DEFAULT_LEASE
+from kvbus.client.routing import DEFAULT_BETA, choose
 from kvbus.schemas.hashing import LoRA, hash_rules
 from kvbus.schemas.tiers import medium_of
 
@@ -81,6 +82,16 @@ class PredictBody(_Common, forbid_unknown_fields=True):
     token_ids: list[Token] | None = None
     seq_hashes: list[Hash] | None = None
     ttl: Annotated[float, Meta(gt=0)] | None = None
+
+
+class RouteBody(_Common, forbid_unknown_fields=True):
+    """``POST /route``: a prompt (``token_ids`` or ``seq_hashes``), the ``instances`` it may go to, and the
+    routing policy's ``beta``."""
+
+    token_ids: list[Token] | None = None
+    seq_hashes: list[Hash] | None = None
+    instances: list[str] | None = None
+    beta: Annotated[float, Meta(ge=0)] | None = None
 
 
 class HashesBody(_Common, forbid_unknown_fields=True):
@@ -163,7 +174,7 @@ class Query:
 
 _AT = re.compile(r"at `\$\.([A-Za-z_]\w*)")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
-_DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (TokensBody, HashesBody, PredictBody)}
+_DECODERS = {kind: msgspec.json.Decoder(kind) for kind in (TokensBody, HashesBody, PredictBody, RouteBody)}
 
 
 def _decode(body: bytes, kind: type) -> Any:
@@ -291,6 +302,39 @@ def answer(q: Query, holders: Sequence[HolderMatch]) -> dict[str, dict[str, dict
     for m in holders:
         by_instance.setdefault(m.replica, []).append(m)
     return {q.tenant: {name: instance_answer(hs, q.block_size) for name, hs in by_instance.items()}}
+
+
+def route(view: ViewClient, body: bytes, hashing: Hashing) -> dict[str, Any]:
+    """``POST /route``: where the routing policy (:func:`kvbus.client.routing.choose`) sends the prompt among
+    ``instances``, from one :meth:`~kvbus.client.ViewClient.lookup_with_load` (the prefix each instance
+    holds, and every router's shared load): ``{"instance", "matched" (tokens), "prompt_blocks", "load":
+    {instance: requests in flight}}``. BadRequest naming the field for anything else."""
+    b = _decode(body, RouteBody)
+    _, model = _one_of(b, ("model", "model_name"))
+    if not b.instances or not all(b.instances):
+        raise BadRequest("instances must name the instances the request may go to", "instances")
+    if b.block_size is None:
+        raise BadRequest("block_size is required", "block_size")
+    name, prompt = _one_of(b, ("token_ids", "seq_hashes"))
+    kw: dict[str, Any] = {"candidates": b.instances, "model": model or None, "predicted": b.predicted}
+    if name == "seq_hashes":
+        if prompt and max(prompt) >= U64:
+            raise BadRequest("seq_hashes holds a value that is not a 64-bit hash", name)
+        holders, loads = view.lookup_with_load(hashes=prompt, **kw)
+        blocks = len(prompt)
+    else:
+        holders, loads = view.lookup_with_load(
+            tokens=prompt, block_size=b.block_size, algo=hashing.algo, seed=hashing.seed,
+            lora=hashing.lora(b.lora_name), cache_salt=b.cache_salt, engine_version=hashing.engine_version, **kw)
+        blocks = len(prompt) // b.block_size
+    matched: dict[str, int] = {}
+    for m in holders:
+        matched[m.replica] = max(matched.get(m.replica, 0), m.matched)
+    load = {i: loads[i].requests if i in loads else 0 for i in b.instances}
+    beta = DEFAULT_BETA if b.beta is None else b.beta
+    chosen = choose(blocks, matched, load, b.instances, beta)
+    return {"instance": chosen, "matched": matched.get(chosen, 0) * b.block_size, "prompt_blocks": blocks,
+            "load": load}
 
 
 def parse_report(body: bytes) -> tuple[str, dict[str, Load], float]:
